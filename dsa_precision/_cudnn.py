@@ -1,0 +1,150 @@
+"""The one place that imports nvidia-cudnn-frontend's DSA kernels and says why they cannot run.
+
+Importing this module loads nothing: the cuDNN namespace is resolved on first use. The external
+API subset used by the package is documented by :class:`CudnnDsaInterface`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Protocol
+
+import torch
+
+from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+
+__all__ = [
+    "CUDNN_BF16_N_HEADS",
+    "CUDNN_TOPK_MAX_K",
+    "CudnnDsaInterface",
+    "device_scope",
+    "dsa",
+    "scoring_unsupported_reason",
+    "topk_unsupported_reason",
+]
+
+# Head counts the SM90 BF16 indexer kernel packs (FP8: FP8_N_HEADS); one key head.
+CUDNN_BF16_N_HEADS = (16, 32, 64)
+# cuDNN's radix top-k serves 0 < k <= 2048.
+CUDNN_TOPK_MAX_K = 2048
+
+_INSTALL_HINT = (
+    "pip install 'nvidia-cudnn-frontend>=1.32,<1.33' (needs CUDA 12.8+ and the CuTe DSL)"
+)
+
+
+class CudnnDsaInterface(Protocol):
+    """The subset of ``cudnn.DSA`` (nvidia-cudnn-frontend 1.32) this package calls."""
+
+    def indexer_forward_wrapper(
+        self,
+        q: torch.Tensor,  # (B, S_q, H, 128) BF16 or E4M3 | THD (T_q, H, 128)
+        k: torch.Tensor,  # (B, S_k, 1, 128) BF16 or E4M3 | THD (T_k, 1, 128)
+        w: torch.Tensor,  # (B, S_q, H) BF16/FP32; FP32 pre-scaled by q_scale * sm_scale for fp8
+        ratio: int = ...,
+        sm_scale: float = ...,
+        *,
+        cu_seqlens_q: torch.Tensor | None = ...,
+        cu_seqlens_k: torch.Tensor | None = ...,
+        max_seqlen_q: int | None = ...,
+        max_seqlen_k: int | None = ...,
+        q_causal_offsets: torch.Tensor | None = ...,
+        precision: str = ...,  # "bf16" | "fp8" (SM90 per-128-vector descales)
+        q_scale: torch.Tensor | None = ...,  # (B, S_q, H) FP32 descale
+        k_scale: torch.Tensor | None = ...,  # (B, S_k, 1) FP32 descale
+    ) -> Any: ...  # TupleDict(scores=(B, S_q, S_k) FP32, -inf where masked)
+
+    def indexer_top_k_wrapper(
+        self,
+        input_values: torch.Tensor,  # (n_rows, S_k) FP32
+        seq_lens: torch.Tensor,  # (n_rows,) INT32
+        top_k: int,
+        next_n: int = ...,
+        return_val: bool = ...,
+        *,
+        deterministic: bool = ...,
+    ) -> Any: ...  # TupleDict(indices=(n_rows, top_k) INT32, values=(n_rows, top_k))
+
+
+@functools.cache
+def _import_dsa() -> tuple[Any, str | None]:
+    try:
+        from cudnn import DSA  # the lazy namespace; resolving symbols compiles nothing
+
+        DSA.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
+        DSA.indexer_top_k_wrapper  # noqa: B018
+    except Exception as exc:  # ImportError, or a broken CUDA / CuTe DSL install
+        return (
+            None,
+            f"nvidia-cudnn-frontend's DSA kernels are not importable ({exc}); {_INSTALL_HINT}",
+        )
+    return DSA, None
+
+
+def dsa() -> CudnnDsaInterface:
+    """The ``cudnn.DSA`` namespace; ``ImportError`` with an install hint when unavailable."""
+    namespace, reason = _import_dsa()
+    if namespace is None:
+        raise ImportError(reason)
+    return namespace
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a launch (cuDNN's wrappers read the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the tensors are on {device}; cuDNN's DSA kernels run on CUDA devices"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    return None
+
+
+def scoring_unsupported_reason(
+    *,
+    device: torch.device,
+    precision: ScoringPrecision,
+    n_heads: int,
+    head_dim: int,
+    n_kv_heads: int,
+) -> str | None:
+    """Why cuDNN's SM90 indexer forward cannot serve this call, or ``None`` if it can."""
+    reason = _device_reason(device)
+    if reason:
+        return reason
+    major, minor = torch.cuda.get_device_capability(device)
+    if precision is ScoringPrecision.FP8 and major != 9:
+        return (
+            f"the device is SM{major}{minor}; cuDNN's per-128-vector FP8 indexer kernel is SM90 "
+            "(Hopper) only"
+        )
+    if major < 9:
+        return f"the device is SM{major}{minor}; cuDNN's DSA indexer needs SM90+"
+    if head_dim != FP8_HEAD_DIM:
+        return f"head_dim={head_dim}; cuDNN's indexer kernel is built for head_dim=128"
+    if n_kv_heads != 1:
+        return f"k has {n_kv_heads} heads; cuDNN's SM90 indexer kernel takes one key head"
+    heads = FP8_N_HEADS if precision is ScoringPrecision.FP8 else CUDNN_BF16_N_HEADS
+    if major == 9 and n_heads not in heads:
+        return f"n_heads={n_heads}; cuDNN's SM90 {precision.value} indexer kernel packs {heads}"
+    _, reason = _import_dsa()
+    return reason
+
+
+def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    """Why cuDNN's radix top-k cannot serve this call, or ``None`` if it can."""
+    reason = _device_reason(device)
+    if reason:
+        return reason
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"the device is SM{major}{minor}; cuDNN's DSA top-k needs SM90+"
+    if k > CUDNN_TOPK_MAX_K:
+        return f"k={k}; cuDNN's top-k serves k <= {CUDNN_TOPK_MAX_K}"
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"scores have dtype {dtype}; cuDNN's top-k takes float32/float16/bfloat16"
+    _, reason = _import_dsa()
+    return reason

@@ -1,0 +1,230 @@
+"""Indexer preprocessing: key LayerNorm -> RoPE -> (Hadamard), query RoPE -> (Hadamard).
+
+Layouts follow Megatron: ``q`` is ``[s, b, h, d]``, ``k`` is ``[s, b, d]``, ``freqs`` is the
+``RotaryEmbedding`` output ``[s, 1, 1, rope_dim]`` (float32 angles). The RoPE slice is the first
+``rope_dim`` lanes of each vector (DeepSeek's layout); the remaining lanes pass through.
+
+Dtype at every step (``p`` = projection dtype, BF16 in training)::
+
+                         rope_fp32=False (Megatron)          rope_fp32=True
+    q from linear_wq_b   p                                   p -> float32 (exact upcast)
+    q RoPE               p  (cos/sin rounded to p; products   float32 (cos/sin float32)
+                            and sum rounded to p)
+    k from linear_wk     p                                   p -> float32 (exact upcast)
+    k LayerNorm          k_norm(k) in p, or                  float32 (float32 copies of the
+                         k_norm(k.float()).to(p) when        LayerNorm weight and bias)
+                         k_norm_fp32
+    k RoPE               p                                   float32
+    Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
+                         float32 butterfly rounded to p
+    q, k out             p                                   float32
+
+With ``rope_fp32=False`` the outputs are bit-identical to megatron-core 0.19.2
+``DSAIndexer.forward_before_topk`` (unfused RoPE). With ``rope_fp32=True`` nothing after the
+projections is rounded to BF16; the scoring step decides the operand precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hadamard import rotate_activation
+
+__all__ = ["IndexerPreprocess", "apply_rope", "thd_token_freqs"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the two halves of the last dimension."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    mscale: float = 1.0,
+    rope_interleaved: bool = False,
+) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` lanes of ``x`` in ``x.dtype``.
+
+    Args:
+        x: ``[s, b, *, d]``; its dtype is the compute dtype (every product and sum rounds to it).
+        freqs: ``[s, 1, 1, rope_dim]`` float32 angles (broadcast over batch and heads).
+        mscale: YaRN magnitude scale folded into cos/sin (in float32, then cast to ``x.dtype``).
+        rope_interleaved: Megatron's ``dsa_indexer_rope_interleaved`` (MLA style): the RoPE lanes
+            arrive as (even, odd) pairs and are de-interleaved into halves before rotation, so the
+            output RoPE slice is in rotate-half order. (Megatron forbids ``rotary_interleaved``
+            with MLA, so the rotation itself is always rotate-half.)
+
+    Returns:
+        ``x``'s shape and dtype.
+    """
+    rope_dim = freqs.shape[-1]
+    x_pe, x_pass = x[..., :rope_dim], x[..., rope_dim:]
+    if rope_interleaved:
+        x_pe = torch.cat((x_pe[..., 0::2], x_pe[..., 1::2]), dim=-1)
+    # Megatron rounds cos/sin to the compute dtype before the products; so do we (a no-op in FP32).
+    cos = (torch.cos(freqs) * mscale).to(x.dtype)
+    sin = (torch.sin(freqs) * mscale).to(x.dtype)
+    x_pe = x_pe * cos + _rotate_half(x_pe) * sin
+    return torch.cat((x_pe, x_pass), dim=-1)
+
+
+def thd_token_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-token RoPE angles ``[t, 1, 1, rope_dim]`` for packed (THD) sequences.
+
+    As Megatron's unfused THD RoPE without context parallelism: positions restart at 0 in each
+    sequence, unless ``freqs`` already holds one row per packed token (``freqs.shape[0] ==
+    cu_seqlens[-1]``), in which case it is used as is.
+    """
+    cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
+    total = int(cu[-1])
+    if freqs.shape[0] == total:
+        return freqs
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    positions = torch.arange(total, device=freqs.device) - starts
+    if total and int(lengths.max()) > freqs.shape[0]:
+        raise ValueError(
+            f"freqs covers {freqs.shape[0]} positions but a packed sequence has "
+            f"{int(lengths.max())} tokens; build freqs for the longest sequence."
+        )
+    return freqs.index_select(0, positions)
+
+
+def _layer_norm_fp32(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm of float32 ``x`` with float32 copies of ``norm``'s weight and bias.
+
+    Supports ``torch.nn.LayerNorm`` (Megatron's local ``WrappedTorchNorm``) and Transformer
+    Engine / Apex LayerNorms (``weight``, ``bias``, ``eps``, optional ``zero_centered_gamma``).
+    """
+    if "RMSNorm" in type(norm).__name__:
+        raise TypeError(
+            f"k_norm is {type(norm).__name__}; the DSA indexer key norm is a LayerNorm "
+            "(Megatron builds it with normalization='LayerNorm')."
+        )
+    eps = getattr(norm, "eps", None)
+    if eps is None:
+        raise TypeError(
+            f"k_norm ({type(norm).__name__}) has no 'eps' attribute; rope_fp32 recomputes the "
+            "key LayerNorm in FP32 from the module's weight, bias and eps."
+        )
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None)
+    w32 = None if weight is None else weight.to(torch.float32)
+    if w32 is not None and getattr(norm, "zero_centered_gamma", False):
+        w32 = w32 + 1.0
+    b32 = None if bias is None else bias.to(torch.float32)
+    return F.layer_norm(x, (x.shape[-1],), w32, b32, float(eps))
+
+
+class IndexerPreprocess(nn.Module):
+    """Key LayerNorm -> RoPE -> (Hadamard) and query RoPE -> (Hadamard) of the DSA indexer.
+
+    Args:
+        head_dim: indexer head width ``d`` (128 for DeepSeek-V3.2 / GLM-5).
+        rope_dim: width of the RoPE slice (Megatron's ``qk_pos_emb_head_dim``, 64).
+        k_norm: the key LayerNorm module (its parameters are used, never copied); a fresh
+            ``nn.LayerNorm(head_dim, eps=k_norm_eps)`` when ``None``.
+        k_norm_eps: epsilon of the fresh LayerNorm.
+        rope_interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
+        rotate_activation: Megatron's ``dsa_indexer_rotate_activation`` (Hadamard on q and k).
+        k_norm_fp32: Megatron's ``dsa_indexer_k_norm_fp32`` (LayerNorm on an FP32 upcast, result
+            rounded back); implied by ``rope_fp32``.
+        rope_fp32: FP32 end to end after the projections (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope_dim: int,
+        *,
+        k_norm: nn.Module | None = None,
+        k_norm_eps: float = 1e-6,
+        rope_interleaved: bool = False,
+        rotate_activation: bool = False,
+        k_norm_fp32: bool = False,
+        rope_fp32: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0 < rope_dim <= head_dim or rope_dim % 2:
+            raise ValueError(
+                f"rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]; it is "
+                "Megatron's qk_pos_emb_head_dim."
+            )
+        if not isinstance(rope_fp32, bool):
+            raise TypeError(f"rope_fp32 must be a bool, got {rope_fp32!r}.")
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.k_norm = k_norm if k_norm is not None else nn.LayerNorm(head_dim, eps=k_norm_eps)
+        self.rope_interleaved = rope_interleaved
+        self.rotate_activation = rotate_activation
+        self.k_norm_fp32 = k_norm_fp32
+        self.rope_fp32 = rope_fp32
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, rope_dim={self.rope_dim}, rope_fp32={self.rope_fp32}, "
+            f"rope_interleaved={self.rope_interleaved}, rotate_activation={self.rotate_activation}"
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        freqs: torch.Tensor,
+        *,
+        mscale: float = 1.0,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Preprocess projected indexer queries and keys.
+
+        Args:
+            q: ``[s, b, h, d]`` projected queries (``linear_wq_b`` output, reshaped).
+            k: ``[s, b, d]`` projected keys (``linear_wk`` output).
+            freqs: ``[s, 1, 1, rope_dim]`` float32 RoPE angles; for packed input the per-sequence
+                table ``[max_s, 1, 1, rope_dim]`` (or one row per packed token).
+            mscale: YaRN magnitude scale (1.0 for plain RoPE).
+            cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``).
+
+        Returns:
+            ``(q, k)``: ``[s, b, h, d]`` and ``[s, b, d]``, in the projection dtype, or float32
+            when ``rope_fp32``.
+        """
+        if q.ndim != 4 or k.ndim != 3:
+            raise ValueError(
+                f"q must be [s, b, h, d] and k [s, b, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}."
+            )
+        s, b, _, d = q.shape
+        if k.shape != (s, b, d) or d != self.head_dim:
+            raise ValueError(
+                f"k {tuple(k.shape)} does not match q {tuple(q.shape)}; expected k of shape "
+                f"({s}, {b}, {self.head_dim}) with head_dim={self.head_dim}."
+            )
+        if freqs.shape[-1] != self.rope_dim:
+            raise ValueError(
+                f"freqs has rope width {freqs.shape[-1]}, expected rope_dim={self.rope_dim}."
+            )
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
+            freqs = thd_token_freqs(freqs, cu_seqlens)
+        freqs = freqs[:s]
+        rope = dict(mscale=mscale, rope_interleaved=self.rope_interleaved)
+
+        if self.rope_fp32:
+            # Exact upcasts; from here on every op is float32.
+            q = apply_rope(q.to(torch.float32), freqs, **rope)
+            k = _layer_norm_fp32(self.k_norm, k.to(torch.float32))
+        else:
+            q = apply_rope(q, freqs, **rope)
+            k = self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
+        k = apply_rope(k.unsqueeze(2), freqs, **rope).squeeze(2)
+
+        if self.rotate_activation:
+            q = rotate_activation(q, fp32=self.rope_fp32)
+            k = rotate_activation(k, fp32=self.rope_fp32)
+        return q, k

@@ -1,0 +1,158 @@
+"""Top-k key selection from indexer scores.
+
+Selection rule (both backends, deterministic mode): among the valid keys of a row -- index below
+the row's ``seq_len`` and score not ``-inf`` -- take the ``k`` largest scores, ties toward the
+lower key index. Scores are ordered as cuDNN's radix top-k orders them: by their float32 bit
+pattern, so ``+0.0`` ranks above ``-0.0`` (exact zeros are common: a key whose heads are all
+ReLU-zero scores exactly 0). The selected indices come back in ascending order, padded with
+``-1`` where a row has fewer than ``k`` valid keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import _cudnn
+from ._checks import check_float_dtype, check_int_tensor, check_positive_int, check_tensor
+
+__all__ = ["indexer_topk"]
+
+_SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BACKENDS = ("auto", "cudnn", "torch")
+# Rows per torch-path chunk are bounded so the int64 sort keys stay under this many bytes.
+_TORCH_TOPK_CHUNK_BYTES = 1 << 28
+
+
+def _ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Map float32 scores to int64 keys whose integer order is the float order (``-0 < +0``)."""
+    bits = scores.to(torch.float32).view(torch.int32).to(torch.int64)
+    # Negative floats: flip the magnitude bits so larger magnitude sorts lower.
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _compact_ascending(indices: torch.Tensor, valid: torch.Tensor, sk: int) -> torch.Tensor:
+    """Valid indices in ascending order first, then ``-1`` padding."""
+    keyed = torch.where(valid, indices, torch.full_like(indices, sk))
+    keyed = keyed.sort(dim=-1).values
+    return torch.where(keyed == sk, torch.full_like(keyed, -1), keyed)
+
+
+def _torch_topk(scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool):
+    sk = scores.shape[-1]
+    kk = min(k, sk)
+    keys_valid = torch.arange(sk, device=scores.device) < seq_lens.unsqueeze(-1)
+    keys_valid &= scores != float("-inf")
+    if deterministic:
+        # One int64 per score: the ordered float key in the high 32 bits, the reversed key index
+        # in the low 32, so torch.topk's largest-first order breaks ties toward lower indices.
+        low = (2**32 - 1) - torch.arange(sk, device=scores.device, dtype=torch.int64)
+        ranked = (_ordered_keys(scores) << 32) + low
+        ranked = ranked.masked_fill_(~keys_valid, torch.iinfo(torch.int64).min)
+    else:
+        ranked = scores.to(torch.float32).masked_fill(~keys_valid, float("-inf"))
+    picked = ranked.topk(kk, dim=-1, sorted=False).indices
+    valid = keys_valid.gather(-1, picked)
+    return _compact_ascending(picked, valid, sk)
+
+
+def _cudnn_topk(scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool):
+    sk = scores.shape[-1]
+    kk = min(k, sk)
+    with _cudnn.device_scope(scores.device):
+        result = _cudnn.dsa().indexer_top_k_wrapper(
+            scores.contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            top_k=kk,
+            next_n=1,
+            return_val=True,
+            deterministic=deterministic,
+        )
+    picked = result["indices"].to(torch.int64)
+    # cuDNN fills short rows with -1 but may pick -inf keys inside seq_len: those are not valid.
+    valid = (picked >= 0) & (result["values"] != float("-inf"))
+    return _compact_ascending(picked.clamp_min(0), valid, sk)
+
+
+def indexer_topk(
+    scores: torch.Tensor,
+    k: int,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    deterministic: bool = True,
+    backend: Literal["auto", "cudnn", "torch"] = "auto",
+) -> torch.Tensor:
+    """Select the top-``k`` keys of every score row.
+
+    Arguments:
+        scores: ``(..., S_k)`` float32 (or bf16/fp16) scores, ``-inf`` at masked keys, e.g.
+            ``(B, S_q, S_k)`` from :func:`dsa_precision.indexer_scores`.
+        k: keys per row, ``k >= 1``; rows with fewer valid keys are padded with ``-1``.
+        seq_lens: optional ``scores.shape[:-1]`` integer tensor: keys ``>= seq_lens`` are not
+            valid (in ``[0, S_k]``). Without it, validity is ``score != -inf``.
+        deterministic: ties break toward the lower key index (default). ``False`` lets ties
+            resolve arbitrarily (cuDNN's faster mode).
+        backend: ``"cudnn"`` (SM90+ radix top-k, ``k <= 2048``), ``"torch"`` or ``"auto"``.
+            Both select exactly the same set in deterministic mode.
+
+    Returns:
+        int32 ``(..., k)``: selected key indices in ascending order, then ``-1`` padding.
+    """
+    scores = check_tensor("scores", scores)
+    check_float_dtype("scores", scores, _SCORE_DTYPES)
+    if scores.ndim < 1:
+        raise ValueError("scores must have a key dimension, got a 0-d tensor.")
+    k = check_positive_int("k", k)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {_BACKENDS}.")
+    lead, sk = scores.shape[:-1], scores.shape[-1]
+    flat = scores.reshape(lead.numel(), sk)
+    if seq_lens is None:
+        lens = torch.full((flat.shape[0],), sk, dtype=torch.int64, device=scores.device)
+    else:
+        check_int_tensor("seq_lens", seq_lens, ndim=check_tensor("seq_lens", seq_lens).ndim)
+        if seq_lens.shape != lead:
+            raise ValueError(
+                f"seq_lens has shape {tuple(seq_lens.shape)}; expected one length per score row, "
+                f"{tuple(lead)}."
+            )
+        if seq_lens.device != scores.device:
+            raise ValueError(
+                f"seq_lens is on {seq_lens.device} but scores on {scores.device}; move it."
+            )
+        lens = seq_lens.reshape(-1).to(torch.int64)
+        if lens.numel() and bool(((lens < 0) | (lens > sk)).any()):
+            raise ValueError(
+                f"seq_lens must lie in [0, S_k={sk}]; got values in "
+                f"[{int(lens.min())}, {int(lens.max())}]."
+            )
+    if flat.shape[0] == 0 or sk == 0:
+        return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+
+    use_cudnn = backend == "cudnn"
+    if backend != "torch":
+        reason = _cudnn.topk_unsupported_reason(device=scores.device, k=k, dtype=scores.dtype)
+        if reason is not None and backend == "cudnn":
+            raise RuntimeError(
+                f"backend='cudnn' cannot run this top-k: {reason}. Use backend='torch' or 'auto'."
+            )
+        use_cudnn = reason is None
+    if use_cudnn:
+        picked = _cudnn_topk(flat, k, lens, deterministic)
+    else:
+        rows_per_chunk = max(1, _TORCH_TOPK_CHUNK_BYTES // (16 * sk))
+        picked = torch.cat(
+            [
+                _torch_topk(
+                    flat[r : r + rows_per_chunk], k, lens[r : r + rows_per_chunk], deterministic
+                )
+                for r in range(0, flat.shape[0], rows_per_chunk)
+            ]
+        )
+    if picked.shape[-1] < k:
+        pad = torch.full(
+            (picked.shape[0], k - picked.shape[-1]), -1, dtype=picked.dtype, device=picked.device
+        )
+        picked = torch.cat((picked, pad), dim=-1)
+    return picked.to(torch.int32).reshape(*lead, k)

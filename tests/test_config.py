@@ -1,0 +1,124 @@
+import dataclasses
+
+import pytest
+
+from dsa_precision import IndexerPrecisionConfig, ScoringPrecision
+
+GOOD = dict(kernel_backend="cudnn", indexer_loss_coeff=0.0, n_heads=64, head_dim=128, device="cpu")
+
+
+def test_defaults_are_megatron_behaviour():
+    cfg = IndexerPrecisionConfig()
+    assert cfg.rope_fp32 is False
+    assert cfg.scoring_precision is ScoringPrecision.BF16
+    assert not cfg.fp8
+    assert cfg.short_str() == "baseline"
+
+
+@pytest.mark.parametrize(
+    "rope_fp32, precision, label",
+    [
+        (False, "bf16", "baseline"),
+        (True, "bf16", "rope_fp32"),
+        (False, "fp8", "fp8"),
+        (True, "FP8", "rope_fp32+fp8"),
+    ],
+)
+def test_matrix_and_labels(rope_fp32, precision, label):
+    cfg = IndexerPrecisionConfig(rope_fp32=rope_fp32, scoring_precision=precision)
+    assert cfg.scoring_precision is ScoringPrecision(precision.lower())
+    assert cfg.short_str() == label
+    # String and enum forms build equal configs.
+    assert cfg == IndexerPrecisionConfig(rope_fp32, ScoringPrecision(precision.lower()))
+
+
+def test_frozen():
+    cfg = IndexerPrecisionConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rope_fp32 = True
+
+
+@pytest.mark.parametrize("bad", ["fp16", "e4m3", "", None, 8])
+def test_unknown_precision_lists_allowed_values(bad):
+    with pytest.raises(ValueError, match=r"scoring_precision=.*'bf16', 'fp8'"):
+        IndexerPrecisionConfig(scoring_precision=bad)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "true", None, 1.0])
+def test_rope_fp32_must_be_bool(bad):
+    with pytest.raises(TypeError, match="rope_fp32 must be a bool"):
+        IndexerPrecisionConfig(rope_fp32=bad)
+
+
+def test_bf16_accepts_any_model():
+    IndexerPrecisionConfig().validate_for_model(
+        kernel_backend="none", indexer_loss_coeff=1.0, n_heads=16, head_dim=64
+    )
+
+
+def test_fp8_accepts_supported_model():
+    for heads in (32, 64):
+        IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+            **{**GOOD, "n_heads": heads}
+        )
+    IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+        **{**GOOD, "indexer_loss_coeff": None}
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "kernel_backend",
+            "tilelang",
+            r"dsa_kernel_backend='tilelang'.*set dsa_kernel_backend='cudnn'",
+        ),
+        ("kernel_backend", "none", r"dsa_kernel_backend='none'"),
+        ("indexer_loss_coeff", 0.1, r"dsa_indexer_loss_coeff=0.1.*set it to 0"),
+        ("n_heads", 16, r"dsa_indexer_n_heads=16.*\(32, 64\)"),
+        ("n_heads", 128, r"dsa_indexer_n_heads=128"),
+        ("head_dim", 64, r"dsa_indexer_head_dim=64.*set it to 128"),
+    ],
+)
+def test_fp8_rejects_each_violation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(**{**GOOD, field: value})
+
+
+def test_fp8_lists_all_violations_at_once():
+    with pytest.raises(ValueError) as info:
+        IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+            kernel_backend="none", indexer_loss_coeff=1.0, n_heads=16, head_dim=64, device="cpu"
+        )
+    text = str(info.value)
+    for field in (
+        "dsa_kernel_backend",
+        "dsa_indexer_loss_coeff",
+        "dsa_indexer_n_heads",
+        "dsa_indexer_head_dim",
+    ):
+        assert field in text
+
+
+def test_fp8_checks_compute_capability(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"compute capability 8\.0.*SM90"):
+        IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+            **{**GOOD, "device": "cuda:0"}
+        )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+        **{**GOOD, "device": "cuda:0"}
+    )
+
+
+def test_from_megatron_config():
+    class Cfg:
+        dsa_indexer_rope_fp32 = True
+        dsa_indexer_scoring_precision = "fp8"
+
+    assert IndexerPrecisionConfig.from_megatron_config(Cfg()) == IndexerPrecisionConfig(True, "fp8")
+    assert IndexerPrecisionConfig.from_megatron_config(object()) == IndexerPrecisionConfig()
