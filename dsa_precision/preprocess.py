@@ -11,9 +11,10 @@ Dtype at every step (``p`` = projection dtype, BF16 in training)::
     q RoPE               p  (cos/sin rounded to p; products   float32 (cos/sin float32)
                             and sum rounded to p)
     k from linear_wk     p                                   p -> float32 (exact upcast)
-    k LayerNorm          k_norm(k) in p, or                  float32 (float32 copies of the
-                         k_norm(k.float()).to(p) when        LayerNorm weight and bias)
-                         k_norm_fp32
+    k LayerNorm          k_norm(k) in p, or                  float32: statistics and affine in
+                         k_norm(k.float()).to(p) when        float64 from the exact values of k
+                         k_norm_fp32                         and the LayerNorm weight and bias,
+                                                             rounded to float32 once
     k RoPE               p                                   float32
     Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
                          float32 butterfly rounded to p
@@ -27,12 +28,11 @@ projections is rounded to BF16; the scoring step decides the operand precision.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .hadamard import rotate_activation
 
-__all__ = ["IndexerPreprocess", "apply_rope", "thd_token_freqs"]
+__all__ = ["IndexerPreprocess", "apply_rope", "layer_norm_fp32", "thd_token_freqs"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,8 @@ def thd_token_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
     return freqs.index_select(0, positions)
 
 
-def _layer_norm_fp32(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """LayerNorm of float32 ``x`` with float32 copies of ``norm``'s weight and bias.
+def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """``(weight, bias, eps)`` of a LayerNorm module, the weight with ``zero_centered_gamma`` applied.
 
     Supports ``torch.nn.LayerNorm`` (Megatron's local ``WrappedTorchNorm``) and Transformer
     Engine / Apex LayerNorms (``weight``, ``bias``, ``eps``, optional ``zero_centered_gamma``).
@@ -113,12 +113,31 @@ def _layer_norm_fp32(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
             "key LayerNorm in FP32 from the module's weight, bias and eps."
         )
     weight = getattr(norm, "weight", None)
-    bias = getattr(norm, "bias", None)
-    w32 = None if weight is None else weight.to(torch.float32)
-    if w32 is not None and getattr(norm, "zero_centered_gamma", False):
-        w32 = w32 + 1.0
-    b32 = None if bias is None else bias.to(torch.float32)
-    return F.layer_norm(x, (x.shape[-1],), w32, b32, float(eps))
+    if weight is not None and getattr(norm, "zero_centered_gamma", False):
+        weight = weight + 1
+    return weight, getattr(norm, "bias", None), float(eps)
+
+
+def layer_norm_fp32(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm of ``x`` ``[..., d]`` over the last dimension, float32 out.
+
+    Statistics and the affine map are evaluated in float64 from the exact values of ``x``,
+    ``weight`` and ``bias`` and rounded to float32 once, so the result is the same on every device
+    and does not depend on a kernel's reduction order (a fused kernel can reproduce it bit for
+    bit). Differentiable.
+    """
+    x64 = x.to(torch.float64)
+    mean = x64.mean(dim=-1, keepdim=True)
+    centered = x64 - mean
+    var = (centered * centered).mean(dim=-1, keepdim=True)
+    y = centered / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(torch.float64)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32)
 
 
 class IndexerPreprocess(nn.Module):
@@ -218,7 +237,7 @@ class IndexerPreprocess(nn.Module):
         if self.rope_fp32:
             # Exact upcasts; from here on every op is float32.
             q = apply_rope(q.to(torch.float32), freqs, **rope)
-            k = _layer_norm_fp32(self.k_norm, k.to(torch.float32))
+            k = layer_norm_fp32(k, *_layer_norm_params(self.k_norm))
         else:
             q = apply_rope(q, freqs, **rope)
             k = self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
