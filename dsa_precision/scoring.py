@@ -34,7 +34,14 @@ from .audit import record_scoring_call
 from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 from .quantize import DEFAULT_AMAX_FLOOR, quantize_e4m3_ue8m0
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Backend", "indexer_scores", "resolve_scoring_backend"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "Backend",
+    "ScoringOperands",
+    "indexer_scores",
+    "prepare_scoring_operands",
+    "resolve_scoring_backend",
+]
 
 Backend = Literal["auto", "cudnn", "torch"]
 _BACKENDS = ("auto", "cudnn", "torch")
@@ -52,12 +59,14 @@ _CARRIER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Operands:
+class ScoringOperands:
     """What reaches the kernel: rounded or quantized once, shared by every row chunk.
 
-    BSHD: q ``[B, S_q, H, D]``, k ``[B, S_k, 1, D]``, w ``[B, S_q, H]``, q_scale ``[B, S_q, H]``,
-    k_scale ``[B, S_k, 1]``. THD drops the batch dimension (``T`` leading). ``k`` is the cached
-    key: its BF16 / E4M3 values, never the FP32 carrier.
+    Always 4-D with a batch dimension (packed THD input uses batch 1): q ``[B, S_q, H, D]``,
+    k ``[B, S_k, 1, D]``, w ``[B, S_q, H]``, q_scale ``[B, S_q, H]``, k_scale ``[B, S_k, 1]``, all
+    contiguous. ``k`` is the cached key: its BF16 / E4M3 values, never the FP32 carrier. Built by
+    the choke point from carriers, or directly by a fused preprocess-and-quantize kernel and passed
+    to it as ``operands=``.
     """
 
     precision: ScoringPrecision
@@ -85,12 +94,12 @@ def _prepare_operands(
     precision: ScoringPrecision,
     sm_scale: float,
     amax_floor: float,
-) -> _Operands:
+) -> ScoringOperands:
     if precision is ScoringPrecision.BF16:
         # FP32 carriers are rounded to BF16 here, so BF16 scoring means BF16 operands whatever
         # the carrier dtype.
         w_op = w if w.dtype in (torch.bfloat16, torch.float32) else w.to(torch.float32)
-        return _Operands(
+        return ScoringOperands(
             precision,
             q.to(torch.bfloat16).contiguous(),
             k.to(torch.bfloat16).contiguous(),
@@ -104,7 +113,7 @@ def _prepare_operands(
     # Fold the q descale (a power of two: exact) and the score scale into FP32 head weights,
     # as the inference indexer does; the kernel then applies the k descale per key.
     w_fold = (w.to(torch.float32) * q_scale) * sm_scale
-    return _Operands(
+    return ScoringOperands(
         precision,
         q_fp8.contiguous(),
         k_fp8.contiguous(),
@@ -123,6 +132,25 @@ def _fresh(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def prepare_scoring_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    scoring_precision: ScoringPrecision | str,
+    sm_scale: float = 1.0,
+    amax_floor: float = DEFAULT_AMAX_FLOOR,
+    packed: bool = False,
+) -> ScoringOperands:
+    """The reference operand preparation of :func:`indexer_scores` (BF16 rounding or E4M3/UE8M0
+    quantization with weight folding), e.g. to check a fused kernel that builds
+    :class:`ScoringOperands` itself. Arguments as for :func:`indexer_scores`; ``packed`` for THD
+    layouts."""
+    precision = ScoringPrecision.parse(scoring_precision)
+    q4, k4, w3 = _carriers_to_4d(q, k, weights, packed)
+    return _prepare_operands(q4, k4, w3, precision, float(sm_scale), amax_floor)
+
+
 def _row_limits(
     offsets: torch.Tensor, row_start: int, rows: int, ratio: int, sk: int
 ) -> torch.Tensor:
@@ -132,7 +160,7 @@ def _row_limits(
 
 
 def _reference_scores(
-    ops: _Operands,
+    ops: ScoringOperands,
     q: torch.Tensor,
     w: torch.Tensor,
     k_cache: torch.Tensor,
@@ -164,7 +192,7 @@ def _reference_scores(
 
 
 def _cudnn_scores(
-    ops: _Operands,
+    ops: ScoringOperands,
     q: torch.Tensor,
     w: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -191,7 +219,7 @@ def _cudnn_scores(
 
 
 def _score_rows(
-    ops: _Operands,
+    ops: ScoringOperands,
     backend: str,
     *,
     b_slice: slice,
@@ -302,46 +330,17 @@ def _check_cu_seqlens(
     return cu64
 
 
-def _indexer_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    scoring_precision: ScoringPrecision | str,
-    ratio: int = 1,
-    sm_scale: float = 1.0,
-    backend: str = "auto",
-    q_causal_offsets: torch.Tensor | int | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-    amax_floor: float = DEFAULT_AMAX_FLOOR,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    on_chunk: Callable[[int, torch.Tensor], None] | None = None,
-) -> torch.Tensor | None:
-    """The scoring choke point; see :func:`indexer_scores` for the arguments.
-
-    ``on_chunk`` (BSHD only) streams the result instead of materialising it: it receives
-    ``(row_start, scores [B, r, S_k])`` per row chunk and the function returns ``None``.
-    """
-    precision = ScoringPrecision.parse(scoring_precision)
+def _carriers_to_4d(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate carrier tensors and view them as ``[B, S_q, H, D]``, ``[B, S_k, 1, D]``,
+    ``[B, S_q, H]`` (packed input gets batch 1)."""
     q, k, weights = check_tensor("q", q), check_tensor("k", k), check_tensor("weights", weights)
     check_float_dtype("q", q, _CARRIER_DTYPES)
     check_float_dtype("k", k, _CARRIER_DTYPES)
     check_float_dtype("weights", weights, _CARRIER_DTYPES)
-    device = check_same_device(q=q, k=k, weights=weights)
-    ratio = check_positive_int("ratio", ratio)
-    chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
-    sm_scale = float(sm_scale)
-    if not (abs(sm_scale) < float("inf")):
-        raise ValueError(f"sm_scale={sm_scale!r} must be finite.")
-
-    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    check_same_device(q=q, k=k, weights=weights)
     if packed:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("packed (THD) scoring needs both cu_seqlens_q and cu_seqlens_k.")
-        if on_chunk is not None:
-            raise ValueError("on_chunk streams BSHD input only; packed input returns scores.")
         if q.ndim != 3 or weights.ndim != 2 or k.ndim not in (2, 3):
             raise ValueError(
                 "packed (THD) input expects q [T_q, H, D], k [T_k, D] or [T_k, 1, D] and "
@@ -359,19 +358,97 @@ def _indexer_forward(
         q4, k4, w3 = q, k, weights
     if k4.ndim == 3:
         k4 = k4.unsqueeze(2)
+    _check_shapes(q4, k4, w3, weights_shape=tuple(weights.shape), q_shape=tuple(q.shape))
+    return q4, k4, w3
+
+
+def _check_shapes(q4, k4, w3, *, weights_shape, q_shape) -> None:
     bq, sq, h, d = q4.shape
-    bk, sk, hk, dk = k4.shape
+    bk, _, hk, dk = k4.shape
     if hk != 1:
         raise ValueError(f"k has {hk} heads; the indexer scores every query head against one key.")
     if bk != bq:
         raise ValueError(f"batch mismatch: q has {bq}, k has {bk}.")
-    if w3.shape != (bq, sq, h):
+    if tuple(w3.shape) != (bq, sq, h):
         raise ValueError(
-            f"weights has shape {tuple(weights.shape)}; expected one weight per query row and "
-            f"head, {tuple(q.shape[:-1])}."
+            f"weights has shape {weights_shape}; expected one weight per query row and "
+            f"head, {q_shape[:-1]}."
         )
     if dk != d:
         raise ValueError(f"head dim mismatch: q has {d}, k has {dk}.")
+
+
+def _check_operands(ops: ScoringOperands, precision: ScoringPrecision) -> None:
+    if not isinstance(ops, ScoringOperands):
+        raise TypeError(f"operands must be ScoringOperands, got {type(ops).__name__}.")
+    if ops.precision is not precision:
+        raise ValueError(
+            f"operands were prepared for scoring_precision={ops.precision.value!r} but "
+            f"{precision.value!r} was requested; prepare them for the requested precision."
+        )
+    want = torch.float8_e4m3fn if precision is ScoringPrecision.FP8 else torch.bfloat16
+    if ops.q.dtype != want or ops.k.dtype != want or ops.q.ndim != 4 or ops.k.ndim != 4:
+        raise ValueError(
+            f"{precision.value} operands must be 4-D {want}; got q {ops.q.dtype} "
+            f"{tuple(ops.q.shape)}, k {ops.k.dtype} {tuple(ops.k.shape)}."
+        )
+    if (ops.q_scale is None) != (precision is ScoringPrecision.BF16) or (
+        (ops.k_scale is None) != (precision is ScoringPrecision.BF16)
+    ):
+        raise ValueError("fp8 operands carry q_scale and k_scale; bf16 operands carry neither.")
+    _check_shapes(ops.q, ops.k, ops.w, weights_shape=tuple(ops.w.shape), q_shape=tuple(ops.q.shape))
+    check_same_device(q=ops.q, k=ops.k, w=ops.w, q_scale=ops.q_scale, k_scale=ops.k_scale)
+
+
+def _indexer_forward(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    *,
+    scoring_precision: ScoringPrecision | str,
+    ratio: int = 1,
+    sm_scale: float = 1.0,
+    backend: str = "auto",
+    q_causal_offsets: torch.Tensor | int | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    amax_floor: float = DEFAULT_AMAX_FLOOR,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    operands: ScoringOperands | None = None,
+    on_chunk: Callable[[int, torch.Tensor], None] | None = None,
+) -> torch.Tensor | None:
+    """The scoring choke point; see :func:`indexer_scores` for the arguments.
+
+    ``operands`` replaces ``q``, ``k`` and ``weights`` (pass ``None`` for them) with operands a
+    fused kernel already rounded or quantized (their ``sm_scale`` and amax floor are baked in);
+    their precision must be the requested one. ``on_chunk`` (BSHD only) streams the result instead
+    of materialising it: it receives ``(row_start, scores [B, r, S_k])`` per row chunk and the
+    function returns ``None``.
+    """
+    precision = ScoringPrecision.parse(scoring_precision)
+    ratio = check_positive_int("ratio", ratio)
+    chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    sm_scale = float(sm_scale)
+    if not (abs(sm_scale) < float("inf")):
+        raise ValueError(f"sm_scale={sm_scale!r} must be finite.")
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("packed (THD) scoring needs both cu_seqlens_q and cu_seqlens_k.")
+        if on_chunk is not None:
+            raise ValueError("on_chunk streams BSHD input only; packed input returns scores.")
+
+    if operands is None:
+        q4, k4, w3 = _carriers_to_4d(q, k, weights, packed)
+    else:
+        if q is not None or k is not None or weights is not None:
+            raise ValueError("pass either q, k, weights or operands=, not both.")
+        _check_operands(operands, precision)
+        q4, k4, w3 = operands.q, operands.k, operands.w
+    device = q4.device
+    bq, sq, h, d = q4.shape
+    sk = k4.shape[1]
     if precision is ScoringPrecision.FP8:
         if d != FP8_HEAD_DIM:
             raise ValueError(
@@ -388,7 +465,7 @@ def _indexer_forward(
     )
     record_scoring_call(precision.value, backend)
 
-    ops = _prepare_operands(q4, k4, w3, precision, sm_scale, amax_floor)
+    ops = operands or _prepare_operands(q4, k4, w3, precision, sm_scale, amax_floor)
     bytes_per_row = _BYTES_PER_SCORE[backend]
 
     if not packed:

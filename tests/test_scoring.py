@@ -233,3 +233,23 @@ def test_explicit_cudnn_without_gpu_raises():
     reset_scoring_calls()
     indexer_scores(q, k, w, scoring_precision="fp8", backend="auto")
     assert scoring_calls("fp8", "torch") == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_prepared_operands_score_like_carriers(precision):
+    from dsa_precision.scoring import prepare_scoring_operands
+
+    q, k, w = _inputs(sq=9, sk=9)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.5)
+    from dsa_precision.scoring import _indexer_forward
+
+    a = _indexer_forward(
+        None, None, None, scoring_precision=precision, operands=ops, backend="torch"
+    )
+    b = indexer_scores(q, k, w, scoring_precision=precision, sm_scale=0.5, backend="torch")
+    assert torch.equal(a, b)
+    other = "bf16" if precision == "fp8" else "fp8"
+    with pytest.raises(ValueError, match="operands were prepared for"):
+        _indexer_forward(None, None, None, scoring_precision=other, operands=ops, backend="torch")
+    with pytest.raises(ValueError, match="either q, k, weights or operands"):
+        _indexer_forward(q, None, None, scoring_precision=precision, operands=ops, backend="torch")
