@@ -12,7 +12,6 @@ import importlib
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TypeVar
 
 __all__ = ["CliError", "main", "progress"]
 
@@ -23,14 +22,12 @@ COMMANDS = {
     "bench": "dsa_precision.bench",
 }
 
-T = TypeVar("T")
-
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-def progress(items: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterator[T]:
+def progress[T](items: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterator[T]:
     """Yield ``items`` while drawing a one-line progress bar on stderr (only on a terminal)."""
     if not sys.stderr.isatty():
         yield from items
