@@ -19,7 +19,7 @@ from .quantize import dequantize_e4m3_ue8m0, quantize_e4m3_ue8m0, ue8m0_descale
 
 # Scoring (the single choke point) and top-k selection
 from .scoring import indexer_scores
-from .topk import indexer_topk
+from .topk import indexer_select, indexer_topk
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "TopkAgreement",
     "dequantize_e4m3_ue8m0",
     "indexer_scores",
+    "indexer_select",
     "indexer_topk",
     "quantize_e4m3_ue8m0",
     "reset_scoring_calls",

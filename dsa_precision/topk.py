@@ -16,8 +16,10 @@ import torch
 
 from . import _cudnn
 from ._checks import check_float_dtype, check_int_tensor, check_positive_int, check_tensor
+from .quantize import DEFAULT_AMAX_FLOOR
+from .scoring import DEFAULT_CHUNK_BYTES, ScoringOperands, _indexer_forward
 
-__all__ = ["indexer_topk"]
+__all__ = ["indexer_select", "indexer_topk"]
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BACKENDS = ("auto", "cudnn", "torch")
@@ -156,3 +158,58 @@ def indexer_topk(
         )
         picked = torch.cat((picked, pad), dim=-1)
     return picked.to(torch.int32).reshape(*lead, k)
+
+
+def indexer_select(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    topk: int,
+    *,
+    scoring_precision: str,
+    ratio: int = 1,
+    sm_scale: float = 1.0,
+    backend: Literal["auto", "cudnn", "torch"] = "auto",
+    q_causal_offsets: torch.Tensor | int | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    amax_floor: float = DEFAULT_AMAX_FLOOR,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    deterministic: bool = True,
+    operands: ScoringOperands | None = None,
+) -> torch.Tensor:
+    """Score and select in one pass: the split top-k path.
+
+    Arguments as for :func:`dsa_precision.indexer_scores` plus ``topk`` and ``deterministic``;
+    ``operands`` (a :class:`dsa_precision.scoring.ScoringOperands`) replaces ``q``, ``k``,
+    ``weights``. BSHD input is scored in row chunks whose score buffer stays within
+    ``chunk_bytes`` and each chunk is reduced to its top-k right away, so the full
+    ``(B, S_q, S_k)`` score matrix never exists. Packed input scores, then selects.
+
+    Returns:
+        int32 ``(B, S_q, topk)`` (packed: ``(T_q, topk)``), ascending, ``-1`` padded.
+    """
+
+    topk = check_positive_int("topk", topk)
+    common = dict(
+        scoring_precision=scoring_precision,
+        ratio=ratio,
+        sm_scale=sm_scale,
+        backend=backend,
+        q_causal_offsets=q_causal_offsets,
+        amax_floor=amax_floor,
+        chunk_bytes=chunk_bytes,
+        operands=operands,
+    )
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        scores = _indexer_forward(
+            q, k, weights, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **common
+        )
+        return indexer_topk(scores, topk, deterministic=deterministic)
+    out: list[tuple[int, torch.Tensor]] = []
+
+    def on_chunk(row_start: int, scores: torch.Tensor) -> None:
+        out.append((row_start, indexer_topk(scores, topk, deterministic=deterministic)))
+
+    _indexer_forward(q, k, weights, on_chunk=on_chunk, **common)
+    return torch.cat([picks for _, picks in sorted(out, key=lambda t: t[0])], dim=1)

@@ -101,3 +101,29 @@ def test_explicit_cudnn_without_gpu_raises():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="backend='cudnn' cannot run"):
         indexer_topk(torch.randn(2, 4), 2, backend="cudnn")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_select_streams_chunks_like_scores_then_topk(precision):
+    from dsa_precision import indexer_scores, indexer_select
+
+    q, k = torch.randn(2, 40, 32, 128), torch.randn(2, 40, 128)
+    w = (torch.randn(2, 40, 32) * 0.02).to(torch.bfloat16)
+    want = indexer_topk(indexer_scores(q, k, w, scoring_precision=precision, backend="torch"), 6)
+    for chunk_bytes in (None, 8 * 2 * 40 * 20):
+        got = indexer_select(
+            q, k, w, 6, scoring_precision=precision, backend="torch", chunk_bytes=chunk_bytes
+        )
+        assert torch.equal(got, want)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    packed = indexer_select(
+        q[0],
+        k[0],
+        w[0],
+        6,
+        scoring_precision=precision,
+        backend="torch",
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+    )
+    assert torch.equal(packed, want[0])
