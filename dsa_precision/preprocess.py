@@ -27,12 +27,25 @@ projections is rounded to BF16; the scoring step decides the operand precision.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from .hadamard import rotate_activation
 
-__all__ = ["IndexerPreprocess", "apply_rope", "layer_norm_fp32", "thd_token_freqs"]
+__all__ = [
+    "IndexerPreprocess",
+    "apply_rope",
+    "indexer_head_weights",
+    "layer_norm_fp32",
+    "thd_token_freqs",
+]
+
+# (x [s, b, *, d], freqs, mscale, cu_seqlens) -> x rotated: a model's own RoPE (e.g. Megatron's
+# DSAIndexer._apply_rope, which knows about context parallelism and fused TE RoPE).
+RopeFn = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,20 +153,41 @@ def layer_norm_fp32(
     return y.to(torch.float32)
 
 
+def indexer_head_weights(
+    w_proj: torch.Tensor, *, n_heads: int, head_dim: int, fp32: bool
+) -> torch.Tensor:
+    """Per-head indexer weights ``w * H**-0.5 * D**-0.5`` from the ``linear_weights_proj`` output.
+
+    ``fp32=False``: Megatron's order and dtype, ``(w * H**-0.5) * D**-0.5`` in ``w``'s dtype (two
+    BF16 roundings in training). ``fp32=True``: the inference engines' order in float32,
+    ``(fp32(w) * D**-0.5) * H**-0.5``; with the power-of-two q descale folded in later this is
+    exactly vLLM's ``w * q_scale * softmax_scale * n_heads**-0.5``. The two differ whenever
+    ``H**-0.5`` is not a power of two (H = 32: ``2**-2.5``).
+    """
+    if fp32:
+        return (w_proj.to(torch.float32) * head_dim**-0.5) * n_heads**-0.5
+    return w_proj * (n_heads**-0.5) * head_dim**-0.5
+
+
 class IndexerPreprocess(nn.Module):
     """Key LayerNorm -> RoPE -> (Hadamard) and query RoPE -> (Hadamard) of the DSA indexer.
 
     Args:
         head_dim: indexer head width ``d`` (128 for DeepSeek-V3.2 / GLM-5).
         rope_dim: width of the RoPE slice (Megatron's ``qk_pos_emb_head_dim``, 64).
-        k_norm: the key LayerNorm module (its parameters are used, never copied); a fresh
-            ``nn.LayerNorm(head_dim, eps=k_norm_eps)`` when ``None``.
+        k_norm: the key LayerNorm module of the model. It is borrowed, not registered: its
+            parameters stay with (and are saved by) their owner, so wrapping a model's indexer
+            changes no state-dict key. ``None`` creates and owns ``nn.LayerNorm(head_dim,
+            eps=k_norm_eps)``.
         k_norm_eps: epsilon of the fresh LayerNorm.
         rope_interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
         rotate_activation: Megatron's ``dsa_indexer_rotate_activation`` (Hadamard on q and k).
         k_norm_fp32: Megatron's ``dsa_indexer_k_norm_fp32`` (LayerNorm on an FP32 upcast, result
             rounded back); implied by ``rope_fp32``.
         rope_fp32: FP32 end to end after the projections (see the module docstring).
+        rope_fn: the model's own RoPE for the ``rope_fp32=False`` path (called as
+            ``rope_fn(x, freqs, mscale, cu_seqlens)`` on ``[s, b, *, d]``), so that path stays the
+            model's bit for bit whatever RoPE kernel the model uses; default :func:`apply_rope`.
     """
 
     def __init__(
@@ -167,6 +201,7 @@ class IndexerPreprocess(nn.Module):
         rotate_activation: bool = False,
         k_norm_fp32: bool = False,
         rope_fp32: bool = False,
+        rope_fn: RopeFn | None = None,
     ) -> None:
         super().__init__()
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
@@ -178,11 +213,20 @@ class IndexerPreprocess(nn.Module):
             raise TypeError(f"rope_fp32 must be a bool, got {rope_fp32!r}.")
         self.head_dim = head_dim
         self.rope_dim = rope_dim
-        self.k_norm = k_norm if k_norm is not None else nn.LayerNorm(head_dim, eps=k_norm_eps)
+        if k_norm is None:
+            self.k_norm = nn.LayerNorm(head_dim, eps=k_norm_eps)
+        else:
+            # A one-element tuple keeps nn.Module from registering the borrowed norm.
+            self._borrowed_k_norm = (k_norm,)
+        self.rope_fn = rope_fn
         self.rope_interleaved = rope_interleaved
         self.rotate_activation = rotate_activation
         self.k_norm_fp32 = k_norm_fp32
         self.rope_fp32 = rope_fp32
+
+    def _norm(self) -> nn.Module:
+        borrowed = self.__dict__.get("_borrowed_k_norm")
+        return borrowed[0] if borrowed else self.k_norm
 
     def extra_repr(self) -> str:
         return (
@@ -198,6 +242,7 @@ class IndexerPreprocess(nn.Module):
         *,
         mscale: float = 1.0,
         cu_seqlens: torch.Tensor | None = None,
+        token_freqs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Preprocess projected indexer queries and keys.
 
@@ -208,6 +253,8 @@ class IndexerPreprocess(nn.Module):
                 table ``[max_s, 1, 1, rope_dim]`` (or one row per packed token).
             mscale: YaRN magnitude scale (1.0 for plain RoPE).
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``).
+            token_freqs: ``[s, 1, 1, rope_dim]`` per-token angles for the FP32 path, used instead
+                of gathering ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD slices).
 
         Returns:
             ``(q, k)``: ``[s, b, h, d]`` and ``[s, b, d]``, in the projection dtype, or float32
@@ -227,21 +274,35 @@ class IndexerPreprocess(nn.Module):
             raise ValueError(
                 f"freqs has rope width {freqs.shape[-1]}, expected rope_dim={self.rope_dim}."
             )
-        if cu_seqlens is not None:
-            if b != 1:
-                raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
-            freqs = thd_token_freqs(freqs, cu_seqlens)
-        freqs = freqs[:s]
-        rope = dict(mscale=mscale, rope_interleaved=self.rope_interleaved)
+        if cu_seqlens is not None and b != 1:
+            raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
+        norm = self._norm()
+
+        if self.rope_fn is not None and not self.rope_fp32:
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return self.rope_fn(x, freqs, mscale, cu_seqlens)
+
+        else:
+            if token_freqs is None or not self.rope_fp32:
+                token_freqs = (
+                    thd_token_freqs(freqs, cu_seqlens) if cu_seqlens is not None else freqs
+                )
+            rope = functools.partial(
+                apply_rope,
+                freqs=token_freqs[:s],
+                mscale=mscale,
+                rope_interleaved=self.rope_interleaved,
+            )
 
         if self.rope_fp32:
-            # Exact upcasts; from here on every op is float32.
-            q = apply_rope(q.to(torch.float32), freqs, **rope)
-            k = layer_norm_fp32(k, *_layer_norm_params(self.k_norm))
+            # Exact upcasts; from here on every op is float32 (LayerNorm statistics float64).
+            q = rope(q.to(torch.float32))
+            k = layer_norm_fp32(k, *_layer_norm_params(norm))
         else:
-            q = apply_rope(q, freqs, **rope)
-            k = self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
-        k = apply_rope(k.unsqueeze(2), freqs, **rope).squeeze(2)
+            q = rope(q)
+            k = norm(k.float()).to(k.dtype) if self.k_norm_fp32 else norm(k)
+        k = rope(k.unsqueeze(2)).squeeze(2)
 
         if self.rotate_activation:
             q = rotate_activation(q, fp32=self.rope_fp32)
