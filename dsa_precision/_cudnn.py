@@ -20,6 +20,7 @@ __all__ = [
     "CudnnDsaInterface",
     "device_scope",
     "dsa",
+    "dsa_available",
     "scoring_unsupported_reason",
     "topk_unsupported_reason",
 ]
@@ -66,6 +67,19 @@ class CudnnDsaInterface(Protocol):
         deterministic: bool = ...,
     ) -> Any: ...  # TupleDict(indices=(n_rows, top_k) INT32, values=(n_rows, top_k))
 
+    def sparse_attention_backward_wrapper(
+        self,
+        q: torch.Tensor,  # (T, H, D) BF16, H padded to 64 on SM90
+        kv: torch.Tensor,  # (T_k, D) BF16
+        out: torch.Tensor,  # (T, H, D_v)
+        dout: torch.Tensor,  # (T, H, D_v)
+        lse: torch.Tensor,  # (T, H) FP32, natural-log LSE over the selected keys
+        attn_sink: torch.Tensor,  # (H,) FP32
+        topk_idxs: torch.Tensor,  # (T, K) INT32 global rows of kv
+        softmax_scale: float | None = ...,
+        topk_length: torch.Tensor | None = ...,  # (T,) INT32 valid prefix of each row
+    ) -> Any: ...  # TupleDict(dq=(T, H, D), dkv=(T_k, D), d_sink=(H,))
+
 
 @functools.cache
 def _import_dsa() -> tuple[Any, str | None]:
@@ -80,6 +94,11 @@ def _import_dsa() -> tuple[Any, str | None]:
             f"nvidia-cudnn-frontend's DSA kernels are not importable ({exc}); {_INSTALL_HINT}",
         )
     return DSA, None
+
+
+def dsa_available() -> bool:
+    """Whether nvidia-cudnn-frontend's DSA namespace imports."""
+    return _import_dsa()[0] is not None
 
 
 def dsa() -> CudnnDsaInterface:

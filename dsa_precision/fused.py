@@ -1,0 +1,171 @@
+"""Fused indexer + sparse MLA attention, with the scoring precision as an explicit input.
+
+One autograd Function runs: indexer scoring and top-k through the scoring choke point (BF16 or
+FP8, as requested), sparse attention over the selected keys (FlashMLA or built-in forward; cuDNN
+SM90 or built-in backward), and, for BF16 scoring only, the optional indexer KL loss, whose
+gradients are precomputed in forward and scaled by the loss gradient in backward.
+
+Layouts are Megatron's (sequence first): ``query`` ``(S_q, B, N, D)``, ``kv`` ``(S_k, B, D)``
+(absorbed MLA: keys and values share storage, values are the first ``d_v`` channels),
+``q_indexer`` ``(S_q, B, H, 128)``, ``k_indexer`` ``(S_k, B, 128)``, ``weights`` ``(S_q, B, H)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .config import ScoringPrecision
+from .sparse_attention import sparse_backward, sparse_forward
+from .topk import indexer_select
+
+__all__ = ["FusedIndexerSparseAttnFunc", "IndexerLossFn", "fused_indexer_sparse_attention"]
+
+# (q_indexer, k_indexer, weights, topk_indices (B, S_q, K) int32) -> scalar loss; the indexer
+# tensors are differentiable leaves in Megatron's layout.
+IndexerLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _flat_topk(topk: torch.Tensor) -> torch.Tensor:
+    """``(B, S_q, K)`` local key indices -> ``(S_q * B, K)`` rows of ``kv.reshape(S_k * B, D)``."""
+    b = topk.shape[0]
+    batch = torch.arange(b, device=topk.device, dtype=topk.dtype).view(b, 1, 1)
+    flat = torch.where(topk >= 0, topk * b + batch, topk)
+    return flat.transpose(0, 1).reshape(-1, topk.shape[-1]).contiguous()
+
+
+class FusedIndexerSparseAttnFunc(torch.autograd.Function):
+    """Indexer scoring + top-k + sparse MLA attention (+ BF16 indexer KL loss).
+
+    Forward inputs, in order (backward returns one slot for each, ``None`` for non-tensors):
+    ``query``, ``kv``, ``q_indexer``, ``k_indexer``, ``weights``, ``topk`` (int),
+    ``softmax_scale`` (float), ``d_v`` (int), ``scoring_precision`` (str), ``loss_coeff``
+    (float), ``indexer_loss_fn`` (:data:`IndexerLossFn` or ``None``).
+
+    Outputs: attention ``(S_q, B, N, d_v)``, indexer loss (float32 scalar, 0 without loss) and
+    top-k indices ``(B, S_q, K)`` int32 (non-differentiable).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        q_indexer: torch.Tensor,
+        k_indexer: torch.Tensor,
+        weights: torch.Tensor,
+        topk: int,
+        softmax_scale: float,
+        d_v: int,
+        scoring_precision: str,
+        loss_coeff: float,
+        indexer_loss_fn: IndexerLossFn | None,
+    ):
+        sq, b, n, d = query.shape
+        skv = kv.shape[0]
+        with torch.no_grad():
+            picks = indexer_select(
+                q_indexer.transpose(0, 1),
+                k_indexer.transpose(0, 1),
+                weights.transpose(0, 1),
+                topk,
+                scoring_precision=scoring_precision,
+            )
+        idx = _flat_topk(picks)
+        q_flat = query.reshape(sq * b, n, d)
+        kv_flat = kv.reshape(skv * b, d)
+        out_flat, lse = sparse_forward(q_flat, kv_flat, idx, softmax_scale, d_v)
+
+        grads = (None, None, None)
+        loss = torch.zeros((), dtype=torch.float32, device=query.device)
+        if loss_coeff > 0:
+            leaves = [t.detach().requires_grad_() for t in (q_indexer, k_indexer, weights)]
+            with torch.enable_grad():
+                loss = indexer_loss_fn(*leaves, picks)
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+            loss = loss.detach().float()
+        ctx.save_for_backward(q_flat, kv_flat, idx, out_flat, lse, *grads)
+        ctx.has_indexer_grads = loss_coeff > 0
+        ctx.softmax_scale = softmax_scale
+        ctx.shapes = (query.shape, kv.shape)
+        ctx.mark_non_differentiable(picks)
+        return out_flat.view(sq, b, n, d_v), loss, picks
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_loss, _grad_picks):
+        q_flat, kv_flat, idx, out_flat, lse, *indexer_grads = ctx.saved_tensors
+        query_shape, kv_shape = ctx.shapes
+        dq, dkv = sparse_backward(
+            q_flat, kv_flat, idx, out_flat, lse, grad_out.reshape(out_flat.shape), ctx.softmax_scale
+        )
+        if ctx.has_indexer_grads and grad_loss is not None:
+            dq_i, dk_i, dw = (g * grad_loss for g in indexer_grads)
+        else:
+            dq_i = dk_i = dw = None
+        # Slots: query, kv, q_indexer, k_indexer, weights, topk, softmax_scale, d_v,
+        # scoring_precision, loss_coeff, indexer_loss_fn.
+        return (
+            dq.view(query_shape),
+            dkv.view(kv_shape),
+            dq_i,
+            dk_i,
+            dw,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def fused_indexer_sparse_attention(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    q_indexer: torch.Tensor,
+    k_indexer: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    topk: int,
+    softmax_scale: float,
+    d_v: int,
+    scoring_precision: ScoringPrecision | str,
+    loss_coeff: float = 0.0,
+    indexer_loss_fn: IndexerLossFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate, then run :class:`FusedIndexerSparseAttnFunc`.
+
+    Returns ``(out (S_q, B, N, d_v), indexer_loss (), topk_indices (B, S_q, K) int32)``.
+    The indexer KL loss needs BF16 scoring: FP8 with ``loss_coeff > 0`` raises.
+    """
+    precision = ScoringPrecision.parse(scoring_precision)
+    if query.ndim != 4 or kv.ndim != 3 or q_indexer.ndim != 4 or k_indexer.ndim != 3:
+        raise ValueError(
+            "expected query (S_q, B, N, D), kv (S_k, B, D), q_indexer (S_q, B, H, 128) and "
+            f"k_indexer (S_k, B, 128); got {tuple(query.shape)}, {tuple(kv.shape)}, "
+            f"{tuple(q_indexer.shape)}, {tuple(k_indexer.shape)}."
+        )
+    if loss_coeff > 0 and precision is ScoringPrecision.FP8:
+        raise ValueError(
+            f"loss_coeff={loss_coeff}: the indexer KL loss needs BF16 scores; set it to 0 or use "
+            "scoring_precision='bf16'."
+        )
+    if loss_coeff > 0 and indexer_loss_fn is None:
+        raise ValueError(f"loss_coeff={loss_coeff} needs an indexer_loss_fn.")
+    if not torch.is_grad_enabled():
+        loss_coeff = 0.0
+    return FusedIndexerSparseAttnFunc.apply(
+        query,
+        kv,
+        q_indexer,
+        k_indexer,
+        weights,
+        int(topk),
+        float(softmax_scale),
+        int(d_v),
+        precision.value,
+        float(loss_coeff),
+        indexer_loss_fn,
+    )

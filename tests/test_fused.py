@@ -1,0 +1,120 @@
+"""FusedIndexerSparseAttnFunc on the CPU: composition, gradients, loss, backward arity."""
+
+import inspect
+
+import pytest
+import torch
+
+from dsa_precision import (
+    FusedIndexerSparseAttnFunc,
+    fused_indexer_sparse_attention,
+    indexer_select,
+    reset_scoring_calls,
+    scoring_calls,
+)
+
+from .test_sparse_attention import dense_reference
+
+SQ, B, N, D, DV, H, K = 24, 2, 4, 72, 64, 32, 6
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(SQ, B, N, D, generator=g).to(torch.bfloat16)
+    kv = torch.randn(SQ, B, D, generator=g).to(torch.bfloat16)
+    q_i = torch.randn(SQ, B, H, 128, generator=g)
+    k_i = torch.randn(SQ, B, 128, generator=g)
+    w = (torch.randn(SQ, B, H, generator=g) * 0.02).to(torch.bfloat16)
+    return query, kv, q_i, k_i, w
+
+
+def test_backward_returns_one_slot_per_forward_input():
+    forward_inputs = list(inspect.signature(FusedIndexerSparseAttnFunc.forward).parameters)[1:]
+    query, kv, q_i, k_i, w = _inputs()
+    query.requires_grad_()
+    kv.requires_grad_()
+    seen = {}
+    original = FusedIndexerSparseAttnFunc.backward
+
+    def spy(ctx, *grads):
+        out = original(ctx, *grads)
+        seen["slots"] = len(out)
+        return out
+
+    FusedIndexerSparseAttnFunc.backward = staticmethod(spy)
+    try:
+        out, _, _ = fused_indexer_sparse_attention(
+            query, kv, q_i, k_i, w, topk=K, softmax_scale=0.1, d_v=DV, scoring_precision="fp8"
+        )
+        out.float().sum().backward()
+    finally:
+        FusedIndexerSparseAttnFunc.backward = original
+    assert seen["slots"] == len(forward_inputs) == 11
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_matches_select_then_dense_attention(precision):
+    query, kv, q_i, k_i, w = _inputs()
+    reset_scoring_calls()
+    query.requires_grad_()
+    kv.requires_grad_()
+    out, loss, picks = fused_indexer_sparse_attention(
+        query, kv, q_i, k_i, w, topk=K, softmax_scale=0.1, d_v=DV, scoring_precision=precision
+    )
+    assert scoring_calls(precision) == 1 and scoring_calls() == 1
+    want_picks = indexer_select(
+        q_i.transpose(0, 1), k_i.transpose(0, 1), w.transpose(0, 1), K, scoring_precision=precision
+    )
+    assert torch.equal(picks, want_picks) and loss.item() == 0.0
+    for b in range(B):
+        ref = dense_reference(query[:, b].detach(), kv[:, b].detach(), picks[b], 0.1, DV)
+        assert torch.allclose(out[:, b].double(), ref, atol=2e-2, rtol=2e-2)
+    # Gradients flow to query and kv and match a dense reference.
+    out.float().pow(2).sum().backward()
+    qr = query.detach().double().requires_grad_()
+    kvr = kv.detach().double().requires_grad_()
+    sum(
+        dense_reference(qr[:, b], kvr[:, b], picks[b], 0.1, DV).pow(2).sum() for b in range(B)
+    ).backward()
+    assert (query.grad.double() - qr.grad).abs().max() <= 5e-2 * qr.grad.abs().max()
+    assert (kv.grad.double() - kvr.grad).abs().max() <= 5e-2 * kvr.grad.abs().max()
+
+
+def test_bf16_indexer_loss_gradients_are_precomputed_and_scaled():
+    query, kv, q_i, k_i, w = _inputs()
+    q_i.requires_grad_()
+    w32 = w.float().requires_grad_()
+
+    def loss_fn(q, k, weights, picks):
+        return (q.float().pow(2).mean() + weights.float().sum() * 0.5) * 3.0
+
+    out, loss, _ = fused_indexer_sparse_attention(
+        query,
+        kv,
+        q_i,
+        k_i,
+        w32,
+        topk=K,
+        softmax_scale=0.1,
+        d_v=DV,
+        scoring_precision="bf16",
+        loss_coeff=1.0,
+        indexer_loss_fn=loss_fn,
+    )
+    assert loss.item() == pytest.approx(float(loss_fn(q_i.detach(), k_i, w32.detach(), None)))
+    (loss * 2.0).backward()
+    assert torch.allclose(q_i.grad, 2.0 * 3.0 * 2 * q_i.detach() / q_i.numel())
+    assert torch.allclose(w32.grad, torch.full_like(w32, 2.0 * 3.0 * 0.5))
+
+
+def test_fp8_with_loss_is_refused():
+    with pytest.raises(ValueError, match="loss_coeff=0.5.*BF16"):
+        fused_indexer_sparse_attention(
+            *_inputs(),
+            topk=K,
+            softmax_scale=0.1,
+            d_v=DV,
+            scoring_precision="fp8",
+            loss_coeff=0.5,
+            indexer_loss_fn=lambda *a: a[0].sum(),
+        )
