@@ -88,7 +88,7 @@ def test_bf16_indexer_loss_gradients_are_precomputed_and_scaled():
     def loss_fn(q, k, weights, picks):
         return (q.float().pow(2).mean() + weights.float().sum() * 0.5) * 3.0
 
-    out, loss, _ = fused_indexer_sparse_attention(
+    _, loss, _ = fused_indexer_sparse_attention(
         query,
         kv,
         q_i,
@@ -108,7 +108,7 @@ def test_bf16_indexer_loss_gradients_are_precomputed_and_scaled():
 
 
 def test_fp8_with_loss_is_refused():
-    with pytest.raises(ValueError, match="loss_coeff=0.5.*BF16"):
+    with pytest.raises(ValueError, match=r"loss_coeff=0\.5.*BF16"):
         fused_indexer_sparse_attention(
             *_inputs(),
             topk=K,

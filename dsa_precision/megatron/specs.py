@@ -1,0 +1,105 @@
+"""Module specs: Megatron's DSA specs with the precision modules swapped in.
+
+:func:`with_dsa_precision` walks any spec tree (GPT layer or block specs, hybrid stack specs)
+and returns a copy in which ``DSAttention`` and ``DSAIndexer`` are replaced by
+:class:`PrecisionDSAttention` and :class:`PrecisionDSAIndexer`; the input spec is not modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as eav_specs
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from .modules import PrecisionDSAIndexer, PrecisionDSAttention
+
+__all__ = [
+    "LocalDSASpecProvider",
+    "default_backend",
+    "get_dsa_precision_module_spec",
+    "get_gpt_dsa_precision_block_spec",
+    "with_dsa_precision",
+]
+
+_SWAPS = {DSAttention: PrecisionDSAttention, DSAIndexer: PrecisionDSAIndexer}
+
+
+def _swap(node: Any) -> Any:
+    if isinstance(node, ModuleSpec):
+        return dataclasses.replace(
+            node, module=_SWAPS.get(node.module, node.module), submodules=_swap(node.submodules)
+        )
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {f.name: _swap(getattr(node, f.name)) for f in dataclasses.fields(node)}
+        return dataclasses.replace(node, **changes)
+    if isinstance(node, list | tuple):
+        return type(node)(_swap(item) for item in node)
+    if isinstance(node, dict):
+        return {key: _swap(value) for key, value in node.items()}
+    if isinstance(node, type):
+        return _SWAPS.get(node, node)
+    return node
+
+
+def with_dsa_precision(spec: Any) -> Any:
+    """A copy of ``spec`` (``ModuleSpec``, submodules dataclass or list of them) with the DSA
+    modules replaced by the precision modules."""
+    return _swap(copy.copy(spec))
+
+
+class LocalDSASpecProvider(LocalSpecProvider):
+    """``LocalSpecProvider`` plus the plain ``linear()`` the DSA spec needs (no Transformer
+    Engine): modelopt's local ``Linear``."""
+
+    def linear(self) -> type:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        return Linear
+
+
+def default_backend() -> BackendSpecProvider:
+    """Transformer Engine's spec provider when TE is installed, else :class:`LocalDSASpecProvider`."""
+    if eav_specs.HAVE_TE:
+        return eav_specs.TESpecProvider()
+    return LocalDSASpecProvider()
+
+
+def get_dsa_precision_module_spec(config, backend: BackendSpecProvider | None = None) -> ModuleSpec:
+    """``get_dsa_module_spec_for_backend`` with the precision modules (self-attention spec)."""
+    return with_dsa_precision(
+        eav_specs.get_dsa_module_spec_for_backend(config, backend=backend or default_backend())
+    )
+
+
+def get_gpt_dsa_precision_block_spec(
+    config, vp_stage: int | None = None, pp_rank: int | None = None, backend=None
+) -> TransformerBlockSubmodules:
+    """GPT decoder block spec with DSA layers (the experimental-attention-variant block) and the
+    precision modules, for the TE backend or, without TE, :class:`LocalDSASpecProvider`."""
+    if backend is None and eav_specs.HAVE_TE:
+        return with_dsa_precision(
+            eav_specs.get_transformer_block_with_experimental_attention_variant_spec(
+                config, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        )
+    backend = backend or default_backend()
+    layers = eav_specs.get_transformer_layer_with_experimental_attention_variant_spec(
+        config, backend=backend
+    )
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    block = TransformerBlockSubmodules(
+        layer_specs=layers[offset : offset + count],
+        layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
+    )
+    return with_dsa_precision(block)
