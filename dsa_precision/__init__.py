@@ -26,7 +26,7 @@ from .fused import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
 from .agreement import TopkAgreement, topk_agreement
 
 # Accounting of the precision each scoring call used
-from .audit import reset_scoring_calls, scoring_calls
+from .audit import reset_scoring_calls, scoring_calls, scoring_site
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ __all__ = [
     "quantize_e4m3_ue8m0",
     "reset_scoring_calls",
     "scoring_calls",
+    "scoring_site",
     "topk_agreement",
     "ue8m0_descale",
 ]

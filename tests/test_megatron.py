@@ -14,12 +14,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-import dsa_precision.megatron as dsap  # noqa: E402
-from dsa_precision import IndexerPrecisionConfig, reset_scoring_calls, scoring_calls  # noqa: E402
-from dsa_precision.megatron import seams  # noqa: E402
-from dsa_precision.megatron.specs import LocalDSASpecProvider  # noqa: E402
+import dsa_precision.megatron as dsap
+from dsa_precision import IndexerPrecisionConfig, reset_scoring_calls, scoring_calls
+from dsa_precision.megatron import seams
+from dsa_precision.megatron.specs import LocalDSASpecProvider
 
-from . import fake_cudnn  # noqa: E402
+from . import fake_cudnn
 
 HIDDEN, Q_LORA, KV_LORA, ROPE, V_DIM, HEADS = 256, 64, 32, 64, 64, 4
 CONFIGS = {
@@ -335,6 +335,7 @@ def test_every_scoring_call_reaches_the_configured_precision(fake, monkeypatch, 
         return
     calls = scoring_calls()
     assert calls >= 1 and scoring_calls(precision) == calls, (path, calls)
+    assert scoring_calls(site="fused" if path == "fused" else "split") == calls
     if path == "chunked":
         assert calls >= 2
     want_dtype = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .. import _cudnn
-from ..audit import record_scoring_call
+from ..audit import record_scoring_call, scoring_site
 from ..config import IndexerPrecisionConfig, ScoringPrecision
 from ..fused import fused_indexer_sparse_attention
 from ..scoring import _indexer_forward
@@ -108,20 +108,21 @@ class _RoutedCudnnDSA:
                 f"dsa_precision cannot route indexer_forward_wrapper arguments {sorted(unknown)} "
                 "at a non-default precision; this megatron-core call site is not supported."
             )
-        scores = _indexer_forward(
-            q,
-            k,
-            w,
-            scoring_precision=precision.scoring_precision,
-            ratio=ratio,
-            sm_scale=kwargs.get("sm_scale", 1.0),
-            backend="cudnn",
-            q_causal_offsets=kwargs.get("q_causal_offsets"),
-            cu_seqlens_q=kwargs.get("cu_seqlens_q"),
-            cu_seqlens_k=kwargs.get("cu_seqlens_k"),
-            max_seqlen_k=kwargs.get("max_seqlen_k"),
-            chunk_bytes=_UNCHUNKED,
-        )
+        with scoring_site("split"):
+            scores = _indexer_forward(
+                q,
+                k,
+                w,
+                scoring_precision=precision.scoring_precision,
+                ratio=ratio,
+                sm_scale=kwargs.get("sm_scale", 1.0),
+                backend="cudnn",
+                q_causal_offsets=kwargs.get("q_causal_offsets"),
+                cu_seqlens_q=kwargs.get("cu_seqlens_q"),
+                cu_seqlens_k=kwargs.get("cu_seqlens_k"),
+                max_seqlen_k=kwargs.get("max_seqlen_k"),
+                chunk_bytes=_UNCHUNKED,
+            )
         return {"scores": scores}
 
 
@@ -163,16 +164,17 @@ def _global_rows(
     # With explicit per-row key counts the causal limit is theirs alone: push the causal
     # diagonal past the last key, then mask by seq_lens as Megatron does.
     offsets = row_start if seq_lens is None else sk * indexer_ratio
-    scores = _indexer_forward(
-        q_chunk_bshd,
-        k_bshd,
-        w_chunk_bsh,
-        scoring_precision=precision.scoring_precision,
-        ratio=indexer_ratio,
-        sm_scale=sm_scale,
-        q_causal_offsets=offsets,
-        chunk_bytes=_UNCHUNKED,
-    )
+    with scoring_site("split"):
+        scores = _indexer_forward(
+            q_chunk_bshd,
+            k_bshd,
+            w_chunk_bsh,
+            scoring_precision=precision.scoring_precision,
+            ratio=indexer_ratio,
+            sm_scale=sm_scale,
+            q_causal_offsets=offsets,
+            chunk_bytes=_UNCHUNKED,
+        )
     if seq_lens is not None:
         lens = seq_lens.to(device=scores.device, dtype=torch.int64).clamp(max=sk)
         keys = torch.arange(sk, device=scores.device)
@@ -196,7 +198,8 @@ def _naive_scores(
     if precision is None:
         return original(q, weights, k, use_relu=use_relu)
     if precision.scoring_precision is ScoringPrecision.BF16:
-        record_scoring_call("bf16", "megatron")
+        with scoring_site("naive"):
+            record_scoring_call("bf16", "megatron")
         return original(q.to(torch.bfloat16), weights, k.to(torch.bfloat16), use_relu=use_relu)
     if not use_relu:
         raise ValueError(
@@ -208,14 +211,15 @@ def _naive_scores(
             "dsa_indexer_scoring_precision='bf16'."
         )
     sk = k.size(0)
-    return _indexer_forward(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        weights.transpose(0, 1),
-        scoring_precision=precision.scoring_precision,
-        q_causal_offsets=sk,  # unmasked: the caller applies its own mask
-        chunk_bytes=_UNCHUNKED,
-    )
+    with scoring_site("naive"):
+        return _indexer_forward(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            weights.transpose(0, 1),
+            scoring_precision=precision.scoring_precision,
+            q_causal_offsets=sk,  # unmasked: the caller applies its own mask
+            chunk_bytes=_UNCHUNKED,
+        )
 
 
 # ---------------------------------------------------------------------------- fused_attention
@@ -284,19 +288,20 @@ def _fused_attention(**kw: Any):
                 calculate_per_token_loss=kw["calculate_per_token_loss"],
             )
 
-    out, loss, _ = fused_indexer_sparse_attention(
-        query.contiguous(),
-        key.squeeze(2).contiguous(),
-        kw["q_indexer"],
-        kw["k_indexer"],
-        kw["indexer_weights"],
-        topk=min(kw["indexer_topk"], key.size(0)),
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        scoring_precision=precision.scoring_precision,
-        loss_coeff=loss_coeff,
-        indexer_loss_fn=loss_fn,
-    )
+    with scoring_site("fused"):
+        out, loss, _ = fused_indexer_sparse_attention(
+            query.contiguous(),
+            key.squeeze(2).contiguous(),
+            kw["q_indexer"],
+            kw["k_indexer"],
+            kw["indexer_weights"],
+            topk=min(kw["indexer_topk"], key.size(0)),
+            softmax_scale=softmax_scale,
+            d_v=d_v,
+            scoring_precision=precision.scoring_precision,
+            loss_coeff=loss_coeff,
+            indexer_loss_fn=loss_fn,
+        )
     sq, b = query.shape[:2]
     out = torch.einsum("sbhc,hdc->sbhd", out, kw["up_v_weight"]).contiguous()
     return out.view(sq, b, -1), loss

@@ -51,6 +51,29 @@ def _swap(node: Any) -> Any:
     return node
 
 
+def _local_mla(node: Any) -> Any:
+    """Without Transformer Engine, AbsorbedMLASelfAttention takes its down projections as
+    ``ColumnParallelLinear`` (it knows modelopt's ``Linear`` only next to TE)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttentionSubmodules,
+    )
+
+    if isinstance(node, AbsorbedMLASelfAttentionSubmodules):
+        return dataclasses.replace(
+            node, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear
+        )
+    if isinstance(node, ModuleSpec):
+        return dataclasses.replace(node, submodules=_local_mla(node.submodules))
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(
+            node, **{f.name: _local_mla(getattr(node, f.name)) for f in dataclasses.fields(node)}
+        )
+    if isinstance(node, list | tuple):
+        return type(node)(_local_mla(item) for item in node)
+    return node
+
+
 def with_dsa_precision(spec: Any) -> Any:
     """A copy of ``spec`` (``ModuleSpec``, submodules dataclass or list of them) with the DSA
     modules replaced by the precision modules."""
@@ -59,7 +82,9 @@ def with_dsa_precision(spec: Any) -> Any:
 
 class LocalDSASpecProvider(LocalSpecProvider):
     """``LocalSpecProvider`` plus the plain ``linear()`` the DSA spec needs (no Transformer
-    Engine): modelopt's local ``Linear``."""
+    Engine): modelopt's local ``Linear`` for the indexer projections; the spec helpers give the
+    MLA down projections ``ColumnParallelLinear``, the class AbsorbedMLASelfAttention accepts
+    without TE."""
 
     def linear(self) -> type:
         from megatron.core.post_training.modelopt.layers import Linear
@@ -76,9 +101,11 @@ def default_backend() -> BackendSpecProvider:
 
 def get_dsa_precision_module_spec(config, backend: BackendSpecProvider | None = None) -> ModuleSpec:
     """``get_dsa_module_spec_for_backend`` with the precision modules (self-attention spec)."""
-    return with_dsa_precision(
-        eav_specs.get_dsa_module_spec_for_backend(config, backend=backend or default_backend())
-    )
+    backend = backend or default_backend()
+    spec = eav_specs.get_dsa_module_spec_for_backend(config, backend=backend)
+    if isinstance(backend, LocalDSASpecProvider):
+        spec = _local_mla(spec)
+    return with_dsa_precision(spec)
 
 
 def get_gpt_dsa_precision_block_spec(
@@ -102,4 +129,6 @@ def get_gpt_dsa_precision_block_spec(
         layer_specs=layers[offset : offset + count],
         layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
     )
+    if isinstance(backend, LocalDSASpecProvider):
+        block = _local_mla(block)
     return with_dsa_precision(block)
