@@ -88,9 +88,10 @@ def model_config(args, **overrides):
 
 def build_model(args, config, *, stock: bool = False):
     """GPT model with the precision DSA modules (or, ``stock``, Megatron's own), seeded."""
-    import dsa_precision.megatron as dsap
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
+
+    import dsa_precision.megatron as dsap
 
     torch.manual_seed(args.seed)
     if args.device != "cpu":
@@ -198,7 +199,7 @@ def train(args, name: str) -> dict:
     reset_scoring_calls()
     losses, times = [], []
     for tokens, labels in data:
-        loss, ms = timed(lambda t=tokens, l=labels: trainer.step(t, l), args.device)
+        loss, ms = timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
         losses.append(loss)
         times.append(ms)
     fused = dict(
