@@ -1,24 +1,62 @@
-"""Which precision each indexer scoring call really used.
+"""Which precision each indexer scoring call really used, and strict mode.
 
-Every call of the scoring choke point (:func:`dsa_precision.scoring._indexer_forward`) is
-counted here by ``(precision, backend, site)``, so tests and training logs can prove that a
-configured FP8 path is taken rather than assume it. ``site`` names the caller's path
-(``"fused"``, ``"split"``, ...) when an integration declares it with :func:`scoring_site`.
+Every call of the scoring choke point (:func:`dsa_precision.scoring._indexer_forward`), and every
+Megatron scoring call the integration passes through unchanged, is counted here by
+``(precision, backend, site)``, so tests and training logs can prove that a configured FP8 path is
+taken rather than assume it. ``site`` names the caller's path (``"fused"``, ``"split"``, ...) when
+an integration declares it with :func:`scoring_site`.
+
+Strict mode: inside :func:`strict_precision` (which the Megatron integration enters in every
+``PrecisionDSAttention`` forward when ``DSA_PRECISION_STRICT=1``), the first scoring call in
+another precision raises :class:`PrecisionMismatchError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
 
-__all__ = ["reset_scoring_calls", "scoring_calls", "scoring_site"]
+__all__ = [
+    "STRICT_ENV",
+    "PrecisionMismatchError",
+    "reset_scoring_calls",
+    "scoring_calls",
+    "scoring_site",
+    "strict_enabled",
+    "strict_precision",
+]
+
+STRICT_ENV = "DSA_PRECISION_STRICT"
 
 _lock = threading.Lock()
 _calls: Counter[tuple[str, str, str]] = Counter()
 _site: contextvars.ContextVar[str] = contextvars.ContextVar("dsa_precision_site", default="direct")
+_expected: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dsa_precision_expected", default=None
+)
+
+
+class PrecisionMismatchError(RuntimeError):
+    """A scoring call ran in a precision other than the configured one (strict mode)."""
+
+
+def strict_enabled() -> bool:
+    """Whether ``DSA_PRECISION_STRICT`` asks for strict mode (``1``/``true``/``yes``/``on``)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@contextlib.contextmanager
+def strict_precision(precision: str) -> Iterator[None]:
+    """Raise at the first scoring call inside the block whose precision is not ``precision``."""
+    token = _expected.set(str(precision))
+    try:
+        yield
+    finally:
+        _expected.reset(token)
 
 
 @contextlib.contextmanager
@@ -32,8 +70,15 @@ def scoring_site(name: str) -> Iterator[None]:
 
 
 def record_scoring_call(precision: str, backend: str) -> None:
+    site = _site.get()
     with _lock:
-        _calls[(precision, backend, _site.get())] += 1
+        _calls[(precision, backend, site)] += 1
+    expected = _expected.get()
+    if expected is not None and precision != expected:
+        raise PrecisionMismatchError(
+            f"a {site} indexer scoring call ran in {precision} ({backend}) but {expected} is "
+            f"configured (strict mode, {STRICT_ENV})."
+        )
 
 
 def scoring_calls(

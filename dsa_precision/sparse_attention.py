@@ -10,7 +10,10 @@ Kernels, in order of preference:
 - forward: FlashMLA's ``flash_mla_sparse_fwd`` when importable (CUDA, SM90+), else the built-in
   implementation below (torch, FP32 softmax, any device);
 - backward: cuDNN's ``sparse_attention_backward_wrapper`` on SM90 when nvidia-cudnn-frontend is
-  importable, else the built-in implementation.
+  importable, else the built-in implementation. cuDNN's SM90 backward accumulates the key/value
+  gradient with atomics, so its bits can differ between runs; under
+  ``torch.use_deterministic_algorithms(True)`` the built-in backward (a sorted, deterministic
+  ``index_put_`` accumulation) is used instead.
 
 The built-in forward and backward recompute per row chunk from ``(q, kv, idx, lse)``, so memory
 stays ``O(chunk * K * D)``; they are checked against a dense masked-attention reference.
@@ -194,9 +197,10 @@ def sparse_backward(
     dout: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq, dkv)``: cuDNN's SM90 kernel when usable, else built-in."""
+    """``(dq, dkv)``: cuDNN's SM90 kernel when usable and determinism is not requested, else
+    built-in."""
     dout = dout.contiguous()
-    if _cudnn_backward_usable(q):
+    if _cudnn_backward_usable(q) and not torch.are_deterministic_algorithms_enabled():
         return _cudnn_backward(q, kv, idx, out, lse, dout, softmax_scale)
     return _builtin_backward(q, kv, idx, out, lse, dout, softmax_scale)
 

@@ -329,8 +329,8 @@ def test_every_scoring_call_reaches_the_configured_precision(fake, monkeypatch, 
     out.float().sum().backward()
     precision = config.dsa_indexer_scoring_precision
     if name == "baseline":
-        # Default configuration: Megatron's own code runs; nothing is routed or re-rounded.
-        assert scoring_calls() == (1 if path == "fused" else 0)
+        # Default configuration: Megatron's own code runs, counted but not re-rounded.
+        assert scoring_calls() >= 1 and scoring_calls("bf16") == scoring_calls()
         assert all(c["precision"] == "bf16" for c in fake.forward_calls)
         return
     calls = scoring_calls()
@@ -360,6 +360,35 @@ def test_default_configuration_is_bit_identical_to_stock(seams_installed, cpu_ro
     assert torch.equal(a["query"].grad, b["query"].grad) and torch.equal(
         a["key"].grad, b["key"].grad
     )
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_strict_mode_raises_on_a_mismatch_and_on_a_bypass(fake, monkeypatch, path):
+    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels
+
+    from dsa_precision.audit import PrecisionMismatchError
+
+    monkeypatch.setenv("DSA_PRECISION_STRICT", "1")
+    overrides = dict(CONFIGS["fp8"])
+    if path == "split":
+        overrides["dsa_indexer_topk_freq"] = 2
+    attn = _attention(make_config(**overrides))
+    _run(attn, _inputs())  # the configured path passes
+    # A seam that scores in the wrong precision is caught at its first call.
+    with monkeypatch.context() as mp:
+        mp.setattr(seams, "_routing", lambda: IndexerPrecisionConfig(rope_fp32=True))
+        with pytest.raises(PrecisionMismatchError, match=r"ran in bf16 .* but fp8 is configured"):
+            _run(attn, _inputs())
+    if path == "split":
+        # A Megatron path outside the seams (here: the global-rows scorer restored) is caught
+        # because the layer selected top-k without a counted scoring call.
+        monkeypatch.setattr(
+            dsa_cudnn_kernels,
+            "_compute_indexer_scores_chunk_with_global_rows",
+            seams._ORIGINALS["global_rows"],
+        )
+        with pytest.raises(PrecisionMismatchError, match="without a scoring call"):
+            _run(attn, _inputs())
 
 
 def test_rope_fp32_on_the_pytorch_backend_scores_bf16_operands(seams_installed, cpu_rotary):

@@ -6,6 +6,7 @@ checkpoints load either way.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAttention
 
+from .. import audit
 from ..config import IndexerPrecisionConfig
 from ..preprocess import IndexerPreprocess, indexer_head_weights
 from . import seams
@@ -128,5 +130,22 @@ class PrecisionDSAttention(DSAttention):
         self.precision = IndexerPrecisionConfig.from_megatron_config(config)
 
     def forward(self, *args: Any, **kwargs: Any):
-        with seams.precision_scope(self.precision):
-            return super().forward(*args, **kwargs)
+        """Megatron's forward inside this layer's precision scope.
+
+        With ``DSA_PRECISION_STRICT=1`` every scoring call must run in the configured precision
+        (``audit.PrecisionMismatchError`` otherwise), and a layer that computes top-k must have
+        made at least one scoring call the integration saw (a path that bypassed the seams).
+        """
+        strict = audit.strict_enabled()
+        precision = self.precision.scoring_precision.value
+        guard = audit.strict_precision(precision) if strict else contextlib.nullcontext()
+        before = audit.scoring_calls()
+        with seams.precision_scope(self.precision), guard:
+            out = super().forward(*args, **kwargs)
+        if strict and not self.skip_topk and audit.scoring_calls() == before:
+            raise audit.PrecisionMismatchError(
+                f"DSA layer {self.layer_number} selected top-k without a scoring call the "
+                f"dsa_precision seams saw; its {precision} precision is not guaranteed "
+                f"(strict mode, {audit.STRICT_ENV})."
+            )
+        return out

@@ -22,8 +22,9 @@ sparse_attention    ``dsa_cudnn_kernels.run_fused_absorbed_sparse_attention`` (s
 The seams act only inside :func:`precision_scope`, which ``PrecisionDSAttention.forward`` enters
 with its layer's configuration. With the default configuration (or outside any scope) every seam
 calls the original Megatron function with the original arguments, so stock behaviour is kept
-byte for byte; the one exception is that without FlashMLA the attention seams run the built-in
-sparse attention where Megatron would fail to import FlashMLA.
+byte for byte; the scoring calls are still counted (:mod:`dsa_precision.audit`). The one
+exception is that without FlashMLA the attention seams run the built-in sparse attention where
+Megatron would fail to import FlashMLA.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class _RoutedCudnnDSA:
     def indexer_forward_wrapper(self, q, k, w, ratio: int = 4, **kwargs: Any):
         precision = _routing()
         if precision is None:
+            with scoring_site("split"):
+                record_scoring_call("bf16", "cudnn")
             return _cudnn.dsa().indexer_forward_wrapper(q, k, w, ratio=ratio, **kwargs)
         unknown = set(kwargs) - self._ROUTED_KWARGS
         if unknown:
@@ -149,6 +152,8 @@ def _global_rows(
     """
     precision = _routing()
     if precision is None:
+        with scoring_site("split"):
+            record_scoring_call("bf16", "megatron")
         return _ORIGINALS["global_rows"](
             q_chunk_bshd,
             k_bshd,
@@ -195,11 +200,12 @@ def _naive_scores(
     """
     precision = _routing()
     original = _ORIGINALS["naive_scores"]
+    if precision is None or precision.scoring_precision is ScoringPrecision.BF16:
+        with scoring_site("naive"):
+            record_scoring_call("bf16", "megatron")
     if precision is None:
         return original(q, weights, k, use_relu=use_relu)
     if precision.scoring_precision is ScoringPrecision.BF16:
-        with scoring_site("naive"):
-            record_scoring_call("bf16", "megatron")
         return original(q.to(torch.bfloat16), weights, k.to(torch.bfloat16), use_relu=use_relu)
     if not use_relu:
         raise ValueError(
