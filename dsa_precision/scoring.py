@@ -76,6 +76,9 @@ class ScoringOperands:
     q_scale: torch.Tensor | None  # float32 descale (fp8)
     k_scale: torch.Tensor | None  # float32 descale (fp8)
     sm_scale: float  # applied by the kernel (fp8: 1.0, already folded into w)
+    # [B, S_k] keys whose k vector is non-finite, when some are and the operands cannot carry it
+    # (BF16: the kernel's ReLU is fmax, which turns NaN into 0); None otherwise.
+    bad_keys: torch.Tensor | None = None
 
 
 def _chunk_rows(budget: int, bytes_per_row: int) -> int:
@@ -99,6 +102,12 @@ def _prepare_operands(
         # FP32 carriers are rounded to BF16 here, so BF16 scoring means BF16 operands whatever
         # the carrier dtype.
         w_op = w if w.dtype in (torch.bfloat16, torch.float32) else w.to(torch.float32)
+        # Non-finite inputs must give non-finite scores (the kernel's fmax-ReLU would map a NaN
+        # dot product to 0): a bad query row gets NaN head weights, so every score of the row is
+        # NaN; bad keys are recorded and their columns set to NaN after scoring.
+        bad_rows = ~torch.isfinite(q).all(dim=-1).all(dim=-1)
+        w_op = w_op.masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+        bad_keys = ~torch.isfinite(k).all(dim=-1).all(dim=-1)
         return ScoringOperands(
             precision,
             q.to(torch.bfloat16).contiguous(),
@@ -107,7 +116,10 @@ def _prepare_operands(
             None,
             None,
             sm_scale,
+            bad_keys if bool(bad_keys.any()) else None,  # one small host sync
         )
+    # FP8: the quantizer gives a non-finite vector a NaN descale; folded into the weights (q) or
+    # applied per key (k), it makes the affected scores NaN on every backend.
     q_fp8, q_scale = quantize_e4m3_ue8m0(q, amax_floor)
     k_fp8, k_scale = quantize_e4m3_ue8m0(k, amax_floor)
     # Fold the q descale (a power of two: exact) and the score scale into FP32 head weights,
@@ -238,6 +250,7 @@ def _score_rows(
     qs_all = None if ops.q_scale is None else ops.q_scale[b_slice, q_rows]
     ks = None if ops.k_scale is None else ops.k_scale[b_slice, k_rows]
     sq, sk = q_all.shape[1], k.shape[1]
+    bad_keys = None if ops.bad_keys is None else ops.bad_keys[b_slice, k_rows]
     # The key is cast once and reused by every chunk; it holds the operand (BF16 / E4M3) values.
     k_cache = None
     if backend == "cudnn":
@@ -257,7 +270,15 @@ def _score_rows(
             scores = _cudnn_scores(
                 ops, _fresh(q), _fresh(w), _fresh(qs), k, ks, offsets + row_start, ratio
             )
+        if bad_keys is not None:
+            scores = _poison_keys(scores, bad_keys)
         emit(row_start, scores)
+
+
+def _poison_keys(scores: torch.Tensor, bad_keys: torch.Tensor) -> torch.Tensor:
+    """NaN at every visible (finite) score of a key whose k vector was non-finite."""
+    poison = bad_keys[:, None, : scores.shape[-1]] & torch.isfinite(scores)
+    return scores.masked_fill_(poison, float("nan"))
 
 
 def resolve_scoring_backend(
@@ -510,7 +531,11 @@ def _indexer_forward(
             f"max_seqlen_k={max_seqlen_k} is below the longest key sequence ({longest_k})."
         )
     out = torch.full((sq, max_seqlen_k), float("-inf"), dtype=torch.float32, device=device)
-    if backend == "cudnn" and sq * max(max_seqlen_k, 1) * bytes_per_row <= chunk_bytes:
+    if (
+        backend == "cudnn"
+        and ops.bad_keys is None
+        and sq * max(max_seqlen_k, 1) * bytes_per_row <= chunk_bytes
+    ):
         q_lens = cu_q[1:] - cu_q[:-1]
         out.copy_(
             _cudnn_scores(

@@ -1,8 +1,9 @@
 """Top-k key selection from indexer scores.
 
 Selection rule (both backends, deterministic mode): among the valid keys of a row -- index below
-the row's ``seq_len`` and score not ``-inf`` -- take the ``k`` largest scores, ties toward the
-lower key index. Scores are ordered as cuDNN's radix top-k orders them: by their float32 bit
+the row's ``seq_len``, score neither ``-inf`` nor NaN -- take the ``k`` largest scores, ties toward
+the lower key index. NaN scores (which :func:`dsa_precision.indexer_scores` produces for
+non-finite q or k vectors) are never selected. Scores are ordered as cuDNN's radix top-k orders them: by their float32 bit
 pattern, so ``+0.0`` ranks above ``-0.0`` (exact zeros are common: a key whose heads are all
 ReLU-zero scores exactly 0). The selected indices come back in ascending order, padded with
 ``-1`` where a row has fewer than ``k`` valid keys.
@@ -45,7 +46,7 @@ def _torch_topk(scores: torch.Tensor, k: int, seq_lens: torch.Tensor, determinis
     sk = scores.shape[-1]
     kk = min(k, sk)
     keys_valid = torch.arange(sk, device=scores.device) < seq_lens.unsqueeze(-1)
-    keys_valid &= scores != float("-inf")
+    keys_valid &= (scores != float("-inf")) & ~torch.isnan(scores)
     if deterministic:
         # One int64 per score: the ordered float key in the high 32 bits, the reversed key index
         # in the low 32, so torch.topk's largest-first order breaks ties toward lower indices.
@@ -72,9 +73,17 @@ def _cudnn_topk(scores: torch.Tensor, k: int, seq_lens: torch.Tensor, determinis
             deterministic=deterministic,
         )
     picked = result["indices"].to(torch.int64)
+    values = result["values"]
     # cuDNN fills short rows with -1 but may pick -inf keys inside seq_len: those are not valid.
-    valid = (picked >= 0) & (result["values"] != float("-inf"))
-    return _compact_ascending(picked.clamp_min(0), valid, sk)
+    valid = (picked >= 0) & (values != float("-inf"))
+    out = _compact_ascending(picked.clamp_min(0), valid, sk)
+    # The radix kernel orders NaN by its bits (usually above +inf). Rows that picked a NaN are
+    # re-selected by the torch path, which never selects NaN (one small host sync per call).
+    nan_rows = torch.isnan(values).any(dim=-1)
+    if bool(nan_rows.any()):
+        rows = nan_rows.nonzero().flatten()
+        out[rows] = _torch_topk(scores[rows], k, seq_lens[rows], deterministic)
+    return out
 
 
 def indexer_topk(
@@ -212,4 +221,7 @@ def indexer_select(
         out.append((row_start, indexer_topk(scores, topk, deterministic=deterministic)))
 
     _indexer_forward(q, k, weights, on_chunk=on_chunk, **common)
+    if not out:  # no query rows
+        ref = q if operands is None else operands.q
+        return torch.full((ref.shape[0], 0, topk), -1, dtype=torch.int32, device=ref.device)
     return torch.cat([picks for _, picks in sorted(out, key=lambda t: t[0])], dim=1)

@@ -66,23 +66,23 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/fused.py": (
         "00e68d9d74ee4ecc5eebbbb21f35c526a45d064c7f34732bfd9c9068c96e54f7",
-        "22864b977f78be8878c183dc46b77a260520cb316fe017a9d3f6721949e7260c",
+        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
     ),
     "dsa_precision/megatron/seams.py": (
         "c12621ab4dbf8beb1194a67d6257b8b7329b9e374c48403a29a5c9cae0620630",
         "69a6a739e9c010b82bcbf75c76d448b53b9e92e8e96bf12b59877406cefa917a",
     ),
     "dsa_precision/scoring.py": (
-        "808ce109b2f5657c69d917388702d05b0c927f29bb49be076b888b1658c136be",
-        "22864b977f78be8878c183dc46b77a260520cb316fe017a9d3f6721949e7260c",
+        "7f397c63bf53e1a61df1a7779ad8b3c5110b0558a52a451f791357e918b0b466",
+        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
     ),
     "dsa_precision/sparse_attention.py": (
         "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "d82b8cd3ec8d184dd3a7ac1f3032322751f234df52cbe3a3dc4dcfc22cd19ee1",
+        "c2c3cf4e46fb5771624584fb3b47f6657c94ac310ee50e01855a22d36b394396",
     ),
     "dsa_precision/topk.py": (
-        "0aed0f02e7898c4202361d75d711d4aebf96a959fc06e4f730fc6c39a9ded49e",
-        "22864b977f78be8878c183dc46b77a260520cb316fe017a9d3f6721949e7260c",
+        "b0de785c277b96532b3b79e50b4012d0cffaeb07d77efd9512c64873f885b9ac",
+        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
     ),
 }
 # END HASHES

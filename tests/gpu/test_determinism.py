@@ -111,3 +111,21 @@ def test_fused_backward_replays_bit_exact_when_deterministic():
         assert_replays_bit_exact(run, _fused_inputs(s=1024), backward=True, what="fused backward")
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_non_finite_inputs_replay_and_stay_non_finite(precision):
+    q, k, w = _qkw(1, 512, 64)
+    q[0, 100, 3, 7] = float("nan")
+    k[0, 200, 0, 5] = float("inf")
+
+    def score_and_pick(q, k, w):
+        s = _indexer_forward(q, k, w, scoring_precision=precision, backend="cudnn")
+        return s, indexer_topk(s, 64, backend="cudnn")
+
+    scores, picks = assert_replays_bit_exact(
+        score_and_pick, (q, k, w), what=f"non-finite {precision}"
+    )
+    assert torch.isnan(scores[0, 100, :101]).all()
+    assert torch.isnan(scores[0, 200:, 200]).all() and torch.isfinite(scores[0, 300, :200]).all()
+    assert (picks[0, 100] == -1).all() and not (picks == 200).any()
