@@ -37,11 +37,13 @@ __all__ = [
     "DemoRun",
     "EngineVariant",
     "Side",
-    "boundary_stats",
+    "boundary_margin",
     "head_weights",
     "inference_side",
     "register",
+    "row_scale",
     "run_demo",
+    "score_error",
     "training_side",
 ]
 
@@ -168,30 +170,31 @@ def select(
     return scores, indices
 
 
-def boundary_stats(scores: torch.Tensor, reference: torch.Tensor, topk: int) -> tuple[float, float]:
-    """Boundary margin and score error of ``scores`` against the inference ``reference``.
-
-    Both are ``[rows, S_k]`` float32 with the same ``-inf`` pattern and more than ``topk`` finite
-    entries per row. With ``sigma_r`` the standard deviation of row ``r``'s finite reference
-    scores and ``y_(j)`` the ``j``-th largest finite entry of a row of ``scores``:
-
-        margin = median_r (y_(k) - y_(k+1)) / sigma_r
-        error  = median_r max_t |scores[r, t] - reference[r, t]| / sigma_r
-
-    Returns:
-        ``(margin, error)`` as Python floats (NaN if every row has ``sigma_r == 0``).
-    """
+def row_scale(reference: torch.Tensor) -> torch.Tensor:
+    """``sigma_r``: float64 ``[rows]`` standard deviation of each row's finite entries of
+    ``reference`` ``[rows, S_k]`` (``-inf`` = masked); NaN where a row is constant."""
     finite = torch.isfinite(reference)
     ref = torch.where(finite, reference.double(), 0.0)
     n = finite.sum(-1)
-    mean = ref.sum(-1) / n
-    var = (torch.where(finite, ref - mean[:, None], 0.0) ** 2).sum(-1) / n
-    sigma = var.sqrt()
-    sigma = torch.where(sigma > 0, sigma, torch.nan)
+    centered = torch.where(finite, ref - (ref.sum(-1) / n)[:, None], 0.0)
+    sigma = ((centered**2).sum(-1) / n).sqrt()
+    return torch.where(sigma > 0, sigma, torch.nan)
+
+
+def boundary_margin(scores: torch.Tensor, scale: torch.Tensor, topk: int) -> float:
+    """``median_r (y_(k) - y_(k+1)) / sigma_r``, with ``y_(j)`` the ``j``-th largest score of row
+    ``r`` of ``scores`` ``[rows, S_k]`` (more than ``topk`` finite entries per row) and ``scale``
+    from :func:`row_scale`."""
     top = scores.topk(topk + 1, dim=-1).values.double()
-    margin = (top[:, topk - 1] - top[:, topk]) / sigma
-    diff = torch.where(finite, (scores.double() - ref).abs(), 0.0).amax(-1) / sigma
-    return float(margin.nanmedian()), float(diff.nanmedian())
+    return float(((top[:, topk - 1] - top[:, topk]) / scale).nanmedian())
+
+
+def score_error(scores: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor) -> float:
+    """``median_r max_t |scores[r, t] - reference[r, t]| / sigma_r`` over the finite entries
+    (both ``[rows, S_k]`` with the same ``-inf`` pattern)."""
+    finite = torch.isfinite(reference)
+    diff = torch.where(finite, scores.double() - reference.double(), 0.0).abs().amax(-1)
+    return float((diff / scale).nanmedian())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +273,6 @@ def run_demo(
     seed: int = 0,
     device: str = "cpu",
     variant: EngineVariant | None = None,
-    show_progress: bool = True,
 ) -> DemoRun:
     """Run the comparison; see the module docstring. Rows ``< topk`` (which select every visible
     key on both sides) are left out of every metric."""
@@ -280,23 +282,26 @@ def run_demo(
     inputs = synthetic_indexer_inputs(
         seq_len, n_heads=n_heads, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, seed=seed
     ).to(device)
-    sides = [inference_side(variant), *(training_side(c) for c in CONFIGS)]
-    items = progress(sides, desc="demo") if show_progress else iter(sides)
     rows = slice(topk, None)
-    ref_scores = ref_idx = None
-    margin = float("nan")
-    results = []
-    for side in items:
-        scores, idx = select(inputs, side, variant, topk=topk, backend=backend)
-        scores, idx = scores[rows], idx[rows]
-        if ref_scores is None:  # the inference side comes first
-            ref_scores, ref_idx = scores, idx
-            margin, _ = boundary_stats(scores, scores, topk)
-            continue
-        config = CONFIGS[len(results)]
-        side_margin, error = boundary_stats(scores, ref_scores, topk)
-        agreement = topk_agreement(idx, ref_idx).as_dict()
-        results.append(ConfigResult(config, idx.cpu(), agreement, side_margin, error))
+
+    def side_picks(side: Side) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, indices = select(inputs, side, variant, topk=topk, backend=backend)
+        return scores[rows], indices[rows]
+
+    sides = [inference_side(variant), *(training_side(c) for c in CONFIGS)]
+    picks = [side_picks(side) for side in progress(sides, desc="demo")]
+    (ref_scores, ref_indices), trained = picks[0], picks[1:]
+    scale = row_scale(ref_scores)
+    results = [
+        ConfigResult(
+            config,
+            indices.cpu(),
+            topk_agreement(indices, ref_indices).as_dict(),
+            boundary_margin(scores, scale, topk),
+            score_error(scores, ref_scores, scale),
+        )
+        for config, (scores, indices) in zip(CONFIGS, trained, strict=True)
+    ]
     return DemoRun(
         seq_len=seq_len,
         topk=topk,
@@ -305,8 +310,8 @@ def run_demo(
         device=device,
         backend=backend,
         variant=variant,
-        inference_margin=margin,
-        inference_indices=ref_idx.cpu(),
+        inference_margin=boundary_margin(ref_scores, scale, topk),
+        inference_indices=ref_indices.cpu(),
         configs=results,
         seconds=time.monotonic() - start,
     )
