@@ -86,7 +86,6 @@ class EngineVariant:
 class Side:
     """How one side (inference, or a training configuration) selects its keys."""
 
-    name: str
     rope_fp32: bool
     scoring_precision: str
     head_weights: HeadWeights
@@ -95,14 +94,14 @@ class Side:
 
 def inference_side(variant: EngineVariant) -> Side:
     """The inference engine: FP32 preprocessing, FP8 scoring, the variant's weights and floor."""
-    return Side("inference", True, "fp8", variant.head_weights, variant.amax_floor)
+    return Side(True, "fp8", variant.head_weights, variant.amax_floor)
 
 
 def training_side(config: IndexerPrecisionConfig) -> Side:
     """What the Megatron integration does for ``config``: BF16 scoring keeps Megatron's BF16
     head weights; FP8 scoring computes them in FP32 in vLLM's order."""
     weights: HeadWeights = "fp32" if config.fp8 else "bf16"
-    return Side(config.short_str(), config.rope_fp32, config.scoring_precision.value, weights)
+    return Side(config.rope_fp32, config.scoring_precision.value, weights)
 
 
 def head_weights(w_proj: torch.Tensor, head_dim: int, mode: HeadWeights) -> torch.Tensor:
@@ -369,12 +368,14 @@ def plot_run(run: DemoRun, path: Path) -> None:
     centers = [run.first_row + (a + b - 1) / 2 for a, b in bins]
     fig = Figure(figsize=(8, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    for c in run.configs:
+    # Distinct line styles: configurations often coincide (e.g. baseline and rope_fp32).
+    for c, style in zip(run.configs, itertools.cycle(("-", "--", "-.", ":")), strict=False):
         per_bin = [
             topk_agreement(c.indices[a:b], run.inference_indices[a:b]).as_dict() for a, b in bins
         ]
-        top.plot(centers, [100 * m["member_agreement"] for m in per_bin], label=c.name)
-        bottom.plot(centers, [100 * m["rows_identical"] for m in per_bin], label=c.name)
+        line = dict(label=c.name, linestyle=style)
+        top.plot(centers, [100 * m["member_agreement"] for m in per_bin], **line)
+        bottom.plot(centers, [100 * m["rows_identical"] for m in per_bin], **line)
     top.set_ylabel("member agreement (%)")
     bottom.set_ylabel("rows identical (%)")
     bottom.set_xlabel("query position")
