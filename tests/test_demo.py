@@ -175,3 +175,35 @@ def test_model_variants_still_reproduce_inference():
         "head_weights": "fp32",
     }
     assert result["configs"][-1]["rows_identical"] == 1.0
+
+
+def test_cudnn_path_with_recording_fake(monkeypatch):
+    """The --device cuda code path (explicit backend="cudnn") on the CPU, through the recording
+    fake of cudnn.DSA: every scoring and top-k call reaches the kernel API, none falls back."""
+    from dsa_precision import demo, reset_scoring_calls, scoring_calls
+
+    from . import fake_cudnn
+
+    fake = fake_cudnn.install(monkeypatch)
+    monkeypatch.setitem(demo.BACKENDS, "cpu", "cudnn")
+    reset_scoring_calls()
+    run = demo.run_demo(seq_len=96, topk=16)
+    assert run.backend == "cudnn"
+    assert scoring_calls(backend="torch") == 0 and scoring_calls(backend="cudnn") == 5
+    # inference, then baseline, rope_fp32, fp8, rope_fp32+fp8
+    assert [c["precision"] for c in fake.forward_calls] == ["fp8", "bf16", "bf16", "fp8", "fp8"]
+    # BF16 scoring keeps Megatron's bf16 head weights; FP8 folds the q descale into float32.
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert [c["w_dtype"] for c in fake.forward_calls] == [f32, bf16, bf16, f32, f32]
+    assert all(c["top_k"] == 16 and c["deterministic"] for c in fake.topk_calls)
+    assert len(fake.topk_calls) == 5
+    assert run.configs[-1].agreement["rows_identical"] == 1.0
+
+
+def test_cudnn_unusable_is_an_error_not_a_fallback(monkeypatch):
+    from dsa_precision import demo
+
+    monkeypatch.setitem(demo.BACKENDS, "cpu", "cudnn")
+    code, out, err = run_cli("demo", "--seq", "64", "--topk", "8")
+    assert code == 2 and out == ""
+    assert "backend='cudnn' cannot score this call" in err and err.count("\n") == 1
