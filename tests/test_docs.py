@@ -16,14 +16,32 @@ def python_blocks(doc: str) -> list[str]:
 
 
 def test_readme_megatron_snippet(megatron_parallel):
-    from .megatron_utils import make_config
+    import dataclasses
 
-    (snippet,) = [b for b in python_blocks("README.md") if "from_megatron_config" in b]
-    namespace = {"config": make_config(dsa_indexer_n_heads=32)}
-    # On this CPU machine the config has dsa_kernel_backend="none", which FP8 refuses.
-    with pytest.raises(ValueError, match="dsa_kernel_backend='none'"):
-        exec(snippet, namespace)
-    assert namespace["precision"].short_str() == "rope_fp32+fp8"
+    import dsa_precision.megatron as dsap
+
+    from .test_megatron import fake_sm90, make_config
+
+    (snippet,) = [b for b in python_blocks("README.md") if "DSAPrecisionTransformerConfig" in b]
+    base = make_config()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    fields = {
+        k: v
+        for k, v in fields.items()
+        if not k.startswith("dsa_indexer_r") and "scoring_precision" not in k
+    }
+    namespace = {"mla_dsa_fields": fields}
+    try:
+        with fake_sm90():
+            exec(snippet, namespace)
+        assert namespace["config"].dsa_indexer_precision.short_str() == "rope_fp32+fp8"
+        layer = namespace["decoder_spec"].layer_specs[0]
+        assert (
+            layer.submodules.self_attention.submodules.core_attention.module
+            is dsap.PrecisionDSAttention
+        )
+    finally:
+        dsap.uninstall()
 
 
 class _Recorder:
