@@ -111,9 +111,7 @@ def test_select_streams_chunks_like_scores_then_topk(precision):
     w = (torch.randn(2, 40, 32) * 0.02).to(torch.bfloat16)
     want = indexer_topk(indexer_scores(q, k, w, scoring_precision=precision, backend="torch"), 6)
     for kw in ({}, {"chunk_bytes": 8 * 2 * 40 * 20}):
-        got = indexer_select(
-            q, k, w, 6, scoring_precision=precision, backend="torch", **kw
-        )
+        got = indexer_select(q, k, w, 6, scoring_precision=precision, backend="torch", **kw)
         assert torch.equal(got, want)
     cu = torch.tensor([0, 40], dtype=torch.int32)
     packed = indexer_select(
