@@ -426,7 +426,7 @@ def format_tables(report: dict[str, Any]) -> str:
         t, tf, m = r["times_ms"], r["tflops"], r["peak_extra_mib"]
         star = "*" if r["topk_derived"] else " "
         lines.append(
-            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['prep_fused'])} {_fmt(t['prep_torch']):>7} "
+            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['prep_fused']):>7} {_fmt(t['prep_torch']):>7} "
             f"{_fmt(r['prep_fused_tb_per_s'], '.2f'):>5} {100 * r['prep_share_of_fp8_score']:>4.1f}% | "
             f"{_fmt(t['score_bf16']):>7} {_fmt(tf['score_bf16'], '.0f'):>5} "
             f"{_fmt(t['score_fp8']):>7} {_fmt(tf['score_fp8'], '.0f'):>5} "
