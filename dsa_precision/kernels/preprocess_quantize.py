@@ -284,8 +284,10 @@ def preprocess_quantize(
     keys = x.ndim == 3
     x4 = x.unsqueeze(2) if keys else x
     n_seq, batch, n_heads, d = x4.shape
-    if d != HEAD_DIM or x4.stride(3) != 1:
-        raise ValueError(f"expected contiguous 128-wide vectors, got {tuple(x.shape)} {x.stride()}")
+    if d != HEAD_DIM:
+        raise ValueError(f"expected 128-wide vectors, got {tuple(x.shape)}")
+    if x4.stride(3) != 1:
+        x4 = x4.contiguous()
     rope_dim = cos.shape[-1]
     floor32 = float(torch.tensor(amax_floor, dtype=torch.float32))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
