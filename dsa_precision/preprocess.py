@@ -40,6 +40,8 @@ __all__ = [
     "apply_rope",
     "indexer_head_weights",
     "layer_norm_fp32",
+    "pairwise_sum",
+    "rope_tables",
     "thd_token_freqs",
 ]
 
@@ -52,6 +54,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` on the two halves of the last dimension."""
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_tables(
+    freqs: torch.Tensor, mscale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angles ``freqs``, scaled by ``mscale`` in float32, cast to ``dtype``.
+
+    The one definition of the RoPE tables: :func:`apply_rope` uses it, and so do the fused kernels
+    (which must not evaluate trigonometry themselves to stay bit-identical). Megatron rounds
+    cos/sin to the compute dtype before the products; so do we (a no-op in FP32).
+    """
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
 def apply_rope(
@@ -79,9 +93,7 @@ def apply_rope(
     x_pe, x_pass = x[..., :rope_dim], x[..., rope_dim:]
     if rope_interleaved:
         x_pe = torch.cat((x_pe[..., 0::2], x_pe[..., 1::2]), dim=-1)
-    # Megatron rounds cos/sin to the compute dtype before the products; so do we (a no-op in FP32).
-    cos = (torch.cos(freqs) * mscale).to(x.dtype)
-    sin = (torch.sin(freqs) * mscale).to(x.dtype)
+    cos, sin = rope_tables(freqs, mscale, x.dtype)
     x_pe = x_pe * cos + _rotate_half(x_pe) * sin
     return torch.cat((x_pe, x_pass), dim=-1)
 
@@ -131,20 +143,39 @@ def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tens
     return weight, getattr(norm, "bias", None), float(eps)
 
 
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in a fixed order, keeping it (size 1).
+
+    For a power-of-two width the order is a tree of adjacent pairs: ``x[2i] + x[2i+1]``, then
+    the same on the results, and so on. Unlike ``torch.sum``, whose order depends on the device,
+    the memory layout and the kernel, this order is part of the definition, so a fused kernel can
+    reproduce every rounding. Other widths fall back to ``torch.sum`` (order unspecified).
+    """
+    n = x.shape[-1]
+    if n == 0 or n & (n - 1):
+        return x.sum(dim=-1, keepdim=True)
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
+
+
 def layer_norm_fp32(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """LayerNorm of ``x`` ``[..., d]`` over the last dimension, float32 out.
 
     Statistics and the affine map are evaluated in float64 from the exact values of ``x``,
-    ``weight`` and ``bias`` and rounded to float32 once, so the result is the same on every device
-    and does not depend on a kernel's reduction order (a fused kernel can reproduce it bit for
-    bit). Differentiable.
+    ``weight`` and ``bias`` and rounded to float32 once. The sums of the mean and the variance
+    run in the fixed order of :func:`pairwise_sum` (the sum of squares is not exact in float64,
+    so a device-chosen reduction order would leak into the last float32 bit once in ~2**29
+    values): the result is the same on every device, and a fused kernel reproduces it bit for bit.
+    Differentiable.
     """
+    d = x.shape[-1]
     x64 = x.to(torch.float64)
-    mean = x64.mean(dim=-1, keepdim=True)
+    mean = pairwise_sum(x64) / d
     centered = x64 - mean
-    var = (centered * centered).mean(dim=-1, keepdim=True)
+    var = pairwise_sum(centered * centered) / d
     y = centered / torch.sqrt(var + eps)
     if weight is not None:
         y = y * weight.to(torch.float64)
@@ -214,7 +245,8 @@ class IndexerPreprocess(nn.Module):
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         if k_norm is None:
-            self.k_norm = nn.LayerNorm(head_dim, eps=k_norm_eps)
+            # Registered directly: the read-only ``k_norm`` property below serves both cases.
+            self._modules["k_norm"] = nn.LayerNorm(head_dim, eps=k_norm_eps)
         else:
             # A one-element tuple keeps nn.Module from registering the borrowed norm.
             self._borrowed_k_norm = (k_norm,)
@@ -224,15 +256,22 @@ class IndexerPreprocess(nn.Module):
         self.k_norm_fp32 = k_norm_fp32
         self.rope_fp32 = rope_fp32
 
-    def _norm(self) -> nn.Module:
+    @property
+    def k_norm(self) -> nn.Module:
+        """The key LayerNorm (owned, or borrowed from the model)."""
         borrowed = self.__dict__.get("_borrowed_k_norm")
-        return borrowed[0] if borrowed else self.k_norm
+        return borrowed[0] if borrowed else self._modules["k_norm"]
 
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, rope_dim={self.rope_dim}, rope_fp32={self.rope_fp32}, "
             f"rope_interleaved={self.rope_interleaved}, rotate_activation={self.rotate_activation}"
         )
+
+    def norm_key(self, k: torch.Tensor) -> torch.Tensor:
+        """The key LayerNorm of the ``rope_fp32=False`` path, as Megatron runs it: the module in
+        the projection dtype, or on a float32 upcast rounded back when ``k_norm_fp32``."""
+        return self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
 
     def forward(
         self,
@@ -276,7 +315,7 @@ class IndexerPreprocess(nn.Module):
             )
         if cu_seqlens is not None and b != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
-        norm = self._norm()
+        norm = self.k_norm
 
         if self.rope_fn is not None and not self.rope_fp32:
 
@@ -301,7 +340,7 @@ class IndexerPreprocess(nn.Module):
             k = layer_norm_fp32(k, *_layer_norm_params(norm))
         else:
             q = rope(q)
-            k = norm(k.float()).to(k.dtype) if self.k_norm_fp32 else norm(k)
+            k = self.norm_key(k)
         k = rope(k.unsqueeze(2)).squeeze(2)
 
         if self.rotate_activation:

@@ -215,13 +215,19 @@ def indexer_select(
             q, k, weights, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **common
         )
         return indexer_topk(scores, topk, deterministic=deterministic)
-    out: list[tuple[int, torch.Tensor]] = []
+    # The result is allocated once and each chunk's picks written into it (a list of chunks
+    # concatenated at the end would hold the whole result twice).
+    out: list[torch.Tensor] = []
 
     def on_chunk(row_start: int, scores: torch.Tensor) -> None:
-        out.append((row_start, indexer_topk(scores, topk, deterministic=deterministic)))
+        picks = indexer_topk(scores, topk, deterministic=deterministic)
+        if not out:
+            rows = (operands.q if operands is not None else q).shape[1]
+            out.append(picks.new_empty((picks.shape[0], rows, topk)))
+        out[0][:, row_start : row_start + picks.shape[1]] = picks
 
     _indexer_forward(q, k, weights, on_chunk=on_chunk, **common)
     if not out:  # no query rows
         ref = q if operands is None else operands.q
         return torch.full((ref.shape[0], 0, topk), -1, dtype=torch.int32, device=ref.device)
-    return torch.cat([picks for _, picks in sorted(out, key=lambda t: t[0])], dim=1)
+    return out[0]

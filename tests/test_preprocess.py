@@ -209,3 +209,32 @@ def test_bad_construction():
     pre = IndexerPreprocess(128, 64, k_norm=torch.nn.RMSNorm(128), rope_fp32=True)
     with pytest.raises(TypeError, match="RMSNorm"):
         pre(torch.randn(2, 1, 4, 128), torch.randn(2, 1, 128), torch.rand(2, 1, 1, 64))
+
+
+def _python_pairwise(values: list[float]) -> float:
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def test_pairwise_sum_has_a_fixed_order():
+    from dsa_precision.preprocess import pairwise_sum
+
+    x = torch.randn(6, 128, dtype=torch.float64) * torch.logspace(-30, 30, 128, dtype=torch.float64)
+    got = pairwise_sum(x)[:, 0].tolist()
+    assert got == [_python_pairwise(row) for row in x.tolist()]
+    # An order-dependent sum: the tree cancels 1 - 1 first, so the tiny term survives.
+    v = torch.zeros(128, dtype=torch.float64)
+    v[0], v[1], v[2] = 1.0, -1.0, 2.0**-60
+    assert pairwise_sum(v).item() == 2.0**-60
+
+
+def test_layer_norm_fp32_is_layout_independent():
+    from dsa_precision.preprocess import layer_norm_fp32
+
+    k = (torch.randn(64, 3, 128) * torch.logspace(-12, 2, 128)).to(torch.bfloat16)
+    w, b = torch.randn(128).to(torch.bfloat16), torch.randn(128).to(torch.bfloat16)
+    contiguous = layer_norm_fp32(k, w, b, 1e-6)
+    strided = layer_norm_fp32(k.transpose(0, 1).contiguous().transpose(0, 1), w, b, 1e-6)
+    one_row = torch.stack([layer_norm_fp32(k[i], w, b, 1e-6) for i in range(k.shape[0])])
+    assert torch.equal(contiguous, strided) and torch.equal(contiguous, one_row)

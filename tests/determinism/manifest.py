@@ -56,6 +56,13 @@ REGISTRY: dict[str, tuple[str, ...]] = {
     "dsa_precision/megatron/seams.py": (
         "tests/gpu/test_megatron_gpu.py::test_precision_attention_replays_bit_exact",
     ),
+    "dsa_precision/kernels/preprocess_quantize.py": (
+        "tests/gpu/test_fused_preprocess.py::test_production_shape_and_replays",
+        "tests/gpu/test_fused_preprocess.py::test_config_matrix",
+    ),
+    "dsa_precision/prepare.py": (
+        "tests/gpu/test_fused_preprocess.py::test_production_shape_and_replays",
+    ),
     "dsa_precision/fused.py": (
         f"{GPU}::test_fused_forward_replays_bit_exact",
         f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
@@ -66,23 +73,31 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/fused.py": (
         "00e68d9d74ee4ecc5eebbbb21f35c526a45d064c7f34732bfd9c9068c96e54f7",
-        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
+        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
+    ),
+    "dsa_precision/kernels/preprocess_quantize.py": (
+        "61b9ed2b0f5471e082a8091a5deb13e7b99845ab2d6c6cd4580675d999913c09",
+        "e3a513f87badf6599160dd8871505ff9d21c7ad1b74bfe476e06cf15206f8dc4",
     ),
     "dsa_precision/megatron/seams.py": (
         "c12621ab4dbf8beb1194a67d6257b8b7329b9e374c48403a29a5c9cae0620630",
         "69a6a739e9c010b82bcbf75c76d448b53b9e92e8e96bf12b59877406cefa917a",
     ),
+    "dsa_precision/prepare.py": (
+        "b0622b37c2dc1c5d3d5bc0202b4a771237f999847b10bb3f5160061e70c3f10b",
+        "e3a513f87badf6599160dd8871505ff9d21c7ad1b74bfe476e06cf15206f8dc4",
+    ),
     "dsa_precision/scoring.py": (
         "7f397c63bf53e1a61df1a7779ad8b3c5110b0558a52a451f791357e918b0b466",
-        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
+        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
     ),
     "dsa_precision/sparse_attention.py": (
         "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "c2c3cf4e46fb5771624584fb3b47f6657c94ac310ee50e01855a22d36b394396",
+        "e6482f47b67ecd1b5ce7f78c5009affaa58b1a1c8fb97a484c2a317b4894c3e0",
     ),
     "dsa_precision/topk.py": (
-        "b0de785c277b96532b3b79e50b4012d0cffaeb07d77efd9512c64873f885b9ac",
-        "df4317051002884eaa1cd74dd830175e054e0767f1783ad20374b02229347160",
+        "9723db83c0835354f4c884d963b2c5cee9ddc22715a463d50faedf827227a0e7",
+        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
     ),
 }
 # END HASHES

@@ -7,6 +7,7 @@ from dsa_precision import (
     IndexerPreprocess,
     fused_indexer_sparse_attention,
     indexer_scores,
+    indexer_select,
     indexer_topk,
 )
 from dsa_precision.preprocess import indexer_head_weights
@@ -54,6 +55,15 @@ def test_topk_replays_bit_exact():
     scores = torch.round(torch.randn(4, 512, 8192, device=DEV, generator=g) * 4) / 4  # many ties
     assert_replays_bit_exact(
         lambda s: indexer_topk(s, 2048, backend="cudnn"), (scores,), contention=True, what="top-k"
+    )
+    # The split path: chunked scoring with per-chunk top-k written into one result.
+    q, k, w = _qkw(1, 4096, 64)
+    assert_replays_bit_exact(
+        lambda q, k, w: indexer_select(
+            q, k, w, 2048, scoring_precision="fp8", backend="cudnn", chunk_bytes=512 * 4096 * 4
+        ),
+        (q, k, w),
+        what="chunked select",
     )
 
 

@@ -1,0 +1,7 @@
+"""Triton kernels. Importing this package imports nothing; each kernel module imports Triton.
+
+``preprocess_quantize``: the indexer's RoPE -> (Hadamard) -> E4M3/UE8M0 quantization (and the
+key LayerNorm of the ``rope_fp32`` path) in one pass, bit-identical to the torch reference.
+Use it through :func:`dsa_precision.prepare.prepare_indexer_operands`, which decides when it
+applies.
+"""

@@ -1,0 +1,353 @@
+"""Fused indexer preprocessing and E4M3/UE8M0 quantization (Triton).
+
+One kernel, launched once for the queries and once for the keys, reads the projections in
+Megatron's ``[s, b, (h,) 128]`` layout and writes what the FP8 scorer reads, in BSHD: E4M3 bytes,
+one UE8M0 float32 descale per 128-vector and, for the queries, the head weights with the q
+descale and ``sm_scale`` folded in. Per 128-vector (one row of a ``[BLOCK_T, BLOCK_H, 128]`` tile)::
+
+    (key, rope_fp32) LayerNorm   float64 statistics in the fixed pairwise order, affine in
+                                 float64, one rounding to float32
+    RoPE                         float32 products and sum; with BF16 math each of
+                                 x*cos, rotate_half(x)*sin and their sum rounded to BF16
+    Hadamard (optional)          float64 butterfly in the reference's stage order, float64
+                                 scale, float64 -> float32 (-> BF16 with BF16 math)
+    quantize                     UE8M0 descale from the float32 bits of max(amax, floor),
+                                 E4M3 round-to-nearest-even, NaN for a non-finite vector
+
+Exactness: this reproduces :class:`dsa_precision.preprocess.IndexerPreprocess` followed by
+:func:`dsa_precision.quantize.quantize_e4m3_ue8m0` bit for bit because every operation is one the
+reference performs, on the same values, in the same order, with the same rounding:
+
+- the caller passes the RoPE tables torch computed (no trigonometry here);
+- launches disable FMA contraction (``enable_fp_fusion=False``), so ``a*b + c*d`` rounds after
+  each product as torch's separate elementwise kernels do;
+- float64 division and square root are IEEE (``div.rn.f64``, ``sqrt.rn.f64``); no float32
+  division is used (the descale is applied as a multiplication by its exact reciprocal);
+- BF16 widening, BF16 rounding and the E4M3 encoding are integer bit manipulations, the same
+  algorithms as c10's conversions: they do not depend on the hardware conversion instructions,
+  and the Triton interpreter (whose own fp8/bf16 casts are approximate) runs them exactly;
+- reductions whose order matters (the LayerNorm sums, the butterfly) follow the reference's
+  fixed order; the amax is an integer max over the magnitude bits (order-free, NaN-proof).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
+
+HEAD_DIM = 128
+# Smallest float32 amax floor the kernel accepts: above it every descale 2**e and its reciprocal
+# are normal float32 numbers (e >= -109 and e <= 120), so scaling by the reciprocal is exact.
+MIN_AMAX_FLOOR = 2.0**-100
+_LOG2_HEAD_DIM = 7
+_FLOAT32_NAN_BITS = tl.constexpr(0x7FC00000)  # what torch.full_like(x, nan) stores
+_E4M3_NAN_BITS = tl.constexpr(0x7F)
+
+
+@triton.jit
+def _load_f32(ptrs, mask, IS_BF16: tl.constexpr):
+    """Exact float32 values of float32 data, or of BF16 data passed as its int16 bit view
+    (widened by a shift: exact for every value, subnormals included)."""
+    if IS_BF16:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _round_bf16(x):
+    """Round float32 ``x`` to the nearest-even BF16 value (kept in float32), as c10 does."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    # The bias could carry a NaN's mantissa into the sign bit; NaN stays NaN.
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float8_e4m3fn bit pattern (int32 in [0, 255]) of float32 ``v``, ``|v| <= 448``:
+    round to nearest, ties to even; c10's ``fp8e4m3fn_from_fp32_value`` below its overflow
+    branch, which the descale rule never reaches."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    sign = (bits >> 24) & 0x80
+    # |v| >= 2**-6 (E4M3 normal): rebias the exponent (127 -> 7) and round the 23-bit mantissa
+    # to 3 bits, ties to even, in one integer add; a mantissa carry bumps the exponent.
+    normal = (mag + (((7 - 127) << 23) + 0x7FFFF) + ((mag >> 20) & 1)) >> 20
+    # |v| < 2**-6 (E4M3 subnormal or zero): adding 2**14 in float32 rounds |v| to a multiple of
+    # 2**-9 (nearest even) and leaves that multiple, 0..8, in the low mantissa bits.
+    small = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    return tl.where(mag < (121 << 23), small, normal) | sign
+
+
+@triton.jit
+def _pairwise_sum(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``[R, D] -> [R]``: ``dsa_precision.preprocess.pairwise_sum`` (adjacent pairs, then pairs
+    of those, ...), the same additions in the same order."""
+    # A sum over a size-2 axis is exactly x[2i] + x[2i+1] (Triton's reductions start from the
+    # first element, not from 0), and compiles to the same code as one tl.sum over D.
+    for i in tl.static_range(LOG2_D):
+        x = tl.sum(tl.reshape(x, (R, D >> (i + 1), 2)), axis=2)
+    return tl.reshape(x, (R,))
+
+
+@triton.jit
+def _hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Unscaled Sylvester butterfly of ``[R, D]`` rows, stage by stage as
+    ``dsa_precision.hadamard.hadamard_transform``: stage ``h = 1, 2, ..., D/2`` maps each block
+    ``(a, b)`` of two ``h``-wide halves to ``(a + b, a - b)``."""
+    for i in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, (R, D >> (i + 1), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
+    return x
+
+
+@triton.jit
+def _layer_norm_lanes(
+    x, mean, denom, w_ptr, b_ptr, lanes, HAS_W: tl.constexpr, HAS_B: tl.constexpr
+):
+    """``layer_norm_fp32`` at the given lanes: float64 ``(x - mean) / denom * w + b``, one
+    rounding to float32."""
+    y = (x.to(tl.float64) - mean) / denom
+    if HAS_W:
+        y = y * tl.load(w_ptr + lanes)
+    if HAS_B:
+        y = y + tl.load(b_ptr + lanes)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _preprocess_quantize_kernel(
+    x_ptr,  # [S, B, H, D] (keys: H = 1), float32 or BF16 as int16; last dim contiguous
+    x_stride_s,
+    x_stride_b,
+    x_stride_h,
+    cos_ptr,  # [S, ROPE_DIM] contiguous, float32 or BF16 as int16 (the math dtype)
+    sin_ptr,
+    ln_w_ptr,  # [D] float64 LayerNorm weight / bias (LAYER_NORM)
+    ln_b_ptr,
+    f64_ptr,  # float64 [LayerNorm eps, Hadamard scale]
+    w_ptr,  # [S, B, H] head weights, float32 or BF16 as int16; last dim contiguous (FOLD_W)
+    w_stride_s,
+    w_stride_b,
+    out_ptr,  # [B, S, H, D] uint8 (E4M3 bytes)
+    scale_ptr,  # [B, S, H] float32 descales
+    w_out_ptr,  # [B, S, H] float32 folded weights (FOLD_W)
+    n_rows,  # S * B * H vectors
+    batch,
+    seq,
+    n_heads,
+    floor_bits,  # int32 bits of the float32 amax floor
+    sm_scale,  # float32
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    LAYER_NORM: tl.constexpr,
+    LN_W: tl.constexpr,
+    LN_B: tl.constexpr,
+    X_BF16: tl.constexpr,
+    BF16_MATH: tl.constexpr,
+    FOLD_W: tl.constexpr,
+    W_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    # One program: BLOCK_R vectors (rows), row r = (s * batch + b) * n_heads + h.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    h = (r % n_heads).to(tl.int64)
+    token = r // n_heads
+    s = (token // batch).to(tl.int64)
+    b = (token % batch).to(tl.int64)
+
+    # RoPE lane map (output order: the RoPE slice in rotate-half order, then the pass-through
+    # lanes): out[j] = x[a(j)] * cos[j] + sign(j) * x[b(j)] * sin[j] on the slice, where b(j) is
+    # the lane of the other half; the interleaved layout (MLA style) reads its (even, odd) pairs
+    # de-interleaved. The non-interleaved offsets are lane + constant-per-32-lanes, which keeps
+    # the loads vectorized.
+    HALF: tl.constexpr = ROPE_DIM // 2
+    lanes = tl.arange(0, D)[None, :]
+    first = lanes < HALF
+    rope_lane = lanes < ROPE_DIM
+    if INTERLEAVED:
+        lane_a = tl.where(first, 2 * lanes, tl.where(rope_lane, 2 * (lanes - HALF) + 1, lanes))
+        lane_b = tl.where(first, 2 * lanes + 1, tl.where(rope_lane, 2 * (lanes - HALF), lanes))
+    else:
+        lane_a = lanes
+        lane_b = lanes + tl.where(first, HALF, tl.where(rope_lane, -HALF, 0))
+    sign = tl.where(first, -1.0, 1.0)  # rotate_half negates the first half
+
+    row = x_ptr + (s * x_stride_s + b * x_stride_b + h * x_stride_h)[:, None]
+    mask = r_ok[:, None]
+    xa = _load_f32(row + lane_a, mask, X_BF16)  # [BLOCK_R, D]
+    xb = _load_f32(row + lane_b, mask, X_BF16)
+
+    if LAYER_NORM:  # the rope_fp32 key LayerNorm (float32 out), at both lane maps
+        x64 = _load_f32(row + lanes, mask, X_BF16).to(tl.float64)
+        mean = _pairwise_sum(x64, BLOCK_R, D, LOG2_D) / D
+        centered = x64 - mean[:, None]
+        var = _pairwise_sum(centered * centered, BLOCK_R, D, LOG2_D) / D
+        denom = tl.sqrt(var + tl.load(f64_ptr))[:, None]  # float64: IEEE square root
+        mean = mean[:, None]
+        xa = _layer_norm_lanes(xa, mean, denom, ln_w_ptr, ln_b_ptr, lane_a, LN_W, LN_B)
+        xb = _layer_norm_lanes(xb, mean, denom, ln_w_ptr, ln_b_ptr, lane_b, LN_W, LN_B)
+
+    table = s[:, None] * ROPE_DIM + lanes  # [S, ROPE_DIM] rows; lanes past ROPE_DIM are masked
+    table_mask = mask & rope_lane
+    cos = _load_f32(cos_ptr + table, table_mask, BF16_MATH)
+    sin = _load_f32(sin_ptr + table, table_mask, BF16_MATH)
+    rot = xb * sign  # rotate_half: an exact negation
+    if BF16_MATH:  # each product and the sum rounded to BF16, as torch's BF16 ops do
+        y = _round_bf16(_round_bf16(xa * cos) + _round_bf16(rot * sin))
+    else:  # float32; the launch disables FMA contraction
+        y = xa * cos + rot * sin
+    y = tl.where(rope_lane, y, xa)
+
+    if HADAMARD:
+        y64 = _hadamard(y.to(tl.float64), BLOCK_R, D, LOG2_D) * tl.load(f64_ptr + 1)
+        # float64 -> float32 (-> BF16): torch converts float64 to BF16 through float32 too.
+        y = y64.to(tl.float32)
+        if BF16_MATH:
+            y = _round_bf16(y)
+
+    # UE8M0 descale from the float32 bits of a = max(amax, floor): a = m * 2**E, m in [0.5, 1),
+    # E = biased exponent - 126; e = E - 8 if m > 0.875 (mantissa bits > 0x600000) else E - 9.
+    mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bad = tl.max(mag, axis=1) >= 0x7F800000  # a NaN or Inf in the vector (bits above +Inf: NaN)
+    a = tl.maximum(tl.max(mag, axis=1), floor_bits)
+    e = (a >> 23) - 126 - tl.where((a & 0x7FFFFF) > 0x600000, 8, 9)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    nan = tl.full((BLOCK_R,), _FLOAT32_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    descale = tl.where(bad, nan, ((e + 127) << 23).to(tl.float32, bitcast=True))
+    codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_bits(y * inv[:, None]))
+
+    out_row = (b * seq + s) * n_heads + h  # BSHD
+    tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
+    tl.store(scale_ptr + out_row, descale, r_ok)
+    if FOLD_W:  # w' = (fp32(w) * q_descale) * sm_scale, float32
+        w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
+        tl.store(w_out_ptr + out_row, (w * descale) * sm_scale, r_ok)
+
+
+def _float32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _bits_view(t: torch.Tensor) -> torch.Tensor:
+    """BF16 data as its int16 bit view (see ``_load_f32``); float32 as is."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def preprocess_quantize(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    hadamard: bool,
+    bf16_math: bool,
+    amax_floor: float,
+    layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
+    weights: torch.Tensor | None = None,
+    sm_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Preprocess and quantize Megatron-layout vectors into BSHD FP8 operands.
+
+    Args:
+        x: ``[S, B, H, 128]`` queries or ``[S, B, 128]`` keys (``H = 1``), BF16 or float32, on
+            CUDA; the last dimension contiguous.
+        cos, sin: ``[S, rope_dim]`` RoPE tables from :func:`dsa_precision.preprocess.rope_tables`,
+            float32 (``bf16_math=False``) or BF16 (``bf16_math=True``).
+        interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
+        hadamard: apply the Hadamard rotation after RoPE.
+        bf16_math: round RoPE and the Hadamard output to BF16 as the ``rope_fp32=False`` path
+            does (``x`` must then be BF16, already key-normalized for keys); otherwise float32.
+        amax_floor: UE8M0 amax floor, at least :data:`MIN_AMAX_FLOOR` once rounded to float32.
+        layer_norm: ``(weight, bias, eps)`` of the ``rope_fp32`` key LayerNorm (``weight``
+            already ``zero_centered_gamma``-adjusted; either may be ``None``), applied first.
+        weights: ``[S, B, H]`` head weights (BF16 or float32) to fold the q descale into.
+        sm_scale: score scale folded into the weights (rounded to float32, as torch does).
+
+    Returns:
+        ``(x_fp8 [B, S, H, 128] float8_e4m3fn, descale [B, S, H] float32, folded weights
+        [B, S, H] float32 or None)``, contiguous; keys come back as ``[B, S, 1, 128]`` and
+        ``[B, S, 1]``.
+    """
+    keys = x.ndim == 3
+    x4 = x.unsqueeze(2) if keys else x
+    n_seq, batch, n_heads, d = x4.shape
+    if d != HEAD_DIM:
+        raise ValueError(f"expected 128-wide vectors, got {tuple(x.shape)}")
+    if x4.stride(3) != 1:
+        x4 = x4.contiguous()
+    rope_dim = cos.shape[-1]
+    floor32 = float(torch.tensor(amax_floor, dtype=torch.float32))
+    if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
+        raise ValueError(f"amax_floor={amax_floor!r} is outside [2**-100, float32 max].")
+    device = x.device
+    out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)
+    w_out = None
+    if weights is not None:
+        if weights.stride(-1) != 1:
+            weights = weights.contiguous()
+        w_out = torch.empty_like(scale)
+    ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
+    consts = torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
+
+    def f64(t: torch.Tensor | None) -> torch.Tensor:
+        return consts if t is None else t.to(device=device, dtype=torch.float64).contiguous()
+
+    n_rows = n_seq * batch * n_heads
+    # 16 vectors per program over 2 warps: each row stays inside one warp (the butterfly and the
+    # amax never cross warps) and ~128 registers per thread leave room for 16 warps per SM.
+    block_r, warps = 16, 2
+    grid = (triton.cdiv(n_rows, block_r),)
+    w_arg = weights if weights is not None else scale
+    _preprocess_quantize_kernel[grid](
+        _bits_view(x4),
+        x4.stride(0),
+        x4.stride(1),
+        x4.stride(2),
+        _bits_view(cos.contiguous()),
+        _bits_view(sin.contiguous()),
+        f64(ln_w),
+        f64(ln_b),
+        consts,
+        _bits_view(w_arg),
+        w_arg.stride(0),
+        w_arg.stride(1),
+        out.view(torch.uint8),
+        scale,
+        w_out if w_out is not None else scale,
+        n_rows,
+        batch,
+        n_seq,
+        n_heads,
+        _float32_bits(floor32),
+        float(torch.tensor(sm_scale, dtype=torch.float32)),  # torch multiplies in float32 too
+        D=d,
+        LOG2_D=_LOG2_HEAD_DIM,
+        ROPE_DIM=rope_dim,
+        INTERLEAVED=interleaved,
+        HADAMARD=hadamard,
+        LAYER_NORM=layer_norm is not None,
+        LN_W=ln_w is not None,
+        LN_B=ln_b is not None,
+        X_BF16=x.dtype == torch.bfloat16,
+        BF16_MATH=bf16_math,
+        FOLD_W=weights is not None,
+        W_BF16=w_arg.dtype == torch.bfloat16,
+        BLOCK_R=block_r,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+    return out, scale, w_out

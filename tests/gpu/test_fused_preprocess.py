@@ -1,0 +1,141 @@
+"""The compiled fused preprocess+quantize kernel on an SM90 GPU against the torch reference on the
+same GPU: bit-identical operands (the cases of ``tests/interpreter``, plus production shapes),
+the hardware paths the interpreter cannot check (code generation without FMA contraction or
+flush-to-zero, float64 division and square root, the BF16 / E4M3 bit arithmetic), and replays."""
+
+import pytest
+import torch
+
+from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
+from dsa_precision.prepare import fused_unsupported_reason
+from dsa_precision.preprocess import pairwise_sum
+
+from ..fused_cases import assert_bit_identical, cancelling_case, hard_case, make_case, operands
+from ..helper_cases import bf16_rounding_inputs, e4m3_inputs, order_sensitive_rows
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+_FAST_HADAMARD = pytest.mark.skipif(
+    HAVE_FAST_HADAMARD,
+    reason="fast_hadamard_transform is installed: BF16 Hadamard cases use the reference path",
+)
+
+
+def _check(case, record=None, name="", **kw):
+    floor = {"amax_floor": kw["amax_floor"]} if "amax_floor" in kw else {}
+    reason = fused_unsupported_reason(
+        case.pre, case.q, case.k, case.w, scoring_precision="fp8", **floor
+    )
+    assert reason is None, reason
+    got, want = operands(case, "triton", **kw), operands(case, "torch", **kw)
+    assert got.q.is_cuda
+    assert_bit_identical(got, want)
+    if record is not None:
+        record("fused_bit_identical", case=name, q=tuple(case.q.shape), identical=True)
+    return got
+
+
+def _bf16_hadamard_ok(rope_fp32, hadamard):
+    if hadamard and not rope_fp32 and HAVE_FAST_HADAMARD:
+        pytest.skip("fast_hadamard_transform is installed: the BF16 Hadamard uses the reference")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+@pytest.mark.parametrize(
+    "rope_fp32,k_norm_fp32",
+    [(True, False), (False, False), (False, True)],
+    ids=["rope_fp32", "bf16", "bf16_k_norm_fp32"],
+)
+@pytest.mark.parametrize("heads", [32, 64])
+def test_config_matrix(record, heads, rope_fp32, k_norm_fp32, hadamard, interleaved):
+    _bf16_hadamard_ok(rope_fp32, hadamard)
+    case = make_case(
+        seq=257,
+        batch=2,
+        heads=heads,
+        rope_fp32=rope_fp32,
+        k_norm_fp32=k_norm_fp32,
+        hadamard=hadamard,
+        interleaved=interleaved,
+        device=DEV,
+    )
+    _check(case, sm_scale=0.37, mscale=1.13)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+def test_packed_thd(rope_fp32):
+    _bf16_hadamard_ok(rope_fp32, True)
+    case = make_case(
+        packed=[700, 1, 333, 1000], heads=64, rope_fp32=rope_fp32, hadamard=True, device=DEV
+    )
+    _check(case, sm_scale=2.0)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "fp32_math"])
+def test_float32_projections_and_weights(rope_fp32):
+    case = make_case(
+        seq=300, rope_fp32=rope_fp32, dtype=torch.float32, w_dtype=torch.float32, device=DEV
+    )
+    _check(case)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_quantization_edge_cases(heads, hadamard, interleaved):
+    case = hard_case(heads=heads, hadamard=hadamard, interleaved=interleaved, device=DEV)
+    _check(case)
+    _check(case, amax_floor=1e-10, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+def test_order_sensitive_sums(hadamard):
+    _check(cancelling_case(hadamard=hadamard, device=DEV))
+
+
+@pytest.mark.parametrize(
+    "rope_fp32,hadamard",
+    [(True, True), (True, False), pytest.param(False, True, marks=_FAST_HADAMARD), (False, False)],
+    ids=["rope_fp32_hadamard", "rope_fp32", "bf16_hadamard", "bf16"],
+)
+def test_production_shape_and_replays(record, rope_fp32, hadamard):
+    """S = 16384, H = 64: bit-identical to the reference, and three launches give the same bits."""
+    case = make_case(
+        seq=16384, batch=1, heads=64, rope_fp32=rope_fp32, hadamard=hadamard, device=DEV
+    )
+    first = _check(case, sm_scale=128**-0.5)
+    replays = [operands(case, "triton", sm_scale=128**-0.5) for _ in range(3)]
+    for again in replays:
+        assert_bit_identical(again, first)
+    record(
+        "fused_production",
+        rope_fp32=rope_fp32,
+        hadamard=hadamard,
+        seq=16384,
+        heads=64,
+        bit_identical=True,
+        replays_identical=True,
+    )
+
+
+def test_helpers_on_hardware():
+    """The building blocks compiled for the GPU: integer E4M3 / BF16 rounding against torch's CUDA
+    casts, the butterfly and the pairwise sum against the reference order."""
+    from .. import kernel_probes
+
+    x = e4m3_inputs(DEV)
+    assert torch.equal(kernel_probes.e4m3_bits(x), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    x = bf16_rounding_inputs(DEV)
+    got, want = kernel_probes.round_bf16(x), x.to(torch.bfloat16).float()
+    finite = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(got), ~finite)
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
+    rows = order_sensitive_rows(DEV)
+    got = kernel_probes.hadamard_unscaled(rows) * 128**-0.5
+    assert torch.equal(
+        got.view(torch.int64), hadamard_transform(rows, torch.float64).view(torch.int64)
+    )
+    sums = kernel_probes.pairwise_sum(rows)
+    assert torch.equal(sums.view(torch.int64), pairwise_sum(rows)[:, 0].view(torch.int64))

@@ -1,0 +1,82 @@
+"""The fused preprocess+quantize kernel, run by Triton's interpreter on the CPU, against the torch
+reference: bit-identical E4M3 bytes, descales and folded weights.
+
+The interpreter evaluates float32/float64 arithmetic, float64 division and square root with IEEE
+rounding and no FMA contraction (numpy), integer bit manipulation exactly, and reshape / split /
+join / reductions in program order, so it checks the kernel's arithmetic end to end. It cannot
+check the compiled code generation (FMA contraction, flush-to-zero, the hardware float64 ops):
+``tests/gpu/test_fused_preprocess.py`` repeats these cases on the H200.
+"""
+
+import pytest
+import torch
+
+from dsa_precision.prepare import fused_unsupported_reason
+
+from ..fused_cases import assert_bit_identical, cancelling_case, hard_case, make_case, operands
+
+
+def _check(case, **kw):
+    floor = {"amax_floor": kw["amax_floor"]} if "amax_floor" in kw else {}
+    reason = fused_unsupported_reason(
+        case.pre, case.q, case.k, case.w, scoring_precision="fp8", **floor
+    )
+    assert reason is None, reason
+    assert_bit_identical(operands(case, "triton", **kw), operands(case, "torch", **kw))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+@pytest.mark.parametrize(
+    "rope_fp32,k_norm_fp32",
+    [(True, False), (False, False), (False, True)],
+    ids=["rope_fp32", "bf16", "bf16_k_norm_fp32"],
+)
+def test_config_matrix(rope_fp32, k_norm_fp32, hadamard, interleaved):
+    case = make_case(
+        rope_fp32=rope_fp32, k_norm_fp32=k_norm_fp32, hadamard=hadamard, interleaved=interleaved
+    )
+    _check(case, sm_scale=0.37, mscale=1.13)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_heads_and_batch(heads, rope_fp32):
+    _check(make_case(seq=5, batch=2, heads=heads, rope_fp32=rope_fp32, hadamard=True))
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+def test_packed_thd(rope_fp32):
+    case = make_case(packed=[3, 1, 6], heads=32, rope_fp32=rope_fp32, hadamard=True)
+    _check(case, sm_scale=2.0)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "fp32_math"])
+def test_float32_projections_and_weights(rope_fp32):
+    case = make_case(rope_fp32=rope_fp32, dtype=torch.float32, w_dtype=torch.float32)
+    _check(case)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_quantization_edge_cases(heads, hadamard, interleaved):
+    case = hard_case(heads=heads, hadamard=hadamard, interleaved=interleaved)
+    ref = operands(case, "torch")
+    # The cases are real: boundary amaxes, NaN descales and the floor all occur.
+    scales = ref.q_scale.flatten()
+    assert torch.isnan(scales).any() and (scales == 2.0**-22).any()  # 2**-22: the 1e-4 floor
+    _check(case)
+    _check(case, amax_floor=1e-10, sm_scale=0.3)
+
+
+def test_amax_floor_and_sm_scale():
+    case = make_case(rope_fp32=True, hadamard=True, seq=4)
+    for floor in (1e-4, 1e-10, 2.0**-100, 0.5):
+        _check(case, amax_floor=floor, sm_scale=0.088388)
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
+def test_order_sensitive_sums(hadamard):
+    """Inexact float64 sums: a kernel summing in another order than the reference fails here."""
+    _check(cancelling_case(hadamard=hadamard))
