@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run on the H200 after `source .gpu/bin/env.sh` (see ../shared/gpu/README.md).
+#   bash tools/gpu_session.sh tests|demo|toy|bench ...
+# Logs and JSON land in $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export DSA_PRECISION_REPORT=$OUT/gpu_report.jsonl
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/device.txt"
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tests) timeout 480 python -m pytest -m gpu -q -rs --durations=15 tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    demo) timeout 240 python -m dsa_precision demo --device cuda 2>&1 | tee "$OUT/demo_cuda.txt" | tail -20
+          timeout 240 python -m dsa_precision demo --device cuda --json > "$OUT/demo_cuda.json" 2>"$OUT/demo_cuda.err" ;;
+    toy) timeout 540 python examples/toy_glm5_train.py --out "$OUT/toy.json" 2>&1 | grep -v -i "warn\|deprecated" | tee "$OUT/toy.log" | tail -20 ;;
+    bench) timeout 540 python -m dsa_precision bench --json > "$OUT/bench.json" 2> "$OUT/bench.err"
+           python - "$OUT/bench.json" <<'PY' | tee "$OUT/bench.txt"
+import json, sys
+from dsa_precision.bench import format_tables
+print(format_tables(json.load(open(sys.argv[1]))))
+PY
+           ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  echo "[$step] $(( $(date +%s) - start )) s"
+done
