@@ -273,6 +273,7 @@ def _score_rows(
         if bad_keys is not None:
             scores = _poison_keys(scores, bad_keys)
         emit(row_start, scores)
+        del scores  # free this chunk before the next one is allocated
 
 
 def _poison_keys(scores: torch.Tensor, bad_keys: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BACKENDS = ("auto", "cudnn", "torch")
 # Rows per torch-path chunk are bounded so the int64 sort keys stay under this many bytes.
 _TORCH_TOPK_CHUNK_BYTES = 1 << 28
+# Bytes per score element while a chunk is being selected: the float32 score plus cuDNN's radix
+# top-k scratch (two int32 buffers per column: 8 bytes).
+_SELECT_BYTES_PER_SCORE = 4 + 8
 
 
 def _ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -191,9 +194,10 @@ def indexer_select(
 
     Arguments as for :func:`dsa_precision.indexer_scores` plus ``topk`` and ``deterministic``;
     ``operands`` (a :class:`dsa_precision.scoring.ScoringOperands`) replaces ``q``, ``k``,
-    ``weights``. BSHD input is scored in row chunks whose score buffer stays within
-    ``chunk_bytes`` and each chunk is reduced to its top-k right away, so the full
-    ``(B, S_q, S_k)`` score matrix never exists. Packed input scores, then selects.
+    ``weights``. BSHD input is scored in row chunks and each chunk is reduced to its top-k right
+    away, so the full ``(B, S_q, S_k)`` score matrix never exists; ``chunk_bytes`` bounds a
+    chunk's whole working set (its float32 scores and the top-k scratch, 12 bytes per score).
+    Packed input scores, then selects.
 
     Returns:
         int32 ``(B, S_q, topk)`` (packed: ``(T_q, topk)``), ascending, ``-1`` padded.
@@ -207,7 +211,7 @@ def indexer_select(
         backend=backend,
         q_causal_offsets=q_causal_offsets,
         amax_floor=amax_floor,
-        chunk_bytes=chunk_bytes,
+        chunk_bytes=check_positive_int("chunk_bytes", chunk_bytes),
         operands=operands,
     )
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -226,6 +230,9 @@ def indexer_select(
             out.append(picks.new_empty((picks.shape[0], rows, topk)))
         out[0][:, row_start : row_start + picks.shape[1]] = picks
 
+    # The scoring chunker budgets float32 scores (4 bytes each); scale the budget so that the
+    # scores and the top-k scratch together stay within chunk_bytes.
+    common["chunk_bytes"] = max(1, common["chunk_bytes"] * 4 // _SELECT_BYTES_PER_SCORE)
     _indexer_forward(q, k, weights, on_chunk=on_chunk, **common)
     if not out:  # no query rows
         ref = q if operands is None else operands.q

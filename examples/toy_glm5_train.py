@@ -107,7 +107,8 @@ def build_model(args, config, *, stock: bool = False):
         max_sequence_length=args.seq,
         position_embedding_type="rope",
     )
-    return model.to(args.device), vocab
+    # BF16 parameters throughout (norms included), as Megatron's Float16Module leaves them.
+    return model.to(args.device).bfloat16(), vocab
 
 
 def _unswap(spec):

@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 
 from dsa_precision.kernels.preprocess_quantize import (
-    _e4m3_bits,
+    _e4m3_codes,
     _hadamard,
+    _interpreted,
     _pairwise_sum,
     _round_bf16,
 )
@@ -19,14 +20,16 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _elementwise_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
+def _elementwise_kernel(
+    x_ptr, out_ptr, n, OP: tl.constexpr, HW_CAST: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if OP == 0:
-        tl.store(out_ptr + offs, _e4m3_bits(x).to(tl.uint8), mask=mask)
+        tl.store(out_ptr + offs, _e4m3_codes(x, HW_CAST).to(tl.uint8), mask=mask)
     else:
-        tl.store(out_ptr + offs, _round_bf16(x), mask=mask)
+        tl.store(out_ptr + offs, _round_bf16(x, HW_CAST), mask=mask)
 
 
 @triton.jit
@@ -40,19 +43,24 @@ def _rows_kernel(x_ptr, out_ptr, OP: tl.constexpr, R: tl.constexpr, D: tl.conste
         tl.store(out_ptr + rows, _pairwise_sum(x, R, D, 7))
 
 
-def e4m3_bits(x: torch.Tensor) -> torch.Tensor:
-    """uint8 E4M3 patterns of float32 ``x`` (``|x| <= 448``) by the kernel's integer encoder."""
+def e4m3_bits(x: torch.Tensor, hw_cast: bool | None = None) -> torch.Tensor:
+    """uint8 E4M3 patterns of float32 ``x`` (``|x| <= 448``) by the kernel's encoder: the
+    hardware conversion (default on a GPU) or the integer emulation (``hw_cast=False``, and
+    always in the interpreter)."""
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     n = x.numel()
-    _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=0, BLOCK=_BLOCK)
+    hw = not _interpreted() if hw_cast is None else hw_cast
+    _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=0, HW_CAST=hw, BLOCK=_BLOCK)
     return out
 
 
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` rounded to BF16 values by the kernel's integer rounding (float32 out)."""
+def round_bf16(x: torch.Tensor, hw_cast: bool | None = None) -> torch.Tensor:
+    """float32 ``x`` rounded to BF16 values by the kernel's rounding (float32 out): hardware
+    (default on a GPU) or the integer emulation (``hw_cast=False``, and in the interpreter)."""
     out = torch.empty_like(x)
     n = x.numel()
-    _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=1, BLOCK=_BLOCK)
+    hw = not _interpreted() if hw_cast is None else hw_cast
+    _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=1, HW_CAST=hw, BLOCK=_BLOCK)
     return out
 
 

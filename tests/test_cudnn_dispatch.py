@@ -120,3 +120,15 @@ def test_topk_cudnn_path_matches_torch_path(fake):
         b = indexer_topk(scores, k, seq_lens=seq_lens, backend="torch")
         assert torch.equal(a, b), k
     assert fake.topk_calls[-1]["deterministic"] is True and fake.topk_calls[-1]["top_k"] == 40
+
+
+def test_select_budgets_scores_and_topk_scratch(fake):
+    from dsa_precision import indexer_select
+
+    q, k, w = _inputs(b=2, sq=20, sk=20)
+    picks = indexer_select(
+        q, k, w, 4, scoring_precision="fp8", backend="cudnn", chunk_bytes=8 * 2 * 20 * 12
+    )
+    # 12 bytes per score (float32 score + two int32 top-k buffers): 8 rows per chunk.
+    assert [c["offsets"] for c in fake.forward_calls] == [[0, 0], [8, 8], [16, 16]]
+    assert torch.equal(picks, indexer_select(q, k, w, 4, scoring_precision="fp8", backend="torch"))

@@ -32,6 +32,7 @@ reference performs, on the same values, in the same order, with the same roundin
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -61,12 +62,25 @@ def _load_f32(ptrs, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16(x):
-    """Round float32 ``x`` to the nearest-even BF16 value (kept in float32), as c10 does."""
+def _round_bf16(x, HW_CAST: tl.constexpr):
+    """Round float32 ``x`` to the nearest-even BF16 value (kept in float32), as c10 does: the
+    hardware conversion (``cvt.rn.bf16.f32``), or the same rounding in integer arithmetic for
+    Triton's interpreter, whose casts round half up."""
+    if HW_CAST:
+        return x.to(tl.bfloat16).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
     # The bias could carry a NaN's mantissa into the sign bit; NaN stays NaN.
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e4m3_codes(v, HW_CAST: tl.constexpr):
+    """E4M3 bit patterns (int32) of float32 ``v``, ``|v| <= 448``, round to nearest even: the
+    hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``) or the integer emulation below."""
+    if HW_CAST:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return _e4m3_bits(v)
 
 
 @triton.jit
@@ -158,6 +172,7 @@ def _preprocess_quantize_kernel(
     BF16_MATH: tl.constexpr,
     FOLD_W: tl.constexpr,
     W_BF16: tl.constexpr,
+    HW_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     # One program: BLOCK_R vectors (rows), row r = (s * batch + b) * n_heads + h.
@@ -206,7 +221,7 @@ def _preprocess_quantize_kernel(
     sin = _load_f32(sin_ptr + table, table_mask, BF16_MATH)
     rot = xb * sign  # rotate_half: an exact negation
     if BF16_MATH:  # each product and the sum rounded to BF16, as torch's BF16 ops do
-        y = _round_bf16(_round_bf16(xa * cos) + _round_bf16(rot * sin))
+        y = _round_bf16(_round_bf16(xa * cos, HW_CAST) + _round_bf16(rot * sin, HW_CAST), HW_CAST)
     else:  # float32; the launch disables FMA contraction
         y = xa * cos + rot * sin
     y = tl.where(rope_lane, y, xa)
@@ -216,7 +231,7 @@ def _preprocess_quantize_kernel(
         # float64 -> float32 (-> BF16): torch converts float64 to BF16 through float32 too.
         y = y64.to(tl.float32)
         if BF16_MATH:
-            y = _round_bf16(y)
+            y = _round_bf16(y, HW_CAST)
 
     # UE8M0 descale from the float32 bits of a = max(amax, floor): a = m * 2**E, m in [0.5, 1),
     # E = biased exponent - 126; e = E - 8 if m > 0.875 (mantissa bits > 0x600000) else E - 9.
@@ -227,7 +242,7 @@ def _preprocess_quantize_kernel(
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
     nan = tl.full((BLOCK_R,), _FLOAT32_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
     descale = tl.where(bad, nan, ((e + 127) << 23).to(tl.float32, bitcast=True))
-    codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_bits(y * inv[:, None]))
+    codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_codes(y * inv[:, None], HW_CAST))
 
     out_row = (b * seq + s) * n_heads + h  # BSHD
     tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
@@ -235,6 +250,17 @@ def _preprocess_quantize_kernel(
     if FOLD_W:  # w' = (fp32(w) * q_descale) * sm_scale, float32
         w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
         tl.store(w_out_ptr + out_row, (w * descale) * sm_scale, r_ok)
+
+
+# Vectors per program and warps per program. 16 vectors over 2 warps keeps each row inside one
+# warp (the butterfly and the amax never cross warps); measured on the H200 (docs/benchmarks.md).
+BLOCK_ROWS = 16
+NUM_WARPS = 2
+
+
+def _interpreted() -> bool:
+    """Triton's CPU interpreter: its float casts round half up, so the integer encoders run."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _float32_bits(value: float) -> int:
@@ -307,9 +333,7 @@ def preprocess_quantize(
         return consts if t is None else t.to(device=device, dtype=torch.float64).contiguous()
 
     n_rows = n_seq * batch * n_heads
-    # 16 vectors per program over 2 warps: each row stays inside one warp (the butterfly and the
-    # amax never cross warps) and ~128 registers per thread leave room for 16 warps per SM.
-    block_r, warps = 16, 2
+    block_r, warps = BLOCK_ROWS, NUM_WARPS
     grid = (triton.cdiv(n_rows, block_r),)
     w_arg = weights if weights is not None else scale
     _preprocess_quantize_kernel[grid](
@@ -346,6 +370,7 @@ def preprocess_quantize(
         BF16_MATH=bf16_math,
         FOLD_W=weights is not None,
         W_BF16=w_arg.dtype == torch.bfloat16,
+        HW_CAST=not _interpreted(),
         BLOCK_R=block_r,
         num_warps=warps,
         enable_fp_fusion=False,

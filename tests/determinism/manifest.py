@@ -73,31 +73,31 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/fused.py": (
         "00e68d9d74ee4ecc5eebbbb21f35c526a45d064c7f34732bfd9c9068c96e54f7",
-        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
+        "c803456ec52538a0ed31fb387c6c60b55584925b83cee6a49e9556a341ff177b",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
-        "61b9ed2b0f5471e082a8091a5deb13e7b99845ab2d6c6cd4580675d999913c09",
-        "e3a513f87badf6599160dd8871505ff9d21c7ad1b74bfe476e06cf15206f8dc4",
+        "6608b27afdfc237586a246f114e26dc8810790cf357773c44a76ddebf6986e56",
+        "35174df96a14c0a8c3826d5e88cca4a8a0cef20b220b3546e0cca1407e2d3959",
     ),
     "dsa_precision/megatron/seams.py": (
         "c12621ab4dbf8beb1194a67d6257b8b7329b9e374c48403a29a5c9cae0620630",
-        "69a6a739e9c010b82bcbf75c76d448b53b9e92e8e96bf12b59877406cefa917a",
+        "4682b611d406624d57b0d48bb28c12a53822d8302ea7895ad19301ecd2c4cb8e",
     ),
     "dsa_precision/prepare.py": (
         "b0622b37c2dc1c5d3d5bc0202b4a771237f999847b10bb3f5160061e70c3f10b",
-        "e3a513f87badf6599160dd8871505ff9d21c7ad1b74bfe476e06cf15206f8dc4",
+        "35174df96a14c0a8c3826d5e88cca4a8a0cef20b220b3546e0cca1407e2d3959",
     ),
     "dsa_precision/scoring.py": (
-        "7f397c63bf53e1a61df1a7779ad8b3c5110b0558a52a451f791357e918b0b466",
-        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
+        "61394d0e3b7a74936a258fddacae31047e7e7a4d5039d86860980765cdca5e1c",
+        "c803456ec52538a0ed31fb387c6c60b55584925b83cee6a49e9556a341ff177b",
     ),
     "dsa_precision/sparse_attention.py": (
         "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "e6482f47b67ecd1b5ce7f78c5009affaa58b1a1c8fb97a484c2a317b4894c3e0",
+        "622735adc8fa833ce8812f8ae0c55762576aa7ca4e4fbf465635a04ab7a4a360",
     ),
     "dsa_precision/topk.py": (
-        "9723db83c0835354f4c884d963b2c5cee9ddc22715a463d50faedf827227a0e7",
-        "a7b3b9ca56c29ff55d4af5c86bb8f1fc361b082d8c749c5893240e77a5fd3c61",
+        "3beae46dfbad7d8213e8b56df97e3ebd96986bbf0b1ca020662f58dc3417c477",
+        "c803456ec52538a0ed31fb387c6c60b55584925b83cee6a49e9556a341ff177b",
     ),
 }
 # END HASHES

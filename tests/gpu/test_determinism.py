@@ -56,11 +56,12 @@ def test_topk_replays_bit_exact():
     assert_replays_bit_exact(
         lambda s: indexer_topk(s, 2048, backend="cudnn"), (scores,), contention=True, what="top-k"
     )
-    # The split path: chunked scoring with per-chunk top-k written into one result.
+    # The split path: 512-row chunks (scores + top-k scratch, 12 bytes per score), each chunk's
+    # top-k written into one result.
     q, k, w = _qkw(1, 4096, 64)
     assert_replays_bit_exact(
         lambda q, k, w: indexer_select(
-            q, k, w, 2048, scoring_precision="fp8", backend="cudnn", chunk_bytes=512 * 4096 * 4
+            q, k, w, 2048, scoring_precision="fp8", backend="cudnn", chunk_bytes=512 * 4096 * 12
         ),
         (q, k, w),
         what="chunked select",

@@ -120,15 +120,18 @@ def test_production_shape_and_replays(record, rope_fp32, hadamard):
     )
 
 
-def test_helpers_on_hardware():
-    """The building blocks compiled for the GPU: integer E4M3 / BF16 rounding against torch's CUDA
-    casts, the butterfly and the pairwise sum against the reference order."""
+@pytest.mark.parametrize("hw_cast", [True, False], ids=["hardware_casts", "integer_emulation"])
+def test_helpers_on_hardware(hw_cast):
+    """The building blocks compiled for the GPU: the E4M3 / BF16 rounding the kernel uses there
+    (hardware conversions) and the integer emulation the interpreter uses, both against torch's
+    CUDA casts; the butterfly and the pairwise sum against the reference order."""
     from .. import kernel_probes
 
     x = e4m3_inputs(DEV)
-    assert torch.equal(kernel_probes.e4m3_bits(x), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    want_e4m3 = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(kernel_probes.e4m3_bits(x, hw_cast=hw_cast), want_e4m3)
     x = bf16_rounding_inputs(DEV)
-    got, want = kernel_probes.round_bf16(x), x.to(torch.bfloat16).float()
+    got, want = kernel_probes.round_bf16(x, hw_cast=hw_cast), x.to(torch.bfloat16).float()
     finite = ~torch.isnan(want)
     assert torch.equal(torch.isnan(got), ~finite)
     assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))

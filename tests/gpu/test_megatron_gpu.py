@@ -48,7 +48,7 @@ def _attention(dsap, **overrides):
         spec.submodules.core_attention, config=config, layer_number=1,
         attn_mask_type=AttnMaskType.causal, attention_type="self",
     )  # fmt: skip
-    return attn.cuda()
+    return attn.cuda().bfloat16()  # as Megatron's Float16Module leaves the parameters
 
 
 def _inputs(s=2048, seed=0):
