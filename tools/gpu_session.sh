@@ -14,7 +14,17 @@ for step in "$@"; do
     demo) timeout 240 python -m dsa_precision demo --device cuda 2>&1 | tee "$OUT/demo_cuda.txt" | tail -20
           timeout 240 python -m dsa_precision demo --device cuda --json > "$OUT/demo_cuda.json" 2>"$OUT/demo_cuda.err" ;;
     toy) timeout 540 python examples/toy_glm5_train.py --out "$OUT/toy.json" 2>&1 | grep -v -i "warn\|deprecated" | tee "$OUT/toy.log" | tail -20 ;;
-    bench) timeout 540 python -m dsa_precision bench --json > "$OUT/bench.json" 2> "$OUT/bench.err"
+    tune) timeout 300 python tools/tune_prepare.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt" ;;
+    bench) # with the launch shape tune chose, if it ran
+           timeout 540 python - "$OUT/tune.json" > "$OUT/bench.json" 2> "$OUT/bench.err" <<'PY'
+import json, os, sys
+import dsa_precision.kernels.preprocess_quantize as kernel
+from dsa_precision.cli import main
+if os.path.exists(sys.argv[1]):
+    kernel.BLOCK_ROWS, kernel.NUM_WARPS = json.load(open(sys.argv[1]))["best"]
+print(f"launch shape {kernel.BLOCK_ROWS}x{kernel.NUM_WARPS}", file=sys.stderr)
+sys.exit(main(["bench", "--json"]))
+PY
            python - "$OUT/bench.json" <<'PY' | tee "$OUT/bench.txt"
 import json, sys
 from dsa_precision.bench import format_tables

@@ -9,6 +9,7 @@ against the torch reference, then prints the median time of q+k next to FP8 scor
 import argparse
 import functools
 import itertools
+import json
 import types
 
 import torch
@@ -24,7 +25,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=None, help="write the timings and the best shape (JSON)")
     a = p.parse_args()
+    results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, w, freqs = bench._inputs(a.seq, 1, a.heads, gen)
     timer = bench._Timer(a.reps, 2)
@@ -62,7 +65,28 @@ def main() -> None:
             )
             t = timer(functools.partial(prep, impl="triton"))
             row.append(f"{block}x{warps}: {t:6.3f}{'' if same else ' DIFF'}")
+            results.append(
+                dict(
+                    rope_fp32=rope_fp32,
+                    hadamard=hadamard,
+                    block=block,
+                    warps=warps,
+                    ms=t,
+                    bit_identical=same,
+                    torch_ms=t_ref,
+                    score_fp8_ms=score_ms,
+                )
+            )
         print(" | ".join(row), flush=True)
+    # Best shape: the smallest total time over the variants, among shapes bit-identical on all.
+    ok = {(r["block"], r["warps"]) for r in results} - {
+        (r["block"], r["warps"]) for r in results if not r["bit_identical"]
+    }
+    best = min(ok, key=lambda bw: sum(r["ms"] for r in results if (r["block"], r["warps"]) == bw))
+    print(f"best launch shape: {best[0]} vectors x {best[1]} warps")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"best": list(best), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
