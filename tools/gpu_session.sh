@@ -16,16 +16,16 @@ for step in "$@"; do
     toy) timeout 540 python examples/toy_glm5_train.py --out "$OUT/toy.json" 2>&1 | grep -v -i "warn\|deprecated" | tee "$OUT/toy.log" | tail -20 ;;
     tune) timeout 300 python tools/tune_prepare.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt" ;;
     bench) # with the launch shape tune chose, if it ran
-           timeout 540 python - "$OUT/tune.json" > "$OUT/bench.json" 2> "$OUT/bench.err" <<'PY'
+           timeout 540 python - "$OUT/tune.json" ${BENCH_ARGS:-} > "$OUT/bench${BENCH_TAG:-}.json" 2> "$OUT/bench${BENCH_TAG:-}.err" <<'PY'
 import json, os, sys
 import dsa_precision.kernels.preprocess_quantize as kernel
 from dsa_precision.cli import main
 if os.path.exists(sys.argv[1]):
     kernel.BLOCK_ROWS, kernel.NUM_WARPS = json.load(open(sys.argv[1]))["best"]
 print(f"launch shape {kernel.BLOCK_ROWS}x{kernel.NUM_WARPS}", file=sys.stderr)
-sys.exit(main(["bench", "--json"]))
+sys.exit(main(["bench", "--json", *sys.argv[2:]]))
 PY
-           python - "$OUT/bench.json" <<'PY' | tee "$OUT/bench.txt"
+           python - "$OUT/bench${BENCH_TAG:-}.json" <<'PY' | tee "$OUT/bench${BENCH_TAG:-}.txt"
 import json, sys
 from dsa_precision.bench import format_tables
 print(format_tables(json.load(open(sys.argv[1]))))

@@ -252,9 +252,10 @@ def _preprocess_quantize_kernel(
         tl.store(w_out_ptr + out_row, (w * descale) * sm_scale, r_ok)
 
 
-# Vectors per program and warps per program. 16 vectors over 2 warps keeps each row inside one
-# warp (the butterfly and the amax never cross warps); measured on the H200 (docs/benchmarks.md).
-BLOCK_ROWS = 16
+# Vectors per program and warps per program: 8 vectors over 2 warps, the fastest shape of
+# tools/tune_prepare.py on the H200 at S=16384, H=64 (docs/benchmarks.md); every row stays
+# inside one warp, so the butterfly and the amax never cross warps.
+BLOCK_ROWS = 8
 NUM_WARPS = 2
 
 

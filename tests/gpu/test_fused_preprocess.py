@@ -120,6 +120,19 @@ def test_production_shape_and_replays(record, rope_fp32, hadamard):
     )
 
 
+@pytest.mark.parametrize(
+    "shape", [(4, 1), (8, 2), (16, 2), (32, 4)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+def test_launch_shapes_give_the_same_bits(monkeypatch, shape):
+    """The launch shape (vectors per program, warps) is a tuning knob, never a numerics one."""
+    from dsa_precision.kernels import preprocess_quantize as kernel
+
+    monkeypatch.setattr(kernel, "BLOCK_ROWS", shape[0])
+    monkeypatch.setattr(kernel, "NUM_WARPS", shape[1])
+    case = make_case(seq=1000, batch=2, heads=64, rope_fp32=True, hadamard=True, device=DEV)
+    _check(case, sm_scale=128**-0.5)
+
+
 @pytest.mark.parametrize("hw_cast", [True, False], ids=["hardware_casts", "integer_emulation"])
 def test_helpers_on_hardware(hw_cast):
     """The building blocks compiled for the GPU: the E4M3 / BF16 rounding the kernel uses there
