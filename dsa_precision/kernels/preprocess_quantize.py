@@ -32,6 +32,7 @@ reference performs, on the same values, in the same order, with the same roundin
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 
@@ -264,6 +265,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=64)
+def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
+    """``[eps, d**-0.5]`` on ``device``, built once: a host-to-device copy per call would
+    synchronise the stream."""
+    return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
+
+
 def _float32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
@@ -328,7 +336,7 @@ def preprocess_quantize(
             weights = weights.contiguous()
         w_out = torch.empty_like(scale)
     ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
-    consts = torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
+    consts = _float64_constants(float(eps), d, device)
 
     def f64(t: torch.Tensor | None) -> torch.Tensor:
         return consts if t is None else t.to(device=device, dtype=torch.float64).contiguous()

@@ -133,6 +133,15 @@ def test_launch_shapes_give_the_same_bits(monkeypatch, shape):
     _check(case, sm_scale=128**-0.5)
 
 
+def test_layer_norm_eps_changes_are_honoured():
+    """The kernel's float64 constants are cached per (eps, device): a changed epsilon must not
+    reuse another's."""
+    case = make_case(seq=256, batch=1, heads=32, rope_fp32=True, device=DEV)
+    for eps in (1e-6, 1e-5, 1e-6, 0.25):
+        case.pre.k_norm.eps = eps
+        _check(case, sm_scale=1.0)
+
+
 @pytest.mark.parametrize("hw_cast", [True, False], ids=["hardware_casts", "integer_emulation"])
 def test_helpers_on_hardware(hw_cast):
     """The building blocks compiled for the GPU: the E4M3 / BF16 rounding the kernel uses there
