@@ -78,7 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-bytes",
         type=int,
         default=1 << 30,
-        help="score buffer budget of one chunk in bytes (default: 1 GiB)",
+        help="working-set budget of one chunk in bytes: its scores and the top-k scratch "
+        "(default: 1 GiB)",
     )
     p.add_argument(
         "--rope-fp32",
