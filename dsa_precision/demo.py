@@ -25,7 +25,7 @@ from ._report import AGREEMENT_HEADERS, agreement_cells, format_table
 from .agreement import topk_agreement
 from .cli import CliError, progress
 from .config import FP8_N_HEADS, IndexerPrecisionConfig
-from .preprocess import IndexerPreprocess
+from .preprocess import IndexerPreprocess, indexer_head_weights
 from .quantize import DEFAULT_AMAX_FLOOR
 from .scoring import indexer_scores
 from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
@@ -122,12 +122,11 @@ def head_weights(w_proj: torch.Tensor, head_dim: int, mode: HeadWeights) -> torc
         ``w_proj``'s shape; float32, or bfloat16 for ``"bf16"``.
     """
     n_heads = w_proj.shape[-1]
-    if mode == "fp32":
-        return (w_proj.float() * head_dim**-0.5) * n_heads**-0.5
+    if mode in ("fp32", "bf16"):  # the integration's two orders (preprocess.indexer_head_weights)
+        w = w_proj if mode == "fp32" else w_proj.to(torch.bfloat16)
+        return indexer_head_weights(w, n_heads=n_heads, head_dim=head_dim, fp32=mode == "fp32")
     if mode == "fp32-premultiplied":
         return w_proj.float() * (head_dim**-0.5 * n_heads**-0.5)
-    if mode == "bf16":
-        return w_proj.to(torch.bfloat16) * (n_heads**-0.5) * head_dim**-0.5
     raise ValueError(f"head weights mode {mode!r} is not one of {get_args(HeadWeights)}.")
 
 
