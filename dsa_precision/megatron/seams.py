@@ -40,7 +40,7 @@ import torch
 from .. import _cudnn
 from ..audit import record_scoring_call, scoring_site
 from ..config import IndexerPrecisionConfig, ScoringPrecision
-from ..fused import fused_indexer_sparse_attention
+from ..fused import _flat_topk, fused_indexer_sparse_attention
 from ..scoring import _indexer_forward
 from ..sparse_attention import _flash_mla_sparse_fwd, sparse_mla_attention
 
@@ -337,12 +337,10 @@ def _sparse_attention(
     if topk_length is not None:
         slots = torch.arange(idx.shape[-1], device=idx.device)
         idx = idx.masked_fill(slots >= topk_length.to(idx.device).unsqueeze(-1), -1)
-    batch = torch.arange(b, device=idx.device).view(b, 1, 1)
-    flat = torch.where(idx >= 0, idx * b + batch, -1).transpose(0, 1).reshape(sq * b, -1)
     out = sparse_mla_attention(
         query.reshape(sq * b, n, d),
         key.reshape(skv * b, d),
-        flat.to(torch.int32).contiguous(),
+        _flat_topk(idx).to(torch.int32),
         softmax_scale,
         v_channels,
     )

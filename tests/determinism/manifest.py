@@ -82,8 +82,8 @@ HASHES: dict[str, tuple[str, str]] = {
         "91f8a59dd25f4666f8348aa60f547301c975f531e57968f7b890f91ffdc936b5",
     ),
     "dsa_precision/megatron/seams.py": (
-        "c12621ab4dbf8beb1194a67d6257b8b7329b9e374c48403a29a5c9cae0620630",
-        "4682b611d406624d57b0d48bb28c12a53822d8302ea7895ad19301ecd2c4cb8e",
+        "f3085a80319ad24bd817d34be392024d03f19155a9d2f19d378659403f1c6e5e",
+        "82de09f053101420172fd332fa262fec8106bfb0c61d75a4784e772b9a70b114",
     ),
     "dsa_precision/prepare.py": (
         "b0622b37c2dc1c5d3d5bc0202b4a771237f999847b10bb3f5160061e70c3f10b",

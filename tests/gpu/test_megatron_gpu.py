@@ -79,11 +79,15 @@ def _forward(attn):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_precision_attention_replays_bit_exact(megatron_gpu, precision):
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["fused_path", "split_path"])
+def test_precision_attention_replays_bit_exact(megatron_gpu, precision, topk_freq):
     from dsa_precision.testing import assert_replays_bit_exact
 
     attn = _attention(
-        megatron_gpu, dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision=precision
+        megatron_gpu,
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision=precision,
+        dsa_indexer_topk_freq=topk_freq,  # 2: top-k sharing, Megatron's split path
     )
     assert_replays_bit_exact(
         _forward(attn), _inputs(), contention=True, what=f"DSAttention {precision}"
