@@ -1,23 +1,29 @@
 """dsa-precision: train the DSA lightning indexer with the precision inference scores it in.
 
 Importing this package loads no kernels and needs neither megatron-core nor cudnn-frontend.
-The Megatron integration lives in ``dsa_precision.megatron``.
+The Megatron integration lives in ``dsa_precision.megatron``; the commands in
+``dsa_precision.cli`` (``python -m dsa_precision``).
 """
 
 # ruff: noqa: I001  (sections follow the dataflow, not the alphabet)
 
-# Configuration
+# Configuration: the switches and the inference engine's rules
+from .engines import ENGINE_PROFILES, EngineProfile
 from .config import IndexerPrecisionConfig, ScoringPrecision
+
+# Quantization (E4M3 values, one FP32 descale per 128-vector)
+from .quantize import dequantize_fp8, quantize_e4m3_ue8m0, quantize_fp8, ue8m0_descale
 
 # Preprocessing (key LayerNorm -> RoPE -> Hadamard, query RoPE -> Hadamard)
 from .preprocess import IndexerPreprocess
 
-# Quantization (E4M3 values, one UE8M0 descale per 128-vector)
-from .quantize import dequantize_e4m3_ue8m0, quantize_e4m3_ue8m0, ue8m0_descale
+# Scoring operands: where the precision is decided
+from .operands import ScoringOperands, prepare_indexer_operands, prepare_scoring_operands
 
-# Scoring (the single choke point) and top-k selection
-from .scoring import indexer_scores
-from .topk import indexer_select, indexer_topk
+# Scoring, top-k, and both in one pass (BSHD and packed THD)
+from .scoring import indexer_scores, indexer_scores_varlen
+from .topk import indexer_topk
+from .select import indexer_select, indexer_select_varlen
 
 # Fused indexer + sparse attention (the precision is a forward input)
 from .fused import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
@@ -28,20 +34,28 @@ from .agreement import TopkAgreement, topk_agreement
 # Accounting of the precision each scoring call used
 from .audit import reset_scoring_calls, scoring_calls, scoring_site
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "ENGINE_PROFILES",
+    "EngineProfile",
     "FusedIndexerSparseAttnFunc",
     "IndexerPrecisionConfig",
     "IndexerPreprocess",
+    "ScoringOperands",
     "ScoringPrecision",
     "TopkAgreement",
-    "dequantize_e4m3_ue8m0",
+    "dequantize_fp8",
     "fused_indexer_sparse_attention",
     "indexer_scores",
+    "indexer_scores_varlen",
     "indexer_select",
+    "indexer_select_varlen",
     "indexer_topk",
+    "prepare_indexer_operands",
+    "prepare_scoring_operands",
     "quantize_e4m3_ue8m0",
+    "quantize_fp8",
     "reset_scoring_calls",
     "scoring_calls",
     "scoring_site",

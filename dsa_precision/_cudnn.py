@@ -21,6 +21,7 @@ __all__ = [
     "device_scope",
     "dsa",
     "dsa_available",
+    "dsa_unavailable_reason",
     "scoring_unsupported_reason",
     "topk_unsupported_reason",
 ]
@@ -99,6 +100,11 @@ def _import_dsa() -> tuple[Any, str | None]:
 def dsa_available() -> bool:
     """Whether nvidia-cudnn-frontend's DSA namespace imports."""
     return _import_dsa()[0] is not None
+
+
+def dsa_unavailable_reason() -> str | None:
+    """Why nvidia-cudnn-frontend's DSA namespace does not import (with an install hint)."""
+    return _import_dsa()[1]
 
 
 def dsa() -> CudnnDsaInterface:

@@ -1,4 +1,5 @@
-"""Agreement between a training-side and an inference-side top-k selection.
+"""Agreement between a training-side and an inference-side top-k selection, and how close to a tie
+their boundaries are.
 
 Definitions, over the rows whose inference set ``I`` is non-empty (``T`` is the training set)::
 
@@ -21,7 +22,7 @@ import torch
 
 from ._checks import check_tensor
 
-__all__ = ["TopkAgreement", "topk_agreement"]
+__all__ = ["TopkAgreement", "boundary_margin", "row_scale", "score_error", "topk_agreement"]
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
@@ -104,3 +105,30 @@ def topk_agreement(train_idx: torch.Tensor, infer_idx: torch.Tensor) -> TopkAgre
         rows=n_rows,
         members=members,
     )
+
+
+def row_scale(reference: torch.Tensor) -> torch.Tensor:
+    """``sigma_r``: float64 ``[rows]`` standard deviation of each row's finite entries of
+    ``reference`` ``[rows, S_k]`` (``-inf`` = masked); NaN where a row is constant."""
+    finite = torch.isfinite(reference)
+    ref = torch.where(finite, reference.double(), 0.0)
+    n = finite.sum(-1)
+    centered = torch.where(finite, ref - (ref.sum(-1) / n)[:, None], 0.0)
+    sigma = ((centered**2).sum(-1) / n).sqrt()
+    return torch.where(sigma > 0, sigma, torch.nan)
+
+
+def boundary_margin(scores: torch.Tensor, scale: torch.Tensor, topk: int) -> float:
+    """``median_r (y_(k) - y_(k+1)) / sigma_r``, with ``y_(j)`` the ``j``-th largest score of row
+    ``r`` of ``scores`` ``[rows, S_k]`` (more than ``topk`` finite entries per row) and ``scale``
+    from :func:`row_scale`: how far from a tie the top-k boundary typically is."""
+    top = scores.topk(topk + 1, dim=-1).values.double()
+    return float(((top[:, topk - 1] - top[:, topk]) / scale).nanmedian())
+
+
+def score_error(scores: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor) -> float:
+    """``median_r max_t |scores[r, t] - reference[r, t]| / sigma_r`` over the finite entries
+    (both ``[rows, S_k]`` with the same ``-inf`` pattern)."""
+    finite = torch.isfinite(reference)
+    diff = torch.where(finite, scores.double() - reference.double(), 0.0).abs().amax(-1)
+    return float((diff / scale).nanmedian())

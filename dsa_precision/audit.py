@@ -1,14 +1,15 @@
 """Which precision each indexer scoring call really used, and strict mode.
 
-Every call of the scoring choke point (:func:`dsa_precision.scoring._indexer_forward`), and every
-Megatron scoring call the integration passes through unchanged, is counted here by
-``(precision, backend, site)``, so tests and training logs can prove that a configured FP8 path is
-taken rather than assume it. ``site`` names the caller's path (``"fused"``, ``"split"``, ...) when
-an integration declares it with :func:`scoring_site`.
+Every launch of the package's scoring (:func:`dsa_precision.indexer_scores` and
+:func:`dsa_precision.indexer_scores_varlen`, so also every chunk of ``indexer_select``) is counted
+here by ``(precision, backend, site)``, so tests and training logs can prove that a configured FP8
+path is taken rather than assume it. Megatron's own scoring (the default fields, which run stock
+Megatron code) is not the package's and is not counted. ``site`` names the caller's path
+(``"fused"``, ``"split"``, ...) when an integration declares it with :func:`scoring_site`.
 
-Strict mode: inside :func:`strict_precision` (which the Megatron integration enters in every
-``PrecisionDSAttention`` forward when ``DSA_PRECISION_STRICT=1``), the first scoring call in
-another precision raises :class:`PrecisionMismatchError`.
+Strict mode: inside :func:`strict_precision` (which the Megatron integration enters around the
+owned top-k of ``PrecisionDSAttention`` when ``DSA_PRECISION_STRICT=1``), the first scoring call
+in another precision raises :class:`PrecisionMismatchError`.
 """
 
 from __future__ import annotations

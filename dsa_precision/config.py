@@ -1,30 +1,54 @@
-"""Precision configuration of the DSA lightning indexer.
+"""Precision configuration of the DSA lightning indexer, and the constants every layer shares.
 
-One frozen dataclass carries the two opt-in switches. Single-field rules are checked at
-construction; the rules that depend on the model (kernel backend, indexer loss, head count and
-width, GPU architecture) are checked once, by :meth:`IndexerPrecisionConfig.validate_for_model`,
-which the Megatron integration calls before the model is built.
+One frozen dataclass carries the two opt-in switches and the inference engine whose numerics FP8
+scoring reproduces. Single-field rules are checked at construction; the rules that depend on the
+model (indexer loss, head count and width, GPU architecture) are checked once, by
+:meth:`IndexerPrecisionConfig.validate_for_model`, which the Megatron integration calls before the
+model is built.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
+
 __all__ = [
     "FP8_HEAD_DIM",
+    "FP8_MIN_COMPUTE_CAPABILITY",
     "FP8_N_HEADS",
+    "QUANT_BLOCK",
+    "SCORING_BACKENDS",
+    "TOPK_BACKENDS",
     "IndexerPrecisionConfig",
     "ScoringPrecision",
+    "fp8_indexer_loss_error",
 ]
 
-# The SM90 cuDNN FP8 indexer kernel packs 32 or 64 query heads against one key head of width 128.
+# One FP8 descale per this many contiguous values: the indexer's head dim, and DeepGEMM's
+# per-token cast granularity on Hopper.
+QUANT_BLOCK = 128
+# The SM90 FP8 indexer kernels (cuDNN's, DeepGEMM's) pack 32 or 64 query heads of width 128
+# against one key head.
 FP8_N_HEADS = (32, 64)
-FP8_HEAD_DIM = 128
+FP8_HEAD_DIM = QUANT_BLOCK
 FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
+# Scoring backends: cuDNN's SM90 indexer kernel, DeepGEMM's fp8_mqa_logits (the inference
+# engines' kernel; FP8 only, never chosen by "auto"), the exact torch reference.
+SCORING_BACKENDS = ("auto", "cudnn", "deepgemm", "torch")
+TOPK_BACKENDS = ("auto", "cudnn", "torch")
+
+
+def fp8_indexer_loss_error(field_name: str, value: object) -> str:
+    """The one message for "FP8 scoring has no indexer loss" (scores carry no gradient)."""
+    return (
+        f"{field_name}={value!r}: the indexer KL loss needs differentiable BF16 scores; FP8 scores "
+        "have no gradient. Set it to 0 or use scoring_precision='bf16'"
+    )
 
 
 class ScoringPrecision(enum.StrEnum):
@@ -32,8 +56,8 @@ class ScoringPrecision(enum.StrEnum):
 
     # BF16 operands (FP32 carriers are rounded to BF16 first), FP32 accumulation: Megatron's default.
     BF16 = "bf16"
-    # E4M3 operands with one power-of-two (UE8M0) FP32 descale per 128-vector, FP32 accumulation:
-    # what vLLM / SGLang score with at inference.
+    # E4M3 operands with one FP32 descale per 128-vector (the engine profile decides its format),
+    # FP32 accumulation: what vLLM / SGLang score with at inference.
     FP8 = "fp8"
 
     @classmethod
@@ -58,19 +82,25 @@ class IndexerPrecisionConfig:
 
     Args:
         rope_fp32: keep key LayerNorm -> RoPE (and query RoPE, and the optional Hadamard
-            rotation) in FP32 after the BF16 projections, so q and k reach scoring as FP32
-            with no BF16 round trip. Costs FP32 activations for q and k (2x their BF16 bytes);
-            buys the inference engines' preprocessing numerics.
+            rotation) in FP32 after the BF16 projections, following the engine profile's rules,
+            so q and k reach scoring as the engine builds them. Costs FP32 activations for q and k
+            (2x their BF16 bytes); buys the inference engine's preprocessing numerics.
         scoring_precision: ``"bf16"`` scores BF16 operands (Megatron's default); ``"fp8"``
-            quantizes q and k to E4M3 with a UE8M0 descale per 128-vector and scores in FP8, as
-            the inference indexer does. ``"fp8"`` needs the cuDNN kernel backend, no indexer loss,
-            32 or 64 indexer heads of width 128 and an SM90+ GPU (see :meth:`validate_for_model`).
+            quantizes q and k to E4M3 with one FP32 descale per 128-vector as the engine does,
+            and scores in FP8. ``"fp8"`` needs no indexer loss, 32 or 64 indexer heads of width
+            128 and an SM90 GPU for its kernels (see :meth:`validate_for_model`).
+        engine: the inference engine profile (a name of :data:`dsa_precision.ENGINE_PROFILES`
+            or an :class:`~dsa_precision.EngineProfile`) whose preprocessing (with
+            ``rope_fp32``), quantization and head-weight folding (with ``"fp8"``) training
+            reproduces. The default keeps the package's original contract byte for byte.
     """
 
     # FP32 preprocessing after the projections (LayerNorm, RoPE, Hadamard); default: BF16 as Megatron.
     rope_fp32: bool = False
     # Scoring operand precision; accepts the enum or its string value, stored as the enum.
     scoring_precision: ScoringPrecision = ScoringPrecision.BF16
+    # Engine profile; accepts a registered name or a profile, stored as the profile.
+    engine: EngineProfile = field(default=DEFAULT_ENGINE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rope_fp32, bool):
@@ -78,10 +108,11 @@ class IndexerPrecisionConfig:
                 f"rope_fp32 must be a bool, got {self.rope_fp32!r} "
                 f"({type(self.rope_fp32).__name__}); pass True or False."
             )
-        # Frozen dataclass: normalise the string form through object.__setattr__.
+        # Frozen dataclass: normalise the string forms through object.__setattr__.
         object.__setattr__(
             self, "scoring_precision", ScoringPrecision.parse(self.scoring_precision)
         )
+        object.__setattr__(self, "engine", engine_profile(self.engine))
 
     @property
     def fp8(self) -> bool:
@@ -98,70 +129,74 @@ class IndexerPrecisionConfig:
     def validate_for_model(
         self,
         *,
-        kernel_backend: str,
         indexer_loss_coeff: float | None,
         n_heads: int,
         head_dim: int,
+        rotate_activation: bool = False,
+        rope_interleaved: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         """Check the cross-field rules once, before the model is built.
 
         Args:
-            kernel_backend: Megatron's ``dsa_kernel_backend`` (``"none"``, ``"tilelang"``,
-                ``"cudnn"``).
             indexer_loss_coeff: Megatron's ``dsa_indexer_loss_coeff``.
             n_heads: ``dsa_indexer_n_heads``.
             head_dim: ``dsa_indexer_head_dim``.
+            rotate_activation: ``dsa_indexer_rotate_activation`` (the model's Hadamard rotation);
+                the engine profile must agree with it when its rules are in use.
+            rope_interleaved: ``dsa_indexer_rope_interleaved``; an engine profile of a path that
+                only serves one RoPE layout must agree with it.
             device: the device the model runs on; on a CUDA device its compute capability must be
-                at least 9.0 for FP8. ``None`` uses the current CUDA device when CUDA is available
-                and skips the check otherwise (CPU-only processes, e.g. config tooling).
+                9.0 for FP8. ``None`` uses the current CUDA device when CUDA is available and
+                skips the check otherwise (CPU-only processes, e.g. config tooling).
 
         Raises:
             ValueError: one message listing every violated rule, each naming the field, its value
                 and the fix.
         """
-        if not self.fp8:
-            return
         problems = []
-        if kernel_backend != "cudnn":
-            problems.append(
-                f"dsa_kernel_backend={kernel_backend!r}: FP8 scoring runs only in the cuDNN "
-                "indexer kernel; set dsa_kernel_backend='cudnn'"
+        if self.rope_fp32 or self.fp8:
+            problems += self.engine.model_mismatch(
+                rotate_activation=rotate_activation, rope_interleaved=rope_interleaved
             )
-        if indexer_loss_coeff not in (None, 0, 0.0):
-            problems.append(
-                f"dsa_indexer_loss_coeff={indexer_loss_coeff!r}: the indexer KL loss needs BF16 "
-                "scores; set it to 0 (or None) or use scoring_precision='bf16'"
-            )
-        if n_heads not in FP8_N_HEADS:
-            problems.append(
-                f"dsa_indexer_n_heads={n_heads!r}: the FP8 kernel packs {FP8_N_HEADS[0]} or "
-                f"{FP8_N_HEADS[1]} heads; use one of {FP8_N_HEADS} or scoring_precision='bf16'"
-            )
-        if head_dim != FP8_HEAD_DIM:
-            problems.append(
-                f"dsa_indexer_head_dim={head_dim!r}: FP8 scoring quantizes 128-wide vectors; "
-                f"set it to {FP8_HEAD_DIM} or use scoring_precision='bf16'"
-            )
-        capability = _device_capability(device)
-        if capability is not None and capability < FP8_MIN_COMPUTE_CAPABILITY:
-            major, minor = capability
-            problems.append(
-                f"device compute capability {major}.{minor}: the FP8 indexer kernel needs SM90+ "
-                "(Hopper or newer); run on such a GPU or use scoring_precision='bf16'"
-            )
+        if self.fp8:
+            if indexer_loss_coeff not in (None, 0, 0.0):
+                problems.append(
+                    fp8_indexer_loss_error("dsa_indexer_loss_coeff", indexer_loss_coeff)
+                )
+            if n_heads not in FP8_N_HEADS:
+                problems.append(
+                    f"dsa_indexer_n_heads={n_heads!r}: the FP8 kernels pack {FP8_N_HEADS[0]} or "
+                    f"{FP8_N_HEADS[1]} heads; use one of {FP8_N_HEADS} or scoring_precision='bf16'"
+                )
+            if head_dim != FP8_HEAD_DIM:
+                problems.append(
+                    f"dsa_indexer_head_dim={head_dim!r}: FP8 scoring quantizes {QUANT_BLOCK}-wide "
+                    f"vectors; set it to {FP8_HEAD_DIM} or use scoring_precision='bf16'"
+                )
+            capability = _device_capability(device)
+            if capability is not None and capability[0] != FP8_MIN_COMPUTE_CAPABILITY[0]:
+                major, minor = capability
+                problems.append(
+                    f"device compute capability {major}.{minor}: the per-128-vector FP8 indexer "
+                    "kernels are SM90 (Hopper) only; run on such a GPU or use "
+                    "scoring_precision='bf16'"
+                )
         if problems:
             raise ValueError(
-                "scoring_precision='fp8' cannot be honoured:\n  - " + "\n  - ".join(problems)
+                f"IndexerPrecisionConfig({self.short_str()}, engine={self.engine.name!r}) cannot "
+                "be honoured:\n  - " + "\n  - ".join(problems)
             )
 
     @classmethod
     def from_megatron_config(cls, config: Any) -> IndexerPrecisionConfig:
-        """Build from a config carrying ``dsa_indexer_rope_fp32`` and
-        ``dsa_indexer_scoring_precision`` (missing fields take the defaults)."""
+        """Build from a config carrying ``dsa_indexer_rope_fp32``,
+        ``dsa_indexer_scoring_precision`` and ``dsa_indexer_engine`` (missing fields take the
+        defaults)."""
         return cls(
             rope_fp32=getattr(config, "dsa_indexer_rope_fp32", False),
             scoring_precision=getattr(config, "dsa_indexer_scoring_precision", "bf16"),
+            engine=getattr(config, "dsa_indexer_engine", DEFAULT_ENGINE.name),
         )
 
 

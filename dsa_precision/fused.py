@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from .config import ScoringPrecision
+from .select import indexer_select
 from .sparse_attention import sparse_backward, sparse_forward
-from .topk import indexer_select
 
 __all__ = ["FusedIndexerSparseAttnFunc", "IndexerLossFn", "fused_indexer_sparse_attention"]
 
@@ -69,7 +69,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
                 q_indexer.transpose(0, 1),
                 k_indexer.transpose(0, 1),
                 weights.transpose(0, 1),
-                topk,
+                topk=topk,
                 scoring_precision=scoring_precision,
             )
         idx = _flat_topk(picks)

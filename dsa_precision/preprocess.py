@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
 
 __all__ = [
@@ -74,6 +75,7 @@ def apply_rope(
     *,
     mscale: float = 1.0,
     rope_interleaved: bool = False,
+    table_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` lanes of ``x`` in ``x.dtype``.
 
@@ -81,6 +83,8 @@ def apply_rope(
         x: ``[s, b, *, d]``; its dtype is the compute dtype (every product and sum rounds to it).
         freqs: ``[s, 1, 1, rope_dim]`` float32 angles (broadcast over batch and heads).
         mscale: YaRN magnitude scale folded into cos/sin (in float32, then cast to ``x.dtype``).
+        table_dtype: dtype the cos/sin tables are rounded to before the products (an engine's
+            cos/sin cache dtype); default ``x.dtype``.
         rope_interleaved: Megatron's ``dsa_indexer_rope_interleaved`` (MLA style): the RoPE lanes
             arrive as (even, odd) pairs and are de-interleaved into halves before rotation, so the
             output RoPE slice is in rotate-half order. (Megatron forbids ``rotary_interleaved``
@@ -93,7 +97,8 @@ def apply_rope(
     x_pe, x_pass = x[..., :rope_dim], x[..., rope_dim:]
     if rope_interleaved:
         x_pe = torch.cat((x_pe[..., 0::2], x_pe[..., 1::2]), dim=-1)
-    cos, sin = rope_tables(freqs, mscale, x.dtype)
+    cos, sin = rope_tables(freqs, mscale, table_dtype or x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x_pe = x_pe * cos + _rotate_half(x_pe) * sin
     return torch.cat((x_pe, x_pass), dim=-1)
 
@@ -215,10 +220,16 @@ class IndexerPreprocess(nn.Module):
         rotate_activation: Megatron's ``dsa_indexer_rotate_activation`` (Hadamard on q and k).
         k_norm_fp32: Megatron's ``dsa_indexer_k_norm_fp32`` (LayerNorm on an FP32 upcast, result
             rounded back); implied by ``rope_fp32``.
-        rope_fp32: FP32 end to end after the projections (see the module docstring).
+        rope_fp32: the inference engine's preprocessing after the projections, FP32 unless the
+            engine rounds (see the module docstring).
+        engine: the engine profile whose preprocessing rules ``rope_fp32`` follows (cos/sin
+            cache dtype, LayerNorm output, RoPE arithmetic, q and k rounding).
         rope_fn: the model's own RoPE for the ``rope_fp32=False`` path (called as
             ``rope_fn(x, freqs, mscale, cu_seqlens)`` on ``[s, b, *, d]``), so that path stays the
             model's bit for bit whatever RoPE kernel the model uses; default :func:`apply_rope`.
+        exact_bf16_rope: whether ``rope_fn`` computes what :func:`apply_rope` computes in BF16
+            (Megatron's unfused RoPE); ``False`` for a fused RoPE kernel, whose bits the fused
+            preprocess + quantize kernel does not reproduce.
     """
 
     def __init__(
@@ -232,7 +243,9 @@ class IndexerPreprocess(nn.Module):
         rotate_activation: bool = False,
         k_norm_fp32: bool = False,
         rope_fp32: bool = False,
+        engine: EngineProfile = DEFAULT_ENGINE,
         rope_fn: RopeFn | None = None,
+        exact_bf16_rope: bool = True,
     ) -> None:
         super().__init__()
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
@@ -255,6 +268,8 @@ class IndexerPreprocess(nn.Module):
         self.rotate_activation = rotate_activation
         self.k_norm_fp32 = k_norm_fp32
         self.rope_fp32 = rope_fp32
+        self.engine = engine_profile(engine)
+        self.exact_bf16_rope = exact_bf16_rope
 
     @property
     def k_norm(self) -> nn.Module:
@@ -265,7 +280,8 @@ class IndexerPreprocess(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, rope_dim={self.rope_dim}, rope_fp32={self.rope_fp32}, "
-            f"rope_interleaved={self.rope_interleaved}, rotate_activation={self.rotate_activation}"
+            f"engine={self.engine.name}, rope_interleaved={self.rope_interleaved}, "
+            f"rotate_activation={self.rotate_activation}"
         )
 
     def norm_key(self, k: torch.Tensor) -> torch.Tensor:
@@ -292,12 +308,13 @@ class IndexerPreprocess(nn.Module):
                 table ``[max_s, 1, 1, rope_dim]`` (or one row per packed token).
             mscale: YaRN magnitude scale (1.0 for plain RoPE).
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``).
-            token_freqs: ``[s, 1, 1, rope_dim]`` per-token angles for the FP32 path, used instead
-                of gathering ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD slices).
+            token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, used instead of gathering
+                ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD chunks); ``rope_fn`` still
+                receives ``freqs`` and ``cu_seqlens``.
 
         Returns:
             ``(q, k)``: ``[s, b, h, d]`` and ``[s, b, d]``, in the projection dtype, or float32
-            when ``rope_fp32``.
+            when ``rope_fp32`` (holding the values the engine rounds to).
         """
         if q.ndim != 4 or k.ndim != 3:
             raise ValueError(
@@ -315,35 +332,48 @@ class IndexerPreprocess(nn.Module):
             )
         if cu_seqlens is not None and b != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
-        norm = self.k_norm
+        if token_freqs is None:
+            token_freqs = thd_token_freqs(freqs, cu_seqlens) if cu_seqlens is not None else freqs
+        if self.rope_fp32:
+            return self._engine_path(q, k, token_freqs[:s], mscale)
 
-        if self.rope_fn is not None and not self.rope_fp32:
+        if self.rope_fn is not None:
 
             def rope(x: torch.Tensor) -> torch.Tensor:
                 return self.rope_fn(x, freqs, mscale, cu_seqlens)
 
         else:
-            if token_freqs is None or not self.rope_fp32:
-                token_freqs = (
-                    thd_token_freqs(freqs, cu_seqlens) if cu_seqlens is not None else freqs
-                )
             rope = functools.partial(
                 apply_rope,
                 freqs=token_freqs[:s],
                 mscale=mscale,
                 rope_interleaved=self.rope_interleaved,
             )
-
-        if self.rope_fp32:
-            # Exact upcasts; from here on every op is float32 (LayerNorm statistics float64).
-            q = rope(q.to(torch.float32))
-            k = layer_norm_fp32(k, *_layer_norm_params(norm))
-        else:
-            q = rope(q)
-            k = self.norm_key(k)
-        k = rope(k.unsqueeze(2)).squeeze(2)
-
+        q = rope(q)
+        k = rope(self.norm_key(k).unsqueeze(2)).squeeze(2)
         if self.rotate_activation:
-            q = rotate_activation(q, fp32=self.rope_fp32)
-            k = rotate_activation(k, fp32=self.rope_fp32)
+            q = rotate_activation(q, fp32=False)
+            k = rotate_activation(k, fp32=False)
         return q, k
+
+    def _engine_path(
+        self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, mscale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``rope_fp32`` path under the engine's rules; float32 out."""
+        e = self.engine
+        rope = functools.partial(
+            apply_rope,
+            freqs=freqs,
+            mscale=mscale,
+            rope_interleaved=self.rope_interleaved,
+            table_dtype=e.cos_sin_dtype,
+        )
+        # Exact upcasts; LayerNorm statistics in float64, one rounding to float32 (then to the
+        # engine's LayerNorm output dtype); RoPE in the engine's arithmetic dtype.
+        k = layer_norm_fp32(k, *_layer_norm_params(self.k_norm)).to(e.k_norm_dtype)
+        q = rope(q.to(e.rope_dtype)).to(e.q_dtype)
+        k = rope(k.to(e.rope_dtype).unsqueeze(2)).squeeze(2).to(e.k_dtype)
+        if self.rotate_activation:
+            q = rotate_activation(q.to(torch.float32), fp32=True).to(e.q_dtype)
+            k = rotate_activation(k.to(torch.float32), fp32=True).to(e.k_dtype)
+        return q.to(torch.float32), k.to(torch.float32)

@@ -1,109 +1,177 @@
-"""E4M3 quantization with one power-of-two (UE8M0) descale per 128-vector.
+"""E4M3 quantization with one FP32 descale per 128-vector, under an engine's exact rules.
 
-This is the inference indexer's FP8 format on Hopper (vLLM / SGLang / DeepGEMM
-``per_token_cast_to_fp8(..., use_ue8m0=True)``): one FP32 descale per (token, head) vector of
-128 values, rounded *up* to a power of two, so that ``x ~= x_fp8 * descale``.
+The inference indexers quantize each (token, head) vector of 128 values to float8_e4m3fn with one
+float32 descale, ``x ~= x_fp8 * descale``, but they form the descale differently
+(:class:`dsa_precision.engines.Fp8Rule`); with ``a = max(amax, floor)``:
 
-The descale is computed exactly from the exponent bits (``frexp``), not with a float32
-``exp2(ceil(log2(amax / 448)))``: that formula is wrong for float32 amax values one or a few ulps
-above a power-of-two boundary ``448 * 2**e`` (the rounded ``log2`` lands exactly on ``e``), which
-halves the scale and saturates the largest element. BF16 carriers never hit this (their amax has
-8 significant bits); the FP32 carriers of ``rope_fp32`` do.
+- ``scale_format="ue8m0"``, ``scale_ratio="exact"``: the smallest power of two ``s`` with
+  ``a <= 448 * s``, decided exactly from the exponent bits (``frexp``): the package's original
+  contract.
+- otherwise the float32 ratio ``r = a / 448`` (``scale_ratio="divide"``, IEEE) or
+  ``r = a * fp32(1 / 448)`` (``"reciprocal"``) comes first, then for UE8M0 a power of two from it:
+  ``ue8m0_ceil="bits"`` is the exact ceiling (DeepGEMM's ``ceil_to_ue8m0``, DeepSeek's and
+  LMDeploy's bit trick), ``"log2"`` is ``exp2(ceil(log2(r)))`` with a correctly rounded float32
+  ``log2`` (vLLM on Hopper, SGLang's queries): for ``r = 2**e * (1 + m * 2**-23)`` the float32
+  ``log2`` rounds ``e + log2(1 + m * 2**-23)`` back to ``e`` while ``m`` is below a few units
+  (:data:`LOG2_CEIL_BAND`), so such an ``r`` gets ``2**e`` and the largest element saturates at
+  448. It is computed here from the bits, so every device gives the same answer; an engine whose
+  ``log2`` is not correctly rounded can differ for ``m`` at the edge of that band (about one
+  vector in ten million).
+- ``scale_format="fp32"``: ``r`` itself.
+
+Values are then divided by the descale (``scale_apply="divide"``, IEEE) or multiplied by its
+float32 reciprocal (``"reciprocal"``; the same bits for a power of two), clamped to +-448 and
+rounded to nearest even E4M3.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .config import QUANT_BLOCK
+from .engines import DEFAULT_ENGINE, Fp8Rule
+
 __all__ = [
+    "DEFAULT_AMAX_FLOOR",
     "E4M3_MAX",
-    "QUANT_BLOCK",
-    "dequantize_e4m3_ue8m0",
+    "LOG2_CEIL_BAND",
+    "dequantize_fp8",
+    "fp8_descale",
     "quantize_e4m3_ue8m0",
+    "quantize_fp8",
     "ue8m0_descale",
 ]
 
 # Largest finite float8_e4m3fn value (torch.finfo(torch.float8_e4m3fn).max).
 E4M3_MAX = 448.0
-# One descale per this many contiguous values (the last dimension).
-QUANT_BLOCK = 128
 DEFAULT_AMAX_FLOOR = 1e-4
+# The smallest floor of the float32-ratio rules: r stays a normal float32 number.
+MIN_RATIO_FLOOR = 2.0**-100
+# For r = 2**e * (1 + m * 2**-23), m > 0: the float32 log2 of r rounds to e exactly while
+# m <= LOG2_CEIL_BAND[b], b = floor(log2(|e| - (e < 0))) (the binade of the float32 result near
+# e); b <= 1 and e in {0, -1} have no band. Derived from m < (2**(2**(b - 24)) - 1) * 2**23: the
+# result's half ulp (no tie is possible: log2 of such an r is irrational).
+LOG2_CEIL_BAND = (0, 0, 1, 2, 5, 11, 22)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@torch.no_grad()
-def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) -> torch.Tensor:
-    """Smallest power of two ``s`` with ``max(amax, amax_floor) / s <= 448``, exactly.
-
-    Args:
-        amax: float32 (or narrower) tensor of non-negative per-vector maxima, any shape.
-        amax_floor: positive floor applied before the rule (1e-4 in vLLM / SGLang).
-
-    Returns:
-        float32 tensor of the same shape; every finite entry is an exact power of two. Non-finite
-        ``amax`` (Inf or NaN) gives a NaN descale: such a vector has no finite scale.
-    """
-    a = amax.to(torch.float32).clamp_min(amax_floor)
+def _next_pow2_exact(a: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``s`` with ``a <= 448 * s``, decided exactly (``a`` float32 > 0)."""
     # a = m * 2**E with m in [0.5, 1). Since 448 = 7 * 2**6:
     #   a <= 448 * 2**e  <=>  m * 2**(E - 6 - e) <= 7.
     # The largest power of two not above 7 / m is 4 when m > 7/8 and 8 otherwise, so the
     # smallest admissible e is E - 8 when m > 0.875 and E - 9 otherwise. All comparisons exact.
     mantissa, exponent = torch.frexp(a)
     e = exponent - torch.where(mantissa > 0.875, 8, 9).to(exponent.dtype)
-    descale = torch.ldexp(torch.ones_like(a), e)
-    return torch.where(torch.isfinite(a), descale, torch.full_like(a, float("nan")))
+    return torch.ldexp(torch.ones_like(a), e)
+
+
+def _pow2_from_ratio(r: torch.Tensor, ceil: str) -> torch.Tensor:
+    """The UE8M0 power of two of a normal float32 ratio ``r > 0`` (see the module docstring)."""
+    bits = r.view(torch.int32)
+    e = (bits >> 23) - 127
+    m = bits & 0x7FFFFF
+    if ceil == "bits":
+        up = m != 0
+    else:
+        k = e.abs() - (e < 0).to(e.dtype)  # |e| for e > 0, |e| - 1 for e < 0
+        band = torch.tensor(LOG2_CEIL_BAND, dtype=e.dtype, device=r.device)
+        binade = torch.where(k > 0, torch.log2(k.clamp(min=1).float()).floor().int(), 0)
+        up = m > band[binade.clamp(0, len(LOG2_CEIL_BAND) - 1)]
+    return ((e + up.to(e.dtype) + 127) << 23).view(torch.float32)
 
 
 @torch.no_grad()
-def quantize_e4m3_ue8m0(
-    x: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize 128-vectors to E4M3 with a UE8M0 (power-of-two) descale each.
+def fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> torch.Tensor:
+    """The float32 descale of vectors with per-vector maxima ``amax`` (any shape, >= 0).
 
-    Args:
-        x: ``[..., 128]`` bfloat16, float16 or float32 (an FP32 carrier is quantized from its
-            FP32 values, never via BF16).
-        amax_floor: positive floor of the per-vector amax (1e-4 in vLLM / SGLang; some engines
-            use 1e-10). A zero vector gets the floor's scale and quantizes to zeros.
-
-    Returns:
-        ``(x_fp8, descale)``: ``x_fp8`` is ``float8_e4m3fn`` of ``x``'s shape, the
-        round-to-nearest-even E4M3 value of ``x / descale`` (never saturating: ``|x| / descale <=
-        448`` by construction); ``descale`` is float32 of shape ``x.shape[:-1]`` with
-        ``x ~= x_fp8.float() * descale[..., None]``. A vector holding an Inf or NaN gets a NaN
-        descale and all-NaN values, so it can never turn into finite scores.
+    Non-finite ``amax`` (Inf or NaN) gives a NaN descale: such a vector has no finite scale.
+    See the module docstring for the rules.
     """
+    a = amax.to(torch.float32).clamp_min(rule.amax_floor)  # the floor is rounded to float32
+    if rule.scale_ratio == "exact":
+        descale = _next_pow2_exact(a)
+    else:
+        finite = torch.where(torch.isfinite(a), a, torch.ones_like(a))
+        if rule.scale_ratio == "divide":
+            # A tensor divisor: torch's CUDA division by a Python scalar multiplies by the
+            # scalar's reciprocal instead of dividing (BinaryDivTrueKernel.cu), which is the
+            # "reciprocal" ratio, not this one.
+            r = finite / torch.full_like(finite, E4M3_MAX)
+        else:
+            r = finite * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+        descale = _pow2_from_ratio(r, rule.ue8m0_ceil) if rule.scale_format == "ue8m0" else r
+    return torch.where(torch.isfinite(a), descale, torch.full_like(a, float("nan")))
+
+
+def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) -> torch.Tensor:
+    """Smallest power of two ``s`` with ``max(amax, amax_floor) / s <= 448``, exactly."""
+    return fp8_descale(amax, Fp8Rule(amax_floor=amax_floor))
+
+
+def _check_vectors(x: object, amax_floor: float) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}.")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"x has dtype {x.dtype}; quantize_e4m3_ue8m0 takes bfloat16, float16 or float32 "
-            "vectors (cast integer or float64 data first)."
+            f"x has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 vectors "
+            "(cast integer or float64 data first)."
         )
     if x.ndim == 0 or x.shape[-1] != QUANT_BLOCK:
         raise ValueError(
             f"x has shape {tuple(x.shape)}; the last dimension must be {QUANT_BLOCK} "
-            "(one UE8M0 descale per 128-vector)."
+            "(one descale per 128-vector)."
         )
     amax_floor = float(amax_floor)
-    if not (amax_floor > 0.0 and amax_floor < float("inf")):
+    if not (0.0 < amax_floor < float("inf")):
         raise ValueError(
             f"amax_floor={amax_floor!r} must be a positive finite number (e.g. 1e-4 or 1e-10)."
         )
+
+
+@torch.no_grad()
+def quantize_fp8(
+    x: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize 128-vectors to E4M3 with one float32 descale each, under ``rule``.
+
+    Args:
+        x: ``[..., 128]`` bfloat16, float16 or float32 (an FP32 carrier is quantized from its
+            FP32 values, never via BF16).
+        rule: an engine's rule (:attr:`dsa_precision.EngineProfile.q_quant` / ``k_quant``); the
+            default is the package's original contract (exact UE8M0, floor 1e-4).
+
+    Returns:
+        ``(x_fp8, descale)``: ``x_fp8`` float8_e4m3fn of ``x``'s shape; ``descale`` float32 of
+        shape ``x.shape[:-1]`` with ``x ~= x_fp8.float() * descale[..., None]``. A vector holding
+        an Inf or NaN gets a NaN descale and all-NaN values, so it can never turn into finite
+        scores.
+    """
+    _check_vectors(x, rule.amax_floor)
+    if rule.scale_ratio != "exact" and rule.amax_floor < MIN_RATIO_FLOOR:
+        raise ValueError(
+            f"amax_floor={rule.amax_floor!r} is below 2**-100: the float32 ratio rules need a "
+            "normal float32 ratio."
+        )
     x32 = x.to(torch.float32)  # exact for every input dtype
-    amax = x32.abs().amax(dim=-1)
-    descale = ue8m0_descale(amax, amax_floor)
-    # Division by a power of two is exact in float32 here (results are >= 2**-126 or round to
-    # zero in E4M3 anyway), so the only rounding is the E4M3 cast, which is round-to-nearest-even.
-    scaled = x32 / descale.unsqueeze(-1)
+    descale = fp8_descale(x32.abs().amax(dim=-1), rule)
+    s = descale.unsqueeze(-1)
+    scaled = x32 / s if rule.scale_apply == "divide" else x32 * torch.reciprocal(s)
     # torch's E4M3 cast saturates out-of-range values (even Inf) to +-448; a non-finite vector
-    # must stay non-finite, so poison it explicitly. Finite vectors never reach the clamp.
-    bad = ~torch.isfinite(descale).unsqueeze(-1)
-    scaled = torch.where(bad, torch.full_like(scaled, float("nan")), scaled)
+    # must stay non-finite, so poison it explicitly.
+    scaled = torch.where(torch.isfinite(s), scaled, torch.full_like(scaled, float("nan")))
     x_fp8 = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return x_fp8, descale
 
 
-def dequantize_e4m3_ue8m0(x_fp8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """``x_fp8.float() * descale[..., None]`` as float32 (exact: a power-of-two scaling)."""
+def quantize_e4m3_ue8m0(
+    x: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8` with exact power-of-two (UE8M0) descales: the package's original
+    contract (DeepGEMM ``per_token_cast_to_fp8(..., use_ue8m0=True)`` decided exactly)."""
+    return quantize_fp8(x, Fp8Rule(amax_floor=amax_floor))
+
+
+def dequantize_fp8(x_fp8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``x_fp8.float() * descale[..., None]`` as float32 (exact for power-of-two descales)."""
     return x_fp8.to(torch.float32) * descale.unsqueeze(-1)

@@ -1,113 +1,221 @@
-"""A recording stand-in for ``cudnn.DSA`` on machines without an SM90 GPU.
+"""A recording stand-in for ``cudnn.DSA`` (nvidia-cudnn-frontend 1.32) on machines without an SM90
+GPU: it checks and records WHAT REACHES THE KERNELS, and nothing about their numerics.
 
-It checks what the package passes to the kernels (dtypes, shapes, precision, scales, offsets)
-and answers with a float64 evaluation of the kernels' documented math, so the code around the
-launch can run. The real kernels are covered by the ``gpu`` tests.
+- Its signatures are the real wrappers', so a misspelt keyword fails as it would on the GPU.
+- Every launch is checked against the requirements the real SM90 wrappers assert
+  (``indexer_forward/_interface_sm90.py``, ``indexer_top_k/api.py``) plus the package's own
+  promises (contiguous, 16-byte aligned operands), and recorded with copies of its arguments.
+- The forward answers with stand-in scores: a simple function of the operand bytes it received
+  (not the indexer's formula) under cuDNN's documented causal mask, so the code around the launch
+  runs and chunked launches can be compared with single ones. The numerics of the real kernel
+  are checked by the ``gpu`` tests against the float64 reference.
+- The top-k answers as cuDNN documents its deterministic radix top-k: per row, the ``top_k``
+  largest float bit patterns among columns ``< seq_len`` (``-inf`` columns included; NaN above
+  ``+inf``), ties toward the lower column, returned in ascending column order, short rows padded
+  with ``-1`` / ``-inf``.
 """
 
 from __future__ import annotations
 
 import torch
 
+SM90_BF16_HEADS = (16, 32, 64)
+SM90_FP8_HEADS = (32, 64)
+TOPK_MAX_K = 2048
+
+
+def _check_tensor(name: str, t: torch.Tensor | None) -> None:
+    if t is None:
+        return
+    assert t.is_contiguous(), f"{name} reaches the kernel non-contiguous: strides {t.stride()}"
+    assert t.data_ptr() % 16 == 0, f"{name} reaches the kernel at an unaligned address"
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def stand_in_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., S_q, S_k]``: a function of each query row's and each key's bytes (NOT the
+    indexer's scores): ``sum(q_row) / 1024 + sum(k)``, distinct for random operands."""
+    qs = q.float().flatten(-2).sum(-1, dtype=torch.float64) / 1024  # [..., S_q]
+    ks = k.float().flatten(-2).sum(-1, dtype=torch.float64)  # [..., S_k]
+    return (qs.unsqueeze(-1) + ks.unsqueeze(-2)).float()
+
+
+def _mask(scores: torch.Tensor, offset: int, ratio: int, n_keys: int) -> None:
+    """cuDNN's top-left causal mask on ``[S_q, S_k]`` in place: ``-inf`` from key
+    ``min(floor((offset + s + 1) / ratio), n_keys)`` of row ``s`` on."""
+    for s in range(scores.shape[0]):
+        scores[s, min((offset + s + 1) // ratio, n_keys) :] = float("-inf")
+
+
+def radix_order_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering float32 values as an unsigned radix sort of their flipped bit
+    patterns does: ``-inf < ... < -0 < +0 < ... < +inf < NaN`` (for a positive NaN)."""
+    bits = values.float().contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
 
 class FakeDSA:
-    def __init__(self):
+    """``cudnn.DSA`` with ``indexer_forward_wrapper`` and ``indexer_top_k_wrapper``."""
+
+    def __init__(self) -> None:
         self.forward_calls: list[dict] = []
         self.topk_calls: list[dict] = []
 
-    # (B, S_q, H, 128) | THD (T, H, 128)
+    # ---------------------------------------------------------------------- scoring
     def indexer_forward_wrapper(
         self,
         q,
         k,
         w,
         ratio=4,
+        qhead_per_kv_head=None,
+        m_block_size=128,
+        n_block_size=128,
+        q_stage=2,
+        kv_stage=4,
         sm_scale=1.0,
-        *,
-        q_causal_offsets=None,
-        precision="bf16",
-        q_scale=None,
-        k_scale=None,
+        out=None,
+        stream=None,
         cu_seqlens_q=None,
         cu_seqlens_k=None,
         max_seqlen_q=None,
         max_seqlen_k=None,
+        q_causal_offsets=None,
+        precision="bf16",
+        q_scale=None,
+        k_scale=None,
+        cu_seqlens_q_scale_padded=None,
+        cu_seqlens_k_scale_padded=None,
+        sf_vec_size=32,
+        return_lse=False,
+        lse_out=None,
     ):
         thd = cu_seqlens_q is not None
-        call = dict(
-            q_dtype=q.dtype,
-            k_dtype=k.dtype,
-            w_dtype=w.dtype,
-            precision=precision,
-            sm_scale=sm_scale,
-            ratio=ratio,
-            q_shape=tuple(q.shape),
-            k_shape=tuple(k.shape),
-            thd=thd,
-            offsets=None if q_causal_offsets is None else q_causal_offsets.tolist(),
-            q_scale_shape=None if q_scale is None else tuple(q_scale.shape),
-            k_scale_shape=None if k_scale is None else tuple(k_scale.shape),
-        )
-        self.forward_calls.append(call)
-        assert q.is_contiguous() and k.is_contiguous() and w.is_contiguous()
+        assert thd == (cu_seqlens_k is not None), "THD needs both cu_seqlens"
+        assert (m_block_size, n_block_size, q_stage, kv_stage) == (128, 128, 2, 4)
+        assert not return_lse and lse_out is None and cu_seqlens_q_scale_padded is None
+        for name, t in (("q", q), ("k", k), ("w", w), ("q_scale", q_scale), ("k_scale", k_scale)):
+            _check_tensor(name, t)
         if precision == "fp8":
-            assert q.dtype == k.dtype == torch.float8_e4m3fn and w.dtype == torch.float32
+            assert q.dtype == k.dtype == torch.float8_e4m3fn, (q.dtype, k.dtype)
+            assert q_scale is not None and k_scale is not None, "fp8 needs q_scale and k_scale"
             assert q_scale.dtype == k_scale.dtype == torch.float32
-            assert q_scale.shape == q.shape[:-1] and k_scale.shape == k.shape[:-1]
         else:
-            assert precision == "bf16" and q.dtype == k.dtype == torch.bfloat16
-            assert (
-                q_scale is None and k_scale is None and w.dtype in (torch.bfloat16, torch.float32)
-            )
-        assert q_causal_offsets is None or q_causal_offsets.dtype == torch.int32
+            assert precision == "bf16", precision
+            assert q.dtype == k.dtype == torch.bfloat16, (q.dtype, k.dtype)
+            assert q_scale is None and k_scale is None, "bf16 takes no scales"
+        assert w.dtype in (torch.bfloat16, torch.float32), w.dtype
         if thd:
-            outs = torch.full((q.shape[0], max_seqlen_k), float("-inf"))
-            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-            for i in range(len(cq) - 1):
-                sub = self._bshd(
-                    q[None, cq[i] : cq[i + 1]],
-                    k[None, ck[i] : ck[i + 1]],
-                    w[None, cq[i] : cq[i + 1]],
-                    None if q_scale is None else k_scale[None, ck[i] : ck[i + 1]],
-                    ratio,
-                    sm_scale,
-                    precision,
-                    [0 if q_causal_offsets is None else call["offsets"][i]],
-                )
-                outs[cq[i] : cq[i + 1], : ck[i + 1] - ck[i]] = sub[0]
-            return {"scores": outs}
-        offsets = call["offsets"] or [0] * q.shape[0]
-        return {"scores": self._bshd(q, k, w, k_scale, ratio, sm_scale, precision, offsets)}
-
-    @staticmethod
-    def _bshd(q, k, w, k_scale, ratio, sm_scale, precision, offsets):
-        dots = torch.einsum("bshd,btd->bsht", q.double(), k[:, :, 0].double())
-        s = (dots.clamp_min(0) * w.double().unsqueeze(-1)).sum(2)
-        s = s * k_scale[:, None, :, 0].double() if precision == "fp8" else s * sm_scale
-        s = s.float()
-        sq, sk = s.shape[1], s.shape[2]
-        for b, off in enumerate(offsets):
-            for i in range(sq):
-                s[b, i, min((off + i + 1) // ratio, sk) :] = float("-inf")
-        return s
-
-    def indexer_top_k_wrapper(
-        self, values, seq_lens, top_k, next_n=1, return_val=True, *, deterministic=False
-    ):
-        self.topk_calls.append(
-            dict(dtype=values.dtype, top_k=top_k, next_n=next_n, deterministic=deterministic)
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                assert cu.dtype == torch.int32 and cu.ndim == 1 and cu.is_contiguous(), name
+            assert q.ndim == 3 and k.ndim == 3 and w.ndim == 2, (q.shape, k.shape, w.shape)
+            assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            n_rows, n_heads, head_dim = q.shape
+            batch = cu_seqlens_q.numel() - 1
+            assert cu_seqlens_k.shape == (batch + 1,)
+            out_shape = (n_rows, max_seqlen_k)
+            if precision == "fp8":
+                assert q_scale.shape == (n_rows, n_heads) and k_scale.shape == (k.shape[0], 1)
+        else:
+            assert q.ndim == 4 and k.ndim == 4 and w.ndim == 3, (q.shape, k.shape, w.shape)
+            batch, sq, n_heads, head_dim = q.shape
+            assert k.shape[0] == batch and w.shape == (batch, sq, n_heads)
+            out_shape = (batch, sq, k.shape[1])
+            if precision == "fp8":
+                assert q_scale.shape == q.shape[:3] and k_scale.shape == (batch, k.shape[1], 1)
+        assert k.shape[-2] == 1, f"one key head, got {k.shape}"
+        assert head_dim == k.shape[-1] == 128, head_dim
+        heads = SM90_FP8_HEADS if precision == "fp8" else SM90_BF16_HEADS
+        assert n_heads in heads, f"{precision} with {n_heads} heads"
+        if q_causal_offsets is not None:
+            assert q_causal_offsets.dtype == torch.int32 and q_causal_offsets.shape == (batch,)
+            assert q_causal_offsets.device == q.device
+        if out is not None:
+            assert tuple(out.shape) == out_shape and out.dtype == torch.float32
+            assert out.is_contiguous()
+        self.forward_calls.append(
+            dict(
+                q=_clone(q),
+                k=_clone(k),
+                w=_clone(w),
+                q_scale=_clone(q_scale),
+                k_scale=_clone(k_scale),
+                precision=precision,
+                ratio=ratio,
+                sm_scale=sm_scale,
+                offsets=None if q_causal_offsets is None else q_causal_offsets.tolist(),
+                thd=thd,
+                cu_seqlens_q=_clone(cu_seqlens_q),
+                cu_seqlens_k=_clone(cu_seqlens_k),
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                out=out,
+                out_ptr=None if out is None else out.data_ptr(),
+            )
         )
-        assert seq_lens.dtype == torch.int32 and next_n == 1 and values.is_contiguous()
-        n = values.shape[0]
-        idx = torch.full((n, top_k), -1, dtype=torch.int32)
-        val = torch.full((n, top_k), float("-inf"), dtype=values.dtype)
-        for r in range(n):
-            row = values[r, : int(seq_lens[r])]
-            order = torch.sort(row, descending=True, stable=True).indices[:top_k]
-            order = order.sort().values  # deterministic mode: ascending local indices
-            idx[r, : order.numel()] = order.int()
-            val[r, : order.numel()] = row[order]
-        return {"indices": idx, "values": val}
+        scores = torch.empty(out_shape) if out is None else out
+        offsets = [0] * batch if q_causal_offsets is None else q_causal_offsets.tolist()
+        if thd:
+            scores.fill_(float("-inf"))
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            for i in range(batch):
+                n_keys = ck[i + 1] - ck[i]
+                part = stand_in_scores(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]])
+                _mask(part, offsets[i], ratio, n_keys)
+                scores[cq[i] : cq[i + 1], :n_keys] = part[:, :max_seqlen_k]
+        else:
+            scores.copy_(stand_in_scores(q, k))
+            for b in range(batch):
+                _mask(scores[b], offsets[b], ratio, k.shape[1])
+        self.forward_calls[-1]["returned"] = scores
+        return {"scores": scores}
+
+    # ------------------------------------------------------------------------ top-k
+    def indexer_top_k_wrapper(
+        self,
+        input_values,
+        seq_lens,
+        top_k,
+        next_n=1,
+        return_val=True,
+        num_copy_bits=256,
+        stream=None,
+        tie_break=0,
+        deterministic=False,
+    ):
+        assert input_values.ndim == 2, input_values.shape
+        assert input_values.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        assert seq_lens.dtype == torch.int32 and seq_lens.ndim == 1, seq_lens.dtype
+        n_rows, n_cols = input_values.shape
+        assert n_rows == seq_lens.numel() * next_n, (n_rows, seq_lens.shape, next_n)
+        assert 0 < top_k <= min(TOPK_MAX_K, n_cols), (top_k, n_cols)
+        self.topk_calls.append(
+            dict(
+                values=_clone(input_values),
+                seq_lens=_clone(seq_lens),
+                top_k=top_k,
+                next_n=next_n,
+                return_val=return_val,
+                tie_break=tie_break,
+                deterministic=deterministic,
+            )
+        )
+        indices = torch.full((n_rows, top_k), -1, dtype=torch.int32)
+        values = torch.full((n_rows, top_k), float("-inf"), dtype=input_values.dtype)
+        order_keys = radix_order_keys(input_values)
+        for r in range(n_rows):
+            n = min(int(seq_lens[r]), n_cols)
+            # Largest radix key first, ties toward the lower column (a stable sort).
+            order = torch.sort(order_keys[r, :n], descending=True, stable=True).indices[:top_k]
+            order = order.sort().values if deterministic else order.flip(0)
+            indices[r, : order.numel()] = order.to(torch.int32)
+            values[r, : order.numel()] = input_values[r, order]
+        self.topk_calls[-1]["indices"] = indices.clone()
+        self.topk_calls[-1]["values_out"] = values.clone()
+        return {"indices": indices, "values": values if return_val else None}
 
 
 def install(monkeypatch) -> FakeDSA:

@@ -7,9 +7,10 @@ import struct
 
 import torch
 
-from dsa_precision.prepare import prepare_indexer_operands
+from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
+from dsa_precision.engines import DEFAULT_ENGINE, EngineProfile
+from dsa_precision.operands import ScoringOperands, prepare_indexer_operands
 from dsa_precision.preprocess import IndexerPreprocess
-from dsa_precision.scoring import ScoringOperands
 
 ROPE_DIM = 64
 
@@ -40,6 +41,7 @@ def make_preprocess(
     interleaved: bool,
     k_norm_fp32: bool = False,
     params: torch.dtype = torch.bfloat16,
+    engine: EngineProfile = DEFAULT_ENGINE,
     device="cpu",
 ) -> IndexerPreprocess:
     pre = IndexerPreprocess(
@@ -49,6 +51,7 @@ def make_preprocess(
         rotate_activation=hadamard,
         k_norm_fp32=k_norm_fp32,
         rope_fp32=rope_fp32,
+        engine=engine,
     )
     g = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -71,6 +74,7 @@ def make_case(
     dtype: torch.dtype = torch.bfloat16,
     w_dtype: torch.dtype = torch.bfloat16,
     packed: list[int] | None = None,
+    engine: EngineProfile = DEFAULT_ENGINE,
     device="cpu",
     seed: int = 0,
 ) -> Case:
@@ -81,6 +85,7 @@ def make_case(
         interleaved=interleaved,
         k_norm_fp32=k_norm_fp32,
         params=torch.float32 if k_norm_fp32 or dtype == torch.float32 else torch.bfloat16,
+        engine=engine,
         device=device,
     )
     g = torch.Generator(device=device).manual_seed(seed)
@@ -136,7 +141,12 @@ def hard_vectors(device="cpu") -> torch.Tensor:
 
 
 def hard_case(
-    *, heads: int = 32, hadamard: bool = False, interleaved: bool = False, device="cpu"
+    *,
+    heads: int = 32,
+    hadamard: bool = False,
+    interleaved: bool = False,
+    engine: EngineProfile = DEFAULT_ENGINE,
+    device="cpu",
 ) -> Case:
     """Float32 projections carrying :func:`hard_vectors` through an identity RoPE (angle 0:
     cos 1, sin 0), so the quantizer sees them unchanged (up to the Hadamard, when on)."""
@@ -151,6 +161,7 @@ def hard_case(
         hadamard=hadamard,
         interleaved=interleaved,
         params=torch.float32,
+        engine=engine,
         device=device,
     )
     finite = n - 3  # the last three vectors hold a NaN or an Inf
@@ -163,16 +174,39 @@ def hard_case(
 
 
 def operands(case: Case, impl: str, **kw) -> ScoringOperands:
+    config = IndexerPrecisionConfig(
+        rope_fp32=case.pre.rope_fp32, scoring_precision="fp8", engine=case.pre.engine
+    )
     return prepare_indexer_operands(
         case.pre,
         case.q,
         case.k,
         case.w,
         case.freqs,
-        scoring_precision="fp8",
+        config=config,
         cu_seqlens=case.cu_seqlens,
         impl=impl,
         **kw,
+    )
+
+
+def with_floor(engine: EngineProfile, floor: float) -> EngineProfile:
+    """``engine`` with another amax floor for q and k."""
+    return dataclasses.replace(
+        engine,
+        q_quant=dataclasses.replace(engine.q_quant, amax_floor=floor),
+        k_quant=dataclasses.replace(engine.k_quant, amax_floor=floor),
+    )
+
+
+# Every registered profile; with the model fields its path needs (Hadamard, RoPE layout).
+PROFILES = sorted(ENGINE_PROFILES)
+
+
+def model_fields(engine: EngineProfile) -> dict[str, bool]:
+    return dict(
+        hadamard=bool(engine.hadamard),
+        interleaved=bool(engine.rope_interleaved),
     )
 
 
@@ -192,20 +226,26 @@ def assert_bit_identical(got: ScoringOperands, ref: ScoringOperands) -> None:
     """E4M3 bytes and descales bit for bit (descale NaN included); folded weights bit for bit
     with NaN compared as NaN; the same BSHD contiguous layout."""
     assert got.precision is ref.precision and got.sm_scale == ref.sm_scale
-    for name in ("q", "k", "q_scale", "k_scale", "w"):
+    for name in ("q", "k", "q_descale", "k_descale", "weights"):
         a, b = getattr(got, name), getattr(ref, name)
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape, b.dtype, b.shape)
         assert a.is_contiguous(), name
         if a.dtype == torch.float8_e4m3fn:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
-        elif name == "w":
+        elif name == "weights":
             a, b = _bits32(a), _bits32(b)
         else:
             a, b = a.view(torch.int32), b.view(torch.int32)
         assert torch.equal(a, b), f"{name} differs at {_first_mismatches(a, b)}"
 
 
-def cancelling_case(*, hadamard: bool, interleaved: bool = False, device="cpu") -> Case:
+def cancelling_case(
+    *,
+    hadamard: bool,
+    interleaved: bool = False,
+    engine: EngineProfile = DEFAULT_ENGINE,
+    device="cpu",
+) -> Case:
     """BF16 keys whose LayerNorm mean is inexact in float64: ``+-2**60`` beside values near 1.
     Summed in another order than the reference's the mean loses those values; the LayerNorm
     weight (``2**-60`` on the huge lanes, ``2**57`` elsewhere) brings the difference into the
@@ -221,6 +261,7 @@ def cancelling_case(*, hadamard: bool, interleaved: bool = False, device="cpu") 
         hadamard=hadamard,
         interleaved=interleaved,
         params=torch.float32,
+        engine=engine,
         device=device,
     )
     with torch.no_grad():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -51,3 +53,96 @@ def calc_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
 # (measured: 2.3e-4 to 2.8e-4). BF16 operands accumulate at full FP32 precision (~2e-7).
 MAX_REL_ERR = {"bf16": 1e-5, "fp8": 1e-3}
 CALC_DIFF_MAX = 1e-5
+
+
+# ------------------------------------------------------------------ contracts of the scoring API
+
+
+def bf16_contract(q, k, w, *, sm_scale=1.0, offsets=None, ratio=1):
+    """float64 ``[B, Sq, Sk]`` of BF16 scoring from carriers: q and k rounded to BF16 (k may be
+    ``[B, Sk, 1, D]``), the head weights as given, ``sm_scale`` applied once at the end."""
+    k = k.reshape(k.shape[0], k.shape[1], -1)
+    return contract_scores_f64(
+        q.to(torch.bfloat16).double(),
+        k.to(torch.bfloat16).double(),
+        w.double(),
+        post_scale=sm_scale,
+        offsets=offsets,
+        ratio=ratio,
+    )
+
+
+def fp8_contract(q, k, w, *, sm_scale=1.0, offsets=None, ratio=1):
+    """float64 ``[B, Sq, Sk]`` of FP8 scoring from carriers under the default engine: q and k
+    quantized per 128-vector (exact UE8M0 descales, floor 1e-4), the q descale and ``sm_scale``
+    folded into the head weights, the k descale applied per key."""
+    from dsa_precision import quantize_e4m3_ue8m0
+
+    k = k.reshape(k.shape[0], k.shape[1], -1)
+    q8, qs = quantize_e4m3_ue8m0(q)
+    k8, ks = quantize_e4m3_ue8m0(k)
+    w_fold = w.double() * qs.double() * sm_scale
+    return contract_scores_f64(
+        q8.double(), k8.double(), w_fold, post_scale=1.0, key_scale=ks, offsets=offsets, ratio=ratio
+    )
+
+
+CONTRACTS = {"bf16": bf16_contract, "fp8": fp8_contract}
+
+
+def reference_topk(row: list[float], k: int, seq_len: int) -> list[int]:
+    """The top-k rule for one row, in plain Python: among keys ``< seq_len`` whose score is
+    neither ``-inf`` nor NaN, the ``k`` largest, ties toward the lower index, ``+0.0`` above
+    ``-0.0``; returned ascending and padded with ``-1`` to ``k``."""
+    cand = [(v, i) for i, v in enumerate(row[:seq_len]) if v != -math.inf and not math.isnan(v)]
+    cand.sort(key=lambda vi: (-vi[0], -math.copysign(1.0, vi[0]), vi[1]))
+    picked = sorted(i for _, i in cand[:k])
+    return picked + [-1] * (k - len(picked))
+
+
+def reference_topk_rows(scores: torch.Tensor, k: int, seq_lens=None) -> list[list[int]]:
+    """:func:`reference_topk` of every row of ``scores`` (``seq_lens`` of shape ``scores.shape[:-1]``)."""
+    flat = scores.reshape(-1, scores.shape[-1]).tolist()
+    lens = [scores.shape[-1]] * len(flat) if seq_lens is None else seq_lens.reshape(-1).tolist()
+    return [reference_topk(r, k, n) for r, n in zip(flat, lens, strict=True)]
+
+
+def cu_seqlens(lens, dtype=torch.int32) -> torch.Tensor:
+    """``[0, l0, l0 + l1, ...]`` cumulative lengths."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=dtype)
+
+
+def causal_counts(offset: int, rows: range, ratio: int, sk: int) -> list[int]:
+    """Visible keys ``min(floor((offset + s + 1) / ratio), sk)`` of each query row ``s``."""
+    return [max(0, causal_limit(offset, s, ratio, sk)) for s in rows]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view with ``t``'s exact bit pattern (for bitwise comparisons, NaN included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    t = t.detach().contiguous()
+    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (
+        f"{what}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+    )
+    diff = bits(a) != bits(b)
+    if diff.any():
+        first = tuple(int(i) for i in diff.nonzero()[0])
+        raise AssertionError(f"{what}: first difference at {first}: {a[first]} vs {b[first]}")
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int64 number of float32 steps between ``a`` and ``b`` (finite values; across zero it
+    counts the steps on both sides, ``+0`` and ``-0`` being the same point)."""
+
+    def ordered(x):
+        bits = x.float().contiguous().view(torch.int32).to(torch.int64)
+        return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()

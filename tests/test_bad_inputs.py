@@ -1,5 +1,6 @@
-"""Every public entry point answers bad input with an error naming the argument, the value and
-the fix, or with a documented, tested result (docs/robustness.md)."""
+"""Every public entry point answers bad input with an error naming the argument, the value and the
+fix (table-driven: the exception type and a pattern of its message), never with a silent
+fallback; data-dependent checks run with ``validate=True`` and name the tensor and the index."""
 
 import pytest
 import torch
@@ -7,61 +8,200 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
+    ScoringOperands,
     fused_indexer_sparse_attention,
     indexer_scores,
+    indexer_scores_varlen,
     indexer_select,
+    indexer_select_varlen,
     indexer_topk,
+    prepare_scoring_operands,
     quantize_e4m3_ue8m0,
 )
+from dsa_precision.operands import as_scoring_operands
+
+from .helpers import cu_seqlens
+
+META = torch.device("meta")
 
 
 def qkw(b=1, sq=8, sk=8, h=32, d=128):
     return torch.randn(b, sq, h, d), torch.randn(b, sk, d), torch.randn(b, sq, h).to(torch.bfloat16)
 
 
-def scores_call(**kw):
+def fp8_tensors(b=1, sq=4, sk=4, h=32):
+    """The tensors of valid FP8 operands, as a dict of ScoringOperands fields."""
+    return dict(
+        q=torch.zeros(b, sq, h, 128, dtype=torch.float8_e4m3fn),
+        k=torch.zeros(b, sk, 128, dtype=torch.float8_e4m3fn),
+        weights=torch.zeros(b, sq, h),
+        q_descale=torch.ones(b, sq, h),
+        k_descale=torch.ones(b, sk),
+    )
+
+
+def bf16_tensors(b=1, sq=4, sk=4, h=32):
+    return dict(
+        q=torch.zeros(b, sq, h, 128, dtype=torch.bfloat16),
+        k=torch.zeros(b, sk, 128, dtype=torch.bfloat16),
+        weights=torch.zeros(b, sq, h, dtype=torch.bfloat16),
+    )
+
+
+def operands(base, **changes):
+    return lambda: ScoringOperands(**{**base(), **changes})
+
+
+def scores(**kw):
     q, k, w = qkw()
     args = dict(q=q, k=k, weights=w, scoring_precision="fp8", backend="torch")
     args.update(kw)
     return lambda: indexer_scores(**args)
 
 
+def varlen(fn=indexer_scores_varlen, **kw):
+    """A packed call of 8 tokens in sequences [3, 5]; ``kw`` replaces any argument."""
+    args = dict(
+        q=torch.randn(8, 32, 128),
+        k=torch.randn(8, 128),
+        weights=torch.randn(8, 32),
+        cu_seqlens_q=cu_seqlens([3, 5]),
+        cu_seqlens_k=cu_seqlens([3, 5]),
+        max_seqlen_q=5,
+        max_seqlen_k=5,
+        scoring_precision="bf16",
+        backend="torch",
+    )
+    if fn is indexer_select_varlen:
+        args["topk"] = 2
+    args.update(kw)
+    return lambda: fn(**args)
+
+
+def select(**kw):
+    q, k, w = qkw()
+    args = dict(q=q, k=k, weights=w, topk=2, scoring_precision="bf16", backend="torch")
+    args.update(kw)
+    return lambda: indexer_select(**args)
+
+
+def topk(**kw):
+    args = dict(scores=torch.randn(2, 4), k=2, backend="torch")
+    args.update(kw)
+    return lambda: indexer_topk(**args)
+
+
+FP8_OPS = prepare_scoring_operands(*qkw(), scoring_precision="fp8")
+
 ERRORS = [
     # (name, call, exception, message pattern)
-    ("config: precision", lambda: IndexerPrecisionConfig(scoring_precision="e5m2"), ValueError, r"scoring_precision='e5m2'.*'bf16', 'fp8'"),
-    ("config: rope_fp32 type", lambda: IndexerPrecisionConfig(rope_fp32=1), TypeError, "rope_fp32 must be a bool"),
-    ("quantize: dtype", lambda: quantize_e4m3_ue8m0(torch.zeros(2, 128, dtype=torch.int8)), TypeError, "x has dtype torch.int8"),
-    ("quantize: width", lambda: quantize_e4m3_ue8m0(torch.zeros(2, 96)), ValueError, "last dimension must be 128"),
-    ("quantize: floor", lambda: quantize_e4m3_ue8m0(torch.zeros(2, 128), amax_floor=0), ValueError, "amax_floor=0.0"),
-    ("preprocess: rank", lambda: IndexerPreprocess(128, 64)(torch.randn(4, 8, 128), torch.randn(4, 1, 128), torch.rand(4, 1, 1, 64)), ValueError, r"q must be \[s, b, h, d\]"),
-    ("preprocess: rope width", lambda: IndexerPreprocess(128, 64)(torch.randn(4, 1, 8, 128), torch.randn(4, 1, 128), torch.rand(4, 1, 1, 32)), ValueError, "rope width 32"),
-    ("preprocess: THD batch", lambda: IndexerPreprocess(128, 64)(torch.randn(4, 2, 8, 128), torch.randn(4, 2, 128), torch.rand(4, 1, 1, 64), cu_seqlens=torch.tensor([0, 4])), ValueError, "batch 1"),
-    ("scores: fp8 head dim", scores_call(q=torch.randn(1, 8, 32, 64), k=torch.randn(1, 8, 64)), ValueError, "head dim 64"),
-    ("scores: fp8 16 heads", scores_call(q=torch.randn(1, 8, 16, 128), weights=torch.randn(1, 8, 16)), ValueError, "q has 16"),
-    ("scores: q rank", scores_call(q=torch.randn(8, 32, 128)), ValueError, "expected q"),
-    ("scores: batch mismatch", scores_call(k=torch.randn(2, 8, 128)), ValueError, "batch mismatch"),
-    ("scores: weights shape", scores_call(weights=torch.randn(1, 7, 32)), ValueError, "weights has shape"),
-    ("scores: integer q", scores_call(q=torch.ones(1, 8, 32, 128, dtype=torch.int64)), TypeError, "q has dtype torch.int64"),
-    ("scores: float64 k", scores_call(k=torch.randn(1, 8, 128, dtype=torch.float64)), TypeError, "k has dtype torch.float64"),
-    ("scores: precision", scores_call(scoring_precision="fp4"), ValueError, r"'bf16', 'fp8'"),
-    ("scores: backend", scores_call(backend="tilelang"), ValueError, "backend='tilelang'"),
-    ("scores: ratio", scores_call(ratio=-1), ValueError, "ratio=-1"),
-    ("scores: chunk budget", scores_call(chunk_bytes=0), ValueError, "chunk_bytes=0"),
-    ("scores: offsets length", scores_call(q_causal_offsets=torch.tensor([0, 1])), ValueError, "q_causal_offsets has 2"),
-    ("scores: offsets sign", scores_call(q_causal_offsets=-3), ValueError, "non-negative"),
-    ("scores: cu_seqlens pair", scores_call(cu_seqlens_k=torch.tensor([0, 8])), ValueError, "needs both"),
-    ("scores: cu_seqlens end", lambda: indexer_scores(torch.randn(8, 32, 128), torch.randn(8, 128), torch.randn(8, 32), scoring_precision="bf16", backend="torch", cu_seqlens_q=torch.tensor([0, 9]), cu_seqlens_k=torch.tensor([0, 8])), ValueError, "end at the packed length 8"),
-    ("scores: cu_seqlens order", lambda: indexer_scores(torch.randn(8, 32, 128), torch.randn(8, 128), torch.randn(8, 32), scoring_precision="bf16", backend="torch", cu_seqlens_q=torch.tensor([0, 5, 3, 8]), cu_seqlens_k=torch.tensor([0, 5, 3, 8])), ValueError, "non-decreasing"),
-    ("scores: cu_seqlens count", lambda: indexer_scores(torch.randn(8, 32, 128), torch.randn(8, 128), torch.randn(8, 32), scoring_precision="bf16", backend="torch", cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 4, 8])), ValueError, "same sequences"),
-    ("scores: cu_seqlens float", lambda: indexer_scores(torch.randn(8, 32, 128), torch.randn(8, 128), torch.randn(8, 32), scoring_precision="bf16", backend="torch", cu_seqlens_q=torch.tensor([0.0, 8.0]), cu_seqlens_k=torch.tensor([0, 8])), TypeError, "cu_seqlens_q has dtype"),
-    ("topk: k", lambda: indexer_topk(torch.randn(2, 8), 0), ValueError, "k=0"),
-    ("topk: seq_lens range", lambda: indexer_topk(torch.randn(2, 8), 2, seq_lens=torch.tensor([9, 1])), ValueError, r"\[0, S_k=8\]"),
-    ("topk: seq_lens shape", lambda: indexer_topk(torch.randn(2, 8), 2, seq_lens=torch.tensor([1])), ValueError, "seq_lens has shape"),
-    ("topk: integer scores", lambda: indexer_topk(torch.ones(2, 8, dtype=torch.int32), 2), TypeError, "scores has dtype"),
-    ("topk: backend", lambda: indexer_topk(torch.randn(2, 8), 2, backend="triton"), ValueError, "backend='triton'"),
-    ("select: topk", lambda: indexer_select(*qkw(), 0, scoring_precision="bf16", backend="torch"), ValueError, "topk=0"),
-    ("fused: fp8 with loss", lambda: fused_indexer_sparse_attention(torch.randn(8, 1, 4, 72), torch.randn(8, 1, 72), torch.randn(8, 1, 32, 128), torch.randn(8, 1, 128), torch.randn(8, 1, 32), topk=4, softmax_scale=0.1, d_v=64, scoring_precision="fp8", loss_coeff=1.0, indexer_loss_fn=lambda *a: a[0].sum()), ValueError, "loss_coeff=1.0"),
-    ("fused: ranks", lambda: fused_indexer_sparse_attention(torch.randn(8, 4, 72), torch.randn(8, 1, 72), torch.randn(8, 1, 32, 128), torch.randn(8, 1, 128), torch.randn(8, 1, 32), topk=4, softmax_scale=0.1, d_v=64, scoring_precision="bf16"), ValueError, "expected query"),
+    # ------------------------------------------------------------- ScoringOperands construction
+    ("operands: q not a tensor", operands(bf16_tensors, q=[[0.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    ("operands: float32 q", operands(bf16_tensors, q=torch.zeros(1, 4, 32, 128)), TypeError, r"bf16 or float8_e4m3fn q and k.*got q torch.float32.*prepare_scoring_operands"),
+    ("operands: mixed q, k", operands(fp8_tensors, k=torch.zeros(1, 4, 128, dtype=torch.bfloat16)), TypeError, "got q torch.float8_e4m3fn, k torch.bfloat16"),
+    ("operands: q rank", operands(bf16_tensors, q=torch.zeros(4, 32, 128, dtype=torch.bfloat16)), ValueError, r"q \(B, S_q, H, D\).*got q \(4, 32, 128\)"),
+    ("operands: k batch", operands(bf16_tensors, k=torch.zeros(2, 4, 128, dtype=torch.bfloat16)), ValueError, r"shapes disagree.*k \(2, 4, 128\) \(expected \(1, S_k, 128\)\)"),
+    ("operands: weights shape", operands(bf16_tensors, weights=torch.zeros(1, 4, 16, dtype=torch.bfloat16)), ValueError, r"weights \(1, 4, 16\) \(expected \(1, 4, 32\)\)"),
+    ("operands: bf16 float16 weights", operands(bf16_tensors, weights=torch.zeros(1, 4, 32, dtype=torch.float16)), TypeError, "bf16 or float32 weights, got torch.float16"),
+    ("operands: bf16 with descales", operands(bf16_tensors, k_descale=torch.ones(1, 4)), ValueError, "bf16 operands carry no descales"),
+    ("operands: fp8 bf16 weights", operands(fp8_tensors, weights=torch.zeros(1, 4, 32, dtype=torch.bfloat16)), TypeError, "fp8 operands need float32 weights"),
+    ("operands: fp8 no k descale", operands(fp8_tensors, k_descale=None), TypeError, "q_descale and k_descale"),
+    ("operands: fp8 q descale shape", operands(fp8_tensors, q_descale=torch.ones(1, 4)), ValueError, r"q_descale must be float32 \(1, 4, 32\), got torch.float32 \(1, 4\)"),
+    ("operands: fp8 k descale dtype", operands(fp8_tensors, k_descale=torch.ones(1, 4, dtype=torch.float64)), ValueError, r"k_descale must be float32 \(1, 4\), got torch.float64"),
+    ("operands: fp8 sm_scale", operands(fp8_tensors, sm_scale=0.5), ValueError, "fold sm_scale into the weights; pass sm_scale=1.0"),
+    ("operands: nan sm_scale", operands(bf16_tensors, sm_scale=float("nan")), ValueError, "sm_scale=nan must be finite"),
+    ("operands: devices", operands(bf16_tensors, k=torch.zeros(1, 4, 128, dtype=torch.bfloat16, device=META)), ValueError, r"different devices \(q on cpu, k on meta"),
+    # --------------------------------------------------------------------------- carriers
+    ("carriers: q rank", scores(q=torch.randn(8, 32, 128)), ValueError, r"expected q \(B, S_q, H, D\).*got q \(8, 32, 128\)"),
+    ("carriers: batch", scores(k=torch.randn(2, 8, 128)), ValueError, "batch mismatch: q has 1, k has 2"),
+    ("carriers: head dim", scores(scoring_precision="bf16", k=torch.randn(1, 8, 64)), ValueError, "head dim mismatch: q has 128, k has 64"),
+    ("carriers: key heads", scores(k=torch.randn(1, 8, 2, 128)), ValueError, r"k has 2 heads.*one key"),
+    ("carriers: weights shape", scores(weights=torch.randn(1, 7, 32)), ValueError, r"weights has shape \(1, 7, 32\).*\(1, 8, 32\)"),
+    ("carriers: integer q", scores(q=torch.ones(1, 8, 32, 128, dtype=torch.int64)), TypeError, "q has dtype torch.int64"),
+    ("carriers: float64 k", scores(k=torch.randn(1, 8, 128, dtype=torch.float64)), TypeError, "k has dtype torch.float64"),
+    ("carriers: k not a tensor", scores(k=[[0.0]]), TypeError, "k must be a torch.Tensor, got list"),
+    ("carriers: devices", scores(k=torch.randn(1, 8, 128, device=META)), ValueError, "different devices"),
+    ("carriers: precision", scores(scoring_precision="fp4"), ValueError, r"scoring_precision='fp4' is not a scoring precision.*'bf16', 'fp8'"),
+    ("carriers: no precision", scores(scoring_precision=None), ValueError, r"carriers need q, k, weights and scoring_precision"),
+    ("carriers: engine", scores(engine="tensorrt"), ValueError, r"engine='tensorrt' is not an engine profile"),
+    ("carriers: fp8 head dim", scores(q=torch.randn(1, 8, 32, 64), k=torch.randn(1, 8, 64)), ValueError, r"head dim 64; FP8 scoring quantizes 128-wide.*'bf16'"),
+    ("carriers: fp8 16 heads", scores(q=torch.randn(1, 8, 16, 128), weights=torch.randn(1, 8, 16)), ValueError, r"FP8 operands have 16 heads.*32 or 64.*'bf16'"),
+    ("carriers: fp8 nan sm_scale", scores(sm_scale=float("inf")), ValueError, "sm_scale=inf must be finite"),
+    ("prepare: impl", lambda: prepare_scoring_operands(*qkw(), scoring_precision="fp8", impl="cuda"), ValueError, r"impl='cuda' is not an implementation.*'auto', 'triton', 'torch'"),
+    # ------------------------------------------------------------- operands vs carriers
+    ("operands and carriers", lambda: indexer_scores(FP8_OPS, torch.randn(1, 8, 128)), ValueError, "either ScoringOperands or q, k, weights carriers"),
+    ("operands: other precision", lambda: indexer_scores(FP8_OPS, scoring_precision="bf16"), ValueError, r"operands are fp8 but scoring_precision='bf16'"),
+    ("operands: sm_scale", lambda: as_scoring_operands(FP8_OPS, sm_scale=0.5), ValueError, "sm_scale is part of ScoringOperands"),
+    ("varlen: batch 2 operands", varlen(q=prepare_scoring_operands(*qkw(b=2), scoring_precision="fp8"), k=None, weights=None, scoring_precision=None), ValueError, r"packed operands have batch 1, got q \(2, 8, 32, 128\)"),
+    ("varlen: carrier ranks", varlen(q=torch.randn(1, 8, 32, 128)), ValueError, r"packed \(THD\) input expects q \(T_q, H, D\)"),
+    # --------------------------------------------------------------------------- backends
+    ("scores: backend", scores(backend="tilelang"), ValueError, r"backend='tilelang' is not a scoring backend.*'auto', 'cudnn', 'deepgemm', 'torch'"),
+    ("varlen: backend", varlen(backend="flash"), ValueError, "backend='flash' is not a scoring backend"),
+    ("topk: backend", topk(backend="radix"), ValueError, r"backend='radix' is not a top-k backend.*'auto', 'cudnn', 'torch'"),
+    ("select: backend", select(backend="triton"), ValueError, "backend='triton' is not a scoring backend"),
+    # ------------------------------------------------------------------ ratio and offsets
+    ("scores: ratio 0", scores(ratio=0), ValueError, "ratio=0 must be a positive integer"),
+    ("scores: ratio float", scores(ratio=1.5), ValueError, "ratio=1.5 must be a positive integer"),
+    ("varlen: ratio", varlen(ratio=-1), ValueError, "ratio=-1 must be a positive integer"),
+    ("offsets: length", scores(q_causal_offsets=torch.tensor([0, 1])), ValueError, r"q_causal_offsets has 2 entries; expected one per batch row \(1\)"),
+    ("offsets: negative int", scores(q_causal_offsets=-3), ValueError, "q_causal_offsets=-3 must be non-negative"),
+    ("offsets: float tensor", scores(q_causal_offsets=torch.tensor([1.0])), TypeError, "q_causal_offsets has dtype torch.float32; expected int32 or int64"),
+    ("offsets: bool", scores(q_causal_offsets=True), TypeError, "q_causal_offsets must be a torch.Tensor, got bool"),
+    ("offsets: 2-D", scores(q_causal_offsets=torch.zeros(1, 1, dtype=torch.int64)), ValueError, r"q_causal_offsets must be 1-D, got shape \(1, 1\)"),
+    ("varlen offsets: length", varlen(q_causal_offsets=torch.tensor([1])), ValueError, r"q_causal_offsets has 1 entries; expected one per packed sequence \(2\)"),
+    ("select offsets: negative", select(q_causal_offsets=-1), ValueError, "q_causal_offsets=-1 must be non-negative"),
+    ("select offsets: float", select(q_causal_offsets=torch.tensor([2.0])), TypeError, "q_causal_offsets has dtype torch.float32"),
+    ("select_varlen offsets: length", varlen(indexer_select_varlen, q_causal_offsets=torch.tensor([1])), ValueError, "q_causal_offsets has 1 entries; expected one per packed sequence"),
+    ("select_varlen offsets: negative", varlen(indexer_select_varlen, q_causal_offsets=-2), ValueError, "q_causal_offsets=-2 must be non-negative"),
+    # --------------------------------------------------------------------------- cu_seqlens
+    ("cu_seqlens: float", varlen(cu_seqlens_q=torch.tensor([0.0, 3.0, 8.0])), TypeError, "cu_seqlens_q has dtype torch.float32; expected int32 or int64"),
+    ("cu_seqlens: list", varlen(cu_seqlens_k=[0, 3, 8]), TypeError, "cu_seqlens_k must be a torch.Tensor, got list"),
+    ("cu_seqlens: 2-D", varlen(cu_seqlens_q=torch.tensor([[0, 3, 8]])), ValueError, r"cu_seqlens_q must be 1-D, got shape \(1, 3\)"),
+    ("cu_seqlens: one entry", varlen(cu_seqlens_q=torch.tensor([0]), cu_seqlens_k=torch.tensor([0])), ValueError, r"cu_seqlens_q must hold at least \[0, total\]; got 1 entries"),
+    ("cu_seqlens: counts differ", varlen(cu_seqlens_k=cu_seqlens([8])), ValueError, "cu_seqlens_q describes 2 sequences and cu_seqlens_k 1"),
+    ("select_varlen cu_seqlens: list", varlen(indexer_select_varlen, cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor, got list"),
+    ("select_varlen cu_seqlens: counts", varlen(indexer_select_varlen, cu_seqlens_k=cu_seqlens([8])), ValueError, "describes 2 sequences"),
+    # ------------------------------------------------------------------------- max_seqlen
+    ("max_seqlen_k: float", varlen(max_seqlen_k=5.0), ValueError, "max_seqlen_k=5.0 must be a non-negative Python int"),
+    ("max_seqlen_q: tensor", varlen(max_seqlen_q=torch.tensor(5)), ValueError, r"max_seqlen_q=tensor\(5\) must be a non-negative Python int"),
+    ("max_seqlen_k: negative", varlen(max_seqlen_k=-1), ValueError, "max_seqlen_k=-1 must be a non-negative"),
+    ("max_seqlen_k: bool", varlen(max_seqlen_k=True), ValueError, "max_seqlen_k=True must be a non-negative Python int"),
+    ("select_varlen max_seqlen_k: float", varlen(indexer_select_varlen, max_seqlen_k=5.0), ValueError, "max_seqlen_k=5.0 must be a non-negative Python int"),
+    # -------------------------------------------------------------------------------- out=
+    ("out: shape", scores(out=torch.empty(1, 8, 7)), ValueError, r"out must be a contiguous float32 tensor of shape \(1, 8, 8\) on cpu, got torch.float32 \(1, 8, 7\)"),
+    ("out: dtype", scores(out=torch.empty(1, 8, 8, dtype=torch.float64)), ValueError, r"float32 tensor of shape \(1, 8, 8\).*got torch.float64"),
+    ("out: strided", scores(out=torch.empty(1, 8, 8).transpose(1, 2)), ValueError, r"\(not contiguous\)"),
+    ("out: device", scores(out=torch.empty(1, 8, 8, device=META)), ValueError, r"on cpu, got torch.float32 \(1, 8, 8\) on meta"),
+    ("out: not a tensor", scores(out=[0.0]), TypeError, "out must be a torch.Tensor, got list"),
+    ("varlen out: shape", varlen(out=torch.empty(8, 4)), ValueError, r"out must be a contiguous float32 tensor of shape \(8, 5\)"),
+    # ------------------------------------------------------------------------------- top-k
+    ("topk: k=0", topk(k=0), ValueError, "k=0 must be a positive integer"),
+    ("topk: k=-2", topk(k=-2), ValueError, "k=-2 must be a positive integer"),
+    ("topk: k=2.5", topk(k=2.5), ValueError, "k=2.5 must be a positive integer"),
+    ("topk: k=True", topk(k=True), ValueError, "k=True must be a positive integer"),
+    ("topk: integer scores", topk(scores=torch.ones(2, 4, dtype=torch.int32)), TypeError, "scores has dtype torch.int32"),
+    ("topk: 0-d scores", topk(scores=torch.tensor(1.0)), ValueError, "scores must have a key dimension"),
+    ("topk: scores list", topk(scores=[[1.0]]), TypeError, "scores must be a torch.Tensor, got list"),
+    ("topk: seq_lens shape", topk(seq_lens=torch.tensor([1, 2, 3])), ValueError, r"seq_lens has shape \(3,\); expected one length per score row, \(2,\)"),
+    ("topk: seq_lens dtype", topk(seq_lens=torch.tensor([1.0, 2.0])), TypeError, "seq_lens has dtype torch.float32; expected int32 or int64"),
+    ("topk: seq_lens list", topk(seq_lens=[1, 2]), TypeError, "seq_lens must be a torch.Tensor, got list"),
+    ("topk: seq_lens device", topk(seq_lens=torch.ones(2, dtype=torch.int32, device=META)), ValueError, "seq_lens is on meta but scores on cpu; move it"),
+    ("topk: validate seq_lens high", topk(seq_lens=torch.tensor([1, 5]), validate=True), ValueError, r"seq_lens must lie in \[0, S_k=4\]; got values in \[1, 5\]"),
+    ("topk: validate seq_lens low", topk(seq_lens=torch.tensor([-1, 2]), validate=True), ValueError, r"\[0, S_k=4\]; got values in \[-1, 2\]"),
+    # ------------------------------------------------------------------------------ select
+    ("select: topk=0", select(topk=0), ValueError, "topk=0 must be a positive integer"),
+    ("select: chunk_bytes=0", select(chunk_bytes=0), ValueError, "chunk_bytes=0 must be a positive integer"),
+    ("select: chunk_bytes float", select(chunk_bytes=1.5), ValueError, "chunk_bytes=1.5 must be a positive integer"),
+    ("select_varlen: topk", varlen(indexer_select_varlen, topk=-1), ValueError, "topk=-1 must be a positive integer"),
+    # -------------------------------------------------------------- validate=True (data)
+    ("validate: offsets", scores(q_causal_offsets=torch.tensor([-1]), validate=True), ValueError, r"q_causal_offsets must be non-negative.*got \[-1\]"),
+    ("validate: select offsets", select(q_causal_offsets=torch.tensor([-4]), validate=True), ValueError, r"non-negative.*got \[-4\]"),
+    ("validate: cu_seqlens start", varlen(cu_seqlens_q=torch.tensor([1, 3, 8]), validate=True), ValueError, r"cu_seqlens_q must start at 0, be non-decreasing and end at the packed length 8; got \[1, 3, 8\]"),
+    ("validate: cu_seqlens order", varlen(cu_seqlens_k=torch.tensor([0, 9, 8]), validate=True), ValueError, r"cu_seqlens_k must start at 0, be non-decreasing.*got \[0, 9, 8\]"),
+    ("validate: cu_seqlens end", varlen(cu_seqlens_q=torch.tensor([0, 3, 9]), max_seqlen_q=6, validate=True), ValueError, r"end at the packed length 8; got \[0, 3, 9\]"),
+    ("validate: max_seqlen", varlen(max_seqlen_k=4, validate=True), ValueError, "cu_seqlens_k has a sequence of 5 tokens, above 4"),
+    ("validate: select_varlen cu_seqlens end", varlen(indexer_select_varlen, cu_seqlens_q=torch.tensor([0, 3, 9]), max_seqlen_q=6, validate=True), ValueError, r"end at the packed length 8; got \[0, 3, 9\]"),
+    ("validate: varlen offsets", varlen(q_causal_offsets=torch.tensor([0, -2]), validate=True), ValueError, r"non-negative.*got \[0, -2\]"),
 ]  # fmt: skip
 
 
@@ -71,23 +211,86 @@ def test_bad_input_raises_a_clear_error(name, call, exc, pattern):
         call()
 
 
-def test_cpu_cuda_mixing_is_rejected():
-    q, _, w = qkw()
-    meta = torch.empty(1, 8, 128, device="meta")
-    with pytest.raises(ValueError, match="different devices"):
-        indexer_scores(q, meta, w, scoring_precision="bf16", backend="torch")
+OTHER_MODULES = [
+    ("config: precision", lambda: IndexerPrecisionConfig(scoring_precision="e5m2"), ValueError, r"scoring_precision='e5m2'.*'bf16', 'fp8'"),
+    ("config: rope_fp32 type", lambda: IndexerPrecisionConfig(rope_fp32=1), TypeError, "rope_fp32 must be a bool"),
+    ("config: engine", lambda: IndexerPrecisionConfig(engine="trt"), ValueError, "engine='trt' is not an engine profile"),
+    ("quantize: dtype", lambda: quantize_e4m3_ue8m0(torch.zeros(2, 128, dtype=torch.int8)), TypeError, "x has dtype torch.int8"),
+    ("quantize: width", lambda: quantize_e4m3_ue8m0(torch.zeros(2, 96)), ValueError, "last dimension must be 128"),
+    ("preprocess: rank", lambda: IndexerPreprocess(128, 64)(torch.randn(4, 8, 128), torch.randn(4, 1, 128), torch.rand(4, 1, 1, 64)), ValueError, r"q must be \[s, b, h, d\]"),
+    ("preprocess: rope width", lambda: IndexerPreprocess(128, 64)(torch.randn(4, 1, 8, 128), torch.randn(4, 1, 128), torch.rand(4, 1, 1, 32)), ValueError, "rope width 32"),
+    ("fused: fp8 with loss", lambda: fused_indexer_sparse_attention(torch.randn(8, 1, 4, 72), torch.randn(8, 1, 72), torch.randn(8, 1, 32, 128), torch.randn(8, 1, 128), torch.randn(8, 1, 32), topk=4, softmax_scale=0.1, d_v=64, scoring_precision="fp8", loss_coeff=1.0, indexer_loss_fn=lambda *a: a[0].sum()), ValueError, "loss_coeff=1.0"),
+]  # fmt: skip
 
 
-def test_explicit_cudnn_without_a_usable_gpu_raises():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call.*CUDA"):
-        indexer_scores(*qkw(), scoring_precision="bf16", backend="cudnn")
-    with pytest.raises(RuntimeError, match="backend='cudnn' cannot run this top-k"):
-        indexer_topk(torch.randn(2, 8), 2, backend="cudnn")
+@pytest.mark.parametrize(
+    "name, call, exc, pattern", OTHER_MODULES, ids=[e[0] for e in OTHER_MODULES]
+)
+def test_other_entry_points_raise_clear_errors(name, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
 
 
-# ------------------------------------------------------------------ documented, tested results
+# ------------------------------------------------------ non-finite operands, validate=True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "tensor, index, where",
+    [("q", (0, 5, 3, 7), r"\(0, 5\)"), ("k", (0, 6, 4), r"\(0, 6\)"), ("weights", (0, 2, 1), r"\(0, 2\)")],
+)  # fmt: skip
+def test_validate_names_the_non_finite_tensor_and_index(precision, tensor, index, where):
+    q, k, w = qkw()
+    {"q": q, "k": k, "weights": w}[tensor][index] = float("nan")
+    pattern = rf"{tensor} has a non-finite vector at \(batch, row\) {where}"
+    with pytest.raises(ValueError, match=pattern):
+        indexer_scores(q, k, w, scoring_precision=precision, backend="torch", validate=True)
+    with pytest.raises(ValueError, match=pattern):
+        indexer_select(q, k, w, topk=2, scoring_precision=precision, validate=True)
+    with pytest.raises(ValueError, match=pattern):
+        indexer_scores_varlen(
+            q[0], k[0], w[0], cu_seqlens_q=cu_seqlens([8]), cu_seqlens_k=cu_seqlens([8]),
+            max_seqlen_q=8, max_seqlen_k=8, scoring_precision=precision, validate=True,
+        )  # fmt: skip
+    # Without validate nothing reads the data: the call runs (and the bad entry scores NaN).
+    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    assert torch.isnan(got).any()
+
+
+def test_without_validate_negative_offsets_are_not_read():
+    """Sync-free by default: a negative offset tensor is not inspected; its rows see no keys."""
+    got = indexer_scores(
+        *qkw(b=2, sq=3, sk=3), scoring_precision="bf16", q_causal_offsets=torch.tensor([-5, 0])
+    )
+    assert (got[0] == -float("inf")).all() and torch.isfinite(got[1, 2]).all()
+
+
+# ------------------------------------------------------ kernels that cannot run: no fallback
+
+
+NO_KERNEL = [
+    # (name, call, message pattern)
+        ("scores cudnn", scores(backend="cudnn"), r"backend='cudnn' cannot score this call: the tensors are on cpu.*backend='torch'"),
+        ("scores deepgemm fp8", scores(backend="deepgemm"), r"backend='deepgemm' cannot score this call: the tensors are on cpu; DeepGEMM runs on CUDA"),
+        ("scores deepgemm bf16", scores(backend="deepgemm", scoring_precision="bf16"), r"backend='deepgemm'.*FP8 operands only; use scoring_precision='fp8'"),
+        ("varlen cudnn", varlen(backend="cudnn"), "backend='cudnn' cannot score this call"),
+        ("topk cudnn", topk(backend="cudnn"), r"backend='cudnn' cannot run this top-k: the tensors are on cpu.*'torch'"),
+        ("select cudnn", select(backend="cudnn"), "backend='cudnn' cannot score this call"),
+        ("select_varlen deepgemm", varlen(indexer_select_varlen, backend="deepgemm"), r"backend='deepgemm'.*FP8 operands only"),
+        ("prepare triton", lambda: prepare_scoring_operands(*qkw(), scoring_precision="fp8", impl="triton"), r"impl='triton' cannot build these operands: the tensors are on cpu.*impl='torch'"),
+        ("prepare triton bf16", lambda: prepare_scoring_operands(*qkw(), scoring_precision="bf16", impl="triton"), r"impl='triton' cannot build these operands.*BF16 scoring only rounds"),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("name, call, pattern", NO_KERNEL, ids=[e[0] for e in NO_KERNEL])
+def test_explicit_kernels_that_cannot_run_raise_with_the_reason(monkeypatch, name, call, pattern):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
+
+
+# ------------------------------------------------------------ documented, tested results
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -100,52 +303,3 @@ def test_non_contiguous_views_are_accepted_and_equal(precision):
     a = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
     b = indexer_scores(q_t, k_s, w_t, scoring_precision=precision, backend="torch")
     assert torch.equal(a, b)
-
-
-def test_empty_and_single_token_sequences():
-    q, k, w = qkw(sq=0, sk=0)
-    assert indexer_scores(q, k, w, scoring_precision="fp8", backend="torch").shape == (1, 0, 0)
-    assert indexer_select(q, k, w, 4, scoring_precision="fp8", backend="torch").shape == (1, 0, 4)
-    q, k, w = qkw(sq=1, sk=1)
-    s = indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
-    assert s.shape == (1, 1, 1) and torch.isfinite(s).all()
-    assert indexer_topk(s, 3).tolist() == [[[0, -1, -1]]]
-    cu = torch.tensor([0, 0, 1], dtype=torch.int32)  # an empty packed sequence
-    packed = indexer_scores(
-        q[0],
-        k[0],
-        w[0],
-        scoring_precision="bf16",
-        backend="torch",
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-    )
-    assert packed.shape == (1, 1) and torch.isfinite(packed).all()
-
-
-def test_k_larger_than_valid_keys_pads_with_minus_one():
-    s = indexer_scores(*qkw(sq=5, sk=5), scoring_precision="bf16", backend="torch")
-    picks = indexer_topk(s, 8)
-    for row in range(5):
-        assert picks[0, row].tolist() == list(range(row + 1)) + [-1] * (7 - row)
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_q_or_k_never_becomes_finite_scores(precision, bad):
-    q, k, w = qkw(sq=16, sk=16)
-    clean = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
-    q[0, 5, 3, 7] = bad
-    k[0, 9, 4] = bad
-    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
-    assert not torch.isfinite(got[0, 5, :6]).any()  # the row of the bad query, visible keys
-    assert not torch.isfinite(got[0, 9:, 9]).any()  # the bad key, for every row that sees it
-    untouched = torch.ones_like(got, dtype=torch.bool)
-    untouched[0, 5] = False
-    untouched[0, :, 9] = False
-    assert torch.equal(got[untouched], clean[untouched])  # nothing else changes
-    picks = indexer_topk(got, 4)
-    assert (picks[0, 5] == -1).all() and not (picks == 9).any()
-    assert torch.equal(
-        picks[0, 6:8], indexer_topk(clean.masked_fill(~untouched, float("-inf")), 4)[0, 6:8]
-    )

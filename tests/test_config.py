@@ -4,7 +4,7 @@ import pytest
 
 from dsa_precision import IndexerPrecisionConfig, ScoringPrecision
 
-GOOD = dict(kernel_backend="cudnn", indexer_loss_coeff=0.0, n_heads=64, head_dim=128, device="cpu")
+GOOD = dict(indexer_loss_coeff=0.0, n_heads=64, head_dim=128, device="cpu")
 
 
 def test_defaults_are_megatron_behaviour():
@@ -51,9 +51,7 @@ def test_rope_fp32_must_be_bool(bad):
 
 
 def test_bf16_accepts_any_model():
-    IndexerPrecisionConfig().validate_for_model(
-        kernel_backend="none", indexer_loss_coeff=1.0, n_heads=16, head_dim=64
-    )
+    IndexerPrecisionConfig().validate_for_model(indexer_loss_coeff=1.0, n_heads=16, head_dim=64)
 
 
 def test_fp8_accepts_supported_model():
@@ -69,13 +67,7 @@ def test_fp8_accepts_supported_model():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        (
-            "kernel_backend",
-            "tilelang",
-            r"dsa_kernel_backend='tilelang'.*set dsa_kernel_backend='cudnn'",
-        ),
-        ("kernel_backend", "none", r"dsa_kernel_backend='none'"),
-        ("indexer_loss_coeff", 0.1, r"dsa_indexer_loss_coeff=0.1.*set it to 0"),
+        ("indexer_loss_coeff", 0.1, r"dsa_indexer_loss_coeff=0.1.*Set it to 0"),
         ("n_heads", 16, r"dsa_indexer_n_heads=16.*\(32, 64\)"),
         ("n_heads", 128, r"dsa_indexer_n_heads=128"),
         ("head_dim", 64, r"dsa_indexer_head_dim=64.*set it to 128"),
@@ -89,11 +81,10 @@ def test_fp8_rejects_each_violation(field, value, message):
 def test_fp8_lists_all_violations_at_once():
     with pytest.raises(ValueError) as info:
         IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
-            kernel_backend="none", indexer_loss_coeff=1.0, n_heads=16, head_dim=64, device="cpu"
+            indexer_loss_coeff=1.0, n_heads=16, head_dim=64, device="cpu"
         )
     text = str(info.value)
     for field in (
-        "dsa_kernel_backend",
         "dsa_indexer_loss_coeff",
         "dsa_indexer_n_heads",
         "dsa_indexer_head_dim",
@@ -122,3 +113,16 @@ def test_from_megatron_config():
 
     assert IndexerPrecisionConfig.from_megatron_config(Cfg()) == IndexerPrecisionConfig(True, "fp8")
     assert IndexerPrecisionConfig.from_megatron_config(object()) == IndexerPrecisionConfig()
+    Cfg.dsa_indexer_engine = "lmdeploy"
+    assert IndexerPrecisionConfig.from_megatron_config(Cfg()).engine.name == "lmdeploy"
+
+
+def test_fp8_on_a_blackwell_gpu_is_refused(monkeypatch):
+    """The per-128-vector FP8 indexer kernels are SM90-only (SM100 scores MXFP8)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with pytest.raises(ValueError, match=r"compute capability 10\.0.*SM90"):
+        IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
+            **{**GOOD, "device": "cuda:0"}
+        )

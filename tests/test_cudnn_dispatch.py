@@ -1,12 +1,29 @@
-"""What reaches cuDNN's kernels, checked on the CPU with a recording fake of ``cudnn.DSA``."""
+"""What reaches cuDNN's kernels, checked on the CPU with the recording fake of ``cudnn.DSA``
+(tests/fake_cudnn.py): operand dtypes, bytes, shapes and layout, precision, descales, folded
+weights, offsets, cu_seqlens, max lengths, the ``out=`` buffer, launch counts per chunk, and the
+package's post-processing of the top-k kernel's answer. The numerics of the real kernels are the
+``gpu`` tests' (tests/gpu/test_cudnn_scoring.py); nothing here compares numbers computed by the
+fake with the reference."""
 
 import pytest
 import torch
 
-from dsa_precision import indexer_scores, indexer_topk, quantize_e4m3_ue8m0
+from dsa_precision import (
+    _cudnn,
+    indexer_scores,
+    indexer_scores_varlen,
+    indexer_select,
+    indexer_select_varlen,
+    indexer_topk,
+    prepare_scoring_operands,
+    quantize_e4m3_ue8m0,
+    reset_scoring_calls,
+    scoring_calls,
+)
+from dsa_precision.config import ScoringPrecision
 
 from . import fake_cudnn
-from .helpers import rel_err
+from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
 
 @pytest.fixture
@@ -14,121 +31,296 @@ def fake(monkeypatch):
     return fake_cudnn.install(monkeypatch)
 
 
-def _inputs(b=2, sq=20, sk=20, h=64):
+def _inputs(b=2, sq=20, sk=23, h=64, w_dtype=torch.bfloat16):
     return (
         torch.randn(b, sq, h, 128),  # FP32 carriers, as with rope_fp32
         torch.randn(b, sk, 128),
-        (torch.randn(b, sq, h) * 0.01).to(torch.bfloat16),
+        (torch.randn(b, sq, h) * 0.01).to(w_dtype),
     )
 
 
-def test_fp8_operands_scales_and_folded_weights(fake):
-    q, k, w = _inputs()
-    got = indexer_scores(q, k, w, scoring_precision="fp8", sm_scale=0.5, backend="cudnn")
+# ------------------------------------------------------------------------------ scoring
+
+
+@pytest.mark.parametrize("sm_scale", [1.0, 0.3])
+@pytest.mark.parametrize("h", [32, 64])
+def test_fp8_launch_gets_e4m3_operands_descales_and_folded_weights(fake, sm_scale, h):
+    q, k, w = _inputs(h=h)
+    got = indexer_scores(
+        q, k, w, scoring_precision="fp8", sm_scale=sm_scale, ratio=4, backend="cudnn"
+    )
     (call,) = fake.forward_calls
-    assert call["precision"] == "fp8" and call["q_dtype"] == torch.float8_e4m3fn
-    assert call["w_dtype"] == torch.float32 and call["sm_scale"] == 1.0  # folded into w
-    assert call["q_scale_shape"] == (2, 20, 64) and call["k_scale_shape"] == (2, 20, 1)
-    ref = indexer_scores(q, k, w, scoring_precision="fp8", sm_scale=0.5, backend="torch")
-    assert rel_err(got, ref) <= 1e-6
-
-
-def test_fp8_weight_folding_is_q_descale_times_sm_scale(fake, monkeypatch):
-    q, k, w = _inputs(b=1, sq=3, sk=3)
-    seen = {}
-    real = fake.indexer_forward_wrapper
-
-    def spy(qq, kk, ww, *a, **kw):
-        seen["w"], seen["q"] = ww.clone(), qq.clone()
-        return real(qq, kk, ww, *a, **kw)
-
-    monkeypatch.setattr(fake, "indexer_forward_wrapper", spy)
-    indexer_scores(q, k, w, scoring_precision="fp8", sm_scale=0.3, backend="cudnn")
+    assert call["precision"] == "fp8" and call["ratio"] == 4 and not call["thd"]
     q8, qs = quantize_e4m3_ue8m0(q)
-    assert torch.equal(seen["q"].view(torch.uint8), q8.view(torch.uint8))
-    assert torch.equal(seen["w"], (w.float() * qs) * 0.3)
+    k8, ks = quantize_e4m3_ue8m0(k)
+    assert call["q"].dtype == call["k"].dtype == torch.float8_e4m3fn
+    assert_bitwise_equal(call["q"], q8, "q")
+    assert_bitwise_equal(call["k"], k8.unsqueeze(2), "k (B, S_k, 1, 128)")
+    # float32 weights with the q descale and sm_scale folded in, in this order; sm_scale 1.0.
+    assert_bitwise_equal(call["w"], (w.float() * qs) * sm_scale, "folded weights")
+    assert call["sm_scale"] == 1.0
+    assert_bitwise_equal(call["q_scale"], qs, "q_scale (B, S_q, H)")
+    assert_bitwise_equal(call["k_scale"], ks.unsqueeze(-1), "k_scale (B, S_k, 1)")
+    assert call["offsets"] == [0, 0]  # int32 (checked by the fake)
+    assert got is call["returned"]  # cuDNN's buffer, no copy
 
 
-def test_bf16_rounds_carriers_before_the_kernel(fake):
-    q, k, w = _inputs()
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_launch_gets_bf16_operands_and_sm_scale(fake, w_dtype):
+    q, k, w = _inputs(h=16, w_dtype=w_dtype)
     indexer_scores(q, k, w, scoring_precision="bf16", sm_scale=0.5, backend="cudnn")
     (call,) = fake.forward_calls
-    assert call["precision"] == "bf16" and call["q_dtype"] == call["k_dtype"] == torch.bfloat16
-    assert call["sm_scale"] == 0.5 and call["q_scale_shape"] is None
+    assert call["precision"] == "bf16" and call["sm_scale"] == 0.5
+    assert_bitwise_equal(call["q"], q.to(torch.bfloat16), "q")
+    assert_bitwise_equal(call["k"], k.to(torch.bfloat16).unsqueeze(2), "k")
+    assert_bitwise_equal(call["w"], w, "weights keep their dtype")
+    assert call["q_scale"] is None and call["k_scale"] is None
+
+
+def test_prepared_operands_reach_the_kernel_unchanged(fake):
+    q, k, w = _inputs()
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=0.25)
+    indexer_scores(ops, backend="cudnn")
+    (call,) = fake.forward_calls
+    assert_bitwise_equal(call["q"], ops.q, "q")
+    assert_bitwise_equal(call["w"], ops.weights, "weights")
+    assert_bitwise_equal(call["k_scale"][..., 0], ops.k_descale, "k_scale")
+
+
+@pytest.mark.parametrize("offsets", [7, torch.tensor([3, 11]), torch.tensor([3, 11]).int()])
+def test_offsets_reach_the_kernel_as_int32(fake, offsets):
+    q, k, w = _inputs()
+    indexer_scores(q, k, w, scoring_precision="fp8", q_causal_offsets=offsets, backend="cudnn")
+    want = [7, 7] if isinstance(offsets, int) else [3, 11]
+    assert fake.forward_calls[0]["offsets"] == want
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_chunked_launches_keep_global_rows_and_precision(fake, precision):
-    q, k, w = _inputs(sq=20, sk=20)
-    full = indexer_scores(
-        q, k, w, scoring_precision=precision, backend="cudnn", q_causal_offsets=torch.tensor([0, 4])
-    )
-    fake.forward_calls.clear()
-    chunked = indexer_scores(
+def test_out_is_passed_through_and_returned(fake, precision):
+    q, k, w = _inputs()
+    out = torch.empty(2, 20, 23)
+    got = indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="cudnn")
+    (call,) = fake.forward_calls
+    assert call["out"] is out and got is out
+
+
+def test_row_slices_reach_the_kernel_contiguous_and_aligned(fake):
+    """Batch-2 row slices are strided views; the kernel gets contiguous aligned copies of them."""
+    q, k, w = _inputs()
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8").rows(3, 9)
+    assert not ops.q.is_contiguous()
+    indexer_scores(ops, q_causal_offsets=torch.tensor([3, 3]), backend="cudnn")
+    (call,) = fake.forward_calls  # the fake asserts contiguity and 16-byte alignment
+    assert_bitwise_equal(call["q"], ops.q.contiguous(), "q rows 3:9")
+    assert_bitwise_equal(call["q_scale"], ops.q_descale.contiguous(), "q_scale rows 3:9")
+
+
+def test_auto_takes_cudnn_when_it_can(fake):
+    q, k, w = _inputs()
+    reset_scoring_calls()
+    indexer_scores(q, k, w, scoring_precision="fp8")
+    assert len(fake.forward_calls) == 1 and scoring_calls("fp8", "cudnn") == 1
+
+
+def test_empty_calls_launch_nothing(fake):
+    q, k, w = _inputs(sq=0)
+    assert indexer_scores(q, k, w, scoring_precision="fp8", backend="cudnn").shape == (2, 0, 23)
+    assert not fake.forward_calls
+
+
+# -------------------------------------------------------------------------------- THD
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_thd_is_one_launch_with_int32_cu_seqlens_and_the_callers_max_lengths(fake, precision):
+    lens_q, lens_k = [6, 0, 10], [6, 3, 12]
+    cu_q, cu_k = cu_seqlens(lens_q, torch.int64), cu_seqlens(lens_k, torch.int64)
+    q, k, w = torch.randn(16, 32, 128), torch.randn(21, 128), torch.randn(16, 32).bfloat16()
+    out = torch.empty(16, 15)
+    got = indexer_scores_varlen(
         q,
         k,
         w,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=13,  # looser than the data: passed as given
+        max_seqlen_k=15,
         scoring_precision=precision,
+        ratio=2,
+        q_causal_offsets=torch.tensor([0, 4, 2]),
+        out=out,
         backend="cudnn",
-        q_causal_offsets=torch.tensor([0, 4]),
-        chunk_bytes=9 * 2 * 20 * 4,
-    )
-    # 9 rows fit the budget; chunks hold whole 8-row kernel tiles.
-    assert [c["offsets"] for c in fake.forward_calls] == [[0, 4], [8, 12], [16, 20]]
-    assert {c["precision"] for c in fake.forward_calls} == {precision}
-    assert torch.equal(full, chunked)
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_packed_thd_single_launch_and_chunked(fake, precision):
-    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
-    q, k, w = torch.randn(16, 32, 128), torch.randn(16, 128), torch.randn(16, 32).to(torch.bfloat16)
-    one = indexer_scores(
-        q, k, w, scoring_precision=precision, backend="cudnn", cu_seqlens_q=cu, cu_seqlens_k=cu
     )
     (call,) = fake.forward_calls
-    assert call["thd"] and call["precision"] == precision and call["q_shape"] == (16, 32, 128)
+    assert call["thd"] and call["precision"] == precision and call["ratio"] == 2
+    assert call["q"].shape == (16, 32, 128) and call["k"].shape == (21, 1, 128)
+    assert call["w"].shape == (16, 32)
+    assert call["cu_seqlens_q"].tolist() == cu_q.tolist()  # int32 (checked by the fake)
+    assert call["cu_seqlens_k"].tolist() == cu_k.tolist()
+    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (13, 15)
+    assert call["offsets"] == [0, 4, 2]
+    assert call["out"] is out and got is out
     if precision == "fp8":
-        assert call["q_scale_shape"] == (16, 32) and call["k_scale_shape"] == (16, 1)
-    fake.forward_calls.clear()
-    chunked = indexer_scores(
+        q8, qs = quantize_e4m3_ue8m0(q)
+        assert_bitwise_equal(call["q"], q8, "q")
+        assert_bitwise_equal(call["q_scale"], qs, "q_scale (T_q, H)")
+        assert call["k_scale"].shape == (21, 1)
+        assert_bitwise_equal(call["w"], w.float() * qs, "folded weights")
+
+
+# ------------------------------------------------------------------------------- top-k
+
+
+def test_topk_launch_and_post_processing(fake):
+    """-inf and NaN picks of the kernel become -1; the answer is padded to k and reshaped."""
+    scores = torch.randn(2, 3, 10)
+    scores[0, 0, 2:] = float("-inf")  # 2 finite keys, k = 4: the kernel picks -inf keys
+    scores[0, 1, 4] = float("nan")  # a positive NaN: the radix order ranks it first
+    scores[1, 2] = float("-inf")  # 3 finite keys between -inf ones
+    scores[1, 2, 1:6:2] = torch.tensor([1.0, 2.0, 3.0])
+    seq_lens = torch.tensor([[10, 10, 7], [3, 10, 10]])
+    got = indexer_topk(scores, 4, seq_lens=seq_lens, backend="cudnn")
+    (call,) = fake.topk_calls
+    assert call["top_k"] == 4 and call["deterministic"] is True and call["next_n"] == 1
+    assert call["seq_lens"].tolist() == seq_lens.reshape(-1).tolist()  # int32 (fake checks)
+    assert_bitwise_equal(call["values"], scores.reshape(6, 10), "scores")
+    picked, values = call["indices"], call["values_out"]
+    want = picked.masked_fill(~(values > float("-inf")), -1).reshape(2, 3, 4)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert got[0, 0].tolist() == [0, 1, -1, -1] and not (got[0, 1] == 4).any()
+    # The kernel picks the lowest -inf key to fill the row; its -1 comes first (the torch path
+    # skips -inf keys and pads at the end: [1, 3, 5, -1]; both select the same set).
+    assert got[1, 2].tolist() == [-1, 1, 3, 5]
+
+
+def test_topk_k_above_the_key_count_asks_for_s_k_and_pads(fake):
+    scores = torch.randn(3, 5)
+    got = indexer_topk(scores, 8, backend="cudnn", deterministic=False)
+    (call,) = fake.topk_calls
+    assert call["top_k"] == 5 and call["deterministic"] is False
+    assert call["seq_lens"].tolist() == [5, 5, 5]  # every key read without seq_lens
+    assert got.shape == (3, 8) and (got[:, 5:] == -1).all()
+    assert sorted(got[0, :5].tolist()) == list(range(5))
+
+
+def test_topk_auto_and_empty(fake):
+    scores = torch.randn(4, 6)
+    indexer_topk(scores, 2)
+    assert len(fake.topk_calls) == 1  # auto takes cuDNN when it can
+    assert indexer_topk(torch.empty(0, 6), 2, backend="cudnn").shape == (0, 2)
+    assert len(fake.topk_calls) == 1  # nothing to launch
+
+
+# ------------------------------------------------------------------------------ select
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_select_launches_one_scoring_and_one_topk_call_per_chunk(fake, precision):
+    q, k, w = _inputs(b=2, sq=20, sk=23, h=32)
+    offsets = torch.tensor([0, 5])
+    picks = indexer_select(
         q,
         k,
         w,
+        topk=4,
         scoring_precision=precision,
+        ratio=2,
+        q_causal_offsets=offsets,
         backend="cudnn",
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        chunk_bytes=4 * 10 * 4,
+        chunk_bytes=8 * 2 * 23 * 12,  # 8 rows: float32 scores + top-k scratch, 12 B a score
     )
-    assert all(not c["thd"] and c["precision"] == precision for c in fake.forward_calls)
-    # budget 160 B: 6 rows x 6 keys fit one launch; 10 rows x 10 keys take 8 + 2 (whole tiles)
-    assert len(fake.forward_calls) == 3
-    assert torch.equal(one, chunked)
-    ref = indexer_scores(
-        q, k, w, scoring_precision=precision, backend="torch", cu_seqlens_q=cu, cu_seqlens_k=cu
+    starts = [0, 8, 16]
+    assert [c["offsets"] for c in fake.forward_calls] == [[r, 5 + r] for r in starts]
+    assert [c["q"].shape[1] for c in fake.forward_calls] == [8, 8, 4]
+    assert {c["precision"] for c in fake.forward_calls} == {precision}
+    # One score buffer, reused: every chunk's scores live at the same address.
+    assert len({c["out_ptr"] for c in fake.forward_calls}) == 1
+    assert len(fake.topk_calls) == 3
+    for r0, call in zip(starts, fake.topk_calls, strict=True):
+        rows = range(r0, min(r0 + 8, 20))
+        want = causal_counts(0, rows, 2, 23) + causal_counts(5, rows, 2, 23)
+        assert call["seq_lens"].tolist() == want, r0
+        assert call["deterministic"] is True and call["top_k"] == 4
+    assert picks.shape == (2, 20, 4) and picks.dtype == torch.int32
+    # The chunks are stitched in place: one chunk through the same fake gives the same picks.
+    whole = indexer_select(
+        q, k, w, topk=4, scoring_precision=precision, ratio=2, q_causal_offsets=offsets,
+        backend="cudnn",
+    )  # fmt: skip
+    assert torch.equal(picks, whole)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_select_varlen_chunks_cut_sequences_on_the_device(fake, precision):
+    lens_q, lens_k = [5, 0, 17, 9], [5, 2, 17, 12]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q, k, w = torch.randn(31, 32, 128), torch.randn(36, 128), torch.randn(31, 32).bfloat16()
+    offsets = torch.tensor([0, 1, 2, 3])
+    kw = dict(
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=17,
+        max_seqlen_k=17,
+        scoring_precision=precision,
+        q_causal_offsets=offsets,
+        backend="cudnn",
     )
-    assert rel_err(one, ref) <= 1e-6
+    picks = indexer_select_varlen(q, k, w, topk=6, chunk_bytes=8 * 17 * 12, **kw)
+    # 8-row chunks [0, 8), [8, 16), [16, 24), [24, 31).
+    calls = fake.forward_calls
+    assert len(calls) == 4 and all(c["thd"] for c in calls)
+    assert [c["cu_seqlens_q"].tolist() for c in calls] == [
+        [0, 5, 5, 8, 8],
+        [0, 0, 0, 8, 8],
+        [0, 0, 0, 6, 8],
+        [0, 0, 0, 0, 7],
+    ]
+    assert all(c["cu_seqlens_k"].tolist() == cu_k.tolist() for c in calls)
+    # Each cut sequence starts at its global causal row: offset + its rows already scored.
+    in_chunk = [
+        {i: c["offsets"][i] for i in range(4) if c["cu_seqlens_q"][i + 1] > c["cu_seqlens_q"][i]}
+        for c in calls
+    ]
+    assert in_chunk == [{0: 0, 2: 2}, {2: 2 + 3}, {2: 2 + 11, 3: 3}, {3: 3 + 2}]
+    assert [(c["max_seqlen_q"], c["max_seqlen_k"]) for c in calls] == [(8, 17)] * 3 + [(7, 17)]
+    assert len({c["out_ptr"] for c in calls}) == 1
+    lens = []
+    for i, n in enumerate(lens_q):
+        lens += [min(c, lens_k[i]) for c in causal_counts(int(offsets[i]), range(n), 1, 10**9)]
+    topk_lens = [c["seq_lens"].tolist() for c in fake.topk_calls]
+    assert topk_lens == [lens[0:8], lens[8:16], lens[16:24], lens[24:31]]
+    assert all(c["deterministic"] and c["top_k"] == 6 for c in fake.topk_calls)
+    whole = indexer_select_varlen(q, k, w, topk=6, **kw)
+    assert torch.equal(picks, whole)
 
 
-def test_topk_cudnn_path_matches_torch_path(fake):
-    scores = torch.randint(-3, 4, (3, 9, 40)).float()  # many exact ties
-    scores[..., 30:] = float("-inf")
-    seq_lens = torch.randint(0, 41, (3, 9))
-    for k in (1, 8, 40, 64):
-        a = indexer_topk(scores, k, seq_lens=seq_lens, backend="cudnn")
-        b = indexer_topk(scores, k, seq_lens=seq_lens, backend="torch")
-        assert torch.equal(a, b), k
-    assert fake.topk_calls[-1]["deterministic"] is True and fake.topk_calls[-1]["top_k"] == 40
+# ---------------------------------------------------------------- why cuDNN cannot run
 
 
-def test_select_budgets_scores_and_topk_scratch(fake):
-    from dsa_precision import indexer_select
-
-    q, k, w = _inputs(b=2, sq=20, sk=20)
-    picks = indexer_select(
-        q, k, w, 4, scoring_precision="fp8", backend="cudnn", chunk_bytes=8 * 2 * 20 * 12
-    )
-    # 12 bytes per score (float32 score + two int32 top-k buffers): 8 rows per chunk.
-    assert [c["offsets"] for c in fake.forward_calls] == [[0, 0], [8, 8], [16, 16]]
-    assert torch.equal(picks, indexer_select(q, k, w, 4, scoring_precision="fp8", backend="torch"))
+def test_reasons_name_the_device_and_the_limits(monkeypatch):
+    cpu = torch.device("cpu")
+    fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
+    args = dict(n_heads=64, head_dim=128, n_kv_heads=1)
+    assert "on cpu" in _cudnn.scoring_unsupported_reason(device=cpu, precision=fp8, **args)
+    assert "on cpu" in _cudnn.topk_unsupported_reason(device=cpu, k=8, dtype=torch.float32)
+    # A CUDA device of a given architecture, without touching a GPU.
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (object(), None))
+    assert "SM80" in _cudnn.scoring_unsupported_reason(device=cuda, precision=fp8, **args)
+    assert "SM80" in _cudnn.topk_unsupported_reason(device=cuda, k=8, dtype=torch.float32)
+    capability[0] = (9, 0)
+    reason = _cudnn.scoring_unsupported_reason
+    assert reason(device=cuda, precision=fp8, **args) is None
+    assert "n_heads=16" in reason(device=cuda, precision=fp8, **{**args, "n_heads": 16})
+    assert reason(device=cuda, precision=bf16, **{**args, "n_heads": 16}) is None
+    assert "head_dim=64" in reason(device=cuda, precision=bf16, **{**args, "head_dim": 64})
+    assert "2 heads" in reason(device=cuda, precision=bf16, **{**args, "n_kv_heads": 2})
+    assert "k=4096" in _cudnn.topk_unsupported_reason(device=cuda, k=4096, dtype=torch.float32)
+    capability[0] = (10, 0)  # Blackwell: BF16 yes, the per-128-vector FP8 kernel no
+    assert "SM100" in reason(device=cuda, precision=fp8, **args)
+    assert reason(device=cuda, precision=bf16, **args) is None
+    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (None, "not importable (hint)"))
+    assert reason(device=cuda, precision=bf16, **args) == "not importable (hint)"

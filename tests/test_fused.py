@@ -63,7 +63,11 @@ def test_matches_select_then_dense_attention(precision):
     )
     assert scoring_calls(precision) == 1 and scoring_calls() == 1
     want_picks = indexer_select(
-        q_i.transpose(0, 1), k_i.transpose(0, 1), w.transpose(0, 1), K, scoring_precision=precision
+        q_i.transpose(0, 1),
+        k_i.transpose(0, 1),
+        w.transpose(0, 1),
+        topk=K,
+        scoring_precision=precision,
     )
     assert torch.equal(picks, want_picks) and loss.item() == 0.0
     for b in range(B):

@@ -1,255 +1,354 @@
-"""indexer_scores on the torch backend (CPU) against float64 evaluations of the contract."""
+"""indexer_scores / indexer_scores_varlen on the torch backend (CPU) against independent float64
+evaluations of the contract (tests/helpers.py), and the rules the kernels share with it: causal
+limits, per-batch offsets, packed sequences, ``out=``, non-finite operands, empty inputs."""
 
 import pytest
 import torch
 
-from dsa_precision import indexer_scores, quantize_e4m3_ue8m0, reset_scoring_calls, scoring_calls
+from dsa_precision import (
+    ScoringOperands,
+    indexer_scores,
+    indexer_scores_varlen,
+    indexer_topk,
+    prepare_scoring_operands,
+    reset_scoring_calls,
+    scoring_calls,
+)
+from dsa_precision.scoring import causal_key_counts, varlen_key_counts, varlen_row_slice
 
-from .helpers import contract_scores_f64, rel_err
+from .helpers import (
+    CONTRACTS,
+    assert_bitwise_equal,
+    causal_counts,
+    cu_seqlens,
+    reference_topk_rows,
+    rel_err,
+)
+
+# The torch backend rounds one exact float64 sum per score to float32; the contract is float64.
+TORCH_REL_ERR = 1e-6
 
 
-def _inputs(b=2, sq=33, sk=33, h=32, d=128, dtype=torch.float32):
+def _inputs(b=2, sq=33, sk=33, h=32, d=128, dtype=torch.float32, w_dtype=torch.bfloat16):
     q = torch.randn(b, sq, h, d, dtype=dtype)
     k = torch.randn(b, sk, d, dtype=dtype)
-    w = (torch.randn(b, sq, h) * h**-0.5 * d**-0.5).to(torch.bfloat16)
+    w = (torch.randn(b, sq, h) * h**-0.5 * d**-0.5).to(w_dtype)
     return q, k, w
 
 
-def bf16_contract(q, k, w, *, sm_scale=1.0, **mask):
-    return contract_scores_f64(
-        q.to(torch.bfloat16).double(),
-        k.reshape(k.shape[0], k.shape[1], -1).to(torch.bfloat16).double(),
-        w.double(),
-        post_scale=sm_scale,
-        **mask,
-    )
+# --------------------------------------------------------------------------- the contract
 
 
-def fp8_contract(q, k, w, *, sm_scale=1.0, **mask):
-    q8, qs = quantize_e4m3_ue8m0(q)
-    k8, ks = quantize_e4m3_ue8m0(k.reshape(k.shape[0], k.shape[1], -1))
-    w_fold = w.double() * qs.double() * sm_scale
-    return contract_scores_f64(
-        q8.double(), k8.double(), w_fold, post_scale=1.0, key_scale=ks, **mask
-    )
-
-
-@pytest.mark.parametrize("carrier", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("precision, contract", [("bf16", bf16_contract), ("fp8", fp8_contract)])
-@pytest.mark.parametrize("ratio", [1, 4])
+@pytest.mark.parametrize("carrier", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("ratio, sk", [(1, 41), (4, 11)])
 @pytest.mark.parametrize("sm_scale", [1.0, 0.375])
-def test_torch_backend_matches_float64_contract(carrier, precision, contract, ratio, sm_scale):
-    q, k, w = _inputs(dtype=carrier, sk=40 if ratio == 1 else 10)
+def test_torch_backend_matches_float64_contract(carrier, precision, ratio, sk, sm_scale):
+    q, k, w = _inputs(sq=33, sk=sk, dtype=carrier)
     got = indexer_scores(
         q, k, w, scoring_precision=precision, ratio=ratio, sm_scale=sm_scale, backend="torch"
     )
-    want = contract(q, k, w, sm_scale=sm_scale, ratio=ratio)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert rel_err(got, want) <= 1e-5
+    want = CONTRACTS[precision](q, k, w, sm_scale=sm_scale, ratio=ratio)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (2, 33, sk)
+    err = rel_err(got, want)  # also checks that the -inf (causal) patterns are identical
+    assert err <= TORCH_REL_ERR, f"{precision} carrier={carrier} ratio={ratio}: {err}"
+
+
+@pytest.mark.parametrize("h, d", [(3, 64), (16, 128)])
+def test_bf16_scoring_takes_any_head_count_and_width(h, d):
+    q, k, w = _inputs(b=1, sq=9, sk=9, h=h, d=d)
+    got = indexer_scores(q, k, w.float(), scoring_precision="bf16", backend="torch")
+    assert rel_err(got, CONTRACTS["bf16"](q, k, w.float())) <= TORCH_REL_ERR
 
 
 def test_precisions_really_differ():
     q, k, w = _inputs()
     bf16 = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
     fp8 = indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
-    assert rel_err(fp8, bf16) > 1e-3
+    assert rel_err(fp8, bf16) > 1e-3  # E4M3 keeps 3 mantissa bits, BF16 8
+    assert rel_err(fp8, CONTRACTS["fp8"](q, k, w)) <= TORCH_REL_ERR
+    assert rel_err(bf16, CONTRACTS["bf16"](q, k, w)) <= TORCH_REL_ERR
 
 
-def test_bf16_rounds_fp32_carriers():
-    q, k, w = _inputs()
-    a = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
+def test_bf16_scoring_rounds_fp32_carriers_first():
+    """q = k = 1.001 (FP32), weight 1: BF16 scoring rounds both to 1.0, so the score is 1.0."""
+    q = torch.zeros(1, 1, 4, 128)
+    k = torch.zeros(1, 1, 128)
+    w = torch.zeros(1, 1, 4)
+    q[0, 0, 0, 0], k[0, 0, 0], w[0, 0, 0] = 1.001, 1.001, 1.0
+    got = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
+    assert got.item() == 1.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_4d_keys_and_float32_weights_are_accepted(precision):
+    q, k, w = _inputs(sq=9, sk=9)
+    a = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    b = indexer_scores(q, k.unsqueeze(2), w, scoring_precision=precision, backend="torch")
+    assert_bitwise_equal(a, b, "4-D keys")
+    # FP8 folds the weights in float32 either way; BF16 weights promote exactly to float32.
+    c = indexer_scores(q, k, w.float(), scoring_precision=precision, backend="torch")
+    assert_bitwise_equal(a, c, "float32 weights")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_prepared_operands_score_exactly_like_carriers(precision):
+    q, k, w = _inputs(sq=17, sk=23)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.5)
+    assert isinstance(ops, ScoringOperands) and ops.precision.value == precision
+    a = indexer_scores(ops, ratio=2, q_causal_offsets=5, backend="torch")
     b = indexer_scores(
-        q.to(torch.bfloat16), k.to(torch.bfloat16), w, scoring_precision="bf16", backend="torch"
-    )
-    assert torch.equal(a, b)
-
-
-def test_fp32_weights_and_4d_keys_accepted():
-    q, k, w = _inputs()
-    a = indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
-    b = indexer_scores(q, k.unsqueeze(2), w.float(), scoring_precision="fp8", backend="torch")
-    assert torch.equal(a, b)
-
-
-def test_causal_offsets_per_batch():
-    q, k, w = _inputs(sq=16, sk=48)
-    got = indexer_scores(
-        q, k, w, scoring_precision="bf16", backend="torch", q_causal_offsets=torch.tensor([32, 5])
-    )
-    want = bf16_contract(q, k, w, offsets=[32, 5])
-    assert rel_err(got, want) <= 1e-5
-    assert torch.isinf(got[0, 0, 33:]).all() and torch.isfinite(got[0, 0, :33]).all()
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("chunk_rows", [1, 5, 32])
-def test_chunked_equals_unchunked_bit_for_bit(precision, chunk_rows):
-    q, k, w = _inputs(sq=37, sk=37)
-    full = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
-    budget = chunk_rows * 2 * 37 * 20  # the torch reference's bytes per row
-    chunked = indexer_scores(
-        q, k, w, scoring_precision=precision, backend="torch", chunk_bytes=budget
-    )
-    assert torch.equal(full, chunked)
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_thd_equals_per_sequence_bshd(precision):
-    lens_q, lens_k = [5, 0, 17, 9], [5, 0, 17, 12]
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(lens_q), 32, 128)
-    k = torch.randn(sum(lens_k), 128)
-    w = torch.randn(sum(lens_q), 32).to(torch.bfloat16)
-    offsets = torch.tensor([0, 0, 0, 3])  # the last sequence's queries are its keys' tail
-    got = indexer_scores(
         q,
         k,
         w,
         scoring_precision=precision,
+        sm_scale=0.5,
+        ratio=2,
+        q_causal_offsets=5,
         backend="torch",
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        q_causal_offsets=offsets,
     )
-    assert got.shape == (sum(lens_q), max(lens_k))
-    for i in range(4):
-        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+    assert_bitwise_equal(a, b, f"{precision} operands vs carriers")
+
+
+# ------------------------------------------------------------------------- causal offsets
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_per_batch_causal_offsets(precision, ratio):
+    q, k, w = _inputs(sq=16, sk=48 // ratio + 3)
+    sk = k.shape[1]
+    offsets = [32, 5]
+    for form in (torch.tensor(offsets), torch.tensor(offsets, dtype=torch.int32)):
+        got = indexer_scores(
+            q,
+            k,
+            w,
+            scoring_precision=precision,
+            ratio=ratio,
+            q_causal_offsets=form,
+            backend="torch",
+        )
+        want = CONTRACTS[precision](q, k, w, offsets=offsets, ratio=ratio)
+        assert rel_err(got, want) <= TORCH_REL_ERR
+        for b, off in enumerate(offsets):
+            limits = causal_counts(off, range(16), ratio, sk)
+            for s, n in enumerate(limits):
+                assert (
+                    torch.isfinite(got[b, s, :n]).all() and (got[b, s, n:] == -float("inf")).all()
+                )
+
+
+def test_int_offset_is_the_same_offset_for_every_batch_row():
+    q, k, w = _inputs(sq=7, sk=20)
+    a = indexer_scores(q, k, w, scoring_precision="bf16", q_causal_offsets=9, backend="torch")
+    b = indexer_scores(
+        q, k, w, scoring_precision="bf16", q_causal_offsets=torch.tensor([9, 9]), backend="torch"
+    )
+    assert_bitwise_equal(a, b, "int vs tensor offsets")
+    zero = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
+    assert not torch.equal(a, zero)  # the offset shows: more keys are visible
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("r0, r1", [(0, 1), (5, 12), (29, 33)])
+def test_row_slice_with_shifted_offsets_equals_the_rows_of_the_full_call(precision, r0, r1):
+    """What chunked selection relies on: rows [r0, r1) scored with offset + r0 are those rows."""
+    q, k, w = _inputs(sq=33, sk=33)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    offsets = torch.tensor([0, 3])
+    full = indexer_scores(ops, ratio=2, q_causal_offsets=offsets, backend="torch")
+    part = indexer_scores(ops.rows(r0, r1), ratio=2, q_causal_offsets=offsets + r0, backend="torch")
+    assert_bitwise_equal(part, full[:, r0:r1], f"rows {r0}:{r1}")
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_causal_key_counts_follow_the_formula(ratio):
+    offsets = torch.tensor([0, 7, 100], dtype=torch.int32)
+    got = causal_key_counts(offsets, 4, 9, ratio, 30)
+    assert got.dtype == torch.int32 and got.shape == (3, 9)
+    want = [causal_counts(off, range(4, 13), ratio, 30) for off in (0, 7, 100)]
+    assert got.tolist() == want
+
+
+def test_varlen_key_counts_and_row_slices_follow_the_formula():
+    lens_q, lens_k = [5, 0, 17, 9], [5, 0, 17, 12]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    offsets = torch.tensor([0, 4, 2, 3])
+    got = varlen_key_counts(cu_q, cu_k, offsets, 2, sum(lens_q))
+    want = []
+    for i, n in enumerate(lens_q):
+        want += [min(c, lens_k[i]) for c in causal_counts(int(offsets[i]), range(n), 2, 10**9)]
+    assert got.tolist() == want
+    # Rows [8, 20) of the packing: sequence 2's rows 3..14, sequence 3 untouched.
+    sliced_cu, sliced_off = varlen_row_slice(cu_q, offsets, 8, 20)
+    assert sliced_cu.tolist() == [0, 0, 0, 12, 12] and sliced_cu.dtype == torch.int32
+    assert sliced_off.tolist()[2:] == [2 + 3, 3]  # sequence 2 starts at its local row 3
+
+
+# -------------------------------------------------------------------------------- out=
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_out_is_written_and_returned(precision):
+    q, k, w = _inputs(sq=9, sk=13)
+    want = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    out = torch.full((2, 9, 13), 7.0)
+    got = indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="torch")
+    assert got is out
+    assert_bitwise_equal(out, want, "out=")
+
+
+# ------------------------------------------------------------------------------ varlen
+
+
+def _packed(lens_q, lens_k, h=32, dtype=torch.float32):
+    q = torch.randn(sum(lens_q), h, 128, dtype=dtype)
+    k = torch.randn(sum(lens_k), 128, dtype=dtype)
+    w = (torch.randn(sum(lens_q), h) * 0.02).to(torch.bfloat16)
+    return q, k, w, cu_seqlens(lens_q), cu_seqlens(lens_k)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("ratio", [1, 4])
+@pytest.mark.parametrize("offsets", [None, 2, "tensor"], ids=["no_offsets", "int", "tensor"])
+def test_varlen_equals_per_sequence_bshd_bit_for_bit(precision, ratio, offsets):
+    lens_q, lens_k = [5, 0, 17, 9, 3], [5, 4, 17, 12, 0]
+    q, k, w, cu_q, cu_k = _packed(lens_q, lens_k)
+    if offsets == "tensor":
+        offsets = torch.tensor([0, 0, 0, 3, 1])  # the last sequence's queries are its keys' tail
+    max_k = 19  # above the longest key sequence: padding columns
+    got = indexer_scores_varlen(
+        q,
+        k,
+        w,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k.long(),
+        max_seqlen_q=17,
+        max_seqlen_k=max_k,
+        scoring_precision=precision,
+        ratio=ratio,
+        q_causal_offsets=offsets,
+        backend="torch",
+    )
+    assert got.shape == (sum(lens_q), max_k) and got.dtype == torch.float32
+    for i in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         if q1 == q0:
             continue
+        off = offsets[i : i + 1] if isinstance(offsets, torch.Tensor) else offsets
         one = indexer_scores(
             q[None, q0:q1],
             k[None, k0:k1],
             w[None, q0:q1],
             scoring_precision=precision,
+            ratio=ratio,
+            q_causal_offsets=off,
             backend="torch",
-            q_causal_offsets=offsets[i : i + 1],
         )[0]
-        assert torch.equal(got[q0:q1, : k1 - k0], one)
-        assert torch.isinf(got[q0:q1, k1 - k0 :]).all()
-    chunked = indexer_scores(
-        q,
-        k,
-        w,
-        scoring_precision=precision,
-        backend="torch",
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        q_causal_offsets=offsets,
-        chunk_bytes=3 * 12 * 20,
-    )
-    assert torch.equal(got, chunked)
-
-
-def _one_lane(value, h=32):
-    q = torch.zeros(1, 1, h, 128)
-    q[0, 0, 0, 0] = value
-    k = torch.zeros(1, 1, 128)
-    k[0, 0, 0] = value
-    w = torch.zeros(1, 1, h)
-    w[0, 0, 0] = 1.0
-    return q, k, w
-
-
-@pytest.mark.parametrize("chunk_bytes", [None, 1])
-def test_bf16_regression_fp32_1_001_scores_exactly_one(chunk_bytes):
-    """q = k = 1.001 (FP32), weight 1, one valid key: BF16 scoring rounds both to 1.0 -> exactly 1.0."""
-    q, k, w = _one_lane(1.001)
-    kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    got = indexer_scores(q, k, w.float(), scoring_precision="bf16", backend="torch", **kw)
-    assert got.item() == 1.0
-    # With a key cached across several chunks (two query rows, one row per chunk).
-    q2 = torch.cat([q, q], 1)
-    k2 = torch.cat([k, k], 1)
-    w2 = torch.cat([w, w], 1).float()
-    got2 = indexer_scores(q2, k2, w2, scoring_precision="bf16", backend="torch", chunk_bytes=1)
-    assert got2[0, 0, 0].item() == 1.0 and got2[0, 1].tolist() == [1.0, 1.0]
-
-
-def test_scoring_calls_are_counted():
-    q, k, w = _inputs(sq=4, sk=4)
-    reset_scoring_calls()
-    indexer_scores(q, k, w, scoring_precision="fp8", backend="torch", chunk_bytes=1)
-    indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
-    assert (
-        scoring_calls("fp8") == 1 and scoring_calls("bf16", "torch") == 1 and scoring_calls() == 2
-    )
-
-
-def _bad(**kw):
-    q, k, w = _inputs(sq=4, sk=4)
-    args = dict(q=q, k=k, weights=w, scoring_precision="bf16", backend="torch")
-    args.update(kw)
-    return args
-
-
-@pytest.mark.parametrize(
-    "args, err, match",
-    [
-        (
-            _bad(scoring_precision="fp8", q=torch.randn(2, 4, 32, 64), k=torch.randn(2, 4, 64)),
-            ValueError,
-            "head dim 64",
-        ),
-        (
-            _bad(
-                scoring_precision="fp8", q=torch.randn(2, 4, 16, 128), weights=torch.randn(2, 4, 16)
-            ),
-            ValueError,
-            "q has 16",
-        ),
-        (_bad(q=torch.randn(2, 4, 32 * 128)), ValueError, "expected q"),
-        (_bad(k=torch.randn(3, 4, 128)), ValueError, "batch mismatch"),
-        (_bad(k=torch.randn(2, 4, 2, 128)), ValueError, "k has 2 heads"),
-        (_bad(weights=torch.randn(2, 4, 16)), ValueError, "weights has shape"),
-        (_bad(k=torch.randn(2, 4, 64)), ValueError, "head dim mismatch"),
-        (
-            _bad(q=torch.ones(2, 4, 32, 128, dtype=torch.int32)),
-            TypeError,
-            "q has dtype torch.int32",
-        ),
-        (_bad(weights=torch.ones(2, 4, 32, dtype=torch.int64)), TypeError, "weights has dtype"),
-        (_bad(scoring_precision="int8"), ValueError, "'bf16', 'fp8'"),
-        (_bad(backend="triton"), ValueError, "backend='triton'"),
-        (_bad(ratio=0), ValueError, "ratio=0"),
-        (_bad(q_causal_offsets=torch.tensor([1])), ValueError, "q_causal_offsets has 1"),
-        (_bad(q_causal_offsets=torch.tensor([-1, 0])), ValueError, "non-negative"),
-        (_bad(cu_seqlens_q=torch.tensor([0, 4])), ValueError, "needs both"),
-        (_bad(k=[[0.0]]), TypeError, "k must be a torch.Tensor"),
-    ],
-)
-def test_bad_inputs(args, err, match):
-    with pytest.raises(err, match=match):
-        indexer_scores(**args)
-
-
-def test_explicit_cudnn_without_gpu_raises():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    q, k, w = _inputs(sq=4, sk=4)
-    with pytest.raises(RuntimeError, match="backend='cudnn' cannot score this call"):
-        indexer_scores(q, k, w, scoring_precision="fp8", backend="cudnn")
-    # auto serves it with the reference, same precision.
-    reset_scoring_calls()
-    indexer_scores(q, k, w, scoring_precision="fp8", backend="auto")
-    assert scoring_calls("fp8", "torch") == 1
+        assert_bitwise_equal(got[q0:q1, : k1 - k0], one, f"sequence {i}")
+        assert (got[q0:q1, k1 - k0 :] == -float("inf")).all(), f"sequence {i} padding"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_prepared_operands_score_like_carriers(precision):
-    from dsa_precision.scoring import prepare_scoring_operands
+def test_varlen_operands_and_out(precision):
+    lens = [6, 11]
+    q, k, w, cu, _ = _packed(lens, lens)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11, backend="torch")
+    carriers = indexer_scores_varlen(q, k, w, scoring_precision=precision, **kw)
+    ops = prepare_scoring_operands(q[None], k[None], w[None], scoring_precision=precision)
+    out = torch.empty(17, 11)
+    got = indexer_scores_varlen(ops, out=out, **kw)
+    assert got is out
+    assert_bitwise_equal(got, carriers, "varlen operands vs carriers")
 
-    q, k, w = _inputs(sq=9, sk=9)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.5)
-    from dsa_precision.scoring import _indexer_forward
 
-    a = _indexer_forward(
-        None, None, None, scoring_precision=precision, operands=ops, backend="torch"
+def test_varlen_without_sequences_or_keys():
+    q, k, w, cu, _ = _packed([4], [4])
+    kw = dict(scoring_precision="bf16", backend="torch")
+    got = indexer_scores_varlen(
+        q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=0, **kw
     )
-    b = indexer_scores(q, k, w, scoring_precision=precision, sm_scale=0.5, backend="torch")
-    assert torch.equal(a, b)
-    other = "bf16" if precision == "fp8" else "fp8"
-    with pytest.raises(ValueError, match="operands were prepared for"):
-        _indexer_forward(None, None, None, scoring_precision=other, operands=ops, backend="torch")
-    with pytest.raises(ValueError, match="either q, k, weights or operands"):
-        _indexer_forward(q, None, None, scoring_precision=precision, operands=ops, backend="torch")
+    assert got.shape == (4, 0)
+    empty = cu_seqlens([0, 0])
+    got = indexer_scores_varlen(
+        q[:0], k[:0], w[:0], cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0,
+        max_seqlen_k=3, **kw,
+    )  # fmt: skip
+    assert got.shape == (0, 3)
+
+
+# ------------------------------------------------------------------------- empty inputs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("sq, sk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_bshd(precision, sq, sk):
+    q, k, w = _inputs(b=2, sq=sq, sk=sk)
+    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    assert got.shape == (2, sq, sk) and got.dtype == torch.float32
+    out = torch.empty(2, sq, sk)
+    assert indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="torch") is out
+
+
+# -------------------------------------------------------------------- non-finite operands
+
+
+def _adversarial():
+    """Operands on which a non-finite entry would give +inf (or a ReLU-clipped 0) under the
+    literal formula: lane 0 of every query positive, every head weight positive."""
+    q, k, w = _inputs(b=1, sq=12, sk=12)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    w = w.float().abs() + 1e-3
+    return q, k, w
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["q", "k", "weights"])
+def test_non_finite_operands_score_nan_and_are_never_selected(precision, bad, where):
+    q, k, w = _adversarial()
+    clean = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    row, key = 5, 3
+    if where == "q":
+        q[0, row, 7, 0] = bad
+    elif where == "k":
+        k[0, key, 0] = bad
+    else:
+        w[0, row, 2] = bad
+    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    touched = torch.zeros_like(got, dtype=torch.bool)
+    if where == "k":
+        touched[0, key:, key] = True  # the rows that see the key
+    else:
+        touched[0, row, : row + 1] = True  # the row's visible keys
+    assert torch.isnan(got[touched]).all(), f"{where}={bad}: {got[touched]}"
+    assert_bitwise_equal(got[~touched], clean[~touched], "the rest is unchanged")
+    for picks in (
+        indexer_topk(got, 4, backend="torch"),
+        indexer_topk(got, 4, deterministic=False, backend="torch"),
+    ):
+        for r in range(12):
+            sel = set(picks[0, r].tolist()) - {-1}
+            assert not (sel & set(touched[0, r].nonzero().flatten().tolist())), (r, sel)
+    # The other rows select exactly what they select without the bad entry.
+    masked = clean.masked_fill(touched, float("-inf"))
+    assert indexer_topk(got, 4, backend="torch").tolist() == [reference_topk_rows(masked[0], 4)]
+
+
+# ------------------------------------------------------------------------------ audit
+
+
+def test_every_call_is_counted_with_its_precision_and_backend():
+    q, k, w = _inputs(sq=4, sk=4)
+    reset_scoring_calls()
+    indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
+    indexer_scores(q, k, w, scoring_precision="bf16", backend="auto")  # CPU: the reference
+    cu = cu_seqlens([4])
+    indexer_scores_varlen(
+        q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
+        scoring_precision="fp8", backend="torch",
+    )  # fmt: skip
+    assert scoring_calls("fp8", "torch") == 2
+    assert scoring_calls("bf16", "torch") == 1
+    assert scoring_calls() == 3

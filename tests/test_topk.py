@@ -1,52 +1,49 @@
-"""indexer_topk (torch path) against a per-row Python reference."""
-
-import math
+"""indexer_topk on the torch backend against a per-row Python reference of the selection rule
+(tests/helpers.reference_topk): ties toward the lower index, +0 above -0, -inf and NaN never
+selected, -1 padding, seq_lens, any leading shape, score dtypes, non-deterministic mode."""
 
 import pytest
 import torch
 
 from dsa_precision import indexer_topk
+from dsa_precision import topk as topk_module
 
-
-def reference_topk(row: list[float], k: int, seq_len: int) -> list[int]:
-    """Largest scores among keys < seq_len that are not -inf; ties -> lower index;
-    +0.0 ranks above -0.0; ascending output, -1 padded."""
-    cand = [(v, i) for i, v in enumerate(row[:seq_len]) if v != -math.inf]
-    cand.sort(key=lambda vi: (-vi[0], -math.copysign(1.0, vi[0]), vi[1]))
-    picked = sorted(i for _, i in cand[:k])
-    return picked + [-1] * (k - len(picked))
+from .helpers import reference_topk_rows
 
 
 def check(scores, k, seq_lens=None, **kw):
     got = indexer_topk(scores, k, seq_lens=seq_lens, backend="torch", **kw)
     assert got.dtype == torch.int32 and got.shape == (*scores.shape[:-1], k)
-    flat = scores.reshape(-1, scores.shape[-1]).tolist()
-    lens = [scores.shape[-1]] * len(flat) if seq_lens is None else seq_lens.reshape(-1).tolist()
-    want = [reference_topk(r, k, n) for r, n in zip(flat, lens, strict=True)]
-    assert got.reshape(len(flat), k).tolist() == want
+    want = reference_topk_rows(scores.float(), k, seq_lens)
+    assert got.reshape(-1, k).tolist() == want, f"k={k}"
+    return got
 
 
-@pytest.mark.parametrize("k", [1, 3, 16, 50])
-def test_random_scores_with_masks(k):
+@pytest.mark.parametrize("k", [1, 3, 16, 33, 50])
+def test_random_scores_with_masks_and_seq_lens(k):
     scores = torch.randn(2, 7, 33)
     scores[0, :, 20:] = float("-inf")
+    scores[1, 3, ::2] = float("-inf")
     check(scores, k)
     check(scores, k, seq_lens=torch.randint(0, 34, (2, 7)))
+    check(scores, k, seq_lens=torch.randint(0, 34, (2, 7), dtype=torch.int32))
 
 
-def test_exact_ties_break_toward_lower_index():
+def test_exact_ties_break_toward_the_lower_index():
     scores = torch.zeros(4, 64)  # e.g. keys whose heads are all ReLU-zero
     scores[1, ::3] = 1.0
     scores[2] = torch.randint(0, 3, (64,)).float()
-    check(scores, 10)
-    got = indexer_topk(scores, 10, backend="torch")
+    scores[3] = torch.randint(0, 3, (64,)).float().flip(0)
+    got = check(scores, 10)
     assert got[0].tolist() == list(range(10))
+    assert got[1].tolist() == list(range(0, 30, 3))
 
 
 def test_signed_zeros_rank_like_the_radix_kernel():
     row = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0]])
     assert indexer_topk(row, 2, backend="torch").tolist() == [[1, 3]]
     assert indexer_topk(row, 3, backend="torch").tolist() == [[0, 1, 3]]
+    check(row, 4)
 
 
 def test_fewer_valid_keys_than_k_pads_with_minus_one():
@@ -55,73 +52,83 @@ def test_fewer_valid_keys_than_k_pads_with_minus_one():
     scores[0, 2] = torch.arange(8.0)
     got = indexer_topk(scores, 4, backend="torch")
     assert got.tolist() == [[[-1] * 4, [0, 1, -1, -1], [4, 5, 6, 7]]]
-    assert indexer_topk(scores, 4, seq_lens=torch.tensor([[8, 1, 6]]), backend="torch")[
-        0, 2
-    ].tolist() == [2, 3, 4, 5]
+    lens = torch.tensor([[8, 1, 6]])
+    got = indexer_topk(scores, 4, seq_lens=lens, backend="torch")
+    assert got[0, 1].tolist() == [0, -1, -1, -1] and got[0, 2].tolist() == [2, 3, 4, 5]
+    # k above S_k: S_k picks at most, the rest -1.
+    assert indexer_topk(scores, 11, backend="torch")[0, 2].tolist() == list(range(8)) + [-1] * 3
 
 
-def test_bf16_scores_and_deterministic_false_select_valid_sets():
-    scores = torch.randn(5, 40)
-    check(scores.to(torch.bfloat16).float(), 7)
-    got = indexer_topk(scores.to(torch.bfloat16), 7, backend="torch")
-    check_vals = indexer_topk(scores.to(torch.bfloat16).float(), 7, backend="torch")
-    assert torch.equal(got, check_vals)
-    loose = indexer_topk(torch.randn(5, 40), 7, deterministic=False, backend="torch")
-    assert (loose >= 0).all() and torch.equal(loose, loose.sort(-1).values)
+def test_interleaved_invalid_keys_are_skipped_not_padded():
+    """-inf and NaN inside a row's valid range are skipped: the picks stay ascending and the -1
+    padding comes after them."""
+    row = torch.tensor([[float("-inf"), 5.0, float("nan"), 3.0, float("-inf"), 1.0]])
+    assert indexer_topk(row, 4, backend="torch").tolist() == [[1, 3, 5, -1]]
+    check(row, 4)
 
 
-def test_empty_inputs():
-    assert indexer_topk(torch.empty(0, 5), 3, backend="torch").shape == (0, 3)
-    assert indexer_topk(torch.empty(2, 0), 3, backend="torch").tolist() == [[-1] * 3] * 2
+def test_nan_is_never_selected_and_inf_is():
+    scores = torch.randn(3, 40)
+    scores[0, 5] = float("nan")
+    scores[1, :] = float("nan")
+    scores[2, 7] = float("inf")
+    got = check(scores, 8)
+    assert not (got[0] == 5).any() and (got[1] == -1).all() and (got[2] == 7).any()
 
 
-@pytest.mark.parametrize(
-    "kwargs, err, match",
-    [
-        (dict(k=0), ValueError, "k=0"),
-        (dict(k=-2), ValueError, "k=-2"),
-        (dict(k=2.5), ValueError, "k=2.5"),
-        (dict(scores=torch.ones(2, 4, dtype=torch.int32)), TypeError, "scores has dtype"),
-        (dict(seq_lens=torch.tensor([1, 2, 3])), ValueError, "seq_lens has shape"),
-        (dict(seq_lens=torch.tensor([1.0, 2.0])), TypeError, "seq_lens has dtype"),
-        (dict(seq_lens=torch.tensor([1, 5])), ValueError, r"\[0, S_k=4\]"),
-        (dict(seq_lens=torch.tensor([-1, 2])), ValueError, r"\[0, S_k=4\]"),
-        (dict(backend="radix"), ValueError, "backend='radix'"),
-    ],
-)
-def test_bad_inputs(kwargs, err, match):
-    args = dict(scores=torch.randn(2, 4), k=2)
-    args.update(kwargs)
-    with pytest.raises(err, match=match):
-        indexer_topk(**args)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_scores_select_like_their_float32_values(dtype):
+    scores = torch.randn(5, 40).to(dtype)  # many exact ties after rounding
+    scores[0, 3] = -0.0
+    got = indexer_topk(scores, 7, backend="torch")
+    assert torch.equal(got, indexer_topk(scores.float(), 7, backend="torch"))
+    check(scores, 7)
 
 
-def test_explicit_cudnn_without_gpu_raises():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(RuntimeError, match="backend='cudnn' cannot run"):
-        indexer_topk(torch.randn(2, 4), 2, backend="cudnn")
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3, 4)])
+def test_any_leading_shape(lead):
+    scores = torch.randn(*lead, 9)
+    lens = torch.randint(0, 10, lead) if lead else None
+    check(scores, 4, seq_lens=lens)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_select_streams_chunks_like_scores_then_topk(precision):
-    from dsa_precision import indexer_scores, indexer_select
+def test_deterministic_false_selects_a_valid_top_k_set():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(-3, 4, (6, 50), generator=g).float()  # heavy ties
+    scores[:, 40:] = float("-inf")
+    scores[0, 10] = float("nan")
+    lens = torch.tensor([50, 45, 30, 3, 0, 41])
+    k = 12
+    got = indexer_topk(scores, k, seq_lens=lens, deterministic=False, backend="torch")
+    assert got.shape == (6, k) and got.dtype == torch.int32
+    for r in range(6):
+        picks = [i for i in got[r].tolist() if i != -1]
+        n = int(lens[r])
+        valid = [i for i in range(n) if torch.isfinite(scores[r, i])]
+        assert len(picks) == len(set(picks)) == min(k, len(valid)), r
+        assert got[r].tolist() == picks + [-1] * (k - len(picks)), r  # -1 after the picks
+        assert set(picks) <= set(valid), r
+        rest = set(valid) - set(picks)
+        if picks and rest:  # no unselected valid key scores above a selected one
+            assert min(scores[r, picks]) >= max(scores[r, sorted(rest)]), r
 
-    q, k = torch.randn(2, 40, 32, 128), torch.randn(2, 40, 128)
-    w = (torch.randn(2, 40, 32) * 0.02).to(torch.bfloat16)
-    want = indexer_topk(indexer_scores(q, k, w, scoring_precision=precision, backend="torch"), 6)
-    for kw in ({}, {"chunk_bytes": 8 * 2 * 40 * 20}):
-        got = indexer_select(q, k, w, 6, scoring_precision=precision, backend="torch", **kw)
-        assert torch.equal(got, want)
-    cu = torch.tensor([0, 40], dtype=torch.int32)
-    packed = indexer_select(
-        q[0],
-        k[0],
-        w[0],
-        6,
-        scoring_precision=precision,
-        backend="torch",
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-    )
-    assert torch.equal(packed, want[0])
+
+def test_row_chunks_of_the_torch_path_give_the_same_picks(monkeypatch):
+    scores = torch.randn(37, 23)
+    lens = torch.randint(0, 24, (37,))
+    whole = indexer_topk(scores, 5, seq_lens=lens, backend="torch")
+    monkeypatch.setattr(topk_module, "_TORCH_TOPK_CHUNK_BYTES", 16 * 23 * 4)  # 4-row chunks
+    assert torch.equal(indexer_topk(scores, 5, seq_lens=lens, backend="torch"), whole)
+    check(scores, 5, seq_lens=lens)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0), (0, 0), (3, 0, 4)])
+def test_empty_inputs(shape):
+    got = indexer_topk(torch.empty(shape), 3, backend="torch")
+    assert got.shape == (*shape[:-1], 3) and got.dtype == torch.int32
+    assert (got == -1).all()
+
+
+def test_auto_on_cpu_is_the_torch_path():
+    scores = torch.randn(4, 30)
+    assert torch.equal(indexer_topk(scores, 6), indexer_topk(scores, 6, backend="torch"))

@@ -1,28 +1,36 @@
-"""Fused indexer preprocessing and E4M3/UE8M0 quantization (Triton).
+"""Fused indexer preprocessing and E4M3 quantization under an engine's rules (Triton).
 
 One kernel, launched once for the queries and once for the keys, reads the projections in
 Megatron's ``[s, b, (h,) 128]`` layout and writes what the FP8 scorer reads, in BSHD: E4M3 bytes,
-one UE8M0 float32 descale per 128-vector and, for the queries, the head weights with the q
-descale and ``sm_scale`` folded in. Per 128-vector (one row of a ``[BLOCK_T, BLOCK_H, 128]`` tile)::
+one float32 descale per 128-vector and, for the queries, the head weights with the q descale
+folded in. Per 128-vector (one row of a ``[BLOCK_R, 128]`` tile)::
 
     (key, rope_fp32) LayerNorm   float64 statistics in the fixed pairwise order, affine in
-                                 float64, one rounding to float32
+                                 float64, one rounding to float32 (then to BF16 if the engine
+                                 rounds its LayerNorm output)
     RoPE                         float32 products and sum; with BF16 math each of
-                                 x*cos, rotate_half(x)*sin and their sum rounded to BF16
+                                 x*cos, rotate_half(x)*sin and their sum rounded to BF16;
+                                 then rounded to BF16 if the engine rounds q / k
     Hadamard (optional)          float64 butterfly in the reference's stage order, float64
-                                 scale, float64 -> float32 (-> BF16 with BF16 math)
-    quantize                     UE8M0 descale from the float32 bits of max(amax, floor),
-                                 E4M3 round-to-nearest-even, NaN for a non-finite vector
+                                 scale, float64 -> float32 (-> BF16 with BF16 math or rounding)
+    quantize                     descale from the float32 bits of max(amax, floor) under the
+                                 rule (exact UE8M0; or the float32 ratio, its UE8M0 ceiling by
+                                 bits or by log2; or the ratio itself), the value scaled by the
+                                 exact power-of-two reciprocal, by IEEE division or by the IEEE
+                                 reciprocal, clamped to +-448, E4M3 round-to-nearest-even, NaN
+                                 for a non-finite vector
 
 Exactness: this reproduces :class:`dsa_precision.preprocess.IndexerPreprocess` followed by
-:func:`dsa_precision.quantize.quantize_e4m3_ue8m0` bit for bit because every operation is one the
+:func:`dsa_precision.quantize.quantize_fp8` bit for bit because every operation is one the
 reference performs, on the same values, in the same order, with the same rounding:
 
 - the caller passes the RoPE tables torch computed (no trigonometry here);
 - launches disable FMA contraction (``enable_fp_fusion=False``), so ``a*b + c*d`` rounds after
   each product as torch's separate elementwise kernels do;
-- float64 division and square root are IEEE (``div.rn.f64``, ``sqrt.rn.f64``); no float32
-  division is used (the descale is applied as a multiplication by its exact reciprocal);
+- float32 and float64 division and square root are IEEE (``div_rn``, ``div.rn.f64``,
+  ``sqrt.rn.f64``);
+- the UE8M0 ceilings are integer functions of the float32 bits (``log2`` emulated as a correctly
+  rounded one, as :func:`dsa_precision.quantize.fp8_descale` does);
 - BF16 widening, BF16 rounding and the E4M3 encoding are integer bit manipulations, the same
   algorithms as c10's conversions: they do not depend on the hardware conversion instructions,
   and the Triton interpreter (whose own fp8/bf16 casts are approximate) runs them exactly;
@@ -39,6 +47,8 @@ import struct
 import torch
 import triton
 import triton.language as tl
+
+from ..engines import Fp8Rule
 
 __all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
 
@@ -160,7 +170,9 @@ def _preprocess_quantize_kernel(
     seq,
     n_heads,
     floor_bits,  # int32 bits of the float32 amax floor
-    sm_scale,  # float32
+    rcp_448,  # float32 1 / 448 (RATIO == 2)
+    fold_c1,  # float32 scalars multiplied into the folded weights after the q descale
+    fold_c2,
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -171,6 +183,12 @@ def _preprocess_quantize_kernel(
     LN_B: tl.constexpr,
     X_BF16: tl.constexpr,
     BF16_MATH: tl.constexpr,
+    LN_OUT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    RATIO: tl.constexpr,  # 0 exact UE8M0, 1 fp32(a / 448), 2 fp32(a * fp32(1 / 448))
+    LOG2_CEIL: tl.constexpr,
+    FP32_SCALE: tl.constexpr,
+    APPLY_RECIPROCAL: tl.constexpr,
     FOLD_W: tl.constexpr,
     W_BF16: tl.constexpr,
     HW_CAST: tl.constexpr,
@@ -204,7 +222,8 @@ def _preprocess_quantize_kernel(
     row = x_ptr + (s * x_stride_s + b * x_stride_b + h * x_stride_h)[:, None]
     mask = r_ok[:, None]
     xa = _load_f32(row + lane_a, mask, X_BF16)  # [BLOCK_R, D]
-    xb = _load_f32(row + lane_b, mask, X_BF16)
+    if ROPE_DIM > 0:
+        xb = _load_f32(row + lane_b, mask, X_BF16)
 
     if LAYER_NORM:  # the rope_fp32 key LayerNorm (float32 out), at both lane maps
         x64 = _load_f32(row + lanes, mask, X_BF16).to(tl.float64)
@@ -214,48 +233,101 @@ def _preprocess_quantize_kernel(
         denom = tl.sqrt(var + tl.load(f64_ptr))[:, None]  # float64: IEEE square root
         mean = mean[:, None]
         xa = _layer_norm_lanes(xa, mean, denom, ln_w_ptr, ln_b_ptr, lane_a, LN_W, LN_B)
-        xb = _layer_norm_lanes(xb, mean, denom, ln_w_ptr, ln_b_ptr, lane_b, LN_W, LN_B)
+        if ROPE_DIM > 0:
+            xb = _layer_norm_lanes(xb, mean, denom, ln_w_ptr, ln_b_ptr, lane_b, LN_W, LN_B)
+        if LN_OUT_BF16:  # an engine that rounds the LayerNorm output to BF16
+            xa = _round_bf16(xa, HW_CAST)
+            if ROPE_DIM > 0:
+                xb = _round_bf16(xb, HW_CAST)
 
-    table = s[:, None] * ROPE_DIM + lanes  # [S, ROPE_DIM] rows; lanes past ROPE_DIM are masked
-    table_mask = mask & rope_lane
-    cos = _load_f32(cos_ptr + table, table_mask, BF16_MATH)
-    sin = _load_f32(sin_ptr + table, table_mask, BF16_MATH)
-    rot = xb * sign  # rotate_half: an exact negation
-    if BF16_MATH:  # each product and the sum rounded to BF16, as torch's BF16 ops do
-        y = _round_bf16(_round_bf16(xa * cos, HW_CAST) + _round_bf16(rot * sin, HW_CAST), HW_CAST)
-    else:  # float32; the launch disables FMA contraction
-        y = xa * cos + rot * sin
-    y = tl.where(rope_lane, y, xa)
+    if ROPE_DIM > 0:
+        table = s[:, None] * ROPE_DIM + lanes  # [S, ROPE_DIM] rows; lanes past it are masked
+        table_mask = mask & rope_lane
+        cos = _load_f32(cos_ptr + table, table_mask, BF16_MATH)
+        sin = _load_f32(sin_ptr + table, table_mask, BF16_MATH)
+        rot = xb * sign  # rotate_half: an exact negation
+        if BF16_MATH:  # each product and the sum rounded to BF16, as torch's BF16 ops do
+            y = _round_bf16(
+                _round_bf16(xa * cos, HW_CAST) + _round_bf16(rot * sin, HW_CAST), HW_CAST
+            )
+        else:  # float32; the launch disables FMA contraction
+            y = xa * cos + rot * sin
+        y = tl.where(rope_lane, y, xa)
+    else:  # quantization only (preprocessed carriers)
+        y = xa
+    if OUT_BF16:  # an engine that rounds q or k to BF16 after RoPE
+        y = _round_bf16(y, HW_CAST)
 
     if HADAMARD:
         y64 = _hadamard(y.to(tl.float64), BLOCK_R, D, LOG2_D) * tl.load(f64_ptr + 1)
         # float64 -> float32 (-> BF16): torch converts float64 to BF16 through float32 too.
         y = y64.to(tl.float32)
-        if BF16_MATH:
+        if OUT_BF16:
             y = _round_bf16(y, HW_CAST)
 
-    # UE8M0 descale from the float32 bits of a = max(amax, floor): a = m * 2**E, m in [0.5, 1),
-    # E = biased exponent - 126; e = E - 8 if m > 0.875 (mantissa bits > 0x600000) else E - 9.
+    # The descale of a = max(amax, floor), taken from the float32 bits (the amax is an integer
+    # max over the magnitude bits: order-free, NaN-proof).
     mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bad = tl.max(mag, axis=1) >= 0x7F800000  # a NaN or Inf in the vector (bits above +Inf: NaN)
     a = tl.maximum(tl.max(mag, axis=1), floor_bits)
-    e = (a >> 23) - 126 - tl.where((a & 0x7FFFFF) > 0x600000, 8, 9)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    if RATIO == 0:
+        # Exact UE8M0: a = m * 2**E, m in [0.5, 1), E = biased exponent - 126; the smallest
+        # admissible e is E - 8 if m > 0.875 (mantissa bits > 0x600000) else E - 9.
+        e = (a >> 23) - 126 - tl.where((a & 0x7FFFFF) > 0x600000, 8, 9)
+    else:
+        af = a.to(tl.float32, bitcast=True)
+        if RATIO == 1:
+            r = tl.math.div_rn(af, 448.0)  # IEEE division
+        else:
+            r = af * rcp_448  # fp32(1 / 448)
+        rb = r.to(tl.int32, bitcast=True)
+        e = (rb >> 23) - 127
+        m = rb & 0x7FFFFF
+        if LOG2_CEIL:  # exp2(ceil(log2(r))) with a correctly rounded float32 log2
+            k = tl.abs(e) - (e < 0).to(tl.int32)
+            binade = (
+                (k >= 2).to(tl.int32) + (k >= 4).to(tl.int32) + (k >= 8).to(tl.int32)
+                + (k >= 16).to(tl.int32) + (k >= 32).to(tl.int32) + (k >= 64).to(tl.int32)
+            )  # fmt: skip
+            band = tl.where(
+                binade == 2,
+                1,
+                tl.where(
+                    binade == 3,
+                    2,
+                    tl.where(
+                        binade == 4, 5, tl.where(binade == 5, 11, tl.where(binade == 6, 22, 0))
+                    ),
+                ),
+            )  # fmt: skip  (quantize.LOG2_CEIL_BAND)
+            e = e + (m > band).to(tl.int32)
+        else:  # the exact ceiling
+            e = e + (m != 0).to(tl.int32)
     nan = tl.full((BLOCK_R,), _FLOAT32_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    descale = tl.where(bad, nan, ((e + 127) << 23).to(tl.float32, bitcast=True))
-    codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_codes(y * inv[:, None], HW_CAST))
+    if FP32_SCALE:
+        descale = tl.where(bad, nan, r)
+        if APPLY_RECIPROCAL:
+            v = y * tl.math.div_rn(1.0, r)[:, None]
+        else:
+            v = tl.math.div_rn(y, r[:, None])
+    else:
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e: exact, and so is y * inv
+        descale = tl.where(bad, nan, ((e + 127) << 23).to(tl.float32, bitcast=True))
+        v = y * inv[:, None]
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)  # saturate (only the rounded rules reach it)
+    codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_codes(v, HW_CAST))
 
     out_row = (b * seq + s) * n_heads + h  # BSHD
     tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
     tl.store(scale_ptr + out_row, descale, r_ok)
-    if FOLD_W:  # w' = (fp32(w) * q_descale) * sm_scale, float32
+    if FOLD_W:  # w' = ((fp32(w) * q_descale) * c1) * c2, float32
         w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
-        tl.store(w_out_ptr + out_row, (w * descale) * sm_scale, r_ok)
+        tl.store(w_out_ptr + out_row, ((w * descale) * fold_c1) * fold_c2, r_ok)
 
 
-# Vectors per program and warps per program: 8 vectors over 2 warps, the fastest shape of
-# tools/tune_prepare.py on the H200 at S=16384, H=64 (docs/benchmarks.md); every row stays
-# inside one warp, so the butterfly and the amax never cross warps.
+# Default launch shape: 8 vectors per program over 2 warps, the fastest shape of
+# tools/tune_prepare.py on the H200 at S=16384, H=64 (docs/benchmarks.md); every row stays inside
+# one warp, so the butterfly and the amax never cross warps. Any shape gives the same bits.
 BLOCK_ROWS = 8
 NUM_WARPS = 2
 
@@ -272,6 +344,10 @@ def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor
     return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
 
 
+def _f32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def _float32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
@@ -283,33 +359,47 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def preprocess_quantize(
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     *,
+    rope_dim: int,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
     interleaved: bool,
     hadamard: bool,
     bf16_math: bool,
-    amax_floor: float,
+    rule: Fp8Rule,
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
+    ln_out_bf16: bool = False,
+    out_bf16: bool = False,
     weights: torch.Tensor | None = None,
-    sm_scale: float = 1.0,
+    fold_scales: tuple[float, ...] = (),
+    block_rows: int = BLOCK_ROWS,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Preprocess and quantize Megatron-layout vectors into BSHD FP8 operands.
 
     Args:
         x: ``[S, B, H, 128]`` queries or ``[S, B, 128]`` keys (``H = 1``), BF16 or float32, on
             CUDA; the last dimension contiguous.
+        rope_dim: width of the RoPE slice; 0 quantizes without RoPE (preprocessed carriers).
         cos, sin: ``[S, rope_dim]`` RoPE tables from :func:`dsa_precision.preprocess.rope_tables`,
-            float32 (``bf16_math=False``) or BF16 (``bf16_math=True``).
+            float32 (``bf16_math=False``) or BF16 (``bf16_math=True``); unused when
+            ``rope_dim == 0``.
         interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
         hadamard: apply the Hadamard rotation after RoPE.
-        bf16_math: round RoPE and the Hadamard output to BF16 as the ``rope_fp32=False`` path
-            does (``x`` must then be BF16, already key-normalized for keys); otherwise float32.
-        amax_floor: UE8M0 amax floor, at least :data:`MIN_AMAX_FLOOR` once rounded to float32.
+        bf16_math: RoPE in BF16 arithmetic (each product and the sum rounded to BF16), as
+            Megatron's BF16 path does (``x`` and the tables must then hold BF16 values);
+            otherwise float32.
+        rule: the quantization rule (:class:`dsa_precision.engines.Fp8Rule`); its floor at least
+            :data:`MIN_AMAX_FLOOR` once rounded to float32.
         layer_norm: ``(weight, bias, eps)`` of the ``rope_fp32`` key LayerNorm (``weight``
             already ``zero_centered_gamma``-adjusted; either may be ``None``), applied first.
+        ln_out_bf16: round the LayerNorm output to BF16 (an engine's rule).
+        out_bf16: round the vector to BF16 after RoPE and after the Hadamard rotation.
         weights: ``[S, B, H]`` head weights (BF16 or float32) to fold the q descale into.
-        sm_scale: score scale folded into the weights (rounded to float32, as torch does).
+        fold_scales: up to two float32 scalars multiplied into the folded weights, in order,
+            after the descale.
+        block_rows, num_warps: launch shape (vectors per program, warps per program); every
+            shape gives the same bits (tools/tune_prepare.py picks the fastest).
 
     Returns:
         ``(x_fp8 [B, S, H, 128] float8_e4m3fn, descale [B, S, H] float32, folded weights
@@ -323,10 +413,14 @@ def preprocess_quantize(
         raise ValueError(f"expected 128-wide vectors, got {tuple(x.shape)}")
     if x4.stride(3) != 1:
         x4 = x4.contiguous()
-    rope_dim = cos.shape[-1]
-    floor32 = float(torch.tensor(amax_floor, dtype=torch.float32))
+    if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
+        raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
+    floor32 = float(torch.tensor(rule.amax_floor, dtype=torch.float32))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
-        raise ValueError(f"amax_floor={amax_floor!r} is outside [2**-100, float32 max].")
+        raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
+    if len(fold_scales) > 2:
+        raise ValueError(f"fold_scales takes at most two scalars, got {fold_scales}.")
+    c1, c2 = (*fold_scales, 1.0, 1.0)[:2]
     device = x.device
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)
@@ -342,8 +436,9 @@ def preprocess_quantize(
         return consts if t is None else t.to(device=device, dtype=torch.float64).contiguous()
 
     n_rows = n_seq * batch * n_heads
-    block_r, warps = BLOCK_ROWS, NUM_WARPS
-    grid = (triton.cdiv(n_rows, block_r),)
+    grid = (triton.cdiv(n_rows, block_rows),)
+    if not rope_dim:
+        cos = sin = consts  # never read
     w_arg = weights if weights is not None else scale
     _preprocess_quantize_kernel[grid](
         _bits_view(x4),
@@ -366,7 +461,9 @@ def preprocess_quantize(
         n_seq,
         n_heads,
         _float32_bits(floor32),
-        float(torch.tensor(sm_scale, dtype=torch.float32)),  # torch multiplies in float32 too
+        _f32(1.0 / 448.0),
+        _f32(c1),  # torch multiplies float32 tensors by float32 scalars too
+        _f32(c2),
         D=d,
         LOG2_D=_LOG2_HEAD_DIM,
         ROPE_DIM=rope_dim,
@@ -377,11 +474,17 @@ def preprocess_quantize(
         LN_B=ln_b is not None,
         X_BF16=x.dtype == torch.bfloat16,
         BF16_MATH=bf16_math,
+        LN_OUT_BF16=ln_out_bf16,
+        OUT_BF16=out_bf16,
+        RATIO={"exact": 0, "divide": 1, "reciprocal": 2}[rule.scale_ratio],
+        LOG2_CEIL=rule.ue8m0_ceil == "log2",
+        FP32_SCALE=rule.scale_format == "fp32",
+        APPLY_RECIPROCAL=rule.scale_apply == "reciprocal",
         FOLD_W=weights is not None,
         W_BF16=w_arg.dtype == torch.bfloat16,
         HW_CAST=not _interpreted(),
-        BLOCK_R=block_r,
-        num_warps=warps,
+        BLOCK_R=block_rows,
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
     return out, scale, w_out

@@ -1,17 +1,23 @@
-"""Bit-exact replays of the kernel paths on an SM90 GPU (registered in tests/determinism)."""
+"""Bit-exact replays of the kernel paths on an SM90 GPU (dsa_precision.testing.
+assert_replays_bit_exact; registered per source file in tests/determinism/manifest.py): cuDNN
+scoring (BSHD, THD), the radix top-k, chunked selection, DeepGEMM, the fused preprocess+quantize
+kernel behind prepare_scoring_operands, the fused indexer + sparse attention."""
 
 import pytest
 import torch
 
 from dsa_precision import (
     IndexerPreprocess,
+    _deepgemm,
     fused_indexer_sparse_attention,
     indexer_scores,
+    indexer_scores_varlen,
     indexer_select,
+    indexer_select_varlen,
     indexer_topk,
+    prepare_scoring_operands,
 )
 from dsa_precision.preprocess import indexer_head_weights
-from dsa_precision.scoring import _indexer_forward
 from dsa_precision.testing import assert_replays_bit_exact
 
 pytestmark = pytest.mark.gpu
@@ -27,45 +33,146 @@ def _qkw(b, s, h, dtype=torch.float32, seed=0):
     )
 
 
+def _packed(lens, h=64, seed=6):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    t = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(DEV)
+    return (
+        torch.randn(t, h, 128, device=DEV, generator=g),
+        torch.randn(t, 128, device=DEV, generator=g),
+        (torch.randn(t, h, device=DEV, generator=g) * 0.02).to(torch.bfloat16),
+        cu,
+    )
+
+
+# ---------------------------------------------------------------------- scoring.py
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("contention", [False, True])
 def test_scoring_replays_bit_exact(precision, contention):
-    q, k, w = _qkw(1, 128, 32)
+    q, k, w = _qkw(2, 1024, 64)
 
     def score(q, k, w):
-        return _indexer_forward(q, k, w, scoring_precision=precision, backend="cudnn")
+        return indexer_scores(
+            q, k, w, scoring_precision=precision, ratio=2, q_causal_offsets=7, backend="cudnn"
+        )
 
     assert_replays_bit_exact(score, (q, k, w), contention=contention, what=f"{precision} scoring")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_chunked_scoring_replays_bit_exact(precision):
-    q, k, w = _qkw(1, 8192, 64)
+def test_varlen_scoring_replays_bit_exact(precision):
+    q, k, w, cu = _packed([1000, 17, 2500, 579])
 
-    def score(q, k, w):  # 512-row chunks over 8192 keys
-        return indexer_scores(
-            q, k, w, scoring_precision=precision, backend="cudnn", chunk_bytes=512 * 8192 * 4
-        )
+    def score(q, k, w):
+        return indexer_scores_varlen(
+            q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2500, max_seqlen_k=2500,
+            scoring_precision=precision, backend="cudnn",
+        )  # fmt: skip
 
-    assert_replays_bit_exact(score, (q, k, w), contention=True, what=f"chunked {precision}")
+    assert_replays_bit_exact(score, (q, k, w), contention=True, what=f"THD {precision}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_non_finite_inputs_replay_and_stay_non_finite(precision):
+    q, k, w = _qkw(1, 512, 64)
+    q[0, 100, 3, 7] = float("nan")
+    k[0, 200, 0, 5] = float("inf")
+
+    def score_and_pick(q, k, w):
+        s = indexer_scores(q, k, w, scoring_precision=precision, backend="cudnn")
+        return s, indexer_topk(s, 64, backend="cudnn")
+
+    scores, picks = assert_replays_bit_exact(
+        score_and_pick, (q, k, w), what=f"non-finite {precision}"
+    )
+    assert torch.isnan(scores[0, 100, :101]).all()  # the bad query row (NaN head weight)
+    assert torch.isfinite(scores[0, 300, :200]).all()
+    assert (picks[0, 100] == -1).all()
+    if precision == "fp8":  # a non-finite key has a NaN descale: NaN wherever it is visible
+        assert torch.isnan(scores[0, 200:, 200]).all() and not (picks == 200).any()
+
+
+# ------------------------------------------------------------------------- topk.py
 
 
 def test_topk_replays_bit_exact():
     g = torch.Generator(device=DEV).manual_seed(3)
     scores = torch.round(torch.randn(4, 512, 8192, device=DEV, generator=g) * 4) / 4  # many ties
-    assert_replays_bit_exact(
-        lambda s: indexer_topk(s, 2048, backend="cudnn"), (scores,), contention=True, what="top-k"
-    )
-    # The split path: 512-row chunks (scores + top-k scratch, 12 bytes per score), each chunk's
-    # top-k written into one result.
+    seq_lens = torch.randint(0, 8193, (4, 512), device=DEV, generator=g, dtype=torch.int32)
+    # -inf and NaN inside the rows' lengths: the one-pass fix-up (kernels/topk_picks.py) drops them.
+    holes = torch.rand(scores.shape, device=DEV, generator=g)
+    scores = scores.masked_fill(holes < 0.3, float("-inf")).masked_fill(holes > 0.999, float("nan"))
+
+    def pick(s, n):
+        return indexer_topk(s, 2048, seq_lens=n, backend="cudnn")
+
+    picks = assert_replays_bit_exact(pick, (scores, seq_lens), contention=True, what="top-k")
+    picked = scores.gather(-1, picks.clamp(min=0).long())
+    assert bool(((picks < 0) | (picked > float("-inf"))).all()), "a -inf or NaN score was picked"
+
+
+# ------------------------------------------------------------------------ select.py
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_chunked_select_replays_bit_exact(precision):
     q, k, w = _qkw(1, 4096, 64)
-    assert_replays_bit_exact(
-        lambda q, k, w: indexer_select(
-            q, k, w, 2048, scoring_precision="fp8", backend="cudnn", chunk_bytes=512 * 4096 * 12
-        ),
-        (q, k, w),
-        what="chunked select",
-    )
+
+    def select(q, k, w):  # 512-row chunks (float32 scores + top-k scratch, 12 bytes a score)
+        return indexer_select(
+            q, k, w, topk=2048, scoring_precision=precision, backend="cudnn",
+            chunk_bytes=512 * 4096 * 12,
+        )  # fmt: skip
+
+    assert_replays_bit_exact(select, (q, k, w), contention=True, what=f"chunked select {precision}")
+
+
+def test_chunked_select_varlen_replays_bit_exact():
+    q, k, w, cu = _packed([700, 33, 1500, 301])
+
+    def select(q, k, w):  # 256-row chunks cut three of the four sequences
+        return indexer_select_varlen(
+            q, k, w, topk=512, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500,
+            max_seqlen_k=1500, scoring_precision="fp8", backend="cudnn",
+            chunk_bytes=256 * 1500 * 12,
+        )  # fmt: skip
+
+    assert_replays_bit_exact(select, (q, k, w), contention=True, what="chunked THD select")
+
+
+# ---------------------------------------------------------------------- _deepgemm.py
+
+
+@pytest.mark.skipif(
+    not _deepgemm.deepgemm_available(),
+    reason=f"DeepGEMM is not importable: {_deepgemm._import()[1]}",
+)
+def test_deepgemm_replays_bit_exact():
+    q, k, w = _qkw(2, 2048, 64)
+
+    def score(q, k, w):
+        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+        return indexer_scores(ops, q_causal_offsets=5, backend="deepgemm")
+
+    assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM")
+
+
+# ------------------------------------------------------- operands (fused Triton kernel)
+
+
+def test_prepare_scoring_operands_replays_bit_exact():
+    q, k, w = _qkw(2, 2048, 64)
+
+    def prepare(q, k, w):
+        return prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+
+    ops = assert_replays_bit_exact(prepare, (q, k, w), contention=True, what="fused prepare")
+    ref = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="torch")
+    for name in ("q", "k", "weights", "q_descale", "k_descale"):
+        a, b = getattr(ops, name), getattr(ref, name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
@@ -84,6 +191,9 @@ def test_fp32_preprocessing_route_replays_and_keeps_dtypes(hadamard):
 
     qq, kk, ww = assert_replays_bit_exact(route, (q, k, w), what="rope_fp32 preprocessing")
     assert qq.dtype == kk.dtype == torch.float32 and ww.dtype == torch.bfloat16
+
+
+# ---------------------------------------------- fused indexer + sparse attention
 
 
 def _fused_inputs(seed=5, s=2048):
@@ -122,21 +232,3 @@ def test_fused_backward_replays_bit_exact_when_deterministic():
         assert_replays_bit_exact(run, _fused_inputs(s=1024), backward=True, what="fused backward")
     finally:
         torch.use_deterministic_algorithms(False)
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_non_finite_inputs_replay_and_stay_non_finite(precision):
-    q, k, w = _qkw(1, 512, 64)
-    q[0, 100, 3, 7] = float("nan")
-    k[0, 200, 0, 5] = float("inf")
-
-    def score_and_pick(q, k, w):
-        s = _indexer_forward(q, k, w, scoring_precision=precision, backend="cudnn")
-        return s, indexer_topk(s, 64, backend="cudnn")
-
-    scores, picks = assert_replays_bit_exact(
-        score_and_pick, (q, k, w), what=f"non-finite {precision}"
-    )
-    assert torch.isnan(scores[0, 100, :101]).all()
-    assert torch.isnan(scores[0, 200:, 200]).all() and torch.isfinite(scores[0, 300, :200]).all()
-    assert (picks[0, 100] == -1).all() and not (picks == 200).any()

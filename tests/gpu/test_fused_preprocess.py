@@ -6,11 +6,21 @@ flush-to-zero, float64 division and square root, the BF16 / E4M3 bit arithmetic)
 import pytest
 import torch
 
+from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
-from dsa_precision.prepare import fused_unsupported_reason
+from dsa_precision.operands import fused_unsupported_reason
 from dsa_precision.preprocess import pairwise_sum
 
-from ..fused_cases import assert_bit_identical, cancelling_case, hard_case, make_case, operands
+from ..fused_cases import (
+    PROFILES,
+    assert_bit_identical,
+    cancelling_case,
+    hard_case,
+    make_case,
+    model_fields,
+    operands,
+    with_floor,
+)
 from ..helper_cases import bf16_rounding_inputs, e4m3_inputs, order_sensitive_rows
 
 pytestmark = pytest.mark.gpu
@@ -23,10 +33,10 @@ _FAST_HADAMARD = pytest.mark.skipif(
 
 
 def _check(case, record=None, name="", **kw):
-    floor = {"amax_floor": kw["amax_floor"]} if "amax_floor" in kw else {}
-    reason = fused_unsupported_reason(
-        case.pre, case.q, case.k, case.w, scoring_precision="fp8", **floor
+    config = IndexerPrecisionConfig(
+        rope_fp32=case.pre.rope_fp32, scoring_precision="fp8", engine=case.pre.engine
     )
+    reason = fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
     assert reason is None, reason
     got, want = operands(case, "triton", **kw), operands(case, "torch", **kw)
     assert got.q.is_cuda
@@ -87,7 +97,26 @@ def test_float32_projections_and_weights(rope_fp32):
 def test_quantization_edge_cases(heads, hadamard, interleaved):
     case = hard_case(heads=heads, hadamard=hadamard, interleaved=interleaved, device=DEV)
     _check(case)
-    _check(case, amax_floor=1e-10, sm_scale=0.3)
+    low = hard_case(
+        heads=heads, hadamard=hadamard, interleaved=interleaved, device=DEV,
+        engine=with_floor(case.pre.engine, 1e-10),
+    )  # fmt: skip
+    _check(low, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_engine_profile(name, rope_fp32):
+    """Each profile's rules compiled for the GPU: production-like shapes and the edges."""
+    engine = ENGINE_PROFILES[name]
+    fields = model_fields(engine)
+    _bf16_hadamard_ok(rope_fp32, fields["hadamard"])
+    _check(
+        make_case(
+            seq=513, batch=1, heads=64, rope_fp32=rope_fp32, engine=engine, device=DEV, **fields
+        )
+    )
+    _check(hard_case(engine=engine, device=DEV, **fields))
 
 
 @pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])
@@ -123,13 +152,19 @@ def test_production_shape_and_replays(record, rope_fp32, hadamard):
 @pytest.mark.parametrize(
     "shape", [(4, 1), (8, 2), (16, 2), (32, 4)], ids=lambda s: f"{s[0]}x{s[1]}"
 )
-def test_launch_shapes_give_the_same_bits(monkeypatch, shape):
+def test_launch_shapes_give_the_same_bits(shape):
     """The launch shape (vectors per program, warps) is a tuning knob, never a numerics one."""
-    from dsa_precision.kernels import preprocess_quantize as kernel
+    from dsa_precision.kernels.preprocess_quantize import preprocess_quantize
 
-    monkeypatch.setattr(kernel, "BLOCK_ROWS", shape[0])
-    monkeypatch.setattr(kernel, "NUM_WARPS", shape[1])
     case = make_case(seq=1000, batch=2, heads=64, rope_fp32=True, hadamard=True, device=DEV)
+    rule = case.pre.engine.q_quant
+    common = dict(rope_dim=0, interleaved=False, hadamard=False, bf16_math=False, rule=rule)
+    want = preprocess_quantize(case.q, weights=case.w, **common)
+    got = preprocess_quantize(
+        case.q, weights=case.w, block_rows=shape[0], num_warps=shape[1], **common
+    )
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     _check(case, sm_scale=128**-0.5)
 
 

@@ -1,26 +1,38 @@
 """The fused preprocess+quantize kernel, run by Triton's interpreter on the CPU, against the torch
-reference: bit-identical E4M3 bytes, descales and folded weights.
+reference: bit-identical E4M3 bytes, descales and folded weights, for every engine profile.
 
-The interpreter evaluates float32/float64 arithmetic, float64 division and square root with IEEE
-rounding and no FMA contraction (numpy), integer bit manipulation exactly, and reshape / split /
-join / reductions in program order, so it checks the kernel's arithmetic end to end. It cannot
-check the compiled code generation (FMA contraction, flush-to-zero, the hardware float64 ops):
-``tests/gpu/test_fused_preprocess.py`` repeats these cases on the H200.
+The interpreter evaluates float32/float64 arithmetic, float32/float64 division and square root
+with IEEE rounding and no FMA contraction (numpy), integer bit manipulation exactly, and reshape /
+split / join / reductions in program order, so it checks the kernel's arithmetic end to end. It
+cannot check the compiled code generation (FMA contraction, flush-to-zero, the hardware float64
+ops): ``tests/gpu/test_fused_preprocess.py`` repeats these cases on the H200.
 """
+
+import dataclasses
 
 import pytest
 import torch
 
-from dsa_precision.prepare import fused_unsupported_reason
+from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
+from dsa_precision.operands import fused_unsupported_reason, prepare_scoring_operands
 
-from ..fused_cases import assert_bit_identical, cancelling_case, hard_case, make_case, operands
+from ..fused_cases import (
+    PROFILES,
+    assert_bit_identical,
+    cancelling_case,
+    hard_case,
+    make_case,
+    model_fields,
+    operands,
+    with_floor,
+)
 
 
 def _check(case, **kw):
-    floor = {"amax_floor": kw["amax_floor"]} if "amax_floor" in kw else {}
-    reason = fused_unsupported_reason(
-        case.pre, case.q, case.k, case.w, scoring_precision="fp8", **floor
+    config = IndexerPrecisionConfig(
+        rope_fp32=case.pre.rope_fp32, scoring_precision="fp8", engine=case.pre.engine
     )
+    reason = fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
     assert reason is None, reason
     assert_bit_identical(operands(case, "triton", **kw), operands(case, "torch", **kw))
 
@@ -37,6 +49,46 @@ def test_config_matrix(rope_fp32, k_norm_fp32, hadamard, interleaved):
         rope_fp32=rope_fp32, k_norm_fp32=k_norm_fp32, hadamard=hadamard, interleaved=interleaved
     )
     _check(case, sm_scale=0.37, mscale=1.13)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_engine_profile(name, rope_fp32):
+    """Each profile's preprocessing (rope_fp32) and quantization / weight fold (both paths)."""
+    engine = ENGINE_PROFILES[name]
+    case = make_case(rope_fp32=rope_fp32, engine=engine, seq=5, **model_fields(engine))
+    _check(case, mscale=1.07)
+
+
+def test_custom_profile_with_bf16_rope_and_float32_outputs():
+    """BF16 RoPE arithmetic with float32 q / k: the Hadamard output stays float32 (the
+    profile's q_dtype / k_dtype), not rounded to the RoPE's dtype."""
+    engine = dataclasses.replace(
+        ENGINE_PROFILES["lmdeploy"], name="custom", q_dtype=torch.float32, k_dtype=torch.float32,
+        hadamard=True,
+    )  # fmt: skip
+    _check(make_case(rope_fp32=True, engine=engine, seq=5, hadamard=True))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_engine_profile_at_the_quantization_edges(name):
+    engine = ENGINE_PROFILES[name]
+    case = hard_case(engine=engine, **model_fields(engine))
+    _check(case)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_carriers_quantize_like_the_reference(name):
+    """prepare_scoring_operands' quantize-only launch (no RoPE) for every profile's rules."""
+    engine = ENGINE_PROFILES[name]
+    case = hard_case(engine=engine, **model_fields(engine))
+    q, k = case.q.transpose(0, 1), case.q[:, :, 0].transpose(0, 1)
+    w = case.w.transpose(0, 1)
+    kw = dict(scoring_precision="fp8", engine=engine, sm_scale=0.3)
+    assert_bit_identical(
+        prepare_scoring_operands(q, k, w, impl="triton", **kw),
+        prepare_scoring_operands(q, k, w, impl="torch", **kw),
+    )
 
 
 @pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
@@ -64,16 +116,22 @@ def test_quantization_edge_cases(heads, hadamard, interleaved):
     case = hard_case(heads=heads, hadamard=hadamard, interleaved=interleaved)
     ref = operands(case, "torch")
     # The cases are real: boundary amaxes, NaN descales and the floor all occur.
-    scales = ref.q_scale.flatten()
+    scales = ref.q_descale.flatten()
     assert torch.isnan(scales).any() and (scales == 2.0**-22).any()  # 2**-22: the 1e-4 floor
     _check(case)
-    _check(case, amax_floor=1e-10, sm_scale=0.3)
+    low = hard_case(
+        heads=heads, hadamard=hadamard, interleaved=interleaved,
+        engine=with_floor(case.pre.engine, 1e-10),
+    )  # fmt: skip
+    _check(low, sm_scale=0.3)
 
 
 def test_amax_floor_and_sm_scale():
-    case = make_case(rope_fp32=True, hadamard=True, seq=4)
     for floor in (1e-4, 1e-10, 2.0**-100, 0.5):
-        _check(case, amax_floor=floor, sm_scale=0.088388)
+        case = make_case(rope_fp32=True, hadamard=True, seq=4, engine=with_floor(
+            ENGINE_PROFILES["vllm-exact"], floor
+        ))  # fmt: skip
+        _check(case, sm_scale=0.088388)
 
 
 @pytest.mark.parametrize("hadamard", [False, True], ids=["no_hadamard", "hadamard"])

@@ -1,0 +1,278 @@
+"""Inference-engine profiles: every rule of an engine's FP8 indexer path that changes bits.
+
+An :class:`EngineProfile` is a set of facts about one engine configuration: the dtype of its
+cos/sin cache, where it rounds to BF16, whether it rotates q and k with a Hadamard transform, how
+it forms the FP8 scales of q and of k, and in which dtype and order it scales the head weights.
+Training reproduces a profile's operands with ``rope_fp32=True`` and ``scoring_precision="fp8"``.
+Each rule's source (repository, release or commit, file and line) is in ``docs/numerics.md``;
+this module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+import torch
+
+__all__ = [
+    "DEFAULT_ENGINE",
+    "ENGINE_PROFILES",
+    "EngineProfile",
+    "Fp8Rule",
+    "engine_profile",
+]
+
+# One descale per 128-vector: a power of two (UE8M0) or the float32 ratio itself.
+ScaleFormat = Literal["ue8m0", "fp32"]
+# How r = max(amax, floor) / 448 is formed: "exact" (UE8M0 only: the smallest power of two s
+# with amax <= 448 s, decided without rounding), "divide" (float32 a / 448, IEEE) or
+# "reciprocal" (float32 a * fp32(1 / 448)).
+ScaleRatio = Literal["exact", "divide", "reciprocal"]
+# How the UE8M0 power of two is taken from the float32 r: "bits" (the exact ceiling: the exponent
+# plus one when any mantissa bit is set) or "log2" (exp2(ceil(log2(r))) with a correctly rounded
+# float32 log2: an r a few ulps above 2**n gives 2**n, and the largest element saturates at 448).
+Ue8m0Ceil = Literal["bits", "log2"]
+# How a value is scaled: divided by its descale (IEEE) or multiplied by the float32 reciprocal.
+ScaleApply = Literal["divide", "reciprocal"]
+# Head weights: the linear_weights_proj output rounded to BF16 (a BF16 GEMM) or kept in FP32.
+WeightsDtype = Literal["bf16", "fp32"]
+# One float32 multiplication of the running head weight: by the q descale ("qs"), by
+# fp32(D**-0.5) ("Ds"), by fp32(H**-0.5) ("Hs") or by fp32(D**-0.5 * H**-0.5) ("DsHs").
+FoldStep = Literal["qs", "Ds", "Hs", "DsHs"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rule:
+    """How an engine quantizes one tensor (q or k) to E4M3, one descale per 128-vector."""
+
+    scale_format: ScaleFormat = "ue8m0"
+    amax_floor: float = 1e-4
+    scale_ratio: ScaleRatio = "exact"
+    ue8m0_ceil: Ue8m0Ceil = "bits"
+    scale_apply: ScaleApply = "divide"
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("scale_format", ScaleFormat),
+            ("scale_ratio", ScaleRatio),
+            ("ue8m0_ceil", Ue8m0Ceil),
+            ("scale_apply", ScaleApply),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {get_args(kind)}.")
+        if self.scale_format == "fp32" and self.scale_ratio == "exact":
+            raise ValueError("scale_format='fp32' is the float32 ratio itself; set scale_ratio.")
+        if not (0.0 < float(self.amax_floor) < float("inf")):
+            raise ValueError(f"amax_floor={self.amax_floor!r} must be a positive finite number.")
+
+    @property
+    def kwargs(self) -> dict[str, object]:
+        """The keyword arguments of :func:`dsa_precision.quantize.quantize_fp8`."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProfile:
+    """The bit-changing rules of one inference engine's FP8 indexer path.
+
+    Preprocessing rules apply with ``rope_fp32=True`` (the model's own BF16 path is Megatron's
+    otherwise); quantization and head-weight rules apply with ``scoring_precision="fp8"``.
+    ``hadamard`` and ``rope_interleaved`` state what the engine's path needs of the model: a
+    training model that differs cannot reproduce it (a configuration error).
+    """
+
+    name: str
+    # One line: engine, version, run mode and which models take this path.
+    summary: str
+    # dtype of the cos/sin cache RoPE reads (its values are computed in float32 either way).
+    cos_sin_dtype: torch.dtype = torch.float32
+    # Output dtype of the key LayerNorm (its statistics are float32 or better).
+    k_norm_dtype: torch.dtype = torch.float32
+    # Arithmetic dtype of RoPE: float32, or BF16 (each product and the sum rounded to BF16).
+    rope_dtype: torch.dtype = torch.float32
+    # dtype q and k are rounded to after RoPE (and again after the Hadamard rotation).
+    q_dtype: torch.dtype = torch.float32
+    k_dtype: torch.dtype = torch.float32
+    # Whether the engine rotates q and k with the Hadamard transform; None: whenever the model does.
+    hadamard: bool | None = None
+    # The RoPE layout the engine's path needs (SGLang picks its path by it); None: any.
+    rope_interleaved: bool | None = None
+    q_quant: Fp8Rule = Fp8Rule()
+    k_quant: Fp8Rule = Fp8Rule()
+    weights_dtype: WeightsDtype = "bf16"
+    # The multiplications that turn the projection output into the scoring weight, in order.
+    weights_fold: tuple[FoldStep, ...] = ("Ds", "Hs", "qs")
+
+    def __post_init__(self) -> None:
+        for name in ("cos_sin_dtype", "k_norm_dtype", "rope_dtype", "q_dtype", "k_dtype"):
+            if getattr(self, name) not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"EngineProfile {self.name!r}: {name}={getattr(self, name)} must be "
+                    "torch.float32 or torch.bfloat16."
+                )
+        if self.weights_dtype not in get_args(WeightsDtype):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: weights_dtype={self.weights_dtype!r} is not one of "
+                f"{get_args(WeightsDtype)}."
+            )
+        steps = list(self.weights_fold)
+        constants = sorted(s for s in steps if s != "qs")
+        if (
+            steps.count("qs") != 1
+            or constants not in (["Ds", "Hs"], ["DsHs"])
+            or not all(s in get_args(FoldStep) for s in steps)
+        ):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: weights_fold={self.weights_fold!r} must multiply "
+                "by 'qs' once and by 'Ds' and 'Hs' (or their product 'DsHs') once each."
+            )
+
+    def model_mismatch(self, *, rotate_activation: bool, rope_interleaved: bool) -> list[str]:
+        """What keeps a model with these fields from reproducing this profile (empty: nothing)."""
+        problems = []
+        if self.hadamard is not None and self.hadamard != rotate_activation:
+            does = "applies" if self.hadamard else "does not apply"
+            problems.append(
+                f"dsa_indexer_engine={self.name!r} {does} the Hadamard rotation to q and k, but "
+                f"the model has dsa_indexer_rotate_activation={rotate_activation}; pick the "
+                "profile of the engine path that serves this model"
+            )
+        if self.rope_interleaved is not None and self.rope_interleaved != rope_interleaved:
+            layout = "interleaved" if self.rope_interleaved else "rotate-half (NeoX)"
+            problems.append(
+                f"dsa_indexer_engine={self.name!r} is the engine's path for {layout} indexer RoPE, "
+                f"but the model has dsa_indexer_rope_interleaved={rope_interleaved}; pick the "
+                "profile of the engine path that serves this model"
+            )
+        return problems
+
+
+def _registry(*profiles: EngineProfile) -> dict[str, EngineProfile]:
+    return {p.name: p for p in profiles}
+
+
+_BF16 = torch.bfloat16
+# vLLM >= 0.29 (read: 0.33.0) on SM90, both q and k: div_rn(max(amax, 1e-4), 448),
+# exp2(ceil(log2(.))), div_rn(x, scale).
+_VLLM_RULE = Fp8Rule(amax_floor=1e-4, scale_ratio="divide", ue8m0_ceil="log2")
+# SGLang 0.5.23: plain float32 scales, multiplied by the IEEE reciprocal.
+_SGLANG_FP32_RULE = Fp8Rule(
+    scale_format="fp32", amax_floor=1e-4, scale_ratio="divide", scale_apply="reciprocal"
+)
+
+# LMDeploy: x * fp32(1 / 448) rounded up to a power of two by its bits, values multiplied by the
+# reciprocal; the floor is compared with a BF16 amax: bf16(1e-6) = 9.98377799987793e-07.
+_LMDEPLOY_RULE = Fp8Rule(
+    amax_floor=9.98377799987793e-07, scale_ratio="reciprocal", scale_apply="reciprocal"
+)
+
+ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
+    EngineProfile(
+        name="vllm-exact",
+        summary=(
+            "the package's original contract (the default): vLLM's DeepSeek-V3.2 / GLM-5 indexer "
+            "rules with an FP32 cos/sin cache, its UE8M0 scales decided exactly"
+        ),
+    ),
+    EngineProfile(
+        name="vllm",
+        summary=(
+            "vLLM 0.29+ on Hopper (read: 0.33.0), the default compiled run: BF16 cos/sin cache "
+            "(GLM-5 in every run mode); FP32 LayerNorm and RoPE; UE8M0 by float32 log2"
+        ),
+        cos_sin_dtype=_BF16,
+        hadamard=False,
+        q_quant=_VLLM_RULE,
+        k_quant=_VLLM_RULE,
+        weights_fold=("qs", "Ds", "Hs"),
+    ),
+    EngineProfile(
+        name="vllm-eager",
+        summary=(
+            "vLLM 0.29+ on Hopper with --enforce-eager: FP32 cos/sin cache for DeepSeek-V3.2 "
+            "(yarn RoPE with flashinfer); otherwise as 'vllm'"
+        ),
+        hadamard=False,
+        q_quant=_VLLM_RULE,
+        k_quant=_VLLM_RULE,
+        weights_fold=("qs", "Ds", "Hs"),
+    ),
+    EngineProfile(
+        name="vllm-legacy",
+        summary=(
+            "vLLM 0.26-0.28 (generic deepseek_v2 Indexer, fused Triton q): BF16 cos/sin, "
+            "LayerNorm and RoPE outputs rounded to BF16, q amax floor 1e-10"
+        ),
+        cos_sin_dtype=_BF16,
+        k_norm_dtype=_BF16,
+        q_dtype=_BF16,
+        k_dtype=_BF16,
+        hadamard=False,
+        q_quant=Fp8Rule(amax_floor=1e-10, scale_ratio="reciprocal", ue8m0_ceil="log2"),
+        k_quant=_VLLM_RULE,
+        weights_fold=("qs", "Ds", "Hs"),
+    ),
+    EngineProfile(
+        name="sglang-fused",
+        summary=(
+            "SGLang 0.5.23 fused CUDA indexer (GLM-5: interleaved indexer RoPE): FP32 "
+            "preprocessing, k rounded to BF16 after RoPE, plain FP32 scales"
+        ),
+        k_dtype=_BF16,
+        hadamard=False,
+        rope_interleaved=True,
+        q_quant=_SGLANG_FP32_RULE,
+        k_quant=_SGLANG_FP32_RULE,
+        weights_fold=("DsHs", "qs"),
+    ),
+    EngineProfile(
+        name="sglang-unfused",
+        summary=(
+            "SGLang 0.5.23 unfused CUDA indexer (DeepSeek-V3.2: rotate-half RoPE): BF16 "
+            "LayerNorm and RoPE outputs, BF16 Hadamard, UE8M0 q, plain FP32 k scales, FP32 "
+            "head-weight GEMM"
+        ),
+        k_norm_dtype=_BF16,
+        q_dtype=_BF16,
+        k_dtype=_BF16,
+        hadamard=True,
+        rope_interleaved=False,
+        q_quant=Fp8Rule(amax_floor=1e-4, scale_ratio="reciprocal", ue8m0_ceil="log2"),
+        k_quant=_SGLANG_FP32_RULE,
+        weights_dtype="fp32",
+        weights_fold=("Hs", "qs", "Ds"),
+    ),
+    EngineProfile(
+        name="lmdeploy",
+        summary=(
+            "LMDeploy main (1263d5c) fused CUDA indexer, the path xtuner matches: BF16 cos/sin, "
+            "float32 LayerNorm rounded to BF16, RoPE in BF16 arithmetic, amax floor bf16(1e-6), "
+            "reciprocal multiply"
+        ),
+        cos_sin_dtype=_BF16,
+        k_norm_dtype=_BF16,
+        rope_dtype=_BF16,
+        q_dtype=_BF16,
+        k_dtype=_BF16,
+        hadamard=False,
+        q_quant=_LMDEPLOY_RULE,
+        k_quant=_LMDEPLOY_RULE,
+        weights_fold=("qs", "DsHs"),
+    ),
+)
+DEFAULT_ENGINE = ENGINE_PROFILES["vllm-exact"]
+
+
+def engine_profile(engine: EngineProfile | str, *, name: str = "engine") -> EngineProfile:
+    """The profile for ``engine`` (a profile, or a name in :data:`ENGINE_PROFILES`)."""
+    if isinstance(engine, EngineProfile):
+        return engine
+    if isinstance(engine, str) and engine in ENGINE_PROFILES:
+        return ENGINE_PROFILES[engine]
+    raise ValueError(
+        f"{name}={engine!r} is not an engine profile; use one of {sorted(ENGINE_PROFILES)} or "
+        "an EngineProfile."
+    )

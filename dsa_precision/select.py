@@ -1,0 +1,209 @@
+"""Score and select in one pass: the indexer's top-k without the full score matrix.
+
+Query rows are scored in chunks and each chunk is reduced to its top-k right away, so at most one
+chunk of scores exists; ``chunk_bytes`` bounds a chunk's working set (its float32 scores and the
+radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) a call whose whole
+working set fits in :data:`UNCHUNKED_MAX_BYTES` (4 GiB: S = 16384 at B = 1) runs as one launch of
+each kernel, since every extra chunk costs about 0.1 ms on the H200 (docs/benchmarks.md), and a
+larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal rows, so the result is
+bit-identical to scoring everything at once and selecting. No step waits for the host.
+
+- :func:`indexer_select`: BSHD, ``(B, S_q, topk)``.
+- :func:`indexer_select_varlen`: packed THD, ``(T_q, topk)`` with sequence-local key indices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_positive_int
+from .config import ScoringPrecision
+from .engines import DEFAULT_ENGINE, EngineProfile
+from .operands import ScoringOperands, as_scoring_operands
+from .scoring import (
+    Backend,
+    _check_varlen_args,
+    _offsets,
+    _validate_cu_seqlens,
+    causal_key_counts,
+    indexer_scores,
+    indexer_scores_varlen,
+    varlen_key_counts,
+    varlen_row_slice,
+)
+from .topk import indexer_topk
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "UNCHUNKED_MAX_BYTES", "indexer_select", "indexer_select_varlen"]
+
+# Working-set budget of one chunk (Megatron's cuDNN path bounds its score chunks by 1 GiB too).
+DEFAULT_CHUNK_BYTES = 1 << 30
+UNCHUNKED_MAX_BYTES = 4 << 30
+# Bytes per score while a chunk is selected: the float32 score plus cuDNN's radix top-k scratch.
+_SELECT_BYTES_PER_SCORE = 4 + 8
+# Chunks start on multiples of this many rows when the budget allows, and of the kernel's query
+# tile otherwise.
+_CHUNK_ROW_ALIGNMENT = 512
+_CHUNK_ROW_MIN_ALIGNMENT = 8
+
+
+def _chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
+    """Query rows per chunk: the whole call when ``budget`` is None and it fits in
+    :data:`UNCHUNKED_MAX_BYTES`, else within the budget, aligned to whole kernel tiles."""
+    if budget is None:
+        if rows * bytes_per_row <= UNCHUNKED_MAX_BYTES:
+            return max(rows, 1)
+        budget = DEFAULT_CHUNK_BYTES
+    n = budget // max(bytes_per_row, 1)
+    for align in (_CHUNK_ROW_ALIGNMENT, _CHUNK_ROW_MIN_ALIGNMENT):
+        if n >= align:
+            return n // align * align
+    return _CHUNK_ROW_MIN_ALIGNMENT
+
+
+def _topk_backend(backend: str) -> str:
+    """The top-k backend that goes with a scoring backend (DeepGEMM has no top-k)."""
+    return {"cudnn": "cudnn", "torch": "torch"}.get(backend, "auto")
+
+
+def _buffer(n: int, backend: str, device: torch.device) -> torch.Tensor | None:
+    """One score buffer reused by every chunk (the kernel writes into it); DeepGEMM allocates."""
+    return None if backend == "deepgemm" else torch.empty(n, dtype=torch.float32, device=device)
+
+
+def indexer_select(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    topk: int,
+    scoring_precision: ScoringPrecision | str | None = None,
+    engine: EngineProfile | str = DEFAULT_ENGINE,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+    deterministic: bool = True,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Top-``topk`` keys of every query row, scored and selected chunk by chunk.
+
+    Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
+    precision), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
+    :data:`UNCHUNKED_MAX_BYTES`, else 1 GiB chunks; see the module docstring) and
+    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both kernels: ``"cudnn"`` scores and
+    selects with cuDNN, ``"torch"`` with the references, ``"deepgemm"`` scores with DeepGEMM and
+    selects with cuDNN when it can, ``"auto"`` takes cuDNN for each when it can.
+
+    Returns:
+        int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots.
+    """
+    topk = check_positive_int("topk", topk)
+    if chunk_bytes is not None:
+        chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    ops = as_scoring_operands(
+        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
+    )
+    b, sq, _, _ = ops.q.shape
+    sk = ops.k.shape[1]
+    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row")
+    out = torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
+    step = _chunk_rows(chunk_bytes, sq, b * max(sk, 1) * _SELECT_BYTES_PER_SCORE)
+    buf = _buffer(b * min(step, sq) * sk, backend, ops.device) if sq and sk else None
+    for r0 in range(0, sq, step):
+        r1 = min(r0 + step, sq)
+        scores = indexer_scores(
+            ops.rows(r0, r1),
+            ratio=ratio,
+            q_causal_offsets=offsets + r0,
+            backend=backend,
+            out=None if buf is None else buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk),
+            validate=validate,
+        )
+        out[:, r0:r1] = indexer_topk(
+            scores,
+            topk,
+            seq_lens=causal_key_counts(offsets, r0, r1 - r0, ratio, sk),
+            deterministic=deterministic,
+            backend=_topk_backend(backend),
+        )
+    return out
+
+
+def indexer_select_varlen(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    topk: int,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scoring_precision: ScoringPrecision | str | None = None,
+    engine: EngineProfile | str = DEFAULT_ENGINE,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+    deterministic: bool = True,
+    validate: bool = False,
+) -> torch.Tensor:
+    """:func:`indexer_select` for packed (THD) sequences.
+
+    Arguments as for :func:`dsa_precision.indexer_scores_varlen` plus ``topk``, ``chunk_bytes``
+    and ``deterministic``. A chunk of packed rows is scored as a THD launch of its own: the
+    sequences it cuts get adjusted ``cu_seqlens_q`` and causal offsets, computed on the device.
+
+    Returns:
+        int32 ``(T_q, topk)``: sequence-local key indices (the engines' layout), ascending,
+        ``-1`` in unused slots.
+    """
+    topk = check_positive_int("topk", topk)
+    if chunk_bytes is not None:
+        chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    if not isinstance(q, ScoringOperands) and isinstance(q, torch.Tensor) and q.ndim == 3:
+        q = q.unsqueeze(0)
+        k = None if k is None else k.reshape(1, k.shape[0], k.shape[-1])
+        weights = None if weights is None else weights.unsqueeze(0)
+    ops = as_scoring_operands(
+        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
+    )
+    tq, tk = ops.q.shape[1], ops.k.shape[1]
+    _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if validate:  # the caller's lengths (each chunk's launch then validates its own)
+        _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
+        _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
+    n_seq = cu_seqlens_q.numel() - 1
+    offsets = _offsets(q_causal_offsets, n_seq, ops.device, "packed sequence").to(torch.int64)
+    cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
+    cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
+    out = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
+    step = _chunk_rows(chunk_bytes, tq, max(max_seqlen_k, 1) * _SELECT_BYTES_PER_SCORE)
+    buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device) if tq else None
+    for r0 in range(0, tq, step):
+        r1 = min(r0 + step, tq)
+        cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
+        scores = indexer_scores_varlen(
+            ops.rows(r0, r1),
+            cu_seqlens_q=cu_chunk,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=min(max_seqlen_q, r1 - r0),
+            max_seqlen_k=max_seqlen_k,
+            ratio=ratio,
+            q_causal_offsets=off_chunk,
+            backend=backend,
+            out=None
+            if buf is None
+            else buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
+            validate=validate,
+        )
+        out[r0:r1] = indexer_topk(
+            scores,
+            topk,
+            seq_lens=varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0),
+            deterministic=deterministic,
+            backend=_topk_backend(backend),
+        )
+    return out

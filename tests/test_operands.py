@@ -1,0 +1,330 @@
+"""ScoringOperands and how they are built (CPU): prepare_scoring_operands against the rounding and
+the quantizer it promises (BF16 casts; E4M3 per-128-vector under the engine's rules, the q descale
+and sm_scale folded into float32 weights bit for bit), the fused Triton kernel (in Triton's CPU
+interpreter) against the torch reference, prepare_indexer_operands against preprocessing then
+preparing, and when the fused kernel applies."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsa_precision import (
+    ENGINE_PROFILES,
+    IndexerPrecisionConfig,
+    IndexerPreprocess,
+    ScoringOperands,
+    indexer_scores,
+    prepare_indexer_operands,
+    prepare_scoring_operands,
+    quantize_e4m3_ue8m0,
+)
+from dsa_precision import operands as operands_module
+from dsa_precision.config import ScoringPrecision
+from dsa_precision.engines import DEFAULT_ENGINE
+from dsa_precision.operands import as_scoring_operands, fused_unsupported_reason
+from dsa_precision.preprocess import indexer_head_weights
+
+from .helpers import assert_bitwise_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _carriers(b=2, sq=5, sk=7, h=32, dtype=torch.float32, w_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(11)
+    # Magnitudes spanning ~2**-8 .. 2**6 across lanes, so the descales differ per vector.
+    lanes = torch.logspace(-8, 6, 128, base=2.0)
+    q = (torch.randn(b, sq, h, 128, generator=g) * lanes[torch.randperm(128, generator=g)]).to(
+        dtype
+    )
+    k = (torch.randn(b, sk, 128, generator=g) * lanes).to(dtype)
+    w = (torch.randn(b, sq, h, generator=g) * 0.02).to(w_dtype)
+    return q, k, w
+
+
+# ------------------------------------------------------------------------------------ BF16
+
+
+@pytest.mark.parametrize("carrier", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "w_dtype, kept", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float16, torch.float32)]
+)  # fmt: skip
+def test_bf16_operands_are_the_rounded_carriers(carrier, w_dtype, kept):
+    q, k, w = _carriers(dtype=carrier, w_dtype=w_dtype)
+    ops = prepare_scoring_operands(q, k.unsqueeze(2), w, scoring_precision="bf16", sm_scale=0.7)
+    assert ops.precision is ScoringPrecision.BF16 and ops.sm_scale == 0.7
+    assert_bitwise_equal(ops.q, q.to(torch.bfloat16), "q")
+    assert_bitwise_equal(ops.k, k.to(torch.bfloat16), "k (the 4-D key squeezed)")
+    assert ops.weights.dtype == kept
+    assert_bitwise_equal(ops.weights, w.to(kept), "weights")
+    assert ops.q_descale is None and ops.k_descale is None
+    assert all(t.is_contiguous() for t in (ops.q, ops.k, ops.weights))
+
+
+def test_bf16_non_finite_query_vector_gets_a_nan_weight():
+    q, k, w = _carriers()
+    q[1, 3, 7, 100] = float("inf")
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="bf16")
+    nan = torch.isnan(ops.weights)
+    assert nan[1, 3, 7] and nan.sum() == 1  # only that (row, head)
+
+
+# ------------------------------------------------------------------------------------- FP8
+
+
+@pytest.mark.parametrize("carrier", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sm_scale", [1.0, 0.3, 2.0**-3])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_operands_quantize_and_fold_bit_for_bit(carrier, sm_scale, w_dtype):
+    q, k, w = _carriers(dtype=carrier, w_dtype=w_dtype)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
+    q8, qs = quantize_e4m3_ue8m0(q)  # the default engine: exact UE8M0, floor 1e-4
+    k8, ks = quantize_e4m3_ue8m0(k)
+    assert ops.precision is ScoringPrecision.FP8 and ops.sm_scale == 1.0
+    assert_bitwise_equal(ops.q, q8, "q")
+    assert_bitwise_equal(ops.k, k8, "k")
+    assert_bitwise_equal(ops.q_descale, qs, "q descale (B, S_q, H)")
+    assert_bitwise_equal(ops.k_descale, ks, "k descale (B, S_k)")
+    # ((fp32(w) * q_descale) * sm_scale), sm_scale as a float32 scalar.
+    assert_bitwise_equal(ops.weights, (w.float() * qs) * sm_scale, "folded weights")
+    assert all(t.is_contiguous() for t in (ops.q, ops.k, ops.weights, ops.q_descale, ops.k_descale))
+
+
+def test_fp8_non_finite_vector_becomes_nan_not_a_saturated_value():
+    q, k, w = _carriers()
+    q[0, 1, 2, 3] = float("inf")
+    k[1, 4, 5] = float("-inf")
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    assert torch.isnan(ops.q_descale[0, 1, 2]) and torch.isnan(ops.weights[0, 1, 2])
+    assert torch.isnan(ops.k_descale[1, 4]) and torch.isnan(ops.k[1, 4].float()).all()
+    assert torch.isfinite(ops.weights).sum() == ops.weights.numel() - 1
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_PROFILES))
+def test_every_engine_profile_builds_valid_operands(name):
+    q, k, w = _carriers(dtype=torch.float32)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=name)
+    again = prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=ENGINE_PROFILES[name])
+    assert_bitwise_equal(ops.q, again.q, f"{name}: name and profile")
+    for x, x8, s in ((q, ops.q, ops.q_descale), (k, ops.k, ops.k_descale)):
+        assert (s > 0).all()
+        back = x8.float() * s.unsqueeze(-1)
+        # E4M3 keeps 3 mantissa bits: each value within 2**-4 of its vector's amax (or 2**-9
+        # of it near zero, the subnormal step).
+        err = (back - x).abs() / x.abs().amax(-1, keepdim=True)
+        assert float(err.max()) <= 2.0**-4 + 1e-6, f"{name}: {float(err.max())}"
+    scores = indexer_scores(ops, backend="torch")
+    assert torch.isfinite(scores[:, :, :5].diagonal(dim1=1, dim2=2)).all()
+
+
+def test_engine_profiles_really_differ():
+    q, k, w = _carriers(dtype=torch.float32)
+    built = {
+        name: prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=name)
+        for name in ENGINE_PROFILES
+    }
+    distinct = {bytes(o.k_descale.numpy().tobytes()) for o in built.values()}
+    assert len(distinct) > 1, "every engine profile quantizes k identically"
+    assert_bitwise_equal(built[DEFAULT_ENGINE.name].k, quantize_e4m3_ue8m0(k)[0], "default")
+
+
+def test_precisions_really_differ():
+    q, k, w = _carriers()
+    bf16 = prepare_scoring_operands(q, k, w, scoring_precision="bf16")
+    fp8 = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    assert bf16.q.dtype == torch.bfloat16 and fp8.q.dtype == torch.float8_e4m3fn
+    err = (fp8.q.float() * fp8.q_descale.unsqueeze(-1) - bf16.q.float()).abs().max()
+    assert err > 0
+
+
+# ------------------------------------------------------------------ the operands themselves
+
+
+def test_operands_from_engine_tensors_score_like_prepared_ones():
+    """Captured engine operands (quantized tensors, folded weights) build ScoringOperands
+    directly and score exactly like the prepared ones."""
+    q, k, w = _carriers()
+    q8, qs = quantize_e4m3_ue8m0(q)
+    k8, ks = quantize_e4m3_ue8m0(k)
+    direct = ScoringOperands(q8, k8, (w.float() * qs) * 0.5, qs, ks)
+    prepared = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=0.5)
+    a = indexer_scores(direct, backend="torch")
+    assert_bitwise_equal(a, indexer_scores(prepared, backend="torch"), "direct vs prepared")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_rows_are_views_of_the_query_side(precision):
+    ops = prepare_scoring_operands(*_carriers(), scoring_precision=precision)
+    part = ops.rows(1, 4)
+    assert part.q.shape[1] == part.weights.shape[1] == 3
+    assert part.q.data_ptr() == ops.q[:, 1:].data_ptr()  # a view, not a copy
+    assert part.k is ops.k and part.k_descale is ops.k_descale
+    assert part.sm_scale == ops.sm_scale and part.precision is ops.precision
+    if precision == "fp8":
+        assert_bitwise_equal(part.q_descale, ops.q_descale[:, 1:4], "q descale rows")
+    else:
+        assert part.q_descale is None
+
+
+def test_as_scoring_operands_passes_operands_through_and_prepares_carriers():
+    q, k, w = _carriers()
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    assert as_scoring_operands(ops) is ops
+    assert as_scoring_operands(ops, scoring_precision="fp8") is ops
+    again = as_scoring_operands(q, k, w, scoring_precision="fp8")
+    assert_bitwise_equal(again.weights, ops.weights, "carriers prepared")
+
+
+# ------------------------------------------------------------------------- implementations
+
+
+def test_auto_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, w = _carriers()
+    auto = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="auto")
+    ref = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="torch")
+    for name in ("q", "k", "weights", "q_descale", "k_descale"):
+        assert_bitwise_equal(getattr(auto, name), getattr(ref, name), name)
+
+
+_INTERPRETER_CHECK = """
+import torch
+from dsa_precision import ENGINE_PROFILES, prepare_scoring_operands
+g = torch.Generator().manual_seed(3)
+lanes = torch.logspace(-8, 6, 128, base=2.0)
+q = torch.randn(2, 3, 32, 128, generator=g) * lanes
+k = torch.randn(2, 5, 128, generator=g) * lanes.flip(0)
+w = (torch.randn(2, 3, 32, generator=g) * 0.02).to(torch.bfloat16)
+q[1, 2, 4, 9] = float("nan")
+# Every engine once (carrier and sm_scale alternating), the default engine in all four ways.
+cases = [("vllm-exact", c, s) for c in (torch.float32, torch.bfloat16) for s in (1.0, 0.3)]
+cases += [
+    (name, (torch.float32, torch.bfloat16)[i % 2], (1.0, 0.3)[i // 2 % 2])
+    for i, name in enumerate(n for n in ENGINE_PROFILES if n != "vllm-exact")
+]
+checked = 0
+for name, carrier, sm_scale in cases:
+    args = (q.to(carrier), k.to(carrier), w)
+    kw = dict(scoring_precision="fp8", engine=ENGINE_PROFILES[name], sm_scale=sm_scale)
+    try:
+        got = prepare_scoring_operands(*args, impl="triton", **kw)
+    except RuntimeError as exc:  # an engine the kernel does not reproduce: named
+        assert "impl='triton' cannot build" in str(exc), exc
+        continue
+    want = prepare_scoring_operands(*args, impl="torch", **kw)
+    for field in ("q", "k", "weights", "q_descale", "k_descale"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, field)
+        ints = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+        assert torch.equal(a.view(ints), b.view(ints)), (name, carrier, sm_scale, field)
+    checked += 1
+print("checked", checked)
+"""
+
+
+def test_fused_kernel_in_the_interpreter_builds_the_reference_bytes():
+    """prepare_scoring_operands(impl="triton") runs the fused kernel on transposed carrier views;
+    Triton's CPU interpreter runs it here (the compiled kernel: tests/gpu)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_CHECK],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    checked = int(out.stdout.split("checked")[-1])
+    assert checked >= 4, out.stdout  # at least the default engine, both carriers and scales
+
+
+def test_deciding_and_preparing_on_cpu_need_no_triton():
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from dsa_precision import prepare_scoring_operands, indexer_select\n"
+        "q, k, w = torch.randn(1, 4, 32, 128), torch.randn(1, 4, 128), torch.randn(1, 4, 32)\n"
+        "ops = prepare_scoring_operands(q, k, w, scoring_precision='fp8')\n"
+        "print(indexer_select(ops, topk=2).tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("[[[0, -1], [0, 1], ")  # row 0 sees one key, row 1 two
+
+
+# -------------------------------------------------------------- from the projections
+
+
+def _projections(s=6, b=2, h=32, rope_fp32=True, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(5)
+    pre = IndexerPreprocess(128, 64, rope_fp32=rope_fp32)
+    q = torch.randn(s, b, h, 128, generator=g).to(dtype)
+    k = torch.randn(s, b, 128, generator=g).to(dtype)
+    w = torch.randn(s, b, h, generator=g).to(dtype)
+    freqs = torch.rand(s, 1, 1, 64, generator=g) * 10
+    return pre, q, k, w, freqs
+
+
+@pytest.mark.parametrize("rope_fp32", [False, True])
+def test_indexer_operands_bf16_are_preprocess_then_rounding(rope_fp32):
+    pre, q, k, w, freqs = _projections(rope_fp32=rope_fp32)
+    config = IndexerPrecisionConfig(rope_fp32=rope_fp32, scoring_precision="bf16")
+    got = prepare_indexer_operands(pre, q, k, w, freqs, config=config, sm_scale=0.5, impl="torch")
+    qq, kk = pre(q, k, freqs)
+    ww = indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
+    want = prepare_scoring_operands(
+        qq.transpose(0, 1), kk.transpose(0, 1), ww.transpose(0, 1), scoring_precision="bf16",
+        sm_scale=0.5,
+    )  # fmt: skip
+    for name in ("q", "k", "weights"):
+        assert_bitwise_equal(getattr(got, name), getattr(want, name), name)
+    assert got.q.shape == (2, 6, 32, 128) and got.sm_scale == 0.5
+
+
+def test_indexer_operands_fp8_quantize_the_preprocessed_vectors():
+    pre, q, k, w, freqs = _projections()
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8")
+    q.requires_grad_(True)
+    got = prepare_indexer_operands(pre, q, k, w, freqs, config=config, impl="torch")
+    assert not got.weights.requires_grad  # FP8 scores carry no gradient
+    auto = prepare_indexer_operands(pre, q, k, w, freqs, config=config, impl="auto")
+    assert_bitwise_equal(auto.weights, got.weights, "auto on CPU is the reference")
+    with torch.no_grad():
+        qq, kk = pre(q, k, freqs)
+    q8, qs = quantize_e4m3_ue8m0(qq.transpose(0, 1))
+    k8, ks = quantize_e4m3_ue8m0(kk.transpose(0, 1))
+    assert_bitwise_equal(got.q, q8, "q")
+    assert_bitwise_equal(got.k, k8, "k")
+    assert_bitwise_equal(got.q_descale, qs, "q descale")
+    assert_bitwise_equal(got.k_descale, ks, "k descale")
+
+
+def test_fused_kernel_reasons(monkeypatch):
+    pre, q, k, w, freqs = _projections()
+    fp8 = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "on cpu" in fused_unsupported_reason(pre, q, k, w, config=fp8)
+    with pytest.raises(RuntimeError, match=r"impl='triton' cannot build these operands.*on cpu"):
+        prepare_indexer_operands(pre, q, k, w, freqs, config=fp8, impl="triton")
+    bf16 = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="bf16")
+    assert "BF16" in fused_unsupported_reason(pre, q, k, w, config=bf16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the case checks
+    half = [t.to(torch.float16) for t in (q, k, w)]
+    assert "float16" in fused_unsupported_reason(pre, *half, config=fp8)
+    rms = IndexerPreprocess(128, 64, rope_fp32=True, k_norm=torch.nn.RMSNorm(128))
+    assert "RMSNorm" in fused_unsupported_reason(rms, q, k, w, config=fp8)
+    plain = IndexerPreprocess(128, 64, rope_fp32=False, rotate_activation=True)
+    monkeypatch.setattr(operands_module, "HAVE_FAST_HADAMARD", True)
+    cfg = IndexerPrecisionConfig(rope_fp32=False, scoring_precision="fp8")
+    assert "fast_hadamard_transform" in fused_unsupported_reason(plain, q, k, w, config=cfg)
+
+
+def test_preprocess_and_config_must_agree():
+    pre, q, k, w, freqs = _projections(rope_fp32=False)
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8")
+    with pytest.raises(ValueError, match="build the IndexerPreprocess from the same config"):
+        prepare_indexer_operands(pre, q, k, w, freqs, config=config)
