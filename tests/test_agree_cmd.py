@@ -162,3 +162,50 @@ def test_errors_from_a_subprocess_have_no_traceback(tmp_path):
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "dsa-precision agree: error: --train a.pt: no such file"
+
+
+def test_replay_files_are_compared_layer_by_layer(tmp_path):
+    from dsa_precision.megatron.replay import save_topk
+
+    train1, infer1 = selections(seed=1)
+    train2, infer2 = selections(seed=2)
+    flat = {n: t.reshape(-1, t.shape[-1]) for n, t in ((1, train1), (2, train2))}
+    save_topk(tmp_path / "train.pt", flat, seq_len=20)
+    save_topk(
+        tmp_path / "infer.pt", {1: infer1.reshape(40, -1), 2: infer2.reshape(40, -1)}, seq_len=20
+    )
+    code, out, err = run_cli(
+        "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt",
+        "--engine", "vllm", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["engine"] == "vllm" and [c["name"] for c in got["configs"]] == [
+        "layer 1", "layer 2", "all",
+    ]  # fmt: skip
+    assert (
+        got["configs"][0]["member_agreement"]
+        == topk_agreement(train1, infer1).as_dict()["member_agreement"]
+    )
+    both = topk_agreement(torch.cat([train1, train2]), torch.cat([infer1, infer2])).as_dict()
+    assert got["configs"][-1] == {"name": "all", **both}
+    code, out, _ = run_cli(
+        "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"
+    )
+    assert (
+        code == 0
+        and "layer by layer" in out
+        and any(line.startswith("layer 2") for line in out.splitlines())
+    )
+
+
+def test_a_replay_file_against_a_plain_file_is_refused(tmp_path):
+    from dsa_precision.megatron.replay import save_topk
+
+    train, infer = selections()
+    save_topk(tmp_path / "train.pt", {1: train.reshape(40, -1)}, seq_len=20)
+    torch.save(infer, tmp_path / "infer.pt")
+    code, _, err = run_cli(
+        "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"
+    )
+    assert code == 2 and "both be replay files" in err and err.count("\n") == 1

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from dsa_precision.bench import format_tables
+from dsa_precision.cli.bench import format_tables
 
 
 def _cli(*args):
@@ -29,7 +29,7 @@ def test_help_documents_every_flag():
         "--topk",
         "--rope-fp32",
         "--hadamard",
-        "--ceilings",
+        "--torch-reference",
     ):
         assert flag in out.stdout
 
@@ -44,41 +44,40 @@ def test_without_a_gpu_one_line_and_exit_2():
 
 
 def _result(seq, chunked):
-    return {
+    t = dict(prep_bf16=2.0, prep_fp8=0.3, e2e_bf16=9.0, e2e_fp8=4.5)
+    out = {
         "seq": seq,
         "heads": 64,
         "batch": 1,
         "chunked": chunked,
-        "topk_derived": chunked,
-        "times_ms": dict(
-            prep_fused=0.3,
-            prep_torch=9.0,
-            prep_bf16=2.0,
-            score_bf16=4.6,
-            score_fp8=2.7,
-            topk=0.8,
-            e2e_bf16=7.0,
-            e2e_fp8=3.9,
-        ),
-        "tflops": dict(score_bf16=480.0, score_fp8=800.0, e2e_bf16=300.0, e2e_fp8=560.0),
-        "fp8_speedup": {"score": 4.6 / 2.7, "e2e": 7.0 / 3.9},
-        "prep_share_of_fp8_score": 0.3 / 2.7,
-        "prep_fused_tb_per_s": 1.5,
-        "peak_extra_mib": dict(
-            prep_fused=1.0, select_bf16=1100.0, select_fp8=1100.0, e2e_bf16=2100.0, e2e_fp8=1600.0
-        ),
+        "times_ms": t,
+        "peak_extra_mib": dict(e2e_bf16=2100.0, e2e_fp8=1600.0),
+        "e2e_ratio": 2.0,
     }
+    if not chunked:
+        t |= dict(raw_score_bf16=4.6, score_bf16=4.7, raw_score_fp8=2.6, score_fp8=2.7,
+                  raw_topk=1.2, topk=1.3, api_bf16=7.0, api_fp8=4.0)  # fmt: skip
+        out |= dict(
+            overhead=dict(score_bf16=4.7 / 4.6, score_fp8=2.7 / 2.6, topk=1.3 / 1.2),
+            raw_e2e_ms=dict(bf16=7.8, fp8=4.1),
+            e2e_bound=7.8 / 4.1,
+            e2e_share_of_bound=2.0 / (7.8 / 4.1),
+            api_ratio=7.0 / 4.0,
+        )
+    return out
 
 
 def test_table_layout():
     report = {
+        "device": "NVIDIA H200",
         "config": dict(batch=1, topk=2048, reps=20, rope_fp32=True, hadamard=True),
-        "ceilings": dict(bf16_matmul_tflops=700.0, fp8_scaled_mm_tflops=1300.0, copy_tb_per_s=4.1),
         "results": [_result(16384, False), _result(65536, True)],
     }
-    text = format_tables(report)
-    lines = text.splitlines()
-    assert lines[0].startswith("ceilings: bf16 matmul 700 TFLOP/s")
-    row = next(line for line in lines if line.lstrip().startswith("16384"))
-    assert "11.1%" in row and "1.79" in row and "1600" in row
-    assert any(line.startswith("* chunked") for line in lines)
+    lines = format_tables(report).splitlines()
+    assert lines[0].startswith("NVIDIA H200: B=1 D=128 causal, top-k 2048")
+    kernels = next(line for line in lines if line.lstrip().startswith("16384"))
+    assert "4.600" in kernels and "1.02" in kernels and "1.08" in kernels  # raw, pkg, x
+    e2e = [line for line in lines if line.lstrip().startswith("16384")][1]
+    assert "2.00" in e2e and "1.90" in e2e and "105 %" in e2e and "1.75" in e2e
+    chunked = next(line for line in lines if line.lstrip().startswith("65536"))
+    assert "2100" in chunked and "1600" in chunked and chunked.count("-") >= 2

@@ -1,19 +1,25 @@
-"""``dsa-precision demo``: run in-process at a small size and check what it reports."""
+"""``dsa-precision demo``: run in-process at small sizes and check what it reports.
+
+The inference side (``dsa_precision.cli.engine_model``) is an independent model of each engine
+profile; the training side is the package. With ``rope_fp32+fp8`` the package must reproduce every
+profile's picks on the CPU (both sides exact), and the baseline must not.
+"""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
+import pathlib
 import sys
 
 import pytest
 import torch
 
-from dsa_precision import cli
-from dsa_precision.demo import CONFIGS, head_weights
-from dsa_precision.scoring import prepare_scoring_operands
-from dsa_precision.synthetic import synthetic_indexer_inputs
+from dsa_precision import ENGINE_PROFILES, cli
+from dsa_precision.cli import demo
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 SEQ, TOPK = 512, 64
 NAMES = ["baseline", "rope_fp32", "fp8", "rope_fp32+fp8"]
@@ -35,53 +41,74 @@ def demo_json():
 
 def test_json_structure(demo_json):
     assert [c["name"] for c in demo_json["configs"]] == NAMES
-    assert [c.short_str() for c in CONFIGS] == NAMES
     assert (demo_json["seq_len"], demo_json["topk"], demo_json["n_heads"]) == (SEQ, TOPK, 32)
-    assert demo_json["backend"] == "torch" and demo_json["first_row"] == TOPK
+    assert demo_json["training_backend"] == "torch" and demo_json["first_row"] == TOPK
+    assert demo_json["inference"] == {"engine": "vllm-exact", "scores": "exact"}
     for c in demo_json["configs"]:
         for key in ("member_agreement", "rows_identical"):
             assert 0.0 <= c[key] <= 1.0
         # Rows before position TOPK keep every visible key on both sides and are not compared.
-        assert c["rows"] == SEQ - TOPK
-        assert c["members"] == (SEQ - TOPK) * TOPK
+        assert c["rows"] == SEQ - TOPK and c["members"] == (SEQ - TOPK) * TOPK
         # Every compared row has TOPK picks, so the flips are exactly the missing members.
         assert c["flipped_mean"] == pytest.approx((1 - c["member_agreement"]) * TOPK)
         assert c["rows_identical"] <= c["member_agreement"]
-        assert 0 <= c["flipped_max"] <= TOPK
         assert c["boundary_margin"] > 0 and c["score_error"] >= 0
 
 
-def test_rope_fp32_fp8_reproduces_inference_and_baseline_does_not(demo_json):
-    by_name = {c["name"]: c for c in demo_json["configs"]}
+def _model_flags(engine) -> list[str]:
+    flags = ["--hadamard"] if engine.hadamard else []
+    return flags + (["--rope-interleaved"] if engine.rope_interleaved else [])
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_PROFILES))
+def test_rope_fp32_fp8_reproduces_every_engine_and_baseline_does_not(name):
+    engine = ENGINE_PROFILES[name]
+    code, out, err = run_cli(
+        "demo", "--seq", "384", "--topk", "48", "--engine", name, *_model_flags(engine), "--json"
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    by_name = {c["name"]: c for c in result["configs"]}
     both = by_name["rope_fp32+fp8"]
-    assert both["member_agreement"] == 1.0 and both["rows_identical"] == 1.0
-    assert both["flipped_max"] == 0 and both["score_error"] == 0.0
-    assert both["boundary_margin"] == demo_json["inference_boundary_margin"]
+    assert both["rows_identical"] == 1.0 and both["score_error"] == 0.0, name
+    assert both["boundary_margin"] == result["inference_boundary_margin"]
     base = by_name["baseline"]
-    assert base["member_agreement"] < 1.0 and base["rows_identical"] < 1.0
-    assert base["score_error"] > 0
+    assert base["rows_identical"] < 1.0 and base["score_error"] > 0, name
 
 
-def test_text_output_and_plot(tmp_path):
+def test_engines_that_round_to_bf16_are_matched_by_fp8_alone():
+    """LMDeploy keeps LayerNorm and RoPE in BF16 arithmetic: Megatron's BF16 preprocessing with
+    the engine's FP8 rules reproduces it; vLLM (FP32 preprocessing) needs rope_fp32 too."""
+    rows = {}
+    for name in ("lmdeploy", "vllm"):
+        code, out, err = run_cli("demo", "--seq", "384", "--topk", "48", "--engine", name, "--json")
+        assert code == 0, err
+        rows[name] = {c["name"]: c["rows_identical"] for c in json.loads(out)["configs"]}
+    assert rows["lmdeploy"]["fp8"] == 1.0
+    assert rows["vllm"]["fp8"] < 1.0 and rows["vllm"]["rope_fp32+fp8"] == 1.0
+
+
+def test_the_inference_side_shares_no_numerics_code_with_the_training_side():
+    source = pathlib.Path(demo.__file__).with_name("engine_model.py").read_text()
+    modules = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    forbidden = {"preprocess", "quantize", "operands", "scoring", "select", "topk", "kernels"}
+    assert not {m.rsplit(".", 1)[-1] for m in modules} & forbidden, modules
+
+
+def test_text_output_says_which_side_is_which(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "agreement.png"
     code, out, err = run_cli("demo", "--seq", "128", "--topk", "16", "--plot", str(png))
     assert code == 0, err
     for name in ["inference", *NAMES]:
         assert any(line.startswith(name + " ") for line in out.splitlines()), name
-    assert "compared: 112 query rows" in out
+    assert "an independent model of its operands" in out and "compared: 112 query rows" in out
+    assert "both sides use exact arithmetic here" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_engine_variant_bf16_head_weights_breaks_exact_agreement():
-    code, out, err = run_cli(
-        "demo", "--seq", str(SEQ), "--topk", str(TOPK), "--engine-head-weights", "bf16", "--json"
-    )
-    assert code == 0, err
-    result = json.loads(out)
-    assert result["engine"]["head_weights"] == "bf16"
-    both = result["configs"][-1]
-    assert both["name"] == "rope_fp32+fp8" and both["score_error"] > 0
 
 
 @pytest.mark.parametrize(
@@ -89,12 +116,15 @@ def test_engine_variant_bf16_head_weights_breaks_exact_agreement():
     [
         (["--seq", "64", "--topk", "64"], "--topk 64 must be below"),
         (["--seq", "64", "--topk", "8", "--plot", "/nonexistent-dir/x.png"], "does not exist"),
+        (["--engine", "sglang-unfused"], "applies the Hadamard rotation.*--hadamard=False"),
+        (["--backend", "cudnn"], "--backend cudnn runs on --device cuda"),
     ],
 )
 def test_errors_are_one_line(argv, message):
     code, out, err = run_cli("demo", *argv)
     assert code == 2 and out == ""
-    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert __import__("re").search(message, err), err
 
 
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
@@ -118,92 +148,21 @@ def test_synthetic_inputs_are_deterministic():
     assert a.freqs.shape == (96, 1, 1, 64) and a.freqs.dtype == torch.float32
     for name in ("q", "k", "w", "freqs"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert torch.equal(a.k_norm.weight, b.k_norm.weight)
     assert not torch.equal(a.q, c.q)
 
 
-def test_fp32_head_weights_fold_to_vllm_order():
-    """``head_weights("fp32")`` with the q descale folded by FP8 scoring equals vLLM's
-    ``w * q_scale * softmax_scale * n_head**-0.5`` bit for bit."""
-    for n_heads in (32, 64):
-        x = synthetic_indexer_inputs(64, n_heads=n_heads)
-        w = head_weights(x.w, 128, "fp32").transpose(0, 1)
-        q = x.q.transpose(0, 1).float()
-        ops = prepare_scoring_operands(q, x.k.transpose(0, 1), w, scoring_precision="fp8")
-        vllm = x.w.transpose(0, 1).float() * ops.q_scale * 128**-0.5 * n_heads**-0.5
-        assert torch.equal(ops.w, vllm)
-
-
-def test_fp32_head_weights_variants():
-    """For H=32 the two scale products commute bit for bit (both constants are fp32(sqrt 2) times
-    a power of two) but premultiplying them (2**-6) differs; for H=64 all forms agree."""
-    w = synthetic_indexer_inputs(256, n_heads=32).w
-    seq = head_weights(w, 128, "fp32")
-    assert torch.equal(seq, (w.float() * 32**-0.5) * 128**-0.5)
-    assert not torch.equal(seq, head_weights(w, 128, "fp32-premultiplied"))
-    w64 = synthetic_indexer_inputs(256, n_heads=64).w
-    assert torch.equal(head_weights(w64, 128, "fp32"), head_weights(w64, 128, "fp32-premultiplied"))
-
-
-def test_bf16_head_weights_match_megatron(megatron_parallel, cpu_rotary):
-    from .megatron_utils import make_config, make_indexer
-
-    config = make_config(dsa_indexer_n_heads=32)
-    indexer = make_indexer(config)
-    x = torch.randn(16, 2, config.hidden_size, dtype=torch.bfloat16)
-    qr = torch.randn(16, 2, config.q_lora_rank, dtype=torch.bfloat16)
-    with torch.no_grad():
-        _, _, weights = indexer.forward_before_topk(x, qr)
-        w_proj, _ = indexer.linear_weights_proj(x)
-    ours = head_weights(w_proj, config.dsa_indexer_head_dim, "bf16")
-    assert ours.dtype == weights.dtype == torch.bfloat16
-    assert torch.equal(ours, weights)
-
-
-def test_model_variants_still_reproduce_inference():
-    code, out, err = run_cli(
-        "demo", "--seq", "128", "--topk", "16", "--heads", "64", "--hadamard", "--rope-interleaved",
-        "--engine-amax-floor", "1e-10", "--json",
-    )  # fmt: skip
-    assert code == 0, err
-    result = json.loads(out)
-    assert result["n_heads"] == 64
-    assert result["engine"] == {
-        "hadamard": True,
-        "rope_interleaved": True,
-        "amax_floor": 1e-10,
-        "head_weights": "fp32",
-    }
-    assert result["configs"][-1]["rows_identical"] == 1.0
-
-
 def test_cudnn_path_with_recording_fake(monkeypatch):
-    """The --device cuda code path (explicit backend="cudnn") on the CPU, through the recording
-    fake of cudnn.DSA: every scoring and top-k call reaches the kernel API, none falls back."""
-    from dsa_precision import demo, reset_scoring_calls, scoring_calls
+    """The --device cuda training path (backend="cudnn") on the CPU, through the recording fake of
+    cudnn.DSA: every training scoring and top-k call reaches the kernel API, none falls back."""
+    from dsa_precision import reset_scoring_calls, scoring_calls
 
     from . import fake_cudnn
 
     fake = fake_cudnn.install(monkeypatch)
-    monkeypatch.setitem(demo.BACKENDS, "cpu", "cudnn")
     reset_scoring_calls()
-    run = demo.run_demo(seq_len=96, topk=16)
-    assert run.backend == "cudnn"
-    assert scoring_calls(backend="torch") == 0 and scoring_calls(backend="cudnn") == 5
-    # inference, then baseline, rope_fp32, fp8, rope_fp32+fp8
-    assert [c["precision"] for c in fake.forward_calls] == ["fp8", "bf16", "bf16", "fp8", "fp8"]
-    # BF16 scoring keeps Megatron's bf16 head weights; FP8 folds the q descale into float32.
-    f32, bf16 = torch.float32, torch.bfloat16
-    assert [c["w_dtype"] for c in fake.forward_calls] == [f32, bf16, bf16, f32, f32]
-    assert all(c["top_k"] == 16 and c["deterministic"] for c in fake.topk_calls)
-    assert len(fake.topk_calls) == 5
-    assert run.configs[-1].agreement["rows_identical"] == 1.0
-
-
-def test_cudnn_unusable_is_an_error_not_a_fallback(monkeypatch):
-    from dsa_precision import demo
-
-    monkeypatch.setitem(demo.BACKENDS, "cpu", "cudnn")
-    code, out, err = run_cli("demo", "--seq", "64", "--topk", "8")
-    assert code == 2 and out == ""
-    assert "backend='cudnn' cannot score this call" in err and err.count("\n") == 1
+    run = demo.run_demo(seq_len=96, topk=16, backend="cudnn")
+    assert run.backend == "cudnn" and run.inference_kernel == "exact"
+    assert scoring_calls(backend="torch") == 0 and scoring_calls(backend="cudnn") == 4
+    # baseline, rope_fp32, fp8, rope_fp32+fp8
+    assert [c["precision"] for c in fake.forward_calls] == ["bf16", "bf16", "fp8", "fp8"]
+    assert len(fake.topk_calls) == 4

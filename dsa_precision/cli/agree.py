@@ -3,7 +3,9 @@
 Each file holds one integer index tensor ``[..., k]`` (``-1`` = padding, indices unique within a
 row), e.g. captured from an inference engine and from a training step on the same tokens:
 ``.pt`` (``torch.save`` of a tensor or of a dict of tensors) or ``.safetensors``. A file with
-several tensors needs ``--key``. Metrics as :func:`dsa_precision.topk_agreement`.
+several tensors needs ``--key``. Replay files (``layer_NN`` tensors, as
+:func:`dsa_precision.megatron.save_topk` writes them) are compared layer by layer. Metrics as
+:func:`dsa_precision.topk_agreement`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ._report import AGREEMENT_HEADERS, agreement_cells, format_table
-from .agreement import topk_agreement
-from .cli import CliError
+from ..agreement import topk_agreement
+from ..engines import ENGINE_PROFILES
+from . import CliError
+from .report import AGREEMENT_HEADERS, agreement_cells, format_table
 
 __all__ = ["load_indices", "register"]
 
@@ -60,6 +63,18 @@ def _load_tensors(path: Path, flag: str) -> dict[str, torch.Tensor] | torch.Tens
     )
 
 
+def _layers(path: Path, flag: str) -> dict[int, torch.Tensor] | None:
+    """The per-layer tensors of a replay file, or ``None`` for a plain index file."""
+    loaded = _load_tensors(path, flag)
+    if not isinstance(loaded, dict) or not any(k.startswith("layer_") for k in loaded):
+        return None
+    layers = {}
+    for key in loaded:
+        if key.startswith("layer_"):
+            layers[int(key.removeprefix("layer_"))] = _check_indices(loaded[key], path, flag)
+    return layers
+
+
 def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None) -> torch.Tensor:
     """Load one top-k index tensor from ``path``, as ``int64`` on the CPU.
 
@@ -91,6 +106,10 @@ def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None
             )
     else:
         tensor = loaded
+    return _check_indices(tensor, path, flag)
+
+
+def _check_indices(tensor: torch.Tensor, path: Path, flag: str) -> torch.Tensor:
     if tensor.dtype not in _INT_DTYPES:
         raise CliError(
             f"{flag} {path}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
@@ -122,6 +141,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--infer", required=True, type=Path, metavar="B", help="inference top-k file")
     p.add_argument("--key", help="tensor name, for files holding several tensors")
     p.add_argument(
+        "--engine",
+        choices=sorted(ENGINE_PROFILES),
+        help="the engine profile that produced --infer (recorded in the report)",
+    )
+    p.add_argument(
         "--min-agreement",
         type=float,
         metavar="X",
@@ -131,45 +155,79 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def _compare(
+    train_path: Path, infer_path: Path, key: str | None
+) -> tuple[list[tuple[str, dict]], list[int] | None]:
+    """``([(name, TopkAgreement.as_dict())], shape)``: one row and the tensors' shape, or one row
+    per layer (then "all" last) and ``None``."""
+    train_layers, infer_layers = _layers(train_path, "--train"), _layers(infer_path, "--infer")
+    if (train_layers is None) != (infer_layers is None):
+        raise CliError(
+            "--train and --infer must both be replay files (layer_NN tensors) or both index files"
+        )
+    if train_layers is None:
+        train = load_indices(train_path, flag="--train", key=key)
+        infer = load_indices(infer_path, flag="--infer", key=key)
+        if train.shape != infer.shape:
+            raise CliError(
+                f"shape mismatch: --train {tuple(train.shape)} vs --infer {tuple(infer.shape)}; "
+                "compare selections of the same rows with the same k"
+            )
+        return [(train_path.name, topk_agreement(train, infer).as_dict())], list(train.shape)
+    if sorted(train_layers) != sorted(infer_layers):
+        raise CliError(
+            f"layers differ: --train has {sorted(train_layers)}, --infer {sorted(infer_layers)}"
+        )
+    rows, trains, infers = [], [], []
+    for n in sorted(train_layers):
+        train, infer = train_layers[n], infer_layers[n]
+        if train.shape != infer.shape:
+            raise CliError(
+                f"layer {n}: shape mismatch {tuple(train.shape)} vs {tuple(infer.shape)}"
+            )
+        rows.append((f"layer {n}", topk_agreement(train, infer).as_dict()))
+        trains.append(train.reshape(-1, train.shape[-1]))
+        infers.append(infer.reshape(-1, infer.shape[-1]))
+    if len({t.shape[-1] for t in trains}) == 1:
+        rows.append(("all", topk_agreement(torch.cat(trains), torch.cat(infers)).as_dict()))
+    return rows, None
+
+
 def main(args: argparse.Namespace) -> int:
     gate = args.min_agreement
     if gate is not None and not (0.0 <= gate <= 1.0):
         raise CliError(f"--min-agreement {gate}: give a fraction in [0, 1], e.g. 0.999")
-    train = load_indices(args.train, flag="--train", key=args.key)
-    infer = load_indices(args.infer, flag="--infer", key=args.key)
-    if train.shape != infer.shape:
-        raise CliError(
-            f"shape mismatch: --train {tuple(train.shape)} vs --infer {tuple(infer.shape)}; "
-            "compare selections of the same rows with the same k"
-        )
-    metrics = topk_agreement(train, infer).as_dict()
-    passed = None if gate is None else metrics["member_agreement"] >= gate
+    results, shape = _compare(args.train, args.infer, args.key)
+    overall = results[-1][1]
+    passed = None if gate is None else overall["member_agreement"] >= gate
+    engine = ENGINE_PROFILES[args.engine] if args.engine else None
     if args.json:
         out: dict[str, Any] = {
             "train": str(args.train),
             "infer": str(args.infer),
-            "shape": list(train.shape),
-            "configs": [{"name": args.train.name, **metrics}],
+            "engine": None if engine is None else engine.name,
+            **({"shape": shape} if shape is not None else {}),
+            "configs": [{"name": name, **metrics} for name, metrics in results],
             "min_agreement": gate,
             "passed": passed,
         }
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(f"train {args.train} vs infer {args.infer}: shape {tuple(train.shape)}")
+        where = f": shape {tuple(shape)}" if shape is not None else ", layer by layer"
+        print(f"train {args.train} vs infer {args.infer}{where}")
+        if engine is not None:
+            print(f"  inference engine: {engine.name} ({engine.summary})")
         print(
-            f"  compared: {metrics['rows']} rows with a non-empty inference set, "
-            f"{metrics['members']} inference picks"
+            f"  compared: {overall['rows']} rows with a non-empty inference set, "
+            f"{overall['members']} inference picks"
         )
         print()
-        print(
-            format_table(
-                ["train", *AGREEMENT_HEADERS], [[args.train.name, *agreement_cells(metrics)]]
-            )
-        )
+        table = [[name, *agreement_cells(metrics)] for name, metrics in results]
+        print(format_table(["train", *AGREEMENT_HEADERS], table))
     if passed is False:
         print(
-            f"member agreement {metrics['member_agreement']:.6f} is below --min-agreement {gate:g}",
+            f"member agreement {overall['member_agreement']:.6f} is below --min-agreement {gate:g}",
             file=sys.stderr,
         )
         return 1

@@ -17,9 +17,9 @@ __all__ = ["CliError", "main", "progress"]
 
 # subcommand -> module defining register(subparsers)
 COMMANDS = {
-    "demo": "dsa_precision.demo",
-    "agree": "dsa_precision.agree_cmd",
-    "bench": "dsa_precision.bench",
+    "demo": "dsa_precision.cli.demo",
+    "agree": "dsa_precision.cli.agree",
+    "bench": "dsa_precision.cli.bench",
 }
 
 
