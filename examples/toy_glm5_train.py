@@ -1,16 +1,18 @@
 """Train a toy GLM-5-like DSA model with megatron-core under the four dsa-precision configurations.
 
-2 decoder layers, hidden 1024, MLA with kv_lora_rank 512 (absorbed DSA attention, so Megatron's
-full-fusion hook engages), DSA indexer 32 heads x 128 with top-k 256, sequence 2048, random
-weights, TP = PP = 1. The mock data is a copy task (a random 256-token segment repeated), so the
-loss has somewhere to go. For every configuration (baseline, rope_fp32, fp8, rope_fp32+fp8) it
-trains ``--steps`` steps from the same initial weights and data, and records the losses, step
-times and how many indexer scoring calls ran in FP8 on the fused and on the split path (the split
-path is exercised by a few extra steps of a top-k-sharing variant). It then checks that, on
-identical inputs, FP8 scoring selects a different top-k than BF16, and that the default
-configuration trains bit-identically to stock Megatron modules (PyTorch backend).
+2 decoder layers, hidden 1024, MLA with kv_lora_rank 512 (absorbed DSA attention), DSA indexer
+32 heads x 128, random weights, TP = PP = 1, Megatron's own sparse attention
+(``dsa_kernel_backend="none"``: FlashMLA is not installed on the test host). The mock data is a
+copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
+(baseline, rope_fp32, fp8, rope_fp32+fp8) it trains ``--steps`` steps from the same initial
+weights and data and reports, side by side: the losses, the median step time, the indexer's time
+per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
+scoring calls that ran in FP8 (and on the cuDNN kernel). It then checks that on identical inputs
+FP8 scoring selects a different top-k than BF16, that a top-k-sharing variant trains, and that the
+default configuration trains bit-identically to stock Megatron modules.
 
 GPU (see docs/megatron.md):  python examples/toy_glm5_train.py --out $OUT/toy.json
+                             python examples/toy_glm5_train.py --seq 8192 --topk 2048 --steps 10
 CPU smoke test:              python examples/toy_glm5_train.py --tiny --device cpu
 """
 
@@ -35,8 +37,10 @@ CONFIGS = {
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--split-steps", type=int, default=3, help="steps of the top-k-sharing variant")
+    p.add_argument("--share-steps", type=int, default=3, help="steps of the top-k-sharing variant")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=256)
+    p.add_argument("--engine", default="vllm-exact", help="dsa_indexer_engine of the FP8 runs")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
@@ -77,10 +81,10 @@ def model_config(args, **overrides):
         experimental_attention_variant="dsa",
         dsa_indexer_n_heads=32,
         dsa_indexer_head_dim=128,
-        dsa_indexer_topk=32 if tiny else 256,
+        dsa_indexer_topk=32 if tiny else args.topk,
         dsa_indexer_loss_coeff=0.0,
-        dsa_indexer_rotate_activation=True,
-        dsa_kernel_backend="none" if args.device == "cpu" else "cudnn",
+        dsa_indexer_rotate_activation=False,
+        dsa_indexer_engine=args.engine,
     )
     fields.update(overrides)
     return dsap.DSAPrecisionTransformerConfig(**fields)
@@ -190,6 +194,41 @@ def timed(fn, device):
     return out, start.elapsed_time(end)
 
 
+# DSAttention.forward(query, key, value, attention_mask, x, qr, ...): positions of the inputs.
+_POSITION = {"query": 0, "x": 4, "qr": 5}
+
+
+def _arg(args: tuple, kwargs: dict, name: str):
+    return kwargs[name] if name in kwargs else args[_POSITION[name]]
+
+
+def indexer_ms(args, model, tokens) -> float:
+    """The indexer's top-k of every layer, timed alone (median of 5) on the step's inputs."""
+    captured = []
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+    def hook(mod, a, kw):
+        captured.append((mod, *(_arg(a, kw, n) for n in ("query", "x", "qr"))))
+
+    handles = [core.register_forward_pre_hook(hook, with_kwargs=True) for core in cores]
+    with torch.no_grad():
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        model(tokens, pos, None)
+    for h in handles:
+        h.remove()
+
+    def run():
+        with torch.no_grad():
+            for core, query, x, qr in captured:
+                if core.owns_topk():
+                    core.compute_topk(query, x, qr, None)
+                elif core.indexer is not None:  # Megatron's own scoring and top-k
+                    core.indexer(x, qr)
+
+    times = [timed(run, args.device)[1] for _ in range(6)][1:]
+    return sorted(times)[len(times) // 2]
+
+
 def train(args, name: str) -> dict:
     from dsa_precision import reset_scoring_calls, scoring_calls
 
@@ -203,26 +242,20 @@ def train(args, name: str) -> dict:
         loss, ms = timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
         losses.append(loss)
         times.append(ms)
-    fused = dict(
-        fp8=scoring_calls("fp8", site="fused"),
-        bf16=scoring_calls("bf16", site="fused"),
+    calls = dict(
+        fp8=scoring_calls("fp8"),
+        fp8_cudnn=scoring_calls("fp8", "cudnn"),
         total=scoring_calls(),
     )
-    # The split path: top-k sharing makes Megatron score through run_fused_qk_topk.
-    split_config = model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name])
-    split_model, _ = build_model(args, split_config)
-    split_trainer = Trainer(split_model, args.lr)
-    reset_scoring_calls()
-    for tokens, labels in copy_task(args, vocab, args.split_steps):
-        split_trainer.step(tokens, labels)
-    split = dict(
-        fp8=scoring_calls("fp8", site="split"),
-        bf16=scoring_calls("bf16"),
-        total=scoring_calls(),
-    )
-    del split_model, split_trainer
-    finite = all(math.isfinite(x) for x in losses)
+    index_ms = indexer_ms(args, model, data[0][0])
+    # Index sharing: layer 2 reuses layer 1's top-k (Megatron's rule).
+    share_model, _ = build_model(args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name]))
+    share_trainer = Trainer(share_model, args.lr)
+    share_losses = [share_trainer.step(t, y) for t, y in copy_task(args, vocab, args.share_steps)]
+    del share_model, share_trainer
+    finite = all(math.isfinite(x) for x in losses + share_losses)
     steady = times[3:] or times
+    step_ms = sorted(steady)[len(steady) // 2]
     return dict(
         name=name,
         losses=losses,
@@ -230,58 +263,61 @@ def train(args, name: str) -> dict:
         last_loss=losses[-1],
         loss_decreased=bool(losses[-1] < losses[0]),
         finite=finite,
-        step_ms_median=sorted(steady)[len(steady) // 2],
-        scoring_calls_fused=fused,
-        scoring_calls_split=split,
+        step_ms_median=step_ms,
+        indexer_ms=index_ms,
+        indexer_share=index_ms / step_ms,
+        scoring_calls=calls,
+        index_share_losses=share_losses,
         steps=len(losses),
     )
 
 
 def topk_on_identical_inputs(args) -> dict:
-    """Layer-1 indexer top-k of every configuration on the same weights and batch."""
+    """Layer-1 top-k of every configuration on the same weights and batch."""
     from dsa_precision import indexer_select, topk_agreement
 
     picks = {}
-    captured = {}
     names = args.configs.split(",")
     for name in names:
         config = model_config(args, **CONFIGS[name])
         model, vocab = build_model(args, config)
         core = model.decoder.layers[0].self_attention.core_attention
         tokens, _ = copy_task(args, vocab, 1)[0]
+        captured = {}
 
-        def hook(_mod, a, kw):
-            captured["x"], captured["qr"] = (
-                kw.get("x", a[4] if len(a) > 4 else None),
-                kw.get("qr", a[5] if len(a) > 5 else None),
-            )
+        def hook(_mod, a, kw, captured=captured):
+            captured.update({n: _arg(a, kw, n) for n in ("query", "x", "qr")})
 
         handle = core.register_forward_pre_hook(hook, with_kwargs=True)
         with torch.no_grad():
             pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             model(tokens, pos, None)
-            q, k, w = core.indexer.forward_before_topk(captured["x"], captured["qr"])
-            picks[name] = indexer_select(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                w.transpose(0, 1),
-                config.dsa_indexer_topk,
-                scoring_precision=config.dsa_indexer_scoring_precision,
-            )
+            if core.owns_topk():
+                picks[name] = core.compute_topk(
+                    captured["query"], captured["x"], captured["qr"], None
+                )
+            else:  # BF16 scoring of what the indexer hands Megatron, by the package
+                q, k, w = core.indexer.forward_before_topk(captured["x"], captured["qr"])
+                picks[name] = indexer_select(
+                    q.transpose(0, 1),
+                    k.transpose(0, 1),
+                    w.transpose(0, 1),
+                    topk=config.dsa_indexer_topk,
+                    scoring_precision="bf16",
+                )
         handle.remove()
         del model
     out = {}
     for name in names:
         if name == "baseline" or "baseline" not in picks:
             continue
-        a = topk_agreement(picks[name], picks["baseline"]).as_dict()
-        out[f"{name}_vs_baseline"] = a
+        out[f"{name}_vs_baseline"] = topk_agreement(picks[name], picks["baseline"]).as_dict()
     return out
 
 
 def stock_equivalence(args, steps: int = 3) -> dict:
     """Default configuration vs stock Megatron modules, PyTorch DSA backend, same everything."""
-    overrides = dict(dsa_kernel_backend="none", dsa_indexer_rotate_activation=False)
+    overrides = dict(dsa_indexer_rotate_activation=False)
     losses = {}
     grads = {}
     for stock in (False, True):
@@ -314,25 +350,26 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    import dsa_precision.megatron as dsap
-
     if args.device == "cpu":
         torch.cuda.current_device = lambda: "cpu"  # Megatron's RotaryEmbedding asks for a GPU
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    dsap.install()
 
     results = {"runs": [train(args, name) for name in args.configs.split(",")]}
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
     results["stock_equivalence"] = stock_equivalence(args)
 
-    print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}"
-          f"{'fp8 fused':>11}{'fp8 split':>11}{'all calls':>11}")  # fmt: skip
+    base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
+    print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
+          f"engine {args.engine}; median step of {args.steps} (first 3 skipped)")  # fmt: skip
+    print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}"
+          f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
-        calls = r["scoring_calls_fused"]["total"] + r["scoring_calls_split"]["total"]
+        ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
+        c = r["scoring_calls"]
         print(f"{r['name']:<15}{r['first_loss']:>9.3f}{r['last_loss']:>10.3f}"
-              f"{r['step_ms_median']:>9.1f}{r['scoring_calls_fused']['fp8']:>11}"
-              f"{r['scoring_calls_split']['fp8']:>11}{calls:>11}")  # fmt: skip
+              f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}{r['indexer_ms']:>11.2f}"
+              f"{r['indexer_share']:>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "
               f"{a['rows_identical']:.2%}")  # fmt: skip

@@ -1,13 +1,17 @@
-"""Megatron integration on the CPU (megatron-core 0.19, local non-TE specs).
+"""The Megatron integration on the CPU (megatron-core 0.19, local non-TE specs, torch backend).
 
-cuDNN's kernels and an SM90 GPU are unavailable here: a recording fake of ``cudnn.DSA`` stands in
-for the kernels (``tests/fake_cudnn.py``) and checks what reaches them; the real kernels are
-covered by the ``gpu`` tests.
+What is checked against what:
+- defaults: outputs and gradients of the drop-ins against stock Megatron modules, bit for bit;
+- nothing of megatron-core is replaced: every attribute of its DSA modules before and after;
+- the owned FP8 top-k: against :func:`dsa_precision.indexer_select` on the layer's own operands,
+  and the attention that consumes it against a stock Megatron layer handed the same indices;
+- config validation and flags: the error names the field, the value and the fix.
+The cuDNN kernels run in the ``gpu`` tests (tests/gpu/test_megatron_gpu.py).
 """
 
 import argparse
-import contextlib
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -15,163 +19,368 @@ import torch
 pytest.importorskip("megatron.core")
 
 import dsa_precision.megatron as dsap
-from dsa_precision import IndexerPrecisionConfig, reset_scoring_calls, scoring_calls
-from dsa_precision.megatron import seams
-from dsa_precision.megatron.specs import LocalDSASpecProvider
+from dsa_precision import IndexerPrecisionConfig, indexer_select, reset_scoring_calls, scoring_calls
+from dsa_precision.audit import PrecisionMismatchError
+from dsa_precision.megatron import compat
 
-from . import fake_cudnn
+from .megatron_utils import (
+    CONFIGS,
+    HEADS,
+    HIDDEN,
+    attention_inputs,
+    make_attention,
+    make_config,
+    packed_params,
+    run_attention,
+)
 
-HIDDEN, Q_LORA, KV_LORA, ROPE, V_DIM, HEADS = 256, 64, 32, 64, 64, 4
-CONFIGS = {
-    "baseline": dict(),
-    "rope_fp32": dict(dsa_indexer_rope_fp32=True),
-    "fp8": dict(dsa_indexer_scoring_precision="fp8"),
-    "rope_fp32+fp8": dict(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8"),
-}
-
-
-@contextlib.contextmanager
-def fake_sm90():
-    """Pretend an SM90 GPU exists while a config validates its kernel backend."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: True)
-        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        yield
-
-
-def make_config(**overrides):
-    fields = dict(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        use_cpu_initialization=True,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        q_lora_rank=Q_LORA,
-        kv_lora_rank=KV_LORA,
-        qk_head_dim=64,
-        qk_pos_emb_head_dim=ROPE,
-        v_head_dim=V_DIM,
-        add_bias_linear=False,
-        experimental_attention_variant="dsa",
-        dsa_indexer_n_heads=32,
-        dsa_indexer_head_dim=128,
-        dsa_indexer_topk=8,
-        dsa_indexer_loss_coeff=0.0,
-        dsa_indexer_rotate_activation=False,
-        rope_type="rope",
-        dsa_kernel_backend="cudnn",
-    )
-    fields.update(overrides)
-    with fake_sm90():
-        return dsap.DSAPrecisionTransformerConfig(**fields)
-
-
-@pytest.fixture
-def seams_installed(megatron_parallel):
-    dsap.install()
-    yield
-    dsap.uninstall()
-
-
-@pytest.fixture
-def fake(monkeypatch, seams_installed, cpu_rotary):
-    return fake_cudnn.install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("megatron_parallel", "cpu_rotary")
 
 
 # ------------------------------------------------------------------------------------ config
 
 
-def test_field_defaults_keep_megatron_behaviour(megatron_parallel):
+def test_field_defaults_keep_megatron_behaviour():
     config = make_config()
-    assert config.dsa_indexer_rope_fp32 is False and config.dsa_indexer_scoring_precision == "bf16"
     assert config.dsa_indexer_precision == IndexerPrecisionConfig()
+    assert config.dsa_kernel_backend == "none"  # never rewritten
+
+
+def test_fp8_leaves_megatron_fields_alone():
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    assert config.dsa_kernel_backend == "none" and config.dsa_indexer_precision.fp8
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (
-            dict(dsa_kernel_backend="none"),
-            r"dsa_kernel_backend='none'.*set dsa_kernel_backend='cudnn'",
-        ),
-        (dict(dsa_indexer_loss_coeff=0.1), r"dsa_indexer_loss_coeff=0\.1"),
-        (dict(dsa_indexer_scoring_relu=False), r"dsa_indexer_scoring_relu=False"),
-        (
-            dict(attention_backend="unfused"),
-            r"attention_backend=.*unfused.*fused attention backend",
-        ),
-        (dict(dsa_indexer_n_heads=16), r"dsa_indexer_n_heads=16"),
-        (dict(dsa_indexer_head_dim=64), r"dsa_indexer_head_dim=64"),
+        (dict(dsa_indexer_loss_coeff=0.1), r"dsa_indexer_loss_coeff=0\.1: .*Set it to 0"),
+        (dict(dsa_indexer_scoring_relu=False), r"dsa_indexer_scoring_relu=False: .*=True"),
+        (dict(dsa_indexer_n_heads=16), r"dsa_indexer_n_heads=16: .*\(32, 64\)"),
+        (dict(dsa_indexer_head_dim=64), r"dsa_indexer_head_dim=64: .*set it to 128"),
     ],
 )
-def test_fp8_validation_names_the_field(megatron_parallel, overrides, message):
-    from megatron.core.transformer.enums import AttnBackend
-
-    if overrides.get("attention_backend") == "unfused":
-        overrides = dict(attention_backend=AttnBackend.unfused)
+def test_fp8_validation_names_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_config(dsa_indexer_scoring_precision="fp8", **overrides)
 
 
-def test_fp8_needs_the_dsa_variant(megatron_parallel):
-    with pytest.raises(
-        ValueError,
-        match=r"experimental_attention_variant=None.*set experimental_attention_variant='dsa'",
-    ):
-        make_config(dsa_indexer_scoring_precision="fp8", experimental_attention_variant=None)
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ValueError) as err:
+        make_config(
+            dsa_indexer_scoring_precision="fp8", dsa_indexer_loss_coeff=0.5, dsa_indexer_n_heads=8
+        )
+    assert "dsa_indexer_loss_coeff=0.5" in str(err.value) and "dsa_indexer_n_heads=8" in str(
+        err.value
+    )
 
 
-def test_bad_values_name_the_field(megatron_parallel):
+def test_engine_field_is_validated():
+    with pytest.raises(ValueError, match=r"dsa_indexer_engine='tgi' is not an engine profile"):
+        make_config(dsa_indexer_engine="tgi")
+
+
+def test_bad_values_name_the_field():
     with pytest.raises(ValueError, match=r"dsa_indexer_scoring_precision='int8'.*'bf16', 'fp8'"):
         make_config(dsa_indexer_scoring_precision="int8")
     with pytest.raises(TypeError, match="dsa_indexer_rope_fp32 must be a bool"):
         make_config(dsa_indexer_rope_fp32="yes")
 
 
-def test_cudnn_backend_without_cuda_is_a_clear_error(megatron_parallel):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError, match="dsa_kernel_backend='cudnn' requires a CUDA device"):
-        dsap.DSAPrecisionTransformerConfig(
-            **{
-                f.name: getattr(make_config(), f.name)
-                for f in dataclasses.fields(make_config())
-                if f.init
-            }
-        )
-
-
-def test_cli_flags_round_trip_into_the_config(megatron_parallel, monkeypatch):
+def test_cli_flags_round_trip_into_the_config(monkeypatch):
     from megatron.training.arguments import parse_args
 
     monkeypatch.setattr(
         "sys.argv",
         ["train.py", "--num-layers", "1", "--hidden-size", str(HIDDEN), "--num-attention-heads",
          str(HEADS), "--seq-length", "64", "--max-position-embeddings", "64",
-         "--dsa-indexer-rope-fp32", "--dsa-indexer-scoring-precision", "fp8"],
+         "--dsa-indexer-rope-fp32", "--dsa-indexer-scoring-precision", "fp8",
+         "--dsa-indexer-engine", "vllm"],
     )  # fmt: skip
     args = parse_args(extra_args_provider=dsap.add_dsa_precision_args)
     assert args.dsa_indexer_rope_fp32 is True and args.dsa_indexer_scoring_precision == "fp8"
+    assert args.dsa_indexer_engine == "vllm"
     parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
-    assert parser.parse_args([]).dsa_indexer_scoring_precision == "bf16"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--dsa-indexer-scoring-precision", "int8"])
+    defaults = parser.parse_args([])
+    assert defaults.dsa_indexer_scoring_precision == "bf16" and not defaults.dsa_indexer_rope_fp32
+    for bad in (["--dsa-indexer-scoring-precision", "int8"], ["--dsa-indexer-engine", "tgi"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
     base = make_config()
     monkeypatch.setattr(
         "megatron.training.argument_utils.core_transformer_config_from_args", lambda a: base
     )
-    with fake_sm90():
-        config = dsap.config_from_args(args)
+    config = dsap.config_from_args(args)
     assert isinstance(config, dsap.DSAPrecisionTransformerConfig)
-    assert config.dsa_indexer_precision == IndexerPrecisionConfig(True, "fp8")
+    assert config.dsa_indexer_precision == IndexerPrecisionConfig(True, "fp8", "vllm")
     assert config.hidden_size == HIDDEN
+
+
+def test_install_is_a_deprecated_no_op():
+    with pytest.warns(DeprecationWarning, match="no-op"):
+        assert dsap.install() is None
+
+
+# ---------------------------------------------------------------------------- compatibility
+
+
+def test_surface_check_passes_on_the_installed_release():
+    assert compat._surface_problems() == []
+
+
+def test_surface_check_names_the_version_and_every_change(monkeypatch):
+    import megatron.core
+    from megatron.core.transformer.experimental_attention_variant import dsa, dsa_layout
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.21.0rc0")
+    monkeypatch.delattr(dsa.DSAttention, "_get_index_share_topk_holder")
+    monkeypatch.setattr(dsa_layout, "build_zigzag_allgather_cp_key_reorder", lambda n: n)
+    with pytest.raises(ImportError) as err:
+        compat.check_megatron_core()
+    text = str(err.value)
+    assert "megatron-core 0.21.0rc0" in text and "0.19.2" in text
+    assert "DSAttention._get_index_share_topk_holder is missing" in text
+    assert "build_zigzag_allgather_cp_key_reorder('n',) no longer takes" in text
+
+
+# ------------------------------------------------------------------- megatron stays untouched
+
+
+def _snapshot() -> dict[str, object]:
+    """Every attribute of megatron-core's DSA modules and classes, by identity."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.experimental_attention_variant import (
+        dsa,
+        dsa_cudnn_kernels,
+        dsa_kernels,
+        dsa_layout,
+        dsa_masking,
+    )
+
+    out = {}
+    for module in (dsa, dsa_cudnn_kernels, dsa_kernels, dsa_layout, dsa_masking, rope_utils):
+        for name, value in vars(module).items():
+            out[f"{module.__name__}.{name}"] = value
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                for attr, member in vars(value).items():
+                    out[f"{module.__name__}.{name}.{attr}"] = member
+    return out
+
+
+def test_building_and_running_the_drop_ins_changes_no_megatron_attribute():
+    before = _snapshot()
+    for name, fields in CONFIGS.items():
+        config = make_config(**fields, dsa_indexer_topk_freq=2, num_layers=2)
+        first, second = make_attention(config), make_attention(config, layer_number=2)
+        inputs = attention_inputs()
+        first_out = run_attention(first, inputs)
+        first_out.float().sum().backward()
+        run_attention(second, attention_inputs())
+        assert torch.isfinite(first_out.float()).all(), name
+    after = _snapshot()
+    changed = [k for k in before if after.get(k) is not before[k]]
+    assert not changed and set(after) == set(before), changed
+
+
+# ----------------------------------------------------------------------------------- indexer
+
+
+def test_indexer_keeps_parameter_names():
+    ours, stock = make_attention(make_config()), make_attention(make_config(), stock=True)
+    assert list(ours.state_dict()) == list(stock.state_dict())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_before_topk_per_configuration(name):
+    config = make_config(**CONFIGS[name])
+    ours = make_attention(config).indexer
+    stock = make_attention(make_config(), stock=True).indexer
+    stock.load_state_dict(ours.state_dict())
+    x, qr = attention_inputs()["x"], attention_inputs()["qr"]
+    with torch.no_grad():
+        q, k, w = ours.forward_before_topk(x, qr)
+        q0, k0, w0 = stock.forward_before_topk(x, qr)
+    precision = config.dsa_indexer_precision
+    if not precision.rope_fp32:  # Megatron's own preprocessing, whatever the scoring
+        assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(w, w0)
+        return
+    carrier = torch.float32 if precision.fp8 else torch.bfloat16
+    assert q.dtype == k.dtype == carrier
+    pre = ours.preprocess(precision)
+    qp, _ = ours.linear_wq_b(qr)
+    kp, _ = ours.linear_wk(x)
+    freqs = ours.rotary_pos_emb(x.size(0))
+    q32, k32 = pre(qp.view(*q.shape), kp, freqs)
+    assert torch.equal(q, q32.to(carrier)) and torch.equal(k, k32.to(carrier))
+    assert not torch.equal(q.to(torch.bfloat16), q0)  # FP32 preprocessing changes the bits
+    raw, _ = ours.linear_weights_proj(x)
+    if precision.fp8:  # the engine's FP32 order
+        assert w.dtype == torch.float32 and torch.equal(w, (raw.float() * 128**-0.5) * 32**-0.5)
+    else:
+        assert torch.equal(w, w0)
+
+
+def test_indexer_reads_the_config_at_every_call():
+    """Megatron reads dsa_indexer_rotate_activation per forward (Megatron's own test
+    test_dsa_indexer_rotate_activation_follows_config); so does the drop-in."""
+    config = make_config(dsa_indexer_rope_fp32=True)
+    indexer = make_attention(config).indexer
+    x, qr = attention_inputs()["x"], attention_inputs()["qr"]
+    with torch.no_grad():
+        plain = indexer.forward_before_topk(x, qr)
+        config.dsa_indexer_rotate_activation = True
+        rotated = indexer.forward_before_topk(x, qr)
+        config.dsa_indexer_rope_fp32 = False
+        config.dsa_indexer_rotate_activation = False
+        megatron_path = indexer.forward_before_topk(x, qr)
+    assert not torch.equal(plain[0], rotated[0])
+    assert megatron_path[0].dtype == torch.bfloat16 and not torch.equal(megatron_path[0], plain[0])
+
+
+def test_fp8_forward_with_scores_is_fp8_whoever_calls_it():
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    indexer = make_attention(config).indexer
+    inp = attention_inputs()
+    mask = torch.triu(torch.full((16, 16), float("-inf")), diagonal=1)
+    reset_scoring_calls()
+    scores, topk = indexer.forward_with_scores(inp["x"], inp["qr"], mask)
+    assert scoring_calls("fp8") == 1 and scoring_calls() == 1
+    ops = indexer.scoring_operands(inp["x"], inp["qr"])
+    assert torch.equal(topk, indexer_select(ops, topk=8))  # the mask is Megatron's causal one
+    assert torch.equal(torch.isinf(scores[0]), torch.isinf(mask))
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("share", [False, True], ids=["own", "index_share"])
+def test_default_configuration_is_bit_identical_to_stock(packed, share):
+    extra = dict(dsa_indexer_topk_freq=2, num_layers=2) if share else {}
+    ours_cfg = make_config(**extra)
+    stock_cfg = make_config(**extra)
+    ours = [make_attention(ours_cfg, layer_number=n) for n in (1, 2)]
+    stock = [make_attention(stock_cfg, stock=True, layer_number=n) for n in (1, 2)]
+    for a, b in zip(ours, stock, strict=True):
+        b.load_state_dict(a.state_dict())
+    kw = {}
+    if packed:
+        kw_a, kw_b = dict(packed_seq_params=packed_params([0, 5, 16])), {}
+        kw_b["packed_seq_params"] = packed_params([0, 5, 16])
+    else:
+        kw_a = kw_b = kw
+    a_in = [attention_inputs(b=1 if packed else 2, packed=packed) for _ in range(2)]
+    b_in = [attention_inputs(b=1 if packed else 2, packed=packed) for _ in range(2)]
+    for layers, inputs, kwargs in ((ours, a_in, kw_a), (stock, b_in, kw_b)):
+        outs = [
+            run_attention(layer, inp, **kwargs) for layer, inp in zip(layers, inputs, strict=True)
+        ]
+        sum(o.float().sum() for o in outs).backward()
+        inputs.append(outs)
+    for a, b in zip(a_in[2], b_in[2], strict=True):
+        assert torch.equal(a, b)
+    for i in range(2):
+        assert torch.equal(a_in[i]["query"].grad, b_in[i]["query"].grad)
+        assert torch.equal(a_in[i]["key"].grad, b_in[i]["key"].grad)
+
+
+@pytest.mark.parametrize("rope_fp32", [False, True], ids=["fp8", "rope_fp32+fp8"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp8_top_k_is_the_package_selection_of_the_layer_operands(rope_fp32, batch):
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_rope_fp32=rope_fp32)
+    attn = make_attention(config)
+    inp = attention_inputs(b=batch)
+    reset_scoring_calls()
+    topk = attn.compute_topk(inp["query"], inp["x"], inp["qr"], None)
+    assert scoring_calls("fp8") >= 1 and scoring_calls("bf16") == 0
+    ops = attn.indexer.scoring_operands(inp["x"], inp["qr"])
+    assert ops.q.dtype == torch.float8_e4m3fn
+    assert torch.equal(topk, indexer_select(ops, topk=8))
+
+
+def test_fp8_packed_top_k_has_global_packed_key_rows():
+    from dsa_precision import indexer_select_varlen
+
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    attn = make_attention(config)
+    inp = attention_inputs(b=1, packed=True)
+    cu = [0, 3, 9, 16]
+    topk = attn.compute_topk(inp["query"], inp["x"], inp["qr"], packed_params(cu))
+    ops = attn.indexer.scoring_operands(inp["x"], inp["qr"], packed_params(cu))
+    t = torch.tensor(cu, dtype=torch.int32)
+    local = indexer_select_varlen(
+        ops, topk=8, cu_seqlens_q=t, cu_seqlens_k=t, max_seqlen_q=7, max_seqlen_k=7
+    )
+    starts = torch.repeat_interleave(t[:-1], t[1:] - t[:-1])
+    want = torch.where(local >= 0, local + starts[:, None], local)
+    assert topk.shape == (1, 16, 8) and torch.equal(topk[0], want)
+
+
+def test_fp8_attention_is_megatrons_attention_on_the_owned_indices():
+    """A stock Megatron skip layer handed the owned indices through its index-share holder
+    produces the same output and gradients as the FP8 layer."""
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    ours = make_attention(config)
+    stock_cfg = make_config(make_config().__class__.__mro__[1], dsa_indexer_topk_freq=2)
+    reader = make_attention(stock_cfg, stock=True, layer_number=2)
+    a, b = attention_inputs(), attention_inputs()
+    topk = ours.compute_topk(a["query"], a["x"], a["qr"], None)
+    reader._get_index_share_topk_holder(None, None)[1] = topk
+    out_a, out_b = run_attention(ours, a), run_attention(reader, b)
+    assert torch.equal(out_a, out_b)
+    out_a.float().sum().backward()
+    out_b.float().sum().backward()
+    assert torch.equal(a["query"].grad, b["query"].grad)
+
+
+def test_fp8_index_sharing_hands_the_owned_indices_to_the_next_layer():
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk_freq=2, num_layers=2)
+    first, second = make_attention(config), make_attention(config, layer_number=2)
+    assert first.owns_topk() and not second.owns_topk() and second.indexer is None
+    inp = attention_inputs()
+    run_attention(first, inp)
+    holder = second._get_index_share_topk_holder(None, None)
+    assert torch.equal(holder[1], first.compute_topk(inp["query"], inp["x"], inp["qr"], None))
+    assert torch.isfinite(run_attention(second, attention_inputs()).float()).all()
+    assert not first.skip_topk and first.index_share  # the reader state is restored
+
+
+def test_attention_needs_the_precision_indexer():
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = make_config()
+    spec = get_dsa_module_spec_for_backend(config, backend=dsap.LocalDSASpecProvider())
+    core = dataclasses.replace(spec.submodules.core_attention, module=dsap.PrecisionDSAttention)
+    with pytest.raises(TypeError, match="needs a PrecisionDSAIndexer, got DSAIndexer"):
+        build_module(
+            core, config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+        )  # fmt: skip
+
+
+def test_strict_mode_catches_a_scoring_call_in_another_precision(monkeypatch):
+    monkeypatch.setenv("DSA_PRECISION_STRICT", "1")
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    attn = make_attention(config)
+    run_attention(attn, attention_inputs())  # the configured path passes
+    bf16 = IndexerPrecisionConfig()
+    real = attn.indexer.scoring_operands
+    # A defect that prepares BF16 operands for an FP8 layer is caught at its scoring call.
+    monkeypatch.setattr(
+        attn.indexer, "scoring_operands", lambda *a, **k: real(*a[:3], precision=bf16)
+    )
+    with pytest.raises(PrecisionMismatchError, match=r"ran in bf16 .* but fp8 is configured"):
+        run_attention(attn, attention_inputs())
 
 
 # ------------------------------------------------------------------------------------- specs
 
 
-def test_spec_swap_replaces_only_the_dsa_modules(megatron_parallel):
+def test_spec_swap_replaces_only_the_dsa_modules():
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_dsa_module_spec_for_backend,
     )
@@ -179,17 +388,12 @@ def test_spec_swap_replaces_only_the_dsa_modules(megatron_parallel):
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAttention
 
     config = make_config()
-    upstream = get_dsa_module_spec_for_backend(config, LocalDSASpecProvider())
-    swapped = dsap.get_dsa_precision_module_spec(config, LocalDSASpecProvider())
+    upstream = get_dsa_module_spec_for_backend(config, dsap.LocalDSASpecProvider())
+    swapped = dsap.get_dsa_precision_module_spec(config, dsap.LocalDSASpecProvider())
     core = swapped.submodules.core_attention
     assert core.module is dsap.PrecisionDSAttention
     assert core.submodules.indexer.module is dsap.PrecisionDSAIndexer
     assert upstream.submodules.core_attention.module is DSAttention  # input untouched
-    assert swapped.module is upstream.module
-    assert (
-        core.submodules.indexer.submodules
-        == upstream.submodules.core_attention.submodules.indexer.submodules
-    )
 
     def count(spec, cls) -> int:
         if isinstance(spec, type):
@@ -201,236 +405,23 @@ def test_spec_swap_replaces_only_the_dsa_modules(megatron_parallel):
         return 0
 
     hybrid = dsap.with_dsa_precision(hybrid_stack_spec)
-    assert count(hybrid_stack_spec, DSAttention) > 0 and count(hybrid_stack_spec, DSAIndexer) > 0
-    assert count(hybrid, DSAttention) == 0 and count(hybrid, DSAIndexer) == 0
+    assert count(hybrid_stack_spec, DSAttention) > 0 and count(hybrid, DSAttention) == 0
     assert count(hybrid, dsap.PrecisionDSAttention) == count(hybrid_stack_spec, DSAttention)
     assert count(hybrid, dsap.PrecisionDSAIndexer) == count(hybrid_stack_spec, DSAIndexer)
 
 
-def test_gpt_block_spec_without_te(megatron_parallel):
+def test_gpt_block_spec_without_te():
     block = dsap.get_gpt_dsa_precision_block_spec(make_config(num_layers=2))
     assert len(block.layer_specs) == 2
     attn = block.layer_specs[0].submodules.self_attention.submodules.core_attention
     assert attn.module is dsap.PrecisionDSAttention
 
 
-# ----------------------------------------------------------------------------------- modules
+def test_import_fails_loudly_without_the_surface(monkeypatch):
+    """A megatron-core without the DSA modules: one ImportError naming what to install."""
+    from megatron.core.transformer import experimental_attention_variant as package
 
-
-def _attention(config, cls=None):
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import build_module
-
-    spec = dsap.get_dsa_precision_module_spec(
-        config, LocalDSASpecProvider()
-    ).submodules.core_attention
-    if cls is not None:  # stock Megatron: the upstream spec
-        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-            get_dsa_module_spec_for_backend,
-        )
-
-        spec = get_dsa_module_spec_for_backend(
-            config, LocalDSASpecProvider()
-        ).submodules.core_attention
-    torch.manual_seed(1)
-    attn = build_module(
-        spec,
-        config=config,
-        layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
-        attention_type="self",
-    )
-    with torch.no_grad():
-        attn.indexer.k_norm.weight.normal_(1.0, 0.2)
-        attn.indexer.k_norm.bias.normal_(0.0, 0.2)
-    return attn
-
-
-def _inputs(sq=16, b=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    d = KV_LORA + ROPE
-    return dict(
-        query=torch.randn(sq, b, HEADS, d, generator=g).to(torch.bfloat16).requires_grad_(),
-        key=torch.randn(sq, b, 1, d, generator=g).to(torch.bfloat16).requires_grad_(),
-        x=torch.randn(sq, b, HIDDEN, generator=g).to(torch.bfloat16),
-        qr=torch.randn(sq, b, Q_LORA, generator=g).to(torch.bfloat16),
-        up_v_weight=torch.randn(HEADS, V_DIM, KV_LORA, generator=g).to(torch.bfloat16),
-    )
-
-
-def _run(attn, inputs, **kw):
-    from megatron.core.transformer.enums import AttnMaskType
-
-    return attn(
-        inputs["query"], inputs["key"], None, None, inputs["x"], inputs["qr"],
-        attn_mask_type=AttnMaskType.causal, up_v_weight=inputs["up_v_weight"], **kw,
-    )  # fmt: skip
-
-
-def test_indexer_keeps_parameter_names(seams_installed, cpu_rotary):
-    attn = _attention(make_config())
-    stock = _attention(make_config(), cls=True)
-    assert list(attn.state_dict()) == list(stock.state_dict())
-    assert list(attn.indexer.state_dict()) == list(stock.indexer.state_dict())
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_indexer_outputs_per_configuration(seams_installed, cpu_rotary, name):
-    config = make_config(**CONFIGS[name])
-    attn = _attention(config)
-    stock = _attention(make_config(), cls=True)
-    stock.load_state_dict(attn.state_dict())
-    inp = _inputs()
-    with torch.no_grad():
-        q, k, w = attn.indexer.forward_before_topk(inp["x"], inp["qr"])
-        q0, k0, w0 = stock.indexer.forward_before_topk(inp["x"], inp["qr"])
-    want = torch.float32 if config.dsa_indexer_rope_fp32 else torch.bfloat16
-    assert q.dtype == k.dtype == want
-    assert w.dtype == (
-        torch.float32 if config.dsa_indexer_scoring_precision == "fp8" else torch.bfloat16
-    )
-    if name == "baseline":
-        assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(w, w0)
-    else:
-        assert (q.float() - q0.float()).abs().max() < 0.1 * q0.float().abs().max()
-    if config.dsa_indexer_scoring_precision == "fp8":
-        raw, _ = attn.indexer.linear_weights_proj(inp["x"])
-        assert torch.equal(w, (raw.float() * 128**-0.5) * 32**-0.5)
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("path", ["fused", "split", "chunked", "thd"])
-def test_every_scoring_call_reaches_the_configured_precision(fake, monkeypatch, name, path):
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels
-
-    overrides = dict(CONFIGS[name])
-    if path != "fused":
-        overrides["dsa_indexer_topk_freq"] = 2  # top-k sharing: Megatron takes its split path
-    if path == "chunked":
-        monkeypatch.setattr(dsa_cudnn_kernels, "_INDEXER_SCORE_CHUNK_MAX_BYTES", 2 * 16 * 4 * 5)
-        monkeypatch.setattr(dsa_cudnn_kernels, "_INDEXER_SCORE_CHUNK_ROW_ALIGNMENT", 1)
-    config = make_config(**overrides)
-    attn = _attention(config)
-    kw = {}
-    inp = _inputs()
-    if path == "thd":
-        inp = _inputs(sq=16, b=1)
-        inp = {k: v.view(16, *v.shape[2:]) if k in ("query", "key") else v for k, v in inp.items()}
-        inp["query"] = inp["query"].detach().requires_grad_()
-        inp["key"] = inp["key"].detach().requires_grad_()
-        cu = torch.tensor([0, 6, 16], dtype=torch.int32)
-        kw["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=10, max_seqlen_kv=10
-        )
-    reset_scoring_calls()
-    fake.forward_calls.clear()
-    out = _run(attn, inp, **kw)
-    out.float().sum().backward()
-    precision = config.dsa_indexer_scoring_precision
-    if name == "baseline":
-        # Default configuration: Megatron's own code runs, counted but not re-rounded.
-        assert scoring_calls() >= 1 and scoring_calls("bf16") == scoring_calls()
-        assert all(c["precision"] == "bf16" for c in fake.forward_calls)
-        return
-    calls = scoring_calls()
-    assert calls >= 1 and scoring_calls(precision) == calls, (path, calls)
-    assert scoring_calls(site="fused" if path == "fused" else "split") == calls
-    if path == "chunked":
-        assert calls >= 2
-    want_dtype = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16
-    for call in fake.forward_calls:
-        assert call["precision"] == precision and call["q_dtype"] == want_dtype
-    assert inp["query"].grad is not None and torch.isfinite(inp["query"].grad.float()).all()
-
-
-def test_default_configuration_is_bit_identical_to_stock(seams_installed, cpu_rotary):
-    """Backend 'none' (the only one stock Megatron runs here): same outputs and gradients."""
-    config = make_config(dsa_kernel_backend="none")
-    ours = _attention(config)
-    stock = _attention(config, cls=True)
-    stock.load_state_dict(ours.state_dict())
-    assert type(stock).__name__ == "DSAttention"
-    a, b = _inputs(), _inputs()
-    out_a, out_b = _run(ours, a), _run(stock, b)
-    assert torch.equal(out_a, out_b)
-    grad = torch.randn_like(out_a)
-    out_a.backward(grad)
-    out_b.backward(grad)
-    assert torch.equal(a["query"].grad, b["query"].grad) and torch.equal(
-        a["key"].grad, b["key"].grad
-    )
-
-
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_strict_mode_raises_on_a_mismatch_and_on_a_bypass(fake, monkeypatch, path):
-    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels
-
-    from dsa_precision.audit import PrecisionMismatchError
-
-    monkeypatch.setenv("DSA_PRECISION_STRICT", "1")
-    overrides = dict(CONFIGS["fp8"])
-    if path == "split":
-        overrides["dsa_indexer_topk_freq"] = 2
-    attn = _attention(make_config(**overrides))
-    _run(attn, _inputs())  # the configured path passes
-    # A seam that scores in the wrong precision is caught at its first call.
-    with monkeypatch.context() as mp:
-        mp.setattr(seams, "_routing", lambda: IndexerPrecisionConfig(rope_fp32=True))
-        with pytest.raises(PrecisionMismatchError, match=r"ran in bf16 .* but fp8 is configured"):
-            _run(attn, _inputs())
-    if path == "split":
-        # A Megatron path outside the seams (here: the global-rows scorer restored) is caught
-        # because the layer selected top-k without a counted scoring call.
-        monkeypatch.setattr(
-            dsa_cudnn_kernels,
-            "_compute_indexer_scores_chunk_with_global_rows",
-            seams._ORIGINALS["global_rows"],
-        )
-        with pytest.raises(PrecisionMismatchError, match="without a scoring call"):
-            _run(attn, _inputs())
-
-
-def test_rope_fp32_on_the_pytorch_backend_scores_bf16_operands(seams_installed, cpu_rotary):
-    """Backend 'none': Megatron's naive scoring sees BF16-rounded carriers, never FP32."""
-    config = make_config(dsa_kernel_backend="none", dsa_indexer_rope_fp32=True)
-    attn = _attention(config)
-    reset_scoring_calls()
-    _run(attn, _inputs())
-    assert scoring_calls("bf16", "megatron") == 1 and scoring_calls() == 1
-
-
-def test_precision_attention_needs_install(megatron_parallel, cpu_rotary):
-    dsap.uninstall()
-    with pytest.raises(RuntimeError, match=r"dsa_precision.megatron.install\(\)"):
-        _attention(make_config())
-
-
-def test_seams_check_version_and_signatures(megatron_parallel, monkeypatch):
-    import megatron.core
-    from megatron.core.transformer.experimental_attention_variant import dsa
-
-    dsap.uninstall()
-    monkeypatch.setattr(megatron.core, "__version__", "0.21.0")
-    with pytest.raises(RuntimeError, match=r"supports megatron-core 0\.19\.x; found 0\.21\.0"):
-        dsap.install()
-    monkeypatch.setattr(megatron.core, "__version__", "0.19.2")
-    monkeypatch.setattr(dsa, "_compute_index_scores", lambda q, k: None)
-    with pytest.raises(RuntimeError, match="seam naive_scores"):
-        dsap.install()
-    assert not dsap.installed()
-
-
-def test_proxy_routes_indexer_forward_wrapper(fake):
-    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels
-
-    q, k = torch.randn(1, 8, 32, 128), torch.randn(1, 8, 1, 128)
-    w = torch.randn(1, 8, 32).to(torch.bfloat16)
-    proxy = dsa_cudnn_kernels._cudnn_dsa
-    with seams.precision_scope(IndexerPrecisionConfig(scoring_precision="fp8")):
-        proxy.indexer_forward_wrapper(q, k, w, ratio=1, sm_scale=1.0)
-        with pytest.raises(NotImplementedError, match="stream"):
-            proxy.indexer_forward_wrapper(q, k, w, ratio=1, stream=None)
-    assert fake.forward_calls[-1]["precision"] == "fp8"
-    proxy.indexer_forward_wrapper(q.to(torch.bfloat16), k.to(torch.bfloat16), w, ratio=1)
-    assert fake.forward_calls[-1]["precision"] == "bf16"  # outside a scope: pass-through
+    monkeypatch.delattr(package, "dsa")
+    monkeypatch.setitem(sys.modules, package.__name__ + ".dsa", None)
+    with pytest.raises(ImportError, match=r"needs megatron-core's DSA modules.*megatron-core=="):
+        compat.check_megatron_core()

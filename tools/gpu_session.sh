@@ -1,37 +1,75 @@
 #!/usr/bin/env bash
-# Run on the H200 after `source .gpu/bin/env.sh` (see ../shared/gpu/README.md).
-#   bash tools/gpu_session.sh tests|demo|toy|bench ...
-# Logs and JSON land in $OUT (or ./gpu-out).
+# The H200 runs behind docs/gpu-validation.md, docs/benchmarks.md and docs/megatron.md.
+# On the GPU host, after `source .gpu/bin/env.sh` (../shared/gpu/README.md):
+#   bash tools/gpu_session.sh deepgemm tests bench demo toy replay ...
+# Every step logs to $OUT (default ./gpu-out); the last step packs the logs into $OUT/logs.tgz.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export DSA_PRECISION_REPORT=$OUT/gpu_report.jsonl
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/device.txt"
-for step in "$@"; do
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export DSA_PRECISION_REPORT=$LOGS/gpu_report.jsonl
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  >> "$LOGS/device.txt" 2>&1
+cat "$LOGS/device.txt"
+
+run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, print its tail
+  local name=$1 limit=$2 start
+  shift 2
   start=$(date +%s)
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc, $(( $(date +%s) - start )) s"
+  grep -v -i "warn\|deprecat" "$LOGS/$name.log" | tail -n "${TAIL:-25}"
+}
+
+for step in "$@"; do
   case $step in
-    tests) timeout 480 python -m pytest -m gpu -q -rs --durations=15 tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    demo) timeout 240 python -m dsa_precision demo --device cuda 2>&1 | tee "$OUT/demo_cuda.txt" | tail -20
-          timeout 240 python -m dsa_precision demo --device cuda --json > "$OUT/demo_cuda.json" 2>"$OUT/demo_cuda.err" ;;
-    toy) timeout 540 python examples/toy_glm5_train.py --out "$OUT/toy.json" 2>&1 | grep -v -i "warn\|deprecated" | tee "$OUT/toy.log" | tail -20 ;;
-    tune) timeout 300 python tools/tune_prepare.py --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.txt" ;;
-    bench) # with the launch shape tune chose, if it ran
-           timeout 540 python - "$OUT/tune.json" ${BENCH_ARGS:-} > "$OUT/bench${BENCH_TAG:-}.json" 2> "$OUT/bench${BENCH_TAG:-}.err" <<'PY'
-import json, os, sys
-import dsa_precision.kernels.preprocess_quantize as kernel
-from dsa_precision.cli import main
-if os.path.exists(sys.argv[1]):
-    kernel.BLOCK_ROWS, kernel.NUM_WARPS = json.load(open(sys.argv[1]))["best"]
-print(f"launch shape {kernel.BLOCK_ROWS}x{kernel.NUM_WARPS}", file=sys.stderr)
-sys.exit(main(["bench", "--json", *sys.argv[2:]]))
-PY
-           python - "$OUT/bench${BENCH_TAG:-}.json" <<'PY' | tee "$OUT/bench${BENCH_TAG:-}.txt"
+    deepgemm)  # build DeepGEMM from the ignored .dg/ bundle (../shared/gpu/deepgemm.sh)
+      run deepgemm 400 bash .dg/build.sh
+      export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-} ;;
+    tests)
+      TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
+    tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
+      TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
+        -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
+    bench)
+      run bench 900 python -m dsa_precision bench --json ${BENCH_ARGS:-}
+      python - "$LOGS/bench.log" <<'PY' | tee "$LOGS/bench.txt"
 import json, sys
-from dsa_precision.bench import format_tables
-print(format_tables(json.load(open(sys.argv[1]))))
+from dsa_precision.cli.bench import format_tables
+text = open(sys.argv[1]).read()
+print(format_tables(json.loads(text[text.index("{"):])))
 PY
-           ;;
+      ;;
+    demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
+      for heads in 32 64; do
+        for engine in "vllm-exact" "vllm" "vllm-eager" "vllm-legacy" "lmdeploy" \
+                      "sglang-fused --rope-interleaved" "sglang-unfused --hadamard"; do
+          tag=$(echo "$engine" | cut -d' ' -f1)-h$heads
+          TAIL=9 run "demo_$tag" 300 python -m dsa_precision demo --device cuda --heads $heads \
+            --engine $engine
+        done
+        TAIL=9 run "demo_deepgemm-h$heads" 300 python -m dsa_precision demo --device cuda \
+          --heads $heads --engine vllm --backend deepgemm
+      done ;;
+    toy)
+      TAIL=12 run toy_2048 900 python examples/toy_glm5_train.py --out "$LOGS/toy_2048.json"
+      TAIL=12 run toy_8192 900 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
+        --steps 12 --share-steps 2 --out "$LOGS/toy_8192.json" ;;
+    replay)
+      TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
+        --out "$LOGS/replay.json" ;;
+    parity)  # two GPUs
+      TAIL=40 run parity 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
+        --json "$LOGS/parity.json"
+      TAIL=20 run parity_throughput 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
+        --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384} --json "$LOGS/throughput.json" ;;
+    megatron-tests)
+      TAIL=30 run megatron_tests 900 python tools/megatron_tests/run.py \
+        --megatron-lm .megatron-lm --out "$LOGS/megatron_tests" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
-  echo "[$step] $(( $(date +%s) - start )) s"
 done
+tar czf "$OUT/logs.tgz" -C "$OUT" logs

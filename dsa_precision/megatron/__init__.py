@@ -1,25 +1,34 @@
-"""Megatron Core integration (megatron-core 0.19.x).
+"""Megatron Core integration (megatron-core 0.19): drop-in DSA modules that own their calls.
 
 Usage in a training script::
 
     import dsa_precision.megatron as dsap
 
-    dsap.install()  # once: the named, version-checked seams
     config = dsap.DSAPrecisionTransformerConfig(
         ...,  # the usual MLA + DSA fields
         dsa_indexer_rope_fp32=True,
         dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_engine="vllm-eager",
     )
     block_spec = dsap.get_gpt_dsa_precision_block_spec(config)
 
-See ``docs/megatron.md``.
+Nothing of megatron-core is replaced or reassigned: ``PrecisionDSAIndexer`` and
+``PrecisionDSAttention`` subclass Megatron's modules and call its public functions; the surface
+they rely on is checked at import (:mod:`.compat`). See ``docs/megatron.md``.
 """
 
-# ruff: noqa: I001  (config first: it validates before anything is built)
+# ruff: noqa: I001, E402  (the surface check runs before the modules that rely on it import)
+
+import warnings
+
+from .compat import TESTED_MEGATRON_CORE, check_megatron_core
+
+check_megatron_core()
 
 from .config import DSAPrecisionTransformerConfig, add_dsa_precision_args, config_from_args
-from .seams import SUPPORTED_MEGATRON_CORE, install, installed, precision_scope, uninstall
-from .modules import PrecisionDSAIndexer, PrecisionDSAttention
+from .indexer import PrecisionDSAIndexer
+from .attention import PrecisionDSAttention
+from .replay import capture_topk, engine_topk, load_topk, save_topk, topk_metrics
 from .specs import (
     LocalDSASpecProvider,
     get_dsa_precision_module_spec,
@@ -28,18 +37,31 @@ from .specs import (
 )
 
 __all__ = [
-    "SUPPORTED_MEGATRON_CORE",
+    "TESTED_MEGATRON_CORE",
     "DSAPrecisionTransformerConfig",
     "LocalDSASpecProvider",
     "PrecisionDSAIndexer",
     "PrecisionDSAttention",
     "add_dsa_precision_args",
+    "capture_topk",
     "config_from_args",
+    "engine_topk",
     "get_dsa_precision_module_spec",
     "get_gpt_dsa_precision_block_spec",
     "install",
-    "installed",
-    "precision_scope",
-    "uninstall",
+    "load_topk",
+    "save_topk",
+    "topk_metrics",
     "with_dsa_precision",
 ]
+
+
+def install() -> None:
+    """Deprecated no-op, kept for one release: the drop-in modules no longer need any setup
+    (dsa-precision 0.1 replaced five megatron-core functions here; 0.2 replaces none)."""
+    warnings.warn(
+        "dsa_precision.megatron.install() is a no-op since dsa-precision 0.2 and will be removed; "
+        "build the model with the drop-in modules directly.",
+        DeprecationWarning,
+        stacklevel=2,
+    )

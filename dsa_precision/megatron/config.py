@@ -1,122 +1,108 @@
-"""Megatron configuration: two ``TransformerConfig`` fields and their command-line flags."""
+"""Megatron configuration: the dsa-precision ``TransformerConfig`` fields and their flags."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from .. import _cudnn
 from ..config import IndexerPrecisionConfig
-from ..sparse_attention import _flash_mla_sparse_fwd
+from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
+from .replay import TOPK_SOURCES
 
 __all__ = ["DSAPrecisionTransformerConfig", "add_dsa_precision_args", "config_from_args"]
-
-_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass
 class DSAPrecisionTransformerConfig(MLATransformerConfig):
-    """``MLATransformerConfig`` with the two dsa-precision switches.
-
-    ``dsa_kernel_backend="cudnn"`` is validated here rather than by the parent: cuDNN's DSA
-    kernels and a CUDA device are required, FlashMLA is optional (without it the sparse attention
-    forward is the package's built-in implementation, see ``docs/megatron.md``).
-    """
+    """``MLATransformerConfig`` with the dsa-precision fields; the defaults are Megatron's
+    behaviour, byte for byte. Every other field, ``dsa_kernel_backend`` and its FlashMLA
+    requirement included, is validated by Megatron as usual."""
 
     ####################
     # dsa-precision
     ####################
     dsa_indexer_rope_fp32: bool = False
     """Keep the DSA indexer's key LayerNorm -> RoPE (and query RoPE, Hadamard) in FP32 after the
-    projections, so q and k reach scoring with no BF16 round trip (the inference engines'
-    preprocessing). Default False: Megatron's BF16 path, bit for bit."""
+    projections, following the inference engine's rules (dsa_indexer_engine), so q and k reach
+    scoring as the engine builds them. Default False: Megatron's BF16 path, bit for bit."""
 
     dsa_indexer_scoring_precision: Literal["bf16", "fp8"] = "bf16"
-    """Operand precision of the DSA indexer scoring matmul. "fp8": E4M3 operands with one UE8M0
-    descale per 128-vector and FP32 head weights, as vLLM / SGLang score; needs
-    dsa_kernel_backend="cudnn", dsa_indexer_loss_coeff 0, dsa_indexer_scoring_relu, a fused
-    attention backend, 32 or 64 indexer heads of dim 128 and an SM90 GPU. Default "bf16"."""
+    """Operand precision of the DSA indexer scoring. "fp8": E4M3 operands with one FP32 descale
+    per 128-vector and FP32 head weights, as the inference engine scores (dsa_indexer_engine);
+    the top-k is computed by dsa-precision's kernels (cuDNN's SM90 FP8 indexer), the sparse
+    attention stays Megatron's. Needs dsa_indexer_loss_coeff 0, dsa_indexer_scoring_relu, 32 or
+    64 indexer heads of dim 128, and on a GPU an SM90 device with nvidia-cudnn-frontend.
+    Default "bf16"."""
+
+    dsa_indexer_engine: str = DEFAULT_ENGINE.name
+    """The inference engine profile whose numerics the two fields above reproduce (a name of
+    dsa_precision.ENGINE_PROFILES). The default keeps dsa-precision's original contract."""
+
+    dsa_indexer_topk_source: Literal["compute", "replay", "verify"] = "compute"
+    """Where each DSA layer's top-k comes from: "compute" (as configured), "replay" (the keys the
+    inference engine picked for this micro-batch, handed in with
+    dsa_precision.megatron.engine_topk; the indexer does not score; needs zero indexer loss) or
+    "verify" (compute as configured and compare with the engine's picks; metrics from
+    dsa_precision.megatron.topk_metrics). Default "compute"."""
 
     def __post_init__(self) -> None:
-        backend = self.dsa_kernel_backend
-        # The parent refuses "cudnn" without FlashMLA; this package runs the cuDNN backend without
-        # it (built-in sparse attention forward), so it checks that backend's dependencies itself.
-        defer = backend == "cudnn"
-        if defer:
-            self.dsa_kernel_backend = "none"
-        try:
-            super().__post_init__()
-        finally:
-            self.dsa_kernel_backend = backend
-        if defer and self.experimental_attention_variant == "dsa":
-            _validate_cudnn_backend()
-        _validate_precision(self)
+        super().__post_init__()
+        self.dsa_indexer_precision  # noqa: B018 - validates the fields and their combination
 
     @property
     def dsa_indexer_precision(self) -> IndexerPrecisionConfig:
-        """The two switches as the core's frozen :class:`IndexerPrecisionConfig`."""
-        return IndexerPrecisionConfig(
-            rope_fp32=self.dsa_indexer_rope_fp32,
-            scoring_precision=self.dsa_indexer_scoring_precision,
-        )
-
-
-def _validate_cudnn_backend() -> None:
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "dsa_kernel_backend='cudnn' requires a CUDA device, but none is available; set "
-            "dsa_kernel_backend='none' to use the PyTorch path."
-        )
-    if not _cudnn.dsa_available():
-        _, reason = _cudnn._import_dsa()
-        raise ValueError(f"dsa_kernel_backend='cudnn': {reason}.")
-    if _flash_mla_sparse_fwd() is None:
-        _LOGGER.info(
-            "FlashMLA is not installed: DSA sparse attention uses dsa_precision's built-in "
-            "forward (cuDNN SM90 backward when available)."
-        )
+        """The dsa-precision fields as the core's frozen :class:`IndexerPrecisionConfig`,
+        validated against the model (one ``ValueError`` naming every field to fix)."""
+        return _validate_precision(self)
 
 
 def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisionConfig:
     """One ``ValueError`` naming every field that keeps the requested precision from running."""
     try:
-        precision = IndexerPrecisionConfig(
-            rope_fp32=config.dsa_indexer_rope_fp32,
-            scoring_precision=config.dsa_indexer_scoring_precision,
-        )
+        precision = IndexerPrecisionConfig.from_megatron_config(config)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"dsa_indexer_{exc}") from None
-    if not precision.fp8:
-        return precision
     problems = []
+    source = config.dsa_indexer_topk_source
+    if source not in TOPK_SOURCES:
+        raise ValueError(
+            f"dsa_indexer_topk_source={source!r} is not a top-k source; use one of {TOPK_SOURCES}."
+        )
+    if source == "replay" and config.dsa_indexer_loss_coeff not in (None, 0, 0.0):
+        problems.append(
+            f"dsa_indexer_loss_coeff={config.dsa_indexer_loss_coeff!r}: dsa_indexer_topk_source="
+            "'replay' skips the indexer's scoring, so there are no scores to train; set it to 0"
+        )
+    if precision == IndexerPrecisionConfig(engine=precision.engine) and not problems:
+        return precision  # Megatron's behaviour: nothing of ours runs
     if config.experimental_attention_variant != "dsa":
         problems.append(
             f"experimental_attention_variant={config.experimental_attention_variant!r}: the "
-            "FP8 indexer belongs to DSA; set experimental_attention_variant='dsa'"
+            "dsa-precision fields act on DSA; set experimental_attention_variant='dsa'"
         )
-    if not config.dsa_indexer_scoring_relu:
-        problems.append(
-            "dsa_indexer_scoring_relu=False: cuDNN's FP8 indexer kernel applies ReLU per head; "
-            "set dsa_indexer_scoring_relu=True"
-        )
-    if config.attention_backend in (AttnBackend.unfused, "unfused"):
-        problems.append(
-            f"attention_backend={config.attention_backend}: Megatron then scores with its naive "
-            "PyTorch indexer; use a fused attention backend (e.g. AttnBackend.auto)"
-        )
+    if precision.fp8:
+        if not config.dsa_indexer_scoring_relu:
+            problems.append(
+                "dsa_indexer_scoring_relu=False: the FP8 indexer kernels apply ReLU per head; "
+                "set dsa_indexer_scoring_relu=True"
+            )
+        if torch.cuda.is_available() and not _cudnn.dsa_available():
+            problems.append(
+                f"dsa_indexer_scoring_precision='fp8' on this GPU: {_cudnn.dsa_unavailable_reason()}"
+            )
     try:
         precision.validate_for_model(
-            kernel_backend=config.dsa_kernel_backend,
             indexer_loss_coeff=config.dsa_indexer_loss_coeff,
             n_heads=config.dsa_indexer_n_heads,
             head_dim=config.dsa_indexer_head_dim,
+            rotate_activation=config.dsa_indexer_rotate_activation,
+            rope_interleaved=config.dsa_indexer_rope_interleaved,
         )
     except ValueError as exc:
         problems.extend(
@@ -124,14 +110,14 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
         )
     if problems:
         raise ValueError(
-            "dsa_indexer_scoring_precision='fp8' cannot be honoured:\n  - "
-            + "\n  - ".join(problems)
+            f"dsa-precision fields ({precision.short_str()}, dsa_indexer_engine="
+            f"{precision.engine.name!r}) cannot be honoured:\n  - " + "\n  - ".join(problems)
         )
     return precision
 
 
 def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``extra_args_provider`` for Megatron's ``parse_args``: the two dsa-precision flags."""
+    """``extra_args_provider`` for Megatron's ``parse_args``: the dsa-precision flags."""
     group = parser.add_argument_group(title="dsa-precision")
     group.add_argument(
         "--dsa-indexer-rope-fp32",
@@ -144,12 +130,26 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
         default="bf16",
         help="Operand precision of the DSA indexer scoring matmul (default bf16).",
     )
+    group.add_argument(
+        "--dsa-indexer-topk-source",
+        choices=TOPK_SOURCES,
+        default="compute",
+        help="Where each DSA layer's top-k comes from: computed, replayed from the inference "
+        "engine, or computed and verified against it (default compute).",
+    )
+    group.add_argument(
+        "--dsa-indexer-engine",
+        choices=sorted(ENGINE_PROFILES),
+        default=DEFAULT_ENGINE.name,
+        help="Inference engine profile the indexer numerics reproduce "
+        f"(default {DEFAULT_ENGINE.name}).",
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecisionTransformerConfig:
     """The ``TransformerConfig`` Megatron's training entry builds from ``args``, as a
-    :class:`DSAPrecisionTransformerConfig` carrying the two flags.
+    :class:`DSAPrecisionTransformerConfig` carrying the dsa-precision flags.
 
     ``core_transformer_config_from_args`` replaces any ``config_class`` by
     ``MLATransformerConfig`` when ``--multi-latent-attention`` is set, so this builds that config
@@ -162,6 +162,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecision
     fields.update(
         dsa_indexer_rope_fp32=getattr(args, "dsa_indexer_rope_fp32", False),
         dsa_indexer_scoring_precision=getattr(args, "dsa_indexer_scoring_precision", "bf16"),
+        dsa_indexer_engine=getattr(args, "dsa_indexer_engine", DEFAULT_ENGINE.name),
+        dsa_indexer_topk_source=getattr(args, "dsa_indexer_topk_source", "compute"),
     )
     fields.update(overrides)
     return DSAPrecisionTransformerConfig(**fields)

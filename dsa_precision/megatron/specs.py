@@ -21,7 +21,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from .modules import PrecisionDSAIndexer, PrecisionDSAttention
+from .attention import PrecisionDSAttention
+from .indexer import PrecisionDSAIndexer
 
 __all__ = [
     "LocalDSASpecProvider",

@@ -1,4 +1,10 @@
-"""PrecisionDSAttention with the real cuDNN kernels on an SM90 GPU (megatron-core 0.19)."""
+"""The Megatron drop-ins on an SM90 GPU (megatron-core 0.19, Megatron's own sparse attention:
+``dsa_kernel_backend="none"`` because FlashMLA is not installed on the test host).
+
+Checked against: stock Megatron (default fields, bit for bit), the torch reference of the
+package on the same operands (the owned FP8 top-k), replays (bit-exact), and the host
+synchronisation debug mode (the owned top-k never waits for the host).
+"""
 
 import pytest
 import torch
@@ -9,7 +15,7 @@ HIDDEN, Q_LORA, KV_LORA, ROPE, HEADS = 512, 128, 512, 64, 16
 
 
 @pytest.fixture(scope="module")
-def megatron_gpu():
+def dsap():
     import os
 
     import torch.distributed as dist
@@ -23,29 +29,38 @@ def megatron_gpu():
         dist.init_process_group("nccl", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    dsap.install()
-    yield dsap
-    dsap.uninstall()
+    return dsap
 
 
-def _attention(dsap, **overrides):
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import build_module
+def _config(dsap, stock=False, **overrides):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    config = dsap.DSAPrecisionTransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, bf16=True,
+    cls = MLATransformerConfig if stock else dsap.DSAPrecisionTransformerConfig
+    # Megatron's default Hadamard needs fast_hadamard_transform, which the GPU host lacks.
+    overrides.setdefault("dsa_indexer_rotate_activation", False)
+    return cls(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, bf16=True,
         params_dtype=torch.bfloat16, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=128,
         qk_pos_emb_head_dim=ROPE, v_head_dim=128, add_bias_linear=False, apply_rope_fusion=False,
         experimental_attention_variant="dsa", dsa_indexer_n_heads=32, dsa_indexer_head_dim=128,
-        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, dsa_indexer_rotate_activation=True,
-        rope_type="rope", dsa_kernel_backend="cudnn", **overrides,
+        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, rope_type="rope", **overrides,
     )  # fmt: skip
+
+
+def _attention(dsap, config, stock=False, layer_number=1):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    spec = dsap.get_dsa_precision_module_spec(config, dsap.LocalDSASpecProvider())
+    build = get_dsa_module_spec_for_backend if stock else dsap.get_dsa_precision_module_spec
+    spec = build(config, backend=dsap.LocalDSASpecProvider())
     attn = build_module(
-        spec.submodules.core_attention, config=config, layer_number=1,
+        spec.submodules.core_attention, config=config, layer_number=layer_number,
         attn_mask_type=AttnMaskType.causal, attention_type="self",
     )  # fmt: skip
     return attn.cuda().bfloat16()  # as Megatron's Float16Module leaves the parameters
@@ -78,39 +93,79 @@ def _forward(attn):
     return run
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("topk_freq", [1, 2], ids=["fused_path", "split_path"])
-def test_precision_attention_replays_bit_exact(megatron_gpu, precision, topk_freq):
+CONFIGS = {
+    "baseline": {},
+    "rope_fp32": {"dsa_indexer_rope_fp32": True},
+    "fp8": {"dsa_indexer_scoring_precision": "fp8"},
+    "rope_fp32+fp8": {"dsa_indexer_rope_fp32": True, "dsa_indexer_scoring_precision": "fp8"},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_attention_replays_bit_exact(dsap, name, topk_freq):
     from dsa_precision.testing import assert_replays_bit_exact
 
-    attn = _attention(
-        megatron_gpu,
-        dsa_indexer_rope_fp32=True,
-        dsa_indexer_scoring_precision=precision,
-        dsa_indexer_topk_freq=topk_freq,  # 2: top-k sharing, Megatron's split path
-    )
+    attn = _attention(dsap, _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name]))
     assert_replays_bit_exact(
-        _forward(attn), _inputs(), contention=True, what=f"DSAttention {precision}"
+        _forward(attn), _inputs(), backward=True, contention=True, what=f"DSAttention {name}"
     )
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"dsa_indexer_rope_fp32": True}, {"dsa_indexer_scoring_precision": "fp8"},
-     {"dsa_indexer_rope_fp32": True, "dsa_indexer_scoring_precision": "fp8"}],
-    ids=["baseline", "rope_fp32", "fp8", "rope_fp32+fp8"],
-)  # fmt: skip
-def test_fused_and_split_paths_score_in_the_configured_precision(megatron_gpu, record, overrides):
-    from dsa_precision import reset_scoring_calls, scoring_calls
+def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
+    ours = _attention(dsap, _config(dsap))
+    stock = _attention(dsap, _config(dsap, stock=True), stock=True)
+    stock.load_state_dict(ours.state_dict())
+    a, b = _inputs(), _inputs()
+    out_a, out_b = _forward(ours)(*a), _forward(stock)(*b)
+    assert torch.equal(out_a, out_b)
+    out_a.float().sum().backward()
+    out_b.float().sum().backward()
+    assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
 
-    precision = overrides.get("dsa_indexer_scoring_precision", "bf16")
-    for topk_freq, site in ((1, "fused"), (2, "split")):
-        attn = _attention(megatron_gpu, dsa_indexer_topk_freq=topk_freq, **overrides)
-        reset_scoring_calls()
-        out = _forward(attn)(*_inputs())
-        out.float().sum().backward()
-        total = scoring_calls()
-        record("megatron_paths", config=str(overrides), site=site, calls=total,
-               in_precision=scoring_calls(precision, site=site))  # fmt: skip
-        assert total >= 1 and scoring_calls(precision, site=site) == total
-        assert torch.isfinite(out.float()).all()
+
+@pytest.mark.parametrize("engine", ["vllm-exact", "vllm", "lmdeploy"])
+def test_fp8_owned_top_k_on_cudnn(dsap, record, engine):
+    from dsa_precision import indexer_select, reset_scoring_calls, scoring_calls, topk_agreement
+
+    config = _config(
+        dsap,
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_engine=engine,
+    )
+    attn = _attention(dsap, config)
+    query, _, x, qr, _ = _inputs()
+    reset_scoring_calls()
+    topk = attn.compute_topk(query, x, qr, None)
+    assert scoring_calls("fp8", "cudnn") >= 1 and scoring_calls() == scoring_calls("fp8")
+    ops = attn.indexer.scoring_operands(x, qr)
+    assert ops.q.dtype == torch.float8_e4m3fn and ops.q.is_cuda
+    exact = indexer_select(ops, topk=256, backend="torch")
+    agreement = topk_agreement(topk, exact).as_dict()
+    record("megatron_owned_topk", engine=engine, **agreement)
+    assert agreement["member_agreement"] >= 0.9999
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+def test_owned_top_k_never_waits_for_the_host(dsap, packed):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    config = _config(dsap, dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
+    attn = _attention(dsap, config)
+    query, _, x, qr, _ = _inputs()
+    psp = None
+    if packed:
+        cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device="cuda")
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1100,
+            max_seqlen_kv=1100,
+        )  # fmt: skip
+    want = attn.compute_topk(query, x, qr, psp)  # warm-up: compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = attn.compute_topk(query, x, qr, psp)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)

@@ -1,0 +1,269 @@
+"""``PrecisionDSAttention``: megatron-core's ``DSAttention`` with an owned FP8 top-k.
+
+With BF16 scoring (the default, with or without ``dsa_indexer_rope_fp32``) the forward is
+Megatron's, unchanged: the indexer hands Megatron BF16 operands and Megatron scores them.
+
+With ``dsa_indexer_scoring_precision="fp8"`` a layer that computes its top-k owns that step: the
+indexer builds FP8 operands (fused preprocess + quantize), :func:`~.layout.owned_topk` scores and
+selects them with the global causal rows of Megatron's parallel layout, and Megatron's forward
+then runs with those indices through the route its index-sharing layers take (a layer that reads
+a top-k from the index-share holder): the rest -- sparse attention (FlashMLA or Megatron's own),
+the latent-to-value projection, the output layout, sequence and context parallelism of the
+attention -- is Megatron's. Layers that reuse another layer's top-k (index sharing) are Megatron's
+unchanged; an owned layer stores its indices in Megatron's holder for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+from .. import audit
+from ..config import IndexerPrecisionConfig
+from . import replay
+from .indexer import PrecisionDSAIndexer
+from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
+
+__all__ = ["PrecisionDSAttention"]
+
+
+class PrecisionDSAttention(DSAttention):
+    """``DSAttention`` whose top-k follows the dsa-precision fields of its config (see the module
+    docstring); its indexer must be a :class:`PrecisionDSAIndexer` (the spec swap builds both)."""
+
+    def __init__(self, config, submodules, layer_number, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        # While set, Megatron's forward reads this layer's top-k from the index-share holder.
+        self._staged_topk: torch.Tensor | None = None
+        # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
+        self.topk_monitor = replay.TopkMonitor()
+        if self.indexer is not None and not isinstance(self.indexer, PrecisionDSAIndexer):
+            raise TypeError(
+                f"PrecisionDSAttention needs a PrecisionDSAIndexer, got "
+                f"{type(self.indexer).__name__}; build the layer spec with "
+                "dsa_precision.megatron.with_dsa_precision (or get_gpt_dsa_precision_block_spec)."
+            )
+
+    @property
+    def precision(self) -> IndexerPrecisionConfig:
+        """The configured precision, read from the config now."""
+        return IndexerPrecisionConfig.from_megatron_config(self.config)
+
+    @property
+    def topk_source(self) -> str:
+        """``dsa_indexer_topk_source``, read from the config now."""
+        return getattr(self.config, "dsa_indexer_topk_source", "compute")
+
+    def owns_topk(self) -> bool:
+        """Whether this layer's attention reads a top-k the package supplies (FP8 scoring, or
+        the engine's picks replayed) rather than one Megatron computes."""
+        return not self.skip_topk and (self.precision.fp8 or self.topk_source == "replay")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        attention_mask: torch.Tensor,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+        up_v_weight: torch.Tensor | None = None,
+    ):
+        """Megatron's forward; with FP8 scoring, on this layer's owned top-k."""
+        args = (query, key, value, attention_mask, x, qr, position_ids, attn_mask_type)
+        kwargs = dict(
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            up_v_weight=up_v_weight,
+        )
+        if self.skip_topk:  # index sharing: Megatron's rule, whatever the source layer's picks
+            return super().forward(*args, **kwargs)
+        source = self.topk_source
+        engine, capture = replay.current_engine_topk(), replay.current_capture()
+        owned = self.owns_topk()
+        if not (owned or source == "verify" or capture is not None):
+            return super().forward(*args, **kwargs)
+        layout = self.rank_layout(query, x, packed_seq_params)
+        if source == "replay":
+            if engine is None:
+                raise RuntimeError(
+                    f"DSA layer {self.layer_number}: dsa_indexer_topk_source='replay' needs the "
+                    "engine's indices; run the forward inside dsa_precision.megatron.engine_topk()."
+                )
+            topk = self._engine_picks(engine, layout, query, x)
+        else:
+            with_margins = source == "verify"
+            topk = self.compute_topk(query, x, qr, packed_seq_params, margins=with_margins)
+            topk, margins = topk if with_margins else (topk, None)
+            if engine is not None and (with_margins or self.precision.fp8):
+                picks = self._engine_picks(engine, layout, query, x)
+                self.topk_monitor.update(topk, picks, margins)
+        if capture is not None:
+            capture[self.layer_number] = self._captured(topk, layout, x)
+        if not owned:  # BF16 verify / capture: Megatron selects and attends as configured
+            return super().forward(*args, **kwargs)
+        if self.index_share:  # later layers of the group reuse these indices (Megatron's rule)
+            holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
+            holder[self.layer_number] = topk
+        with self._reading(topk):
+            return super().forward(*args, **kwargs)
+
+    def _indexer_rows(self, x: torch.Tensor) -> int:
+        """Rows of the indexer on this rank (sequence parallelism gathers them over TP)."""
+        tp = self.pg_collection.tp
+        tp_size = tp.size() if tp is not None else 1
+        sequence_parallel = self.config.sequence_parallel and tp_size > 1
+        return x.size(0) * tp_size if sequence_parallel else x.size(0)
+
+    def _engine_picks(
+        self, engine: replay.EngineTopk, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        """The engine's picks of this rank's query rows, in the layout Megatron consumes."""
+        positions = query_positions(layout, self._indexer_rows(x), query.device)
+        batch = 1 if layout.cu_seqlens is not None else x.size(1)
+        return engine.rows(self.layer_number, positions, batch, self.index_topk)
+
+    def _captured(
+        self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
+    ) -> replay.CapturedTopk:
+        """``topk`` ``(b, rows, k)`` in the engines' layout, with each row's global token."""
+        rows = self._indexer_rows(x)
+        positions = query_positions(layout, rows, topk.device)
+        if layout.cu_seqlens is None:
+            seq = rows * layout.cp_size
+            tokens = torch.arange(topk.shape[0], device=topk.device).view(-1, 1) * seq + positions
+            return replay.CapturedTopk(tokens.reshape(-1), topk.reshape(-1, topk.shape[-1]))
+        cu = layout.cu_seqlens.to(device=topk.device, dtype=torch.int64)
+        start = cu[torch.searchsorted(cu[1:], positions, right=True).clamp_(max=cu.numel() - 2)]
+        local = torch.where(topk[0] >= 0, topk[0] - start[:, None].to(topk.dtype), -1)
+        return replay.CapturedTopk(positions, local)
+
+    def rank_layout(
+        self, query: torch.Tensor, x: torch.Tensor, packed_seq_params: PackedSeqParams | None
+    ) -> RankLayout:
+        """What this rank holds, as ``DSAttention.forward`` derives it (see :mod:`.layout`)."""
+        sq = dsa_layout.ensure_sbhd(query, "query")[0].size(0)
+        local = x.size(0)
+        tp, cp = self.pg_collection.tp, self.pg_collection.cp
+        tp_size = tp.size() if tp is not None else 1
+        cp_size = cp.size() if cp is not None else 1
+        sequence_parallel = self.config.sequence_parallel and tp_size > 1
+        rows = local * tp_size if sequence_parallel else local
+        query_start = 0
+        if sequence_parallel and sq == local:  # sequence-local query rows
+            query_start = tp.rank() * local
+        elif sq != rows:
+            raise RuntimeError(
+                f"DSA query rows ({sq}) are neither this rank's rows ({local}) nor the "
+                f"sequence-parallel rows ({rows})."
+            )
+        layout = RankLayout(
+            cp_size=cp_size,
+            cp_rank=cp.rank() if cp_size > 1 else 0,
+            query_start=query_start,
+            query_rows=sq,
+        )
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return layout
+        cu_seqlens, _ = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
+        max_seqlen = packed_seq_params.max_seqlen_kv
+        # As Megatron: host metadata proves a single sequence covers every packed row.
+        covers = (
+            cp_size > 1
+            and cu_seqlens.numel() == 2
+            and isinstance(packed_seq_params.max_seqlen_q, int)
+            and packed_seq_params.max_seqlen_q == rows * cp_size
+        )
+        return RankLayout(
+            cp_size=layout.cp_size,
+            cp_rank=layout.cp_rank,
+            query_start=query_start,
+            query_rows=sq,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen if isinstance(max_seqlen, int) else None,
+            cu_seqlens_cover_output=covers,
+        )
+
+    def compute_topk(
+        self,
+        query: torch.Tensor,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        *,
+        margins: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This layer's top-k ``(b, query rows, topk)`` int32, scored by the package in the
+        configured precision (indices into the gathered keys, ``-1`` in unused slots); with
+        ``margins`` also each row's ``topk``-th minus ``(topk + 1)``-th score ``(b, rows)``."""
+        precision = self.precision
+        layout = self.rank_layout(query, x, packed_seq_params)
+        gather = None
+        if layout.cp_size > 1:
+            gather = functools.partial(
+                gather_from_sequence_parallel_region, group=self.pg_collection.cp
+            )
+        strict = audit.strict_enabled()
+        guard = (
+            audit.strict_precision(precision.scoring_precision.value)
+            if strict
+            else contextlib.nullcontext()
+        )
+        before = audit.scoring_calls()
+        with torch.no_grad(), audit.scoring_site("megatron"), guard:
+            ops = self.indexer.scoring_operands(
+                x.detach(), qr.detach(), packed_seq_params, precision
+            )
+            select = owned_topk_with_margins if margins else owned_topk
+            topk = select(ops, layout, self.index_topk, gather=gather)
+        if strict and audit.scoring_calls() == before:
+            raise audit.PrecisionMismatchError(
+                f"DSA layer {self.layer_number} selected its top-k without a scoring call "
+                f"(strict mode, {audit.STRICT_ENV})."
+            )
+        return topk
+
+    # -- Megatron reads a staged top-k through its index-share holder ------------------------
+
+    @contextlib.contextmanager
+    def _reading(self, topk: torch.Tensor) -> Iterator[None]:
+        """For one Megatron forward, present this layer as one that reads its top-k (``topk``)
+        from the index-share holder, the route of Megatron's index-sharing skip layers."""
+        saved = (self.skip_topk, self.index_share, self.source_layer)
+        self.skip_topk, self.index_share, self.source_layer = True, True, self.layer_number
+        self._staged_topk = topk
+        try:
+            yield
+        finally:
+            self.skip_topk, self.index_share, self.source_layer = saved
+            self._staged_topk = None
+
+    def _get_index_share_topk_holder(
+        self,
+        packed_seq_params: PackedSeqParams | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[int, torch.Tensor]:
+        if self._staged_topk is not None:
+            return {self.layer_number: self._staged_topk}
+        return super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
+
+    def _get_index_share_topk_length_holder(
+        self,
+        packed_seq_params: PackedSeqParams | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[int, torch.Tensor]:
+        if self._staged_topk is not None:
+            return {}
+        return super()._get_index_share_topk_length_holder(packed_seq_params, attention_mask)

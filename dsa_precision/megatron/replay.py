@@ -1,0 +1,379 @@
+"""Where a DSA layer's top-k comes from, and how far it is from the inference engine's.
+
+``dsa_indexer_topk_source`` (a :class:`DSAPrecisionTransformerConfig` field):
+
+- ``"compute"`` (default): the layer selects its keys as configured.
+- ``"replay"``: the layer attends to the keys the engine picked for this micro-batch; its indexer
+  does not score. Needs zero indexer loss.
+- ``"verify"``: the layer selects as configured and compares its picks with the engine's.
+
+The engine's picks reach the model through :func:`engine_topk`, a context manager around the
+forward of one micro-batch, in the engines' layout: per token, ``topk`` sequence-relative key
+positions (``0 <= key <= the token's position``), ``-1`` padding, tokens packed across sequences
+(THD, with ``cu_seqlens``) or batch-major (BSHD, with ``seq_len``), one tensor per layer number.
+Each rank takes its own rows (sequence and context parallelism: the global rows of its queries).
+Layers that reuse another layer's top-k (index sharing) follow Megatron's rule and reuse the
+source layer's picks, replayed or computed.
+
+Monitoring: in ``verify`` (and in ``compute`` when indices are handed in and the layer's picks are
+the package's, i.e. FP8 scoring), every layer accumulates on the device, without host
+synchronisation, its member agreement, identical rows and flipped picks, and (``verify``) the
+margin of each row (its ``topk``-th minus its ``(topk+1)``-th score): :func:`topk_metrics` reads
+them as a dict for Megatron's TensorBoard / W&B writers. :func:`capture_topk` records each layer's
+picks in the engines' layout, e.g. to save them (:func:`save_topk`) for ``dsa-precision agree``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ..agreement import topk_agreement
+
+__all__ = [
+    "TOPK_SOURCES",
+    "CapturedTopk",
+    "EngineTopk",
+    "TopkMonitor",
+    "capture_topk",
+    "engine_topk",
+    "load_topk",
+    "save_topk",
+    "topk_metrics",
+]
+
+TopkSource = Literal["compute", "replay", "verify"]
+TOPK_SOURCES = ("compute", "replay", "verify")
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+# Metric names: dsa_topk/layer_07/member_agreement, ...; dsa_topk/all/... over every layer.
+METRIC_PREFIX = "dsa_topk"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineTopk:
+    """One micro-batch's engine top-k (see the module docstring for the layout)."""
+
+    indices: Mapping[int, torch.Tensor]  # layer number -> (T, k) integer
+    cu_seqlens: torch.Tensor | None = None  # THD: (n + 1,) cumulative lengths of the T tokens
+    seq_len: int | None = None  # BSHD: tokens per sequence (T = batch * seq_len)
+
+    def layer(self, layer_number: int) -> torch.Tensor:
+        if layer_number not in self.indices:
+            raise KeyError(
+                f"engine_topk holds no indices for DSA layer {layer_number} (it has layers "
+                f"{sorted(self.indices)}); replay and verify need every top-k-computing layer's."
+            )
+        return self.indices[layer_number]
+
+    def rows(
+        self, layer_number: int, positions: torch.Tensor, batch: int, topk: int
+    ) -> torch.Tensor:
+        """The engine's picks of a rank's query rows, in ``DSAttention``'s key coordinates:
+        ``(batch, rows, topk)`` int32 (BSHD: key positions; THD: global packed key rows)."""
+        idx = self.layer(layer_number).to(positions.device)
+        if idx.shape[1] > topk:
+            raise ValueError(
+                f"engine_topk layer {layer_number} holds {idx.shape[1]} keys per token, more "
+                f"than the layer's dsa_indexer_topk={topk}."
+            )
+        total = idx.shape[0]
+        if self.cu_seqlens is None:
+            tokens = torch.arange(batch, device=idx.device).view(-1, 1) * self.seq_len + positions
+            picks = idx[tokens].to(torch.int32)
+        else:
+            cu = self.cu_seqlens.to(device=idx.device, dtype=torch.int64)
+            valid = positions < total  # padding rows past the packed tokens select nothing
+            safe = positions.clamp(max=total - 1)
+            start = cu[torch.searchsorted(cu[1:], safe, right=True).clamp_(max=cu.numel() - 2)]
+            picks = idx[safe].to(torch.int64)
+            picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
+            picks = picks.to(torch.int32).unsqueeze(0)
+        return torch.nn.functional.pad(picks, (0, topk - picks.shape[-1]), value=-1)
+
+
+_ENGINE: contextvars.ContextVar[EngineTopk | None] = contextvars.ContextVar(
+    "dsa_precision_engine_topk", default=None
+)
+_CAPTURE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "dsa_precision_capture_topk", default=None
+)
+
+
+def _validate(indices: Mapping[int, torch.Tensor], cu_seqlens, seq_len) -> None:
+    """Shape, dtype, range (-1 or 0 <= key <= position) and duplicates; errors name the layer and
+    the offending row. One host synchronisation per layer."""
+    if (cu_seqlens is None) == (seq_len is None):
+        raise ValueError("engine_topk needs cu_seqlens (packed THD tokens) or seq_len (BSHD).")
+    if not indices:
+        raise ValueError("engine_topk got no layers; pass {layer_number: (T, k) indices}.")
+    for layer, idx in indices.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+            raise ValueError(f"engine_topk keys are 1-based layer numbers, got {layer!r}.")
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in _INDEX_DTYPES or idx.ndim != 2:
+            raise TypeError(
+                f"engine_topk layer {layer}: expected a (T, k) int16/int32/int64 tensor, got "
+                f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}."
+            )
+        total = idx.shape[0]
+        rows = torch.arange(total, device=idx.device)
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(device=idx.device, dtype=torch.int64)
+            if int(cu[-1]) != total:
+                raise ValueError(
+                    f"engine_topk layer {layer}: {total} token rows but cu_seqlens ends at "
+                    f"{int(cu[-1])}."
+                )
+            position = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
+        else:
+            if total % seq_len:
+                raise ValueError(
+                    f"engine_topk layer {layer}: {total} token rows are not a whole number of "
+                    f"sequences of seq_len={seq_len}."
+                )
+            position = rows % seq_len
+        low = idx < -1
+        high = idx > position[:, None]
+        bad = (low | high).any(-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise ValueError(
+                f"engine_topk layer {layer}: row {row} (position {int(position[row])}) holds "
+                f"{idx[row].tolist()[:8]}...; keys must satisfy 0 <= key <= position (causal), "
+                "-1 for padding."
+            )
+        slots = torch.arange(idx.shape[1], device=idx.device)
+        ordered = (
+            torch.where(idx < 0, -1 - slots, idx.to(torch.int64)).sort(-1).values
+        )  # pads differ
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        if bool(repeated.any()):
+            row = int(repeated.nonzero()[0])
+            raise ValueError(f"engine_topk layer {layer}: row {row} repeats a key; rows hold "
+                             "distinct keys.")  # fmt: skip
+
+
+@contextlib.contextmanager
+def engine_topk(
+    indices: Mapping[int, torch.Tensor],
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_len: int | None = None,
+    validate: bool = True,
+) -> Iterator[EngineTopk]:
+    """Hand one micro-batch's engine top-k to the model for the forward inside the block.
+
+    Args:
+        indices: layer number (1-based, Megatron's) -> ``(T, k)`` engine picks (see the module
+            docstring); on any device (moved to the layer's when it reads them).
+        cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed tokens (THD micro-batches).
+        seq_len: tokens per sequence of a BSHD micro-batch (``T = batch * seq_len``).
+        validate: check shapes, dtypes, the causal range and duplicates first (one host
+            synchronisation per layer).
+    """
+    if validate:
+        _validate(indices, cu_seqlens, seq_len)
+    engine = EngineTopk(dict(indices), cu_seqlens, seq_len)
+    token = _ENGINE.set(engine)
+    try:
+        yield engine
+    finally:
+        _ENGINE.reset(token)
+
+
+def current_engine_topk() -> EngineTopk | None:
+    return _ENGINE.get()
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedTopk:
+    """A layer's picks on this rank, in the engines' layout."""
+
+    tokens: torch.Tensor  # (rows,) int64: each row's global token (BSHD: batch * S + position)
+    indices: torch.Tensor  # (rows, k) int32: sequence-relative key positions, -1 padding
+
+
+@contextlib.contextmanager
+def capture_topk() -> Iterator[dict[int, CapturedTopk]]:
+    """Record every DSA layer's top-k during the block: ``{layer_number: CapturedTopk}``.
+
+    A layer records the picks it attends to (replayed, or the package's selection); a layer on
+    Megatron's own BF16 path records the package's BF16 selection of the same operands (one more
+    scoring pass; Megatron's own picks can differ from it only at exact ties).
+    """
+    captured: dict[int, CapturedTopk] = {}
+    token = _CAPTURE.set(captured)
+    try:
+        yield captured
+    finally:
+        _CAPTURE.reset(token)
+
+
+def current_capture() -> dict[int, CapturedTopk] | None:
+    return _CAPTURE.get()
+
+
+class TopkMonitor:
+    """Per-layer agreement with the engine, accumulated on the device (no host sync)."""
+
+    _SUMS = ("common", "members", "identical", "rows", "flipped", "margin", "margin_rows",
+             "margin_flipped", "flipped_rows")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.flipped_max: torch.Tensor | None = None
+
+    def update(
+        self, ours: torch.Tensor, engine: torch.Tensor, margins: torch.Tensor | None = None
+    ) -> None:
+        """Add one micro-batch: ``ours`` and ``engine`` ``(..., k)`` picks of the same rows,
+        ``margins`` ``(...)`` per row (NaN where undefined)."""
+        a = topk_agreement(ours, engine)
+        f64 = torch.float64
+        rows = a.rows.to(f64)
+        values = {
+            "common": a.member_agreement * a.members.to(f64),
+            "members": a.members.to(f64),
+            "identical": a.rows_identical * rows,
+            "rows": rows,
+            "flipped": a.flipped_mean * rows,
+        }
+        if margins is not None:
+            m = margins.reshape(-1).to(f64)
+            defined = ~torch.isnan(m)
+            same = self._identical_rows(ours, engine).reshape(-1)
+            flipped = defined & ~same
+            values |= {
+                "margin": torch.where(defined, m, 0.0).sum(),
+                "margin_rows": defined.sum().to(f64),
+                "margin_flipped": torch.where(flipped, m, 0.0).sum(),
+                "flipped_rows": flipped.sum().to(f64),
+            }
+        for name, value in values.items():
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        top = a.flipped_max.to(torch.int64)
+        self.flipped_max = top if self.flipped_max is None else torch.maximum(self.flipped_max, top)
+
+    @staticmethod
+    def _identical_rows(ours: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
+        def canonical(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(torch.int64)
+            return torch.where(t < 0, torch.iinfo(torch.int64).max, t).sort(-1).values
+
+        return (canonical(ours) == canonical(engine)).all(-1)
+
+    def raw(self) -> torch.Tensor:
+        """float64 ``[len(_SUMS) + 1]``: the sums then ``flipped_max`` (for an all-reduce)."""
+        device = self.flipped_max.device if self.flipped_max is not None else "cpu"
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = [self.sums.get(n, zero) for n in self._SUMS]
+        top = self.flipped_max.to(torch.float64) if self.flipped_max is not None else zero
+        return torch.stack([*sums, top])
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.flipped_max = None
+
+
+def _metrics(name: str, raw: list[float]) -> dict[str, float]:
+    s = dict(zip(TopkMonitor._SUMS, raw[:-1], strict=True))
+    nan = float("nan")
+    return {
+        f"{name}/member_agreement": s["common"] / s["members"] if s["members"] else nan,
+        f"{name}/rows_identical": s["identical"] / s["rows"] if s["rows"] else nan,
+        f"{name}/flipped_per_row": s["flipped"] / s["rows"] if s["rows"] else nan,
+        f"{name}/flipped_max": raw[-1],
+        f"{name}/rows": s["rows"],
+        f"{name}/margin_mean": s["margin"] / s["margin_rows"] if s["margin_rows"] else nan,
+        f"{name}/margin_mean_flipped": (
+            s["margin_flipped"] / s["flipped_rows"] if s["flipped_rows"] else nan
+        ),
+    }
+
+
+def topk_metrics(
+    model: torch.nn.Module,
+    *,
+    reset: bool = True,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Every monitored layer's metrics since the last reset, as ``{name: value}``.
+
+    Names: ``dsa_topk/layer_NN/{member_agreement, rows_identical, flipped_per_row, flipped_max,
+    rows, margin_mean, margin_mean_flipped}`` and ``dsa_topk/all/...`` over every layer. With
+    ``group`` (e.g. the data-parallel group) the counts are summed (``flipped_max``: max) across
+    its ranks first. One host synchronisation.
+    """
+    monitors = {
+        m.layer_number: m.topk_monitor
+        for m in model.modules()
+        if getattr(m, "topk_monitor", None) is not None and m.topk_monitor.sums
+    }
+    if not monitors:
+        return {}
+    layers = sorted(monitors)
+    raw = torch.stack([monitors[n].raw() for n in layers])
+    if group is not None:
+        sums = raw[:, :-1].contiguous()
+        top = raw[:, -1].contiguous()
+        torch.distributed.all_reduce(sums, group=group)
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        raw = torch.cat((sums, top[:, None]), dim=1)
+    total = torch.cat((raw[:, :-1].sum(0), raw[:, -1].max().view(1)))
+    values = torch.cat((raw, total[None])).tolist()
+    out: dict[str, float] = {}
+    for n, row in zip([*layers, None], values, strict=True):
+        out |= _metrics(f"{METRIC_PREFIX}/" + (f"layer_{n:02d}" if n else "all"), row)
+    if reset:
+        for n in layers:
+            monitors[n].reset()
+    return out
+
+
+def save_topk(
+    path: str | Path,
+    indices: Mapping[int, torch.Tensor],
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_len: int | None = None,
+) -> None:
+    """Save per-layer top-k in the replay file format ``agree`` and :func:`load_topk` read: a
+    ``.pt`` or ``.safetensors`` dict of ``layer_NN`` -> ``(T, k)`` tensors, plus ``cu_seqlens`` or
+    ``seq_len``."""
+    tensors = {f"layer_{n:02d}": t.detach().cpu().contiguous() for n, t in sorted(indices.items())}
+    if cu_seqlens is not None:
+        tensors["cu_seqlens"] = cu_seqlens.detach().cpu().to(torch.int64)
+    if seq_len is not None:
+        tensors["seq_len"] = torch.tensor([seq_len], dtype=torch.int64)
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path))
+    else:
+        torch.save(tensors, path)
+
+
+def load_topk(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, object]]:
+    """The per-layer indices of a replay file and its layout (``cu_seqlens`` / ``seq_len``)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    layers = {
+        int(k.removeprefix("layer_")): v for k, v in tensors.items() if k.startswith("layer_")
+    }
+    layout: dict[str, object] = {}
+    if "cu_seqlens" in tensors:
+        layout["cu_seqlens"] = tensors["cu_seqlens"]
+    if "seq_len" in tensors:
+        layout["seq_len"] = int(tensors["seq_len"][0])
+    return layers, layout

@@ -1,0 +1,210 @@
+"""Top-k replay, verification, monitoring and capture in the Megatron drop-ins (CPU).
+
+Checked against: a stock Megatron skip layer handed the same indices through its index-share
+holder (replay feeds exactly those indices to Megatron's sparse attention, values and gradients),
+hand counts of the metrics, the exact scores of the layer's operands (margins), and the same run
+without indices (monitoring changes nothing).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import dsa_precision.megatron as dsap
+from dsa_precision import indexer_scores
+
+from .megatron_utils import (
+    attention_inputs,
+    make_attention,
+    make_config,
+    packed_params,
+    run_attention,
+)
+
+pytestmark = pytest.mark.usefixtures("megatron_parallel", "cpu_rotary")
+SEQ = 16
+
+
+def _captured(attn, inputs, **kw):
+    with dsap.capture_topk() as captured:
+        run_attention(attn, inputs, **kw)
+    return captured[attn.layer_number]
+
+
+def _engine(capture, batch):
+    """The captured picks as engine indices: (T, k), tokens batch-major."""
+    order = capture.tokens.argsort()
+    return capture.indices[order].reshape(batch * SEQ, -1)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+def test_replay_attends_exactly_the_engine_keys(packed):
+    batch = 1 if packed else 2
+    kw = dict(packed_seq_params=packed_params([0, 5, 16])) if packed else {}
+    # Engine picks: those of an FP8 layer of another seed (a different, valid causal selection).
+    other = make_attention(make_config(dsa_indexer_scoring_precision="fp8"), seed=7)
+    engine = _captured(other, attention_inputs(b=batch, packed=packed, seed=3), **kw)
+    indices = engine.indices[engine.tokens.argsort()]
+    layout = dict(cu_seqlens=torch.tensor([0, 5, 16])) if packed else dict(seq_len=SEQ)
+    replaying = make_attention(make_config(dsa_indexer_topk_source="replay"))
+    stock = make_attention(
+        make_config(make_config().__class__.__mro__[1], dsa_indexer_topk_freq=2),
+        stock=True,
+        layer_number=2,
+    )
+    a, b = attention_inputs(b=batch, packed=packed), attention_inputs(b=batch, packed=packed)
+    with dsap.engine_topk({1: indices}, **layout):
+        out_a = run_attention(replaying, a, **kw)
+    # Megatron's own reader of index-shared picks, handed the same keys (its coordinates).
+    picks = indices.view(batch, SEQ, -1) if not packed else indices.unsqueeze(0)
+    if packed:
+        starts = torch.repeat_interleave(torch.tensor([0, 5]), torch.tensor([5, 11]))
+        picks = torch.where(picks >= 0, picks + starts[None, :, None].to(picks.dtype), picks)
+    carrier = kw.get("packed_seq_params")
+    stock._get_index_share_topk_holder(carrier, None)[1] = picks.to(torch.int32)
+    out_b = run_attention(stock, b, **kw)
+    assert torch.equal(out_a, out_b)
+    out_a.float().sum().backward()
+    out_b.float().sum().backward()
+    assert torch.equal(a["query"].grad, b["query"].grad)
+    assert torch.equal(a["key"].grad, b["key"].grad)
+
+
+def test_replay_skips_the_indexer_and_needs_the_indices():
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    attn = make_attention(make_config(dsa_indexer_topk_source="replay"))
+    with pytest.raises(RuntimeError, match=r"layer 1: .*'replay' needs the engine's indices"):
+        run_attention(attn, attention_inputs())
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)  # each token its own position
+    reset_scoring_calls()
+    with dsap.engine_topk({1: picks}, seq_len=SEQ):
+        run_attention(attn, attention_inputs())
+    assert scoring_calls() == 0
+
+
+def test_replayed_picks_are_shared_by_index_sharing_layers():
+    config = make_config(dsa_indexer_topk_source="replay", dsa_indexer_topk_freq=2, num_layers=2)
+    first, second = make_attention(config), make_attention(config, layer_number=2)
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)
+    with dsap.engine_topk({1: picks}, seq_len=SEQ):  # layer 2 computes nothing: no indices needed
+        run_attention(first, attention_inputs())
+        assert torch.equal(second._get_index_share_topk_holder(None)[1][0, :, 0], torch.arange(SEQ))
+
+
+def test_verify_metrics_are_a_hand_count():
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk_source="verify")
+    attn = make_attention(config)
+    inp = attention_inputs()
+    ours = _engine(_captured(attn, inp), batch=2)
+    engine = ours.clone()
+    # Flip picks in three rows: replace one valid key by another valid, unpicked one.
+    changed = {}
+    for row in (9, 28, 31):  # positions 9, 12, 15: more visible keys than picks
+        pos = row % SEQ
+        unpicked = sorted(set(range(pos + 1)) - set(engine[row].tolist()))
+        engine[row, 0] = unpicked[0]
+        changed[row] = 1
+    engine[28, 1] = sorted(set(range(28 % SEQ + 1)) - set(engine[28].tolist()))[0]
+    changed[28] = 2
+    dsap.topk_metrics(torch.nn.ModuleList([attn]))  # reset
+    with dsap.engine_topk({1: engine}, seq_len=SEQ):
+        run_attention(attn, inp)
+    m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    members = int((engine >= 0).sum())
+    flipped = sum(changed.values())
+    assert m["dsa_topk/layer_01/member_agreement"] == pytest.approx((members - flipped) / members)
+    assert m["dsa_topk/layer_01/rows_identical"] == pytest.approx((2 * SEQ - 3) / (2 * SEQ))
+    assert m["dsa_topk/layer_01/flipped_per_row"] == pytest.approx(flipped / (2 * SEQ))
+    assert m["dsa_topk/layer_01/flipped_max"] == 2 and m["dsa_topk/all/rows"] == 2 * SEQ
+    assert m["dsa_topk/layer_01/margin_mean"] >= 0
+    assert dsap.topk_metrics(torch.nn.ModuleList([attn])) == {}  # read resets
+
+
+def test_verify_margins_are_the_gap_at_the_k_th_score():
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk=4)
+    attn = make_attention(config)
+    inp = attention_inputs(b=1)
+    _, margins = attn.compute_topk(inp["query"], inp["x"], inp["qr"], None, margins=True)
+    scores = indexer_scores(attn.indexer.scoring_operands(inp["x"], inp["qr"]))[0]
+    top = scores.sort(-1, descending=True).values
+    exact = top[:, 3] - top[:, 4]
+    defined = torch.isfinite(exact)
+    assert torch.equal(defined, ~torch.isnan(margins[0]))
+    torch.testing.assert_close(margins[0][defined], exact[defined], rtol=1e-5, atol=1e-6)
+
+
+def test_verify_against_captured_picks_agrees_fully_and_changes_no_bits():
+    config = make_config(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
+    attn = make_attention(config)
+    inp = attention_inputs()
+    engine = _engine(_captured(attn, inp), batch=2)
+    plain = run_attention(attn, attention_inputs())
+    with dsap.engine_topk({1: engine}, seq_len=SEQ):  # compute mode: monitored at no cost
+        monitored = run_attention(attn, attention_inputs())
+    assert torch.equal(plain, monitored)
+    m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    assert m["dsa_topk/layer_01/member_agreement"] == 1.0
+    assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+
+
+def test_bf16_verify_keeps_megatrons_path_and_measures_the_package_selection():
+    base = make_attention(make_config())
+    verify = make_attention(make_config(dsa_indexer_topk_source="verify"))
+    engine = _engine(_captured(verify, attention_inputs()), batch=2)
+    with dsap.engine_topk({1: engine}, seq_len=SEQ):
+        out = run_attention(verify, attention_inputs())
+    assert torch.equal(out, run_attention(base, attention_inputs()))  # Megatron attends as before
+    m = dsap.topk_metrics(torch.nn.ModuleList([verify]))
+    assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "indices, layout, err, match",
+    [
+        ({1: torch.zeros(32, 4)}, dict(seq_len=SEQ), TypeError, r"layer 1: expected a \(T, k\) int"),
+        ({1: torch.zeros(30, 4, dtype=torch.int32)}, dict(seq_len=SEQ), ValueError, "whole number"),
+        ({1: torch.full((32, 2), 5)}, dict(seq_len=SEQ), ValueError, r"row 0 \(position 0\).*causal"),
+        ({1: torch.full((32, 2), -2)}, dict(seq_len=SEQ), ValueError, "-1 for padding"),
+        ({1: torch.zeros(32, 2, dtype=torch.int64)}, dict(seq_len=SEQ), ValueError, "row 0 repeats"),
+        ({0: torch.zeros(32, 1, dtype=torch.int64)}, dict(seq_len=SEQ), ValueError, "1-based layer"),
+        ({1: torch.zeros(16, 1, dtype=torch.int64)}, dict(cu_seqlens=torch.tensor([0, 9])), ValueError, "cu_seqlens ends at 9"),
+        ({1: torch.zeros(16, 1, dtype=torch.int64)}, {}, ValueError, "cu_seqlens .* or seq_len"),
+    ],
+)  # fmt: skip
+def test_bad_engine_indices_name_the_layer_and_row(indices, layout, err, match):
+    with pytest.raises(err, match=match):
+        with dsap.engine_topk(indices, **layout):
+            pass
+
+
+def test_a_missing_layer_is_named_when_the_layer_runs():
+    attn = make_attention(make_config(dsa_indexer_topk_source="replay"), layer_number=3)
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)
+    with dsap.engine_topk({1: picks}, seq_len=SEQ):
+        with pytest.raises(KeyError, match=r"no indices for DSA layer 3 \(it has layers \[1\]\)"):
+            run_attention(attn, attention_inputs())
+
+
+def test_config_validation_and_flag():
+    import argparse
+
+    with pytest.raises(ValueError, match=r"dsa_indexer_loss_coeff=0\.1: dsa_indexer_topk_source="):
+        make_config(dsa_indexer_topk_source="replay", dsa_indexer_loss_coeff=0.1)
+    with pytest.raises(ValueError, match=r"dsa_indexer_topk_source='engine' is not a top-k source"):
+        make_config(dsa_indexer_topk_source="engine")
+    parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
+    assert (
+        parser.parse_args(["--dsa-indexer-topk-source", "verify"]).dsa_indexer_topk_source
+        == "verify"
+    )
+
+
+def test_replay_files_round_trip(tmp_path):
+    picks = {1: torch.randint(0, 3, (8, 2)), 3: torch.randint(0, 3, (8, 2))}
+    for name in ("r.pt", "r.safetensors"):
+        dsap.save_topk(tmp_path / name, picks, cu_seqlens=torch.tensor([0, 3, 8]))
+        layers, layout = dsap.load_topk(tmp_path / name)
+        assert sorted(layers) == [1, 3] and torch.equal(layers[3], picks[3])
+        assert torch.equal(layout["cu_seqlens"], torch.tensor([0, 3, 8]))

@@ -1,0 +1,439 @@
+"""Run Megatron-LM's own DSA unit tests stock and with the dsa-precision drop-ins; compare.
+
+    python tools/megatron_tests/run.py --megatron-lm PATH [--mode stock|swapped|both] [--out DIR]
+
+``PATH`` is a Megatron-LM checkout (or an export of one: only its ``tests/`` tree is used) of the
+release matching the installed megatron-core, e.g.::
+
+    git --git-dir=MIRROR archive core_r0.19.0 tests | tar -x -C .megatron-lm
+
+(``--from-git MIRROR --commit REV`` does this when ``PATH`` has no ``tests/``). Megatron's code
+itself comes from the installed megatron-core, never from ``PATH``.
+
+Each selected file runs in its own ``pytest`` process (working directory ``PATH``, Megatron's
+pytest configuration with its ``addopts`` cleared), with ``-p cpu_plugin`` in both modes and
+``-p swap_plugin`` in the swapped mode (see those modules). Outcomes come from ``--junitxml``;
+the table gives passed/failed/skipped/errors per file and mode, then every test whose outcome
+differs between the modes with the first line of its failure message, then, per mode, how many
+tests that ran (passed or failed) built or used (from their class set-up) a ``DSAIndexer`` /
+``DSAttention`` of each class (``cpu_plugin``'s instrumentation; ``PrecisionDSA*`` in the swapped
+mode). Logs, JUnit files, the plugins' JSON reports and ``summary.json`` are written under
+``--out``. The exit code is 0 unless the harness broke (a
+pytest process timed out, crashed or wrote no JUnit file).
+
+``dsa_precision`` is the installed one (the editable checkout) unless ``--package-root DIR``
+(a tree containing ``dsa_precision/``) or ``--package-rev REV`` (``git archive REV`` of this
+repository, or ``worktree``: a copy of the working tree taken at start, so edits made during the
+run do not mix in) puts another first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+DEFAULT_COMMIT = (
+    "f8837c04ef6cbef6cdefb8de001aad63178aebbf"  # core_r0.19.0 tip (0.19.1 + cherry-picks)
+)
+OUTCOMES = ("passed", "failed", "skipped", "error")
+
+
+@dataclass(frozen=True)
+class Selection:
+    path: str  # relative to the checkout
+    why: str
+    nodes: tuple[str, ...] = ()  # "::Class" / "::Class::test" suffixes; empty = whole file
+    keyword: str | None = None  # pytest -k expression
+
+    def targets(self) -> list[str]:
+        return [self.path + node for node in self.nodes] or [self.path]
+
+
+EAV = "tests/unit_tests/transformer/experimental_attention_variant/"
+SELECTIONS = (
+    Selection(EAV + "test_attention_variant_dsa.py", "DSAIndexer/DSAttention/loss/masking"),
+    Selection(EAV + "test_absorbed_mla.py", "AbsorbedMLASelfAttention with DSA core attention"),
+    Selection(EAV + "test_dsa_backend_tp_sp_parity.py", "DSA backends under TP/SP/CP"),
+    Selection(EAV + "test_dsa_native_parity.py", "fused/cuDNN DSA vs the native path"),
+    Selection(EAV + "test_dsa_tilelang_kernels.py", "TileLang DSA kernels"),
+    Selection(
+        "tests/unit_tests/models/test_experimental_attention_variant_module_specs.py",
+        "the DSA/experimental-attention spec builders (whole file)",
+    ),
+    Selection(
+        "tests/unit_tests/models/test_dsa_gpt_mamba_equivalence.py",
+        "GPTModel+DSA vs HybridModel+DSA",
+    ),
+    Selection(
+        "tests/unit_tests/models/test_hybrid_model.py",
+        "HybridModel DSA layer (TestHybridDSAQKLayernorm, TestDSAQKNormResolution, "
+        "test_enabled_leaves_dsa_layer_alone)",
+        keyword="dsa",
+    ),
+    Selection(
+        "tests/unit_tests/ssm/test_hybrid_block.py",
+        "HybridStack 'D' layers build DSAttention",
+        keyword="dsa",
+    ),
+    Selection(
+        "tests/unit_tests/post_training/test_modelopt_module_spec.py",
+        "ModelOpt hybrid spec wires DSAttention/DSAIndexer",
+        nodes=(
+            "::test_get_hybrid_stack_modelopt_spec_use_default_te_spec",
+            "::test_get_hybrid_stack_modelopt_spec_local_feature_specs",
+        ),
+    ),
+)
+
+
+@dataclass
+class FileRun:
+    selection: Selection
+    mode: str
+    returncode: int | None = None
+    seconds: float = 0.0
+    problem: str | None = None  # harness-level: timeout / crash / no JUnit file
+    tests: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (outcome, message)
+    # id -> {"built": [class names], "held": [...]}: DSA modules a test constructed / used from its
+    # class set-up (cpu_plugin's instrumentation)
+    dsa_modules: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for outcome, _ in self.tests.values():
+            counts[outcome] += 1
+        return counts
+
+
+def _first_line(text: str | None) -> str:
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return ""
+
+
+def junit_id(nodeid: str) -> str:
+    """The ``classname::name`` id ``parse_junit`` gives the test with pytest node id ``nodeid``."""
+    names = nodeid.split("::")
+    names[0] = names[0].replace("/", ".").removesuffix(".py")
+    return ".".join(names[:-1]) + "::" + names[-1]
+
+
+def dsa_usage(run: FileRun, ran: bool = True) -> dict[str, list[str]]:
+    """Class name -> ids of the tests (that ran: passed or failed) that built or held an instance."""
+    usage: dict[str, list[str]] = {}
+    for test_id, entry in sorted(run.dsa_modules.items()):
+        outcome = run.tests.get(test_id, ("absent", ""))[0]
+        if ran and outcome not in ("passed", "failed"):
+            continue
+        for name in sorted(set(entry.get("built", [])) | set(entry.get("held", []))):
+            usage.setdefault(name, []).append(test_id)
+    return usage
+
+
+def parse_junit(path: Path) -> dict[str, tuple[str, str]]:
+    tests: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        test_id = f"{classname}::{name}" if classname else name
+        children = {child.tag: child for child in case}
+        outcome, message = "passed", ""
+        for tag, label in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            if tag in children:
+                child = children[tag]
+                outcome = label
+                message = _first_line(child.get("message")) or _first_line(child.text)
+                break
+        tests[test_id] = (outcome, message)
+    return tests
+
+
+def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, str]) -> FileRun:
+    stem = selection.path.removeprefix("tests/unit_tests/").replace("/", "__").removesuffix(".py")
+    junit = out / mode / f"{stem}.xml"
+    log = out / mode / f"{stem}.log"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", *selection.targets()]
+    if selection.keyword:
+        cmd += ["-k", selection.keyword]
+    cmd += ["-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider", "-p", "cpu_plugin"]
+    if mode == "swapped":
+        cmd += ["-p", "swap_plugin"]
+    cmd += [f"--junitxml={junit}", *args.pytest_arg]
+    cpu_report = out / mode / f"{stem}.cpu.json"
+    cpu_report.unlink(missing_ok=True)
+    run_env = dict(
+        env,
+        DSA_SWAP_REPORT=str(out / mode / f"{stem}.swap.json"),
+        DSA_CPU_REPORT=str(cpu_report),
+    )
+    result = FileRun(selection, mode)
+    start = time.monotonic()
+    with open(log, "w", encoding="utf-8") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n\n")
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=args.megatron_lm,
+            env=run_env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            result.returncode = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            result.problem = f"timed out after {args.timeout}s"
+    result.seconds = time.monotonic() - start
+    if junit.exists():
+        result.tests = parse_junit(junit)
+    if cpu_report.exists():
+        used = json.loads(cpu_report.read_text()).get("dsa_modules", {})
+        result.dsa_modules = {junit_id(nodeid): entry for nodeid, entry in used.items()}
+    elif result.problem is None:
+        result.problem = f"no JUnit file (pytest exit {result.returncode}); see {log}"
+    # 2 = collection errors (recorded in the JUnit file), 4 = usage error, 3 = internal error.
+    if result.problem is None and (
+        result.returncode == 3 or (result.returncode not in (0, 1, 5) and not result.tests)
+    ):
+        result.problem = f"pytest exit {result.returncode} with no test recorded; see {log}"
+    return result
+
+
+def _export_rev(rev: str, dest: Path) -> Path:
+    """``git archive REV dsa_precision`` (or a copy of the working tree for ``worktree``)."""
+    target = dest / f"dsa_precision@{rev.replace('/', '_')}"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    if rev == "worktree":
+        shutil.copytree(
+            REPO / "dsa_precision",
+            target / "dsa_precision",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        return target
+    with tempfile.TemporaryFile() as tmp:
+        subprocess.run(
+            ["git", "-C", str(REPO), "archive", rev, "dsa_precision"], stdout=tmp, check=True
+        )
+        tmp.seek(0)
+        with tarfile.open(fileobj=tmp) as tar:
+            tar.extractall(target, filter="data")
+    return target
+
+
+def _ensure_checkout(args) -> None:
+    tests = Path(args.megatron_lm) / "tests"
+    if tests.is_dir():
+        return
+    if not args.from_git:
+        sys.exit(f"{tests} does not exist (give --from-git MIRROR to extract it)")
+    Path(args.megatron_lm).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile() as tmp:
+        cmd = [
+            "git",
+            f"--git-dir={args.from_git}",
+            "archive",
+            args.commit,
+            "tests",
+            "pyproject.toml",
+        ]
+        subprocess.run(cmd, stdout=tmp, check=True)
+        tmp.seek(0)
+        with tarfile.open(fileobj=tmp) as tar:
+            tar.extractall(args.megatron_lm, filter="data")
+    (Path(args.megatron_lm) / "COMMIT").write_text(args.commit + "\n")
+
+
+def _tree_digest(root: str | None) -> str | None:
+    """sha256 over the ``dsa_precision/**/*.py`` files under ``root`` (which tree was tested)."""
+    if root is None:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted((Path(root) / "dsa_precision").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cell(run: FileRun | None) -> str:
+    if run is None:
+        return "-"
+    c = run.counts()
+    text = f"{c['passed']}/{c['failed']}/{c['skipped']}/{c['error']}"
+    return text + (" !" if run.problem else "")
+
+
+def _probe_versions(env: dict[str, str]) -> dict[str, str]:
+    code = (
+        "import json, dsa_precision, megatron.core as m; "
+        "print(json.dumps({'megatron_core': m.__version__, 'dsa_precision': dsa_precision.__file__}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=env["MEGATRON_LM_ROOT"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": _first_line(proc.stderr.strip().splitlines()[-1] if proc.stderr else "")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--megatron-lm", required=True, help="Megatron-LM checkout (tests/ used)")
+    parser.add_argument("--mode", choices=("stock", "swapped", "both"), default="both")
+    parser.add_argument("--out", default=None, help="output folder (default PATH/_dsa_runs)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per file and mode")
+    parser.add_argument("--only", action="append", default=[], help="substring of file paths")
+    parser.add_argument("--package-root", default=None, help="tree with dsa_precision/ to test")
+    parser.add_argument(
+        "--package-rev",
+        default=None,
+        help="git revision of this repo to test, or 'worktree' (a snapshot copy)",
+    )
+    parser.add_argument("--from-git", default=None, help="Megatron-LM git dir to extract tests")
+    parser.add_argument("--commit", default=DEFAULT_COMMIT, help="Megatron-LM commit to extract")
+    parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument")
+    args = parser.parse_args(argv)
+    args.megatron_lm = str(Path(args.megatron_lm).resolve())
+    _ensure_checkout(args)
+    out = Path(args.out or Path(args.megatron_lm) / "_dsa_runs").resolve()
+    modes = ("stock", "swapped") if args.mode == "both" else (args.mode,)
+    for mode in modes:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+
+    package_root = args.package_root
+    if args.package_rev:
+        package_root = str(_export_rev(args.package_rev, out))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    path = [str(HERE), args.megatron_lm]
+    if package_root:
+        path.insert(0, str(Path(package_root).resolve()))
+    env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["MEGATRON_LM_ROOT"] = args.megatron_lm
+    commit_file = Path(args.megatron_lm) / "COMMIT"
+    commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
+    versions = _probe_versions(env)
+    print(f"Megatron-LM tests: {args.megatron_lm} (commit {commit})")
+    print(f"megatron-core / dsa_precision: {versions}")
+    if package_root:
+        print(f"dsa_precision tree sha256: {_tree_digest(package_root)}")
+    print(f"output: {out}\n")
+
+    selections = [s for s in SELECTIONS if not args.only or any(o in s.path for o in args.only)]
+    runs: dict[tuple[str, str], FileRun] = {}
+    for selection in selections:
+        for mode in modes:
+            run = run_file(selection, mode, args, out, env)
+            runs[(selection.path, mode)] = run
+            status = run.problem or f"exit {run.returncode}"
+            print(f"  [{mode:7}] {selection.path} {_cell(run)} ({run.seconds:.0f}s, {status})")
+            sys.stdout.flush()
+
+    print("\npassed/failed/skipped/errors per file (! = harness problem, see summary.json)")
+    width = max(len(s.path.removeprefix("tests/unit_tests/")) for s in selections)
+    print(f"{'file':{width}}  {'stock':>13}  {'swapped':>13}")
+    totals = {mode: dict.fromkeys(OUTCOMES, 0) for mode in modes}
+    for selection in selections:
+        cells = []
+        for mode in ("stock", "swapped"):
+            run = runs.get((selection.path, mode))
+            cells.append(_cell(run))
+            if run is not None:
+                for key, value in run.counts().items():
+                    totals[mode][key] += value
+        name = selection.path.removeprefix("tests/unit_tests/")
+        print(f"{name:{width}}  {cells[0]:>13}  {cells[1]:>13}")
+    total_cells = [
+        "/".join(str(totals[m][k]) for k in OUTCOMES) if m in totals else "-"
+        for m in ("stock", "swapped")
+    ]
+    print(f"{'TOTAL':{width}}  {total_cells[0]:>13}  {total_cells[1]:>13}")
+
+    differing = []
+    if len(modes) == 2:
+        for selection in selections:
+            stock = runs[(selection.path, "stock")].tests
+            swapped = runs[(selection.path, "swapped")].tests
+            for test_id in sorted(set(stock) | set(swapped)):
+                a = stock.get(test_id, ("absent", ""))
+                b = swapped.get(test_id, ("absent", ""))
+                if a[0] != b[0]:
+                    differing.append({"test": test_id, "stock": a, "swapped": b})
+        print(f"\n{len(differing)} test(s) with different outcomes (stock -> swapped):")
+        for item in differing:
+            (sa, sm), (wa, wm) = item["stock"], item["swapped"]
+            print(f"- {item['test']}: {sa} -> {wa}")
+            message = wm if wa in ("failed", "error") else sm
+            if message:
+                print(f"    {message}")
+
+    print("\ntests that ran (passed or failed) and built or used DSA modules, per class:")
+    usage_summary: dict[str, dict[str, int]] = {}
+    for mode in modes:
+        merged: dict[str, set[str]] = {}
+        for selection in selections:
+            for name, ids in dsa_usage(runs[(selection.path, mode)]).items():
+                merged.setdefault(name, set()).update(ids)
+        usage_summary[mode] = {name: len(ids) for name, ids in sorted(merged.items())}
+        cells = ", ".join(f"{name} {count}" for name, count in usage_summary[mode].items())
+        print(f"  [{mode:7}] {cells or 'none'}")
+
+    problems = [
+        f"{mode} {path}: {run.problem}" for (path, mode), run in runs.items() if run.problem
+    ]
+    swap_reports = sorted((out / "swapped").glob("*.swap.json")) if "swapped" in modes else []
+    if swap_reports:
+        install = json.loads(swap_reports[0].read_text()).get("install", {})
+        print(f"\nswap_plugin install(): {install}")
+    summary = {
+        "megatron_lm": args.megatron_lm,
+        "commit": commit,
+        "versions": versions,
+        "package_root": package_root,
+        "package_sha256": _tree_digest(package_root),
+        "modes": list(modes),
+        "files": {
+            f"{path} [{mode}]": {
+                "counts": run.counts(),
+                "returncode": run.returncode,
+                "seconds": round(run.seconds, 1),
+                "problem": run.problem,
+                "tests": {k: list(v) for k, v in run.tests.items()},
+                "dsa_modules": run.dsa_modules,
+            }
+            for (path, mode), run in runs.items()
+        },
+        "differing": differing,
+        "dsa_module_usage": usage_summary,
+        "problems": problems,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if problems:
+        print("\nharness problems:\n  " + "\n  ".join(problems))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
