@@ -192,31 +192,28 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def _cpu_shims() -> None:
-    """Where Megatron asks for a GPU on this path, answer on the CPU (``--device cpu`` only):
+    """Where Megatron asks for a GPU on this path, answer on the CPU (``--device cpu`` only; torch
+    is redirected, no megatron-core attribute is replaced):
 
     - RoPE places its buffers on ``torch.cuda.current_device()`` (tests/conftest.py's
-      ``cpu_rotary`` does the same redirect) and builds the CP slice of its angles with a pinned
-      ``.cuda()`` index (``get_pos_emb_on_this_cp_rank``: the same arithmetic, the index built on
-      the angles' device);
+      ``cpu_rotary`` does the same redirect), and Megatron's ``get_pos_emb_on_this_cp_rank``
+      builds its CP index as a pinned CPU tensor moved with ``.cuda()``: without a GPU, pinning is
+      dropped and ``.cuda()`` leaves a CPU tensor where it is, so Megatron's own function runs;
     - sequence parallelism forks the CUDA RNG tracker around the embedding's dropout: the
       tracker is initialised without CUDA states and its ``fork`` does nothing (dropout is 0).
     """
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mp_random
 
     torch.cuda.current_device = lambda: "cpu"
+    make_tensor = torch.tensor
+
+    def unpinned_tensor(*args, pin_memory=False, **kwargs):
+        return make_tensor(*args, **kwargs)
+
+    torch.tensor = unpinned_tensor
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     mp_random.initialize_rng_tracker()
     mp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-
-    def on_this_cp_rank(pos_emb, seq_dim, cp_group):
-        cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-        shape = pos_emb.shape
-        pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
-        pos_emb = pos_emb.index_select(seq_dim, index)
-        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
-
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = on_this_cp_rank
 
 
 class Dist:
