@@ -60,6 +60,14 @@ def topk_agreement(train_idx: torch.Tensor, infer_idx: torch.Tensor) -> TopkAgre
         :class:`TopkAgreement` over the rows whose inference set is non-empty (all metrics are
         ``1`` / ``0`` when there is none).
     """
+    return _agreement_and_identical_rows(train_idx, infer_idx)[0]
+
+
+def _agreement_and_identical_rows(
+    train_idx: torch.Tensor, infer_idx: torch.Tensor
+) -> tuple[TopkAgreement, torch.Tensor]:
+    """:func:`topk_agreement`, and a bool ``[...]`` tensor: whether each row's two sets are equal
+    (two empty sets included)."""
     train_idx, infer_idx = (
         check_tensor("train_idx", train_idx),
         check_tensor("infer_idx", infer_idx),
@@ -88,14 +96,15 @@ def topk_agreement(train_idx: torch.Tensor, infer_idx: torch.Tensor) -> TopkAgre
     size_i = (i >= 0).sum(-1)
     size_t = (t >= 0).sum(-1)
     common = found.sum(-1)
+    same = (common == size_i) & (size_t == size_i)
     rows = size_i > 0
     n_rows = rows.sum()
     members = size_i.sum()
-    identical = ((common == size_i) & (size_t == size_i) & rows).sum()
+    identical = (same & rows).sum()
     flipped = (size_i - common) * rows
     one = torch.ones((), dtype=torch.float64, device=t.device)
     f64 = torch.float64
-    return TopkAgreement(
+    agreement = TopkAgreement(
         member_agreement=torch.where(members > 0, common.sum().to(f64) / members.clamp_min(1), one),
         rows_identical=torch.where(n_rows > 0, identical.to(f64) / n_rows.clamp_min(1), one),
         flipped_mean=flipped.sum().to(f64) / n_rows.clamp_min(1),
@@ -105,6 +114,7 @@ def topk_agreement(train_idx: torch.Tensor, infer_idx: torch.Tensor) -> TopkAgre
         rows=n_rows,
         members=members,
     )
+    return agreement, same.reshape(train_idx.shape[:-1])
 
 
 def row_scale(reference: torch.Tensor) -> torch.Tensor:

@@ -449,12 +449,13 @@ def _interpreting() -> bool:
 
 @functools.cache
 def triton_unavailable_reason() -> str | None:
+    """Why the package's Triton kernels cannot run here, or ``None`` if they import."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     try:
-        from .kernels import preprocess_quantize  # noqa: F401
+        from .kernels import preprocess_quantize, topk_picks  # noqa: F401
     except Exception as exc:  # a broken Triton install
-        return f"the Triton kernel does not import ({exc})"
+        return f"the Triton kernels do not import ({exc})"
     return None
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "causal_key_counts",
     "indexer_scores",
     "indexer_scores_varlen",
+    "packed_sequence_of",
     "resolve_scoring_backend",
     "varlen_key_counts",
     "varlen_row_slice",
@@ -66,6 +67,13 @@ def causal_key_counts(
     return counts.clamp_(0, sk).to(torch.int32)
 
 
+def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int64 index of the packed sequence that holds each of ``rows`` (packed row numbers, on
+    ``cu_seqlens``' device); rows at or past ``cu_seqlens[-1]`` map to the last sequence."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
+
+
 def varlen_key_counts(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
@@ -76,7 +84,7 @@ def varlen_key_counts(
     """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit)."""
     rows = torch.arange(total_q, device=cu_seqlens_q.device)
     cu_q = cu_seqlens_q.to(torch.int64)
-    seq = torch.searchsorted(cu_q[1:], rows, right=True).clamp_(max=cu_q.numel() - 2)
+    seq = packed_sequence_of(cu_q, rows)
     local = rows - cu_q[seq]
     len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)[seq]
     off = q_causal_offsets.to(torch.int64)[seq]
@@ -503,8 +511,7 @@ def indexer_scores_varlen(
         # DeepGEMM scores every packed key inside each row's window [start, start + count);
         # gather the window into sequence-local columns.
         rows = torch.arange(tq, device=ops.device)
-        seq = torch.searchsorted(cu_q[1:].to(torch.int64), rows, right=True)
-        start = cu_k.to(torch.int64)[seq.clamp_(max=n_seq - 1)]
+        start = cu_k.to(torch.int64)[packed_sequence_of(cu_q, rows)]
         logits = _deepgemm_scores(ops, start, start + counts, 0)
         cols = torch.arange(max_seqlen_k, device=ops.device)
         idx = (start.unsqueeze(1) + cols).clamp_(max=max(tk - 1, 0))

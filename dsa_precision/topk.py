@@ -16,7 +16,6 @@ scoring functions' ``validate=True``) rejects such input up front instead.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from . import _cudnn
 from ._checks import check_float_dtype, check_int_tensor, check_positive_int, check_tensor
 from .config import TOPK_BACKENDS
+from .operands import triton_unavailable_reason
 
 __all__ = ["indexer_topk", "resolve_topk_backend"]
 
@@ -78,21 +78,11 @@ def _cudnn_topk(
             deterministic=deterministic,
         )
     indices, values = result["indices"], result["values"]
-    if indices.is_cuda and _triton_kernel_available():
+    if indices.is_cuda and triton_unavailable_reason() is None:
         from .kernels.topk_picks import drop_invalid_picks
 
         return drop_invalid_picks(indices, values)
     return indices.masked_fill_(~(values > float("-inf")), -1)
-
-
-@functools.cache
-def _triton_kernel_available() -> bool:
-    """Whether the one-pass Triton fix-up imports (else three torch passes, the same result)."""
-    try:
-        from .kernels import topk_picks  # noqa: F401
-    except Exception:  # Triton missing or broken
-        return False
-    return True
 
 
 def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: torch.dtype) -> str:

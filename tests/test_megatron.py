@@ -220,6 +220,29 @@ def test_forward_before_topk_per_configuration(name):
         assert torch.equal(w, w0)
 
 
+def test_fp32_weights_engine_folds_the_float32_weights_projection():
+    """sglang-unfused's weights GEMM outputs FP32: the folded FP8 weights come from the float32
+    product of linear_weights_proj, not from its BF16 output."""
+    from dsa_precision.operands import fold_head_weights
+
+    config = make_config(
+        dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_engine="sglang-unfused", dsa_indexer_rotate_activation=True,
+    )  # fmt: skip
+    indexer = make_attention(config).indexer
+    x, qr = attention_inputs()["x"], attention_inputs()["qr"]
+    ops = indexer.scoring_operands(x, qr)
+    engine = config.dsa_indexer_precision.engine
+    assert engine.weights_dtype == "fp32"
+    w32 = torch.nn.functional.linear(x.float(), indexer.linear_weights_proj.weight.float())
+    bf16, _ = indexer.linear_weights_proj(x)
+    fold = dict(n_heads=32, head_dim=128)
+    want = fold_head_weights(w32.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
+    assert torch.equal(ops.weights, want)
+    from_bf16 = fold_head_weights(bf16.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
+    assert not torch.equal(ops.weights, from_bf16)
+
+
 def test_indexer_reads_the_config_at_every_call():
     """Megatron reads dsa_indexer_rotate_activation per forward (Megatron's own test
     test_dsa_indexer_rotate_activation_follows_config); so does the drop-in."""

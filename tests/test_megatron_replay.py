@@ -108,6 +108,9 @@ def test_verify_metrics_are_a_hand_count():
         changed[row] = 1
     engine[28, 1] = sorted(set(range(28 % SEQ + 1)) - set(engine[28].tolist()))[0]
     changed[28] = 2
+    _, margins = attn.compute_topk(inp["query"], inp["x"], inp["qr"], None, margins=True)
+    flipped_margins = margins.reshape(-1)[sorted(changed)].double()
+    assert not flipped_margins.isnan().any()
     dsap.topk_metrics(torch.nn.ModuleList([attn]))  # reset
     with dsap.engine_topk({1: engine}, seq_len=SEQ):
         run_attention(attn, inp)
@@ -119,6 +122,10 @@ def test_verify_metrics_are_a_hand_count():
     assert m["dsa_topk/layer_01/flipped_per_row"] == pytest.approx(flipped / (2 * SEQ))
     assert m["dsa_topk/layer_01/flipped_max"] == 2 and m["dsa_topk/all/rows"] == 2 * SEQ
     assert m["dsa_topk/layer_01/margin_mean"] >= 0
+    # The mean margin over exactly the rows whose sets differ from the engine's.
+    assert m["dsa_topk/layer_01/margin_mean_flipped"] == pytest.approx(
+        float(flipped_margins.mean())
+    )
     assert dsap.topk_metrics(torch.nn.ModuleList([attn])) == {}  # read resets
 
 

@@ -16,6 +16,7 @@ unchanged; an owned layer stores its indices in Megatron's holder for them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 
 from .. import audit
 from ..config import IndexerPrecisionConfig
+from ..scoring import packed_sequence_of
 from . import replay
 from .indexer import PrecisionDSAIndexer
 from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
@@ -105,9 +107,11 @@ class PrecisionDSAttention(DSAttention):
             topk = self._engine_picks(engine, layout, query, x)
         else:
             with_margins = source == "verify"
-            topk = self.compute_topk(query, x, qr, packed_seq_params, margins=with_margins)
+            topk = self.compute_topk(
+                query, x, qr, packed_seq_params, margins=with_margins, layout=layout
+            )
             topk, margins = topk if with_margins else (topk, None)
-            if engine is not None and (with_margins or self.precision.fp8):
+            if engine is not None and (with_margins or owned):  # owned: FP8 here
                 picks = self._engine_picks(engine, layout, query, x)
                 self.topk_monitor.update(topk, picks, margins)
         if capture is not None:
@@ -146,7 +150,7 @@ class PrecisionDSAttention(DSAttention):
             tokens = torch.arange(topk.shape[0], device=topk.device).view(-1, 1) * seq + positions
             return replay.CapturedTopk(tokens.reshape(-1), topk.reshape(-1, topk.shape[-1]))
         cu = layout.cu_seqlens.to(device=topk.device, dtype=torch.int64)
-        start = cu[torch.searchsorted(cu[1:], positions, right=True).clamp_(max=cu.numel() - 2)]
+        start = cu[packed_sequence_of(cu, positions)]
         local = torch.where(topk[0] >= 0, topk[0] - start[:, None].to(topk.dtype), -1)
         return replay.CapturedTopk(positions, local)
 
@@ -156,14 +160,12 @@ class PrecisionDSAttention(DSAttention):
         """What this rank holds, as ``DSAttention.forward`` derives it (see :mod:`.layout`)."""
         sq = dsa_layout.ensure_sbhd(query, "query")[0].size(0)
         local = x.size(0)
-        tp, cp = self.pg_collection.tp, self.pg_collection.cp
-        tp_size = tp.size() if tp is not None else 1
+        rows = self._indexer_rows(x)
+        cp = self.pg_collection.cp
         cp_size = cp.size() if cp is not None else 1
-        sequence_parallel = self.config.sequence_parallel and tp_size > 1
-        rows = local * tp_size if sequence_parallel else local
         query_start = 0
-        if sequence_parallel and sq == local:  # sequence-local query rows
-            query_start = tp.rank() * local
+        if rows != local and sq == local:  # sequence parallel, sequence-local query rows
+            query_start = self.pg_collection.tp.rank() * local
         elif sq != rows:
             raise RuntimeError(
                 f"DSA query rows ({sq}) are neither this rank's rows ({local}) nor the "
@@ -186,11 +188,8 @@ class PrecisionDSAttention(DSAttention):
             and isinstance(packed_seq_params.max_seqlen_q, int)
             and packed_seq_params.max_seqlen_q == rows * cp_size
         )
-        return RankLayout(
-            cp_size=layout.cp_size,
-            cp_rank=layout.cp_rank,
-            query_start=query_start,
-            query_rows=sq,
+        return dataclasses.replace(
+            layout,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen if isinstance(max_seqlen, int) else None,
             cu_seqlens_cover_output=covers,
@@ -204,12 +203,14 @@ class PrecisionDSAttention(DSAttention):
         packed_seq_params: PackedSeqParams | None,
         *,
         margins: bool = False,
+        layout: RankLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This layer's top-k ``(b, query rows, topk)`` int32, scored by the package in the
         configured precision (indices into the gathered keys, ``-1`` in unused slots); with
-        ``margins`` also each row's ``topk``-th minus ``(topk + 1)``-th score ``(b, rows)``."""
+        ``margins`` also each row's ``topk``-th minus ``(topk + 1)``-th score ``(b, rows)``.
+        ``layout``: :meth:`rank_layout` of these inputs, when the caller already has it."""
         precision = self.precision
-        layout = self.rank_layout(query, x, packed_seq_params)
+        layout = layout or self.rank_layout(query, x, packed_seq_params)
         gather = None
         if layout.cp_size > 1:
             gather = functools.partial(

@@ -26,7 +26,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAInde
 from ..config import IndexerPrecisionConfig
 from ..operands import ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
-from ..scoring import indexer_scores
+from ..scoring import indexer_scores, packed_sequence_of
 from ..topk import indexer_topk
 
 __all__ = ["PrecisionDSAIndexer"]
@@ -59,13 +59,17 @@ class PrecisionDSAIndexer(DSAIndexer):
     def _megatron_rope(self, x, freqs, mscale, cu_seqlens):
         return self._apply_rope(x, freqs, mscale, cu_seqlens=cu_seqlens)
 
-    def _projections(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params):
+    def _projections(
+        self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, weights_fp32: bool = False
+    ):
         """As ``forward_before_topk`` begins: RoPE angles, sequence-parallel gather, projections.
 
         Returns ``(q [s, b, h, d], k [s, b, d], w [s, b, h] raw, freqs, mscale, cu_seqlens,
-        token_freqs, x)``; ``token_freqs`` ``[s, 1, 1, rope]`` holds each packed row's angles (the
-        rank's zigzag chunks under context parallelism), ``None`` for BSHD; ``x`` is the
-        (sequence-parallel gathered) hidden state.
+        token_freqs)``; ``token_freqs`` ``[s, 1, 1, rope]`` holds each packed row's angles (the
+        rank's zigzag chunks under context parallelism), ``None`` for BSHD. ``weights_fp32``: the
+        ``linear_weights_proj`` product in float32, for an engine whose weights GEMM outputs FP32
+        (the BF16 inputs are exact in float32; only the GEMM's accumulation order may differ
+        from the engine's); otherwise the BF16 projection.
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
@@ -95,11 +99,14 @@ class PrecisionDSAIndexer(DSAIndexer):
         q, _ = self.linear_wq_b(qr)
         q = q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim)
         k, _ = self.linear_wk(x)
-        w, _ = self.linear_weights_proj(x)
+        if weights_fp32:
+            w = torch.nn.functional.linear(x.float(), self.linear_weights_proj.weight.float())
+        else:
+            w, _ = self.linear_weights_proj(x)
         token_freqs = None
         if packed:
             token_freqs = self._packed_token_freqs(freqs, cu_seqlens, seqlen)
-        return q, k, w, freqs, mscale, cu_seqlens, token_freqs, x
+        return q, k, w, freqs, mscale, cu_seqlens, token_freqs
 
     def _packed_token_freqs(
         self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, rows: int
@@ -113,8 +120,9 @@ class PrecisionDSAIndexer(DSAIndexer):
         packed_pos = dsa_layout.build_packed_allgather_cp_local_positions(
             cu, cp.size(), cp.rank(), freqs.device, output_size=rows
         )
-        seq = torch.searchsorted(cu[1:], packed_pos, right=True).clamp_(max=cu.numel() - 2)
-        position = (packed_pos - cu[seq]).clamp_(0, freqs.size(0) - 1)
+        position = (packed_pos - cu[packed_sequence_of(cu, packed_pos)]).clamp_(
+            0, freqs.size(0) - 1
+        )
         return freqs.index_select(0, position)
 
     def head_weights(self, w: torch.Tensor, precision: IndexerPrecisionConfig) -> torch.Tensor:
@@ -124,17 +132,6 @@ class PrecisionDSAIndexer(DSAIndexer):
         return indexer_head_weights(
             w, n_heads=self.index_n_heads, head_dim=self.index_head_dim, fp32=precision.fp8
         )
-
-    def _raw_head_weights(
-        self, x: torch.Tensor, w: torch.Tensor, precision: IndexerPrecisionConfig
-    ) -> torch.Tensor:
-        """The ``linear_weights_proj`` output in the engine's dtype: the BF16 projection, or for
-        an engine whose weights GEMM outputs FP32 the same product in float32 (the BF16 inputs
-        are exact in float32; only the GEMM's accumulation order may differ from the engine's)."""
-        if precision.fp8 and precision.engine.weights_dtype == "fp32":
-            weight = self.linear_weights_proj.weight
-            return torch.nn.functional.linear(x.float(), weight.float())
-        return w
 
     def forward_before_topk(
         self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params: PackedSeqParams | None = None
@@ -148,7 +145,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         precision = self.precision
         if not precision.rope_fp32:
             return super().forward_before_topk(x, qr, packed_seq_params)
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs, _ = self._projections(
+        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
             x, qr, packed_seq_params
         )
         q, k = self.preprocess(precision)(
@@ -169,14 +166,15 @@ class PrecisionDSAIndexer(DSAIndexer):
         """The scoring operands of every indexer row (``(b, s, ...)``; packed: batch 1), built by
         the fused preprocess + quantize kernel when it reproduces the reference (FP8 on CUDA)."""
         precision = precision or self.precision
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs, x_full = self._projections(
-            x, qr, packed_seq_params
+        weights_fp32 = precision.fp8 and precision.engine.weights_dtype == "fp32"
+        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
+            x, qr, packed_seq_params, weights_fp32
         )
         return prepare_indexer_operands(
             self.preprocess(precision),
             q,
             k,
-            self._raw_head_weights(x_full, w, precision),
+            w,
             freqs,
             config=precision,
             mscale=mscale,

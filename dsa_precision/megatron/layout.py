@@ -27,7 +27,7 @@ import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
 from ..operands import ScoringOperands
-from ..scoring import varlen_row_slice
+from ..scoring import packed_sequence_of, varlen_row_slice
 from ..select import indexer_select, indexer_select_varlen
 
 __all__ = ["RankLayout", "gather_keys", "owned_topk", "owned_topk_with_margins", "query_positions"]
@@ -54,6 +54,10 @@ class RankLayout:
     # single sequence; otherwise rows past cu_seqlens[-1] are padding).
     cu_seqlens_cover_output: bool = False
 
+    def query_stop(self, rows: int) -> int:
+        """One past the last query row, for a rank of ``rows`` indexer rows."""
+        return self.query_start + (rows if self.query_rows is None else self.query_rows)
+
 
 def query_positions(layout: RankLayout, rows: int, device: torch.device) -> torch.Tensor:
     """``(query rows,)`` int64: where each query row sits globally -- its position in its
@@ -71,8 +75,7 @@ def query_positions(layout: RankLayout, rows: int, device: torch.device) -> torc
             output_size=rows,
             cu_seqlens_cover_output=layout.cu_seqlens_cover_output,
         )
-    stop = layout.query_start + (rows if layout.query_rows is None else layout.query_rows)
-    return positions[layout.query_start : stop]
+    return positions[layout.query_start : layout.query_stop(rows)]
 
 
 def gather_keys(ops: ScoringOperands, gather: Gather, reorder: torch.Tensor) -> ScoringOperands:
@@ -113,8 +116,7 @@ def _bshd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) 
 
 def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) -> torch.Tensor:
     rows = keys.q.shape[1]
-    start = layout.query_start
-    stop = start + (rows if layout.query_rows is None else layout.query_rows)
+    start, stop = layout.query_start, layout.query_stop(rows)
     if layout.cp_size == 1:
         return indexer_select(keys.rows(start, stop), topk=topk, q_causal_offsets=start, **select)
     runs = _zigzag_runs(rows, layout.cp_size, layout.cp_rank, start, stop)
@@ -177,8 +179,7 @@ def _thd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -
 def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) -> torch.Tensor:
     rows = keys.q.shape[1]
     device = keys.device
-    start = layout.query_start
-    stop = start + (rows if layout.query_rows is None else layout.query_rows)
+    start, stop = layout.query_start, layout.query_stop(rows)
     cu = layout.cu_seqlens.to(device=device, dtype=torch.int64)
     total_k = keys.k.shape[1]
     cu_q, offsets, seq_of, n_pseudo = _thd_pseudo_sequences(layout, rows, device)
@@ -216,8 +217,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) ->
         **select,
     )
     # Sequence-local keys -> rows of the gathered packed keys.
-    row_pseudo = torch.searchsorted(cu_q[1:], torch.arange(start, stop, device=device), right=True)
-    base = key_start[row_pseudo.clamp_(max=n_pseudo - 1)]
+    base = key_start[packed_sequence_of(cu_q, torch.arange(start, stop, device=device))]
     return torch.where(picks >= 0, picks + base.unsqueeze(1).to(picks.dtype), picks).unsqueeze(0)
 
 
@@ -297,8 +297,7 @@ def owned_topk_with_margins(
     keys = _keys(ops, layout, gather)
     picks = _select(keys, layout, topk, backend)
     wider = _select(keys, layout, topk + 1, backend)
-    start = layout.query_start
-    stop = start + (keys.q.shape[1] if layout.query_rows is None else layout.query_rows)
+    start, stop = layout.query_start, layout.query_stop(keys.q.shape[1])
     values = _pick_scores(keys.rows(start, stop), keys, wider, chunk)
     top = values.sort(dim=-1, descending=True).values
     margins = top[..., topk - 1] - top[..., topk]

@@ -34,7 +34,8 @@ from typing import Literal
 
 import torch
 
-from ..agreement import topk_agreement
+from ..agreement import _agreement_and_identical_rows
+from ..scoring import packed_sequence_of
 
 __all__ = [
     "TOPK_SOURCES",
@@ -90,7 +91,7 @@ class EngineTopk:
             cu = self.cu_seqlens.to(device=idx.device, dtype=torch.int64)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
-            start = cu[torch.searchsorted(cu[1:], safe, right=True).clamp_(max=cu.numel() - 2)]
+            start = cu[packed_sequence_of(cu, safe)]
             picks = idx[safe].to(torch.int64)
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
@@ -129,7 +130,7 @@ def _validate(indices: Mapping[int, torch.Tensor], cu_seqlens, seq_len) -> None:
                     f"engine_topk layer {layer}: {total} token rows but cu_seqlens ends at "
                     f"{int(cu[-1])}."
                 )
-            position = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
+            position = rows - cu[packed_sequence_of(cu, rows)]
         else:
             if total % seq_len:
                 raise ValueError(
@@ -233,7 +234,7 @@ class TopkMonitor:
     ) -> None:
         """Add one micro-batch: ``ours`` and ``engine`` ``(..., k)`` picks of the same rows,
         ``margins`` ``(...)`` per row (NaN where undefined)."""
-        a = topk_agreement(ours, engine)
+        a, same = _agreement_and_identical_rows(ours, engine)
         f64 = torch.float64
         rows = a.rows.to(f64)
         values = {
@@ -246,8 +247,7 @@ class TopkMonitor:
         if margins is not None:
             m = margins.reshape(-1).to(f64)
             defined = ~torch.isnan(m)
-            same = self._identical_rows(ours, engine).reshape(-1)
-            flipped = defined & ~same
+            flipped = defined & ~same.reshape(-1)
             values |= {
                 "margin": torch.where(defined, m, 0.0).sum(),
                 "margin_rows": defined.sum().to(f64),
@@ -258,14 +258,6 @@ class TopkMonitor:
             self.sums[name] = self.sums[name] + value if name in self.sums else value
         top = a.flipped_max.to(torch.int64)
         self.flipped_max = top if self.flipped_max is None else torch.maximum(self.flipped_max, top)
-
-    @staticmethod
-    def _identical_rows(ours: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
-        def canonical(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(torch.int64)
-            return torch.where(t < 0, torch.iinfo(torch.int64).max, t).sort(-1).values
-
-        return (canonical(ours) == canonical(engine)).all(-1)
 
     def raw(self) -> torch.Tensor:
         """float64 ``[len(_SUMS) + 1]``: the sums then ``flipped_max`` (for an all-reduce)."""

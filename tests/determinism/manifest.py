@@ -50,6 +50,7 @@ MEGATRON = "tests/gpu/test_megatron_gpu.py"
 REGISTRY: dict[str, tuple[str, ...]] = {
     "dsa_precision/scoring.py": (
         f"{GPU}::test_scoring_replays_bit_exact",
+        f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
         f"{GPU}::test_varlen_scoring_replays_bit_exact",
         f"{GPU}::test_non_finite_inputs_replay_and_stay_non_finite",
     ),
@@ -59,7 +60,10 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{GPU}::test_chunked_select_replays_bit_exact",
         f"{GPU}::test_chunked_select_varlen_replays_bit_exact",
     ),
-    "dsa_precision/_deepgemm.py": (f"{GPU}::test_deepgemm_replays_bit_exact",),
+    "dsa_precision/_deepgemm.py": (
+        f"{GPU}::test_deepgemm_replays_bit_exact",
+        f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
+    ),
     "dsa_precision/operands.py": (
         f"{GPU}::test_prepare_scoring_operands_replays_bit_exact",
         f"{FUSED}::test_production_shape_and_replays",
@@ -90,11 +94,11 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/_deepgemm.py": (
         "144a7615d2b60f8ee371e5e988541da0327c36009905684d8b0c816c6b799f51",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
     "dsa_precision/fused.py": (
         "e8f7bf8031345e78010e104acc003c35030c057d1336e39cdcfda868abad7cbb",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
@@ -102,35 +106,35 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
     "dsa_precision/megatron/attention.py": (
-        "1621d3df08830a1722af3f4c8eb6ee371236085642317b208da89686c751d4c7",
-        "09e2955dea28c2cf34cac006d901e34366c450560635195b7e9f188c644f50ab",
+        "5570d9d5a3e94a50192445ecf0816b33a66237a5d46cbf5e962eb2b274c5cfdf",
+        "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/megatron/indexer.py": (
-        "ad1d0a239699bd4e7ba6386e8e0db33d2c120d5770845c9636e4c4625c30e81b",
-        "09e2955dea28c2cf34cac006d901e34366c450560635195b7e9f188c644f50ab",
+        "854411eee604cd006daa2bfb315eccd0439e190476085f67adc9529014f230e2",
+        "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/operands.py": (
-        "28c188af97e04f34c71f9e2b8a43caf443ed1a6355f3e29a68456d49f2b3c0a1",
-        "31a54222fb33958fa705f112093f06ef2ae7af9a1f893b400e5faaeec6e9532b",
+        "bf73c6e124b21b691e94d5296d3135dd6d902906c5432ed7d9845728f3d4ed85",
+        "49effc67d2eecbed7d2f70afc43dc3367cf5f009af11c4130c6dbbdb0a5e0620",
     ),
     "dsa_precision/scoring.py": (
-        "60bee9a7969c06654f0994fa38014ab849925f9d7168b5cadc8bc690c97f742e",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "188e874090c079e3dfc4a7dc32e36fcb484d1224e0ee37af0cc4e2556196c364",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
     "dsa_precision/select.py": (
         "60d2398853c0a0d4719a0a139d68c30d085416a16e17f29129cf56c62fbee3e4",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
     "dsa_precision/sparse_attention.py": (
         "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "7cc8f646efe05bcd966b2906affba5382cce7cdf3e846dae6c44a5ebd9567787",
+        "5031b4f2a635befca66bf90bbbf78baf6b16d469cb010ed6fe720d2326de828d",
     ),
     "dsa_precision/topk.py": (
-        "f7847b0b9587ced25b912e26e563b13ce4db27fe6cd7cbc1afac9e16c9afb0ab",
-        "58c500912adb53182784232e07bd520596d0801d038a121550b923bf4ee945df",
+        "08e44d63b6fdaeed61e47a5ded5558b5ffb0002376d60f101bc63814b733c208",
+        "60c25cfbe75681a346f3d3f184802471ba57a0455850116ee485518511090b50",
     ),
 }
 # END HASHES

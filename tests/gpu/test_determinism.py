@@ -145,10 +145,13 @@ def test_chunked_select_varlen_replays_bit_exact():
 # ---------------------------------------------------------------------- _deepgemm.py
 
 
-@pytest.mark.skipif(
+needs_deepgemm = pytest.mark.skipif(
     not _deepgemm.deepgemm_available(),
     reason=f"DeepGEMM is not importable: {_deepgemm._import()[1]}",
 )
+
+
+@needs_deepgemm
 def test_deepgemm_replays_bit_exact():
     q, k, w = _qkw(2, 2048, 64)
 
@@ -157,6 +160,20 @@ def test_deepgemm_replays_bit_exact():
         return indexer_scores(ops, q_causal_offsets=5, backend="deepgemm")
 
     assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM")
+
+
+@needs_deepgemm
+def test_deepgemm_varlen_replays_bit_exact():
+    """Packed sequences: each row's key window found by its packed sequence, one launch."""
+    q, k, w, cu = _packed([700, 33, 1500, 301])
+
+    def score(q, k, w):
+        return indexer_scores_varlen(
+            q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
+            scoring_precision="fp8", backend="deepgemm",
+        )  # fmt: skip
+
+    assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM varlen")
 
 
 # ------------------------------------------------------- operands (fused Triton kernel)

@@ -98,6 +98,13 @@ CONFIGS = {
     "rope_fp32": {"dsa_indexer_rope_fp32": True},
     "fp8": {"dsa_indexer_scoring_precision": "fp8"},
     "rope_fp32+fp8": {"dsa_indexer_rope_fp32": True, "dsa_indexer_scoring_precision": "fp8"},
+    # FP32 weights GEMM, Hadamard (the package's own transform on the rope_fp32 path)
+    "sglang-unfused": {
+        "dsa_indexer_rope_fp32": True,
+        "dsa_indexer_scoring_precision": "fp8",
+        "dsa_indexer_engine": "sglang-unfused",
+        "dsa_indexer_rotate_activation": True,
+    },
 }
 
 
