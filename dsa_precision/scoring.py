@@ -12,8 +12,8 @@ chunks and context parallelism). Packed (THD) input counts positions per sequenc
 Both take prepared operands, or q / k / weights carriers, which they prepare first
 (:func:`~dsa_precision.prepare_scoring_operands`: the fused Triton kernel for FP8 on CUDA). The
 precision is the operands'; this module only chooses a kernel, and calls each in one place:
-``_cudnn_scores`` (cuDNN's SM90 indexer, BF16 or FP8), ``_deepgemm_scores`` (DeepGEMM's
-``fp8_mqa_logits``, the engines' kernel) and ``_reference_scores`` (exact, float64, any device).
+``_cudnn_scores`` (cuDNN's SM90 indexer, BF16 or FP8), ``_deepgemm_scores`` (DeepGEMM's MQA
+logits, the engines' kernel) and ``_reference_scores`` (exact, float64, any device).
 Nothing here waits for the host: lengths are Python ints, offsets stay on the device, and the
 data-dependent checks run only with ``validate=True``.
 """
@@ -262,19 +262,26 @@ def _cudnn_scores(
 
 
 def _deepgemm_scores(
-    ops: ScoringOperands, key_start: torch.Tensor, key_end: torch.Tensor, b: int
+    ops: ScoringOperands,
+    key_start: torch.Tensor | None,
+    key_end: torch.Tensor,
+    b: int,
+    columns: int | None = None,
 ) -> torch.Tensor:
-    """One DeepGEMM ``fp8_mqa_logits`` launch for batch row ``b`` (the only call of it):
-    ``(S_q, S_k)`` float32 (a view of DeepGEMM's padded buffer), ``-inf`` outside each row's
-    ``[key_start, key_end)``."""
+    """One DeepGEMM launch for batch row ``b`` (the only place that scores with it), float32,
+    ``-inf`` outside each row's window: ``key_start=None`` gives ``(S_q, S_k)`` against keys
+    ``[0, key_end)``; otherwise ``(S_q, columns)``, column ``j`` being key ``key_start + j``."""
+    operands = (
+        _aligned(ops.q[b]),
+        (_aligned(ops.k[b]), _aligned(ops.k_descale[b])),
+        _aligned(ops.weights[b]),
+    )
+    key_end = key_end.to(torch.int32).contiguous()
     with _cudnn.device_scope(ops.device):
-        return _deepgemm.fp8_mqa_logits(
-            _aligned(ops.q[b]),
-            (_aligned(ops.k[b]), _aligned(ops.k_descale[b])),
-            _aligned(ops.weights[b]),
-            key_start.to(torch.int32).contiguous(),
-            key_end.to(torch.int32).contiguous(),
-        )
+        if key_start is None:
+            return _deepgemm.causal_logits(*operands, key_end)
+        key_start = key_start.to(torch.int32).contiguous()
+        return _deepgemm.window_logits(*operands, key_start, key_end, columns)
 
 
 def _reference_scores(
@@ -350,7 +357,7 @@ def indexer_scores(
         ratio: key compression ratio of the causal mask (1: one key per token).
         q_causal_offsets: global index of each batch row's query 0: an int or a ``(B,)`` integer
             tensor (0 by default).
-        backend: ``"cudnn"`` (SM90 kernel), ``"deepgemm"`` (``fp8_mqa_logits``, FP8 only),
+        backend: ``"cudnn"`` (SM90 kernel), ``"deepgemm"`` (DeepGEMM's MQA logits, FP8 only),
             ``"torch"`` (exact reference, any device) or ``"auto"`` (cuDNN when it can serve the
             call, else torch). An explicit kernel backend that cannot run raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
@@ -382,8 +389,7 @@ def indexer_scores(
         return _cudnn_scores(ops, offsets, ratio, out)
     if backend == "deepgemm":
         ends = causal_key_counts(offsets, 0, sq, ratio, sk)
-        starts = torch.zeros_like(ends[0])
-        rows = [_deepgemm_scores(ops, starts, ends[i], i) for i in range(b)]
+        rows = [_deepgemm_scores(ops, None, ends[i], i) for i in range(b)]
         return rows[0].unsqueeze(0) if b == 1 else torch.stack(rows)
     if out is None:
         out = torch.empty((b, sq, sk), dtype=torch.float32, device=ops.device)
@@ -508,15 +514,10 @@ def indexer_scores_varlen(
         )
     counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
     if backend == "deepgemm":
-        # DeepGEMM scores every packed key inside each row's window [start, start + count);
-        # gather the window into sequence-local columns.
+        # Each row's window [start, start + count) of packed keys, in sequence-local columns.
         rows = torch.arange(tq, device=ops.device)
         start = cu_k.to(torch.int64)[packed_sequence_of(cu_q, rows)]
-        logits = _deepgemm_scores(ops, start, start + counts, 0)
-        cols = torch.arange(max_seqlen_k, device=ops.device)
-        idx = (start.unsqueeze(1) + cols).clamp_(max=max(tk - 1, 0))
-        scores = logits.gather(1, idx)
-        return scores.masked_fill_(cols >= counts.unsqueeze(1), float("-inf"))
+        return _deepgemm_scores(ops, start, start + counts, 0, max_seqlen_k)
     # Reference: each sequence as a batch-1 BSHD block (host loop over the lengths).
     if out is None:
         out = torch.empty((tq, max_seqlen_k), dtype=torch.float32, device=ops.device)

@@ -7,8 +7,11 @@ copy task (a random segment repeated), so the loss has somewhere to go. For ever
 (baseline, rope_fp32, fp8, rope_fp32+fp8) it trains ``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
-scoring calls that ran in FP8 (and on the cuDNN kernel). It then checks that on identical inputs
-FP8 scoring selects a different top-k than BF16, that a top-k-sharing variant trains, and that the
+scoring calls that ran in FP8 (and on the cuDNN kernel). The configurations train interleaved
+(step i of each in turn), so drift of the host or the clocks falls on all of them alike, and a
+profile of a few steps gives each one's GPU kernel time per step beside its wall time. It then
+checks that on identical inputs FP8 scoring selects a different top-k than BF16, that a
+top-k-sharing variant trains, and that the
 default configuration trains bit-identically to stock Megatron modules.
 
 GPU (see docs/megatron.md):  python examples/toy_glm5_train.py --out $OUT/toy.json
@@ -19,6 +22,7 @@ CPU smoke test:              python examples/toy_glm5_train.py --tiny --device c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,6 +50,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=3,
+        help="steps profiled per configuration for its GPU kernel time (0: skip; CUDA only)",
+    )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -229,47 +239,84 @@ def indexer_ms(args, model, tokens) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def train(args, name: str) -> dict:
+def gpu_busy_ms(trainer, batch, steps: int) -> float:
+    """GPU kernel time of one step (median-free mean over ``steps`` profiled steps): what the step
+    costs the device, whatever the host's Python overhead around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.step(*batch)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / steps
+
+
+def train(args, names: list[str]) -> list[dict]:
+    """Train every configuration from the same weights and data, steps interleaved (step i of
+    each configuration in turn), so that drift of the host or the clocks spreads evenly."""
     from dsa_precision import reset_scoring_calls, scoring_calls
 
-    config = model_config(args, **CONFIGS[name])
-    model, vocab = build_model(args, config)
-    trainer = Trainer(model, args.lr)
-    data = copy_task(args, vocab, args.steps)
-    reset_scoring_calls()
-    losses, times = [], []
+    runs = []
+    for name in names:
+        config = model_config(args, **CONFIGS[name])
+        model, vocab = build_model(args, config)
+        runs.append(
+            dict(name=name, model=model, trainer=Trainer(model, args.lr), vocab=vocab,
+                 losses=[], times=[], calls=dict(fp8=0, fp8_cudnn=0, total=0))
+        )  # fmt: skip
+    data = copy_task(args, runs[0]["vocab"], args.steps)
     for tokens, labels in data:
-        loss, ms = timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
-        losses.append(loss)
-        times.append(ms)
-    calls = dict(
-        fp8=scoring_calls("fp8"),
-        fp8_cudnn=scoring_calls("fp8", "cudnn"),
-        total=scoring_calls(),
-    )
-    index_ms = indexer_ms(args, model, data[0][0])
-    # Index sharing: layer 2 reuses layer 1's top-k (Megatron's rule).
-    share_model, _ = build_model(args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name]))
-    share_trainer = Trainer(share_model, args.lr)
-    share_losses = [share_trainer.step(t, y) for t, y in copy_task(args, vocab, args.share_steps)]
-    del share_model, share_trainer
-    finite = all(math.isfinite(x) for x in losses + share_losses)
-    steady = times[3:] or times
-    step_ms = sorted(steady)[len(steady) // 2]
-    return dict(
-        name=name,
-        losses=losses,
-        first_loss=losses[0],
-        last_loss=losses[-1],
-        loss_decreased=bool(losses[-1] < losses[0]),
-        finite=finite,
-        step_ms_median=step_ms,
-        indexer_ms=index_ms,
-        indexer_share=index_ms / step_ms,
-        scoring_calls=calls,
-        index_share_losses=share_losses,
-        steps=len(losses),
-    )
+        for run in runs:
+            reset_scoring_calls()
+            step = functools.partial(run["trainer"].step, tokens, labels)
+            loss, ms = timed(step, args.device)
+            run["losses"].append(loss)
+            run["times"].append(ms)
+            for key, count in (
+                ("fp8", scoring_calls("fp8")),
+                ("fp8_cudnn", scoring_calls("fp8", "cudnn")),
+                ("total", scoring_calls()),
+            ):
+                run["calls"][key] += count
+    results = []
+    for run in runs:
+        name, model, losses = run["name"], run["model"], run["losses"]
+        index_ms = indexer_ms(args, model, data[0][0])
+        busy = None
+        if args.device != "cpu" and args.profile_steps:
+            busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
+        del run["model"], run["trainer"], model
+        # Index sharing: layer 2 reuses layer 1's top-k (Megatron's rule).
+        share_model, _ = build_model(
+            args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name])
+        )
+        share_trainer = Trainer(share_model, args.lr)
+        share_losses = [
+            share_trainer.step(t, y) for t, y in copy_task(args, run["vocab"], args.share_steps)
+        ]
+        del share_model, share_trainer
+        finite = all(math.isfinite(x) for x in losses + share_losses)
+        steady = run["times"][3:] or run["times"]
+        step_ms = sorted(steady)[len(steady) // 2]
+        results.append(
+            dict(
+                name=name,
+                losses=losses,
+                first_loss=losses[0],
+                last_loss=losses[-1],
+                loss_decreased=bool(losses[-1] < losses[0]),
+                finite=finite,
+                step_ms_median=step_ms,
+                gpu_busy_ms=busy,
+                indexer_ms=index_ms,
+                indexer_share=index_ms / step_ms,
+                scoring_calls=run["calls"],
+                index_share_losses=share_losses,
+                steps=len(losses),
+            )
+        )
+    return results
 
 
 def topk_on_identical_inputs(args) -> dict:
@@ -355,20 +402,23 @@ def main() -> int:
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
-    results = {"runs": [train(args, name) for name in args.configs.split(",")]}
+    results = {"runs": train(args, args.configs.split(","))}
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
     results["stock_equivalence"] = stock_equivalence(args)
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
-          f"engine {args.engine}; median step of {args.steps} (first 3 skipped)")  # fmt: skip
-    print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}"
+          f"engine {args.engine}; median step of {args.steps} (first 3 skipped), configurations "
+          f"interleaved step by step; GPU ms: kernel time of a step (profiled)")  # fmt: skip
+    print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
           f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
         ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
+        busy = r["gpu_busy_ms"]
         c = r["scoring_calls"]
         print(f"{r['name']:<15}{r['first_loss']:>9.3f}{r['last_loss']:>10.3f}"
-              f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}{r['indexer_ms']:>11.2f}"
+              f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}"
+              f"{busy if busy is not None else float('nan'):>8.1f}{r['indexer_ms']:>11.2f}"
               f"{r['indexer_share']:>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "

@@ -56,9 +56,12 @@ def _result(seq, chunked):
     }
     if not chunked:
         t |= dict(raw_score_bf16=4.6, score_bf16=4.7, raw_score_fp8=2.6, score_fp8=2.7,
-                  raw_topk=1.2, topk=1.3, api_bf16=7.0, api_fp8=4.0)  # fmt: skip
+                  raw_topk=1.2, raw_topk_val=1.25, topk=1.3, api_bf16=7.0,
+                  api_fp8=4.0)  # fmt: skip
         out |= dict(
-            overhead=dict(score_bf16=4.7 / 4.6, score_fp8=2.7 / 2.6, topk=1.3 / 1.2),
+            overhead=dict(
+                score_bf16=4.7 / 4.6, score_fp8=2.7 / 2.6, topk=1.3 / 1.2, topk_vs_val=1.3 / 1.25
+            ),
             raw_e2e_ms=dict(bf16=7.8, fp8=4.1),
             e2e_bound=7.8 / 4.1,
             e2e_share_of_bound=2.0 / (7.8 / 4.1),
@@ -77,6 +80,7 @@ def test_table_layout():
     assert lines[0].startswith("NVIDIA H200: B=1 D=128 causal, top-k 2048")
     kernels = next(line for line in lines if line.lstrip().startswith("16384"))
     assert "4.600" in kernels and "1.02" in kernels and "1.08" in kernels  # raw, pkg, x
+    assert kernels.split("|")[-1].split() == ["1.200", "1.250", "1.300", "1.08", "1.04"]
     e2e = [line for line in lines if line.lstrip().startswith("16384")][1]
     assert "2.00" in e2e and "1.90" in e2e and "105 %" in e2e and "1.75" in e2e
     chunked = next(line for line in lines if line.lstrip().startswith("65536"))

@@ -1,9 +1,11 @@
-"""What reaches DeepGEMM's ``fp8_mqa_logits``, checked on the CPU with a recording fake injected
-through ``dsa_precision._deepgemm._import``: the five positional arguments and
-``clean_logits=True``, per BSHD batch row and for packed windows, how the package places the
-kernel's logits (per batch row; packed windows gathered into sequence-local columns), and the
-feature detection of the module. The fake's logits are tags (row, column, launch), never scores:
-the kernel's numerics are the ``gpu`` tests' (tests/gpu/test_cudnn_scoring.py)."""
+"""What reaches DeepGEMM's MQA-logits kernel, checked on the CPU with recording fakes injected
+through ``dsa_precision._deepgemm._import``, for both entry points the package calls: the legacy
+``fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits=True)`` (full logits) and
+``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, max_seqlen_k)`` (DeepGEMM 2.8's
+compressed logits, tail unwritten). Per BSHD batch row and for packed windows, the tests check the
+arguments and how the package places the kernel's logits: both entry points must give the same
+scores. Also the feature detection of the module. The fakes' logits are tags (row, key, launch),
+never scores: the kernel's numerics are the ``gpu`` tests' (tests/gpu/test_cudnn_scoring.py)."""
 
 import sys
 import types
@@ -25,27 +27,39 @@ from dsa_precision.config import ScoringPrecision
 from .fake_cudnn import stand_in_scores
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
+# What the compressed entry point leaves past each row's window (DeepGEMM does not write it).
+_UNWRITTEN = float("nan")
+
 
 class FakeMqaLogits:
-    """``deep_gemm.fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``.
+    """``deep_gemm.fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``
+    or, ``compressed``, DeepGEMM 2.8's ``fp8_fp4_mqa_logits((q, None), kv, weights, ks, ke,
+    max_seqlen_k, schedule_meta=None)``.
 
-    Answers with a padded buffer's ``(S_q, S_k)`` view (as DeepGEMM does), ``-inf`` outside each
-    row's window ``[ks, ke)``; inside it ``tags`` mode writes ``launch * 10**6 + row * 1000 +
-    column`` and ``operands`` mode the stand-in function of the operand bytes.
+    Answers with a view of a padded buffer, as DeepGEMM does: full ``(S_q, S_k)`` logits, ``-inf``
+    outside each row's window ``[ks, ke)``; compressed ``(S_q, max_seqlen_k)`` logits whose column
+    ``j`` is key ``ks + j``, NaN past ``ke - ks``. Inside a window ``tags`` mode writes
+    ``launch * 10**6 + row * 1000 + key`` and ``operands`` mode the stand-in function of the
+    operand bytes.
     """
 
     __doc__ += "\n(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits)"
 
-    def __init__(self, mode="tags"):
+    def __init__(self, mode="tags", compressed=False):
         self.mode = mode
+        self.compressed = compressed
         self.calls: list[dict] = []
 
     def __call__(self, q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
+        q_scale = None
+        if self.compressed:
+            q, q_scale = q
         k, k_scales = kv
         sq, sk = q.shape[0], k.shape[0]
         self.calls.append(
             dict(
                 q=q.clone(),
+                q_scale=q_scale,
                 k=k.clone(),
                 k_scales=k_scales.clone(),
                 weights=weights.clone(),
@@ -56,24 +70,33 @@ class FakeMqaLogits:
                 contiguous=all(t.is_contiguous() for t in (q, k, k_scales, weights, ks, ke)),
             )
         )
-        padded = torch.empty(sq, sk + 5)
-        logits = padded[:, :sk]
         if self.mode == "tags":
             rows = torch.arange(sq, dtype=torch.float64).unsqueeze(1)
-            cols = torch.arange(sk, dtype=torch.float64)
-            logits.copy_((len(self.calls) - 1) * 1e6 + rows * 1000 + cols)
+            keys = torch.arange(sk, dtype=torch.float64)
+            full = (len(self.calls) - 1) * 1e6 + rows * 1000 + keys
         else:
-            logits.copy_(stand_in_scores(q.unsqueeze(0), k.unsqueeze(0).unsqueeze(2))[0])
-        cols = torch.arange(sk)
-        outside = (cols < ks.long().unsqueeze(1)) | (cols >= ke.long().unsqueeze(1))
-        logits.masked_fill_(outside, float("-inf"))
+            full = stand_in_scores(q.unsqueeze(0), k.unsqueeze(0).unsqueeze(2))[0].double()
+        if not self.compressed:
+            logits = torch.empty(sq, sk + 5)[:, :sk]
+            logits.copy_(full)
+            keys = torch.arange(sk)
+            outside = (keys < ks.long().unsqueeze(1)) | (keys >= ke.long().unsqueeze(1))
+            return logits.masked_fill_(outside, float("-inf"))
+        assert max_seqlen_k >= int((ke - ks).max())
+        logits = torch.full((sq, max_seqlen_k + 3), _UNWRITTEN)[:, :max_seqlen_k]
+        for i in range(sq):
+            n = int(ke[i] - ks[i])
+            logits[i, :n] = full[i, int(ks[i]) : int(ke[i])]
         return logits
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    fn = FakeMqaLogits()
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (fn, None))
+@pytest.fixture(params=["fp8_mqa_logits", "fp8_fp4_mqa_logits"])
+def fake(request, monkeypatch):
+    """Each test runs against both entry points."""
+    compressed = request.param == "fp8_fp4_mqa_logits"
+    fn = FakeMqaLogits(compressed=compressed)
+    entry = _deepgemm._EntryPoint(fn, f"deep_gemm.{request.param}", compressed=compressed)
+    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
     monkeypatch.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
     return fn
 
@@ -84,9 +107,13 @@ def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0):
     return prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
 
 
-def _check_launch(call, ops, b, ends, starts=None):
+def _check_launch(call, ops, b, ends, starts=None, columns=None, compressed=False):
     sq, h = ops.q.shape[1], ops.q.shape[2]
-    assert call["clean_logits"] is True and call["max_seqlen_k"] == 0  # compressed output unused
+    if compressed:  # window-local columns, one per key of the widest window that can occur
+        assert call["clean_logits"] is False and call["max_seqlen_k"] == columns
+        assert call["q_scale"] is None  # FP8 q: its descale is folded into the weights
+    else:
+        assert call["clean_logits"] is True and call["max_seqlen_k"] == 0
     assert call["contiguous"]
     assert call["q"].dtype == torch.float8_e4m3fn and call["q"].shape == (sq, h, 128)
     assert_bitwise_equal(call["q"], ops.q[b], "q (S_q, H, 128)")
@@ -113,7 +140,8 @@ def test_bshd_launches_once_per_batch_row_with_causal_windows(fake, ratio):
     )
     assert len(fake.calls) == 2
     for b, call in enumerate(fake.calls):
-        _check_launch(call, ops, b, causal_counts(offsets[b], range(9), ratio, 13))
+        ends = causal_counts(offsets[b], range(9), ratio, 13)
+        _check_launch(call, ops, b, ends, columns=13, compressed=fake.compressed)
     # DeepGEMM's logits, untouched, batch row b from launch b.
     assert got.shape == (2, 9, 13) and got.dtype == torch.float32
     for b in range(2):
@@ -168,7 +196,8 @@ def test_varlen_is_one_launch_whose_windows_are_gathered_into_local_columns(fake
     for i, n in enumerate(lens_q):
         starts += [int(cu_k[i])] * n
         counts += [min(c, lens_k[i]) for c in causal_counts(offsets[i], range(n), ratio, 10**9)]
-    _check_launch(call, ops, 0, [s + c for s, c in zip(starts, counts, strict=True)], starts)
+    ends = [s + c for s, c in zip(starts, counts, strict=True)]
+    _check_launch(call, ops, 0, ends, starts, columns=8, compressed=fake.compressed)
     assert got.shape == (13, 8)
     for t in range(13):
         want = [t * 1000 + starts[t] + c for c in range(counts[t])]
@@ -241,27 +270,104 @@ def fresh_import(monkeypatch):
     _deepgemm._import.cache_clear()
 
 
-def _module(name, fn=None):
+# Never read: the call must fail before it reaches a kernel.
+_NO_OPERANDS = (torch.empty(1, 32, 128), (torch.empty(1, 128), torch.empty(1)), torch.empty(1, 32),
+                torch.ones(1, dtype=torch.int32))  # fmt: skip
+
+
+def _module(name, fn=None, fp4=None):
     module = types.ModuleType(name)
     if fn is not None:
         module.fp8_mqa_logits = fn
+    if fp4 is not None:
+        module.fp8_fp4_mqa_logits = fp4
     return module
 
 
-def test_feature_detection_takes_the_first_module_with_the_function(fresh_import):
+def _call():
+    ops = _ops(b=1, sq=3, sk=3)
+    return indexer_scores(ops, backend="deepgemm")
+
+
+def _detected(fresh_import, module):
+    fresh_import.setitem(sys.modules, "deep_gemm", module)
+    fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
+    fresh_import.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
+    return _deepgemm._import()
+
+
+def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_import):
     fn = FakeMqaLogits()
-    fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm"))  # no fp8_mqa_logits
+    fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm"))  # neither function
     fresh_import.setitem(sys.modules, "vllm", _module("vllm"))
     fresh_import.setitem(sys.modules, "vllm.third_party", _module("vllm.third_party"))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", _module("vdg", fn))
+    fresh_import.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
     assert _deepgemm.deepgemm_available()
-    ops = _ops(b=1, sq=3, sk=3)
-    _deepgemm.fp8_mqa_logits(
-        ops.q[0], (ops.k[0], ops.k_descale[0]), ops.weights[0],
-        torch.zeros(3, dtype=torch.int32), torch.full((3,), 3, dtype=torch.int32),
-    )  # fmt: skip
+    assert _deepgemm.entry_point() == "vllm.third_party.deep_gemm.fp8_mqa_logits"
+    _call()
     (call,) = fn.calls
     assert call["clean_logits"] is True
+
+
+def test_the_legacy_name_is_preferred_when_both_exist(fresh_import):
+    legacy, fp4 = FakeMqaLogits(), FakeMqaLogits(compressed=True)
+    fp4.__doc__ = "fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)"
+    entry, _ = _detected(fresh_import, _module("deep_gemm", legacy, fp4))
+    assert entry.name == "deep_gemm.fp8_mqa_logits" and not entry.compressed
+    _call()
+    assert len(legacy.calls) == 1 and not fp4.calls
+
+
+def test_deepgemm_2_8_is_called_for_compressed_logits(fresh_import):
+    """DeepGEMM 2.8 (vLLM 0.31+): only ``fp8_fp4_mqa_logits``, ``max_seqlen_k`` required, no
+    ``clean_logits``; read from its Python signature."""
+    fake = FakeMqaLogits(compressed=True)
+    calls = []
+
+    def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k,
+                           schedule_meta=None):  # fmt: skip
+        calls.append(dict(max_seqlen_k=max_seqlen_k, schedule_meta=schedule_meta))
+        return fake(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k=max_seqlen_k)
+
+    entry, _ = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
+    assert entry.compressed and not entry.clean_logits_arg
+    assert _deepgemm.entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
+    got = _call()
+    assert calls == [dict(max_seqlen_k=3, schedule_meta=None)]
+    assert got[0].tolist() == [[i * 1000 + j if j <= i else float("-inf") for j in range(3)]
+                               for i in range(3)]  # fmt: skip
+
+
+def test_deepgemm_2_4_to_2_6_fp8_fp4_form_asks_for_uncleaned_compressed_logits(fresh_import):
+    """A pybind11 ``fp8_fp4_mqa_logits`` whose docstring names ``clean_logits`` (2.4-2.6) and no
+    legacy name: compressed logits need ``clean_logits=False`` there."""
+    fake = FakeMqaLogits(compressed=True)
+    fake.__doc__ = (
+        "fp8_fp4_mqa_logits(q: tuple[torch.Tensor, Optional[torch.Tensor]], kv: tuple, weights: "
+        "torch.Tensor, cu_seq_len_k_start: torch.Tensor, cu_seq_len_k_end: torch.Tensor, "
+        "clean_logits: bool = True, max_seqlen_k: int = 0, logits_dtype = torch.float32)"
+    )
+    builtin = types.SimpleNamespace(fp8_fp4_mqa_logits=_NoSignature(fake))
+    entry, _ = _detected(fresh_import, builtin)
+    assert entry.compressed and entry.clean_logits_arg
+    _call()
+    (call,) = fake.calls
+    assert call["clean_logits"] is False and call["max_seqlen_k"] == 3
+
+
+class _NoSignature:
+    """A callable without an introspectable signature (as pybind11 functions), its docstring the
+    wrapped one's."""
+
+    __signature__ = property(lambda self: (_ for _ in ()).throw(ValueError("no signature")))
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 def test_feature_detection_reports_each_failure(fresh_import):
@@ -270,22 +376,23 @@ def test_feature_detection_reports_each_failure(fresh_import):
 
     fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm", unknown))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
-    assert not _deepgemm.deepgemm_available()
+    assert not _deepgemm.deepgemm_available() and _deepgemm.entry_point() is None
     _, reason = _deepgemm._import()
     assert "deep_gemm.fp8_mqa_logits has an unknown signature" in reason
     assert "vllm.third_party.deep_gemm" in reason and "DeepGEMM" in reason
     with pytest.raises(ImportError, match="not importable"):
-        _deepgemm.fp8_mqa_logits(None, (None, None), None, None, None)
+        _deepgemm.causal_logits(*_NO_OPERANDS)
 
 
-def test_deepgemm_2_8_without_the_legacy_name_is_reported_not_called(fresh_import):
+def test_an_fp8_fp4_form_without_max_seqlen_k_is_reported_not_called(fresh_import):
     called = []
-    module = types.ModuleType("deep_gemm")
-    module.fp8_fp4_mqa_logits = lambda *args: called.append(args)
-    fresh_import.setitem(sys.modules, "deep_gemm", module)
-    fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)
-    assert not _deepgemm.deepgemm_available()
-    assert "only fp8_fp4_mqa_logits (DeepGEMM 2.8+" in _deepgemm._import()[1]
-    with pytest.raises(ImportError, match=r"use a DeepGEMM 2\.0-2\.6 build"):
-        _deepgemm.fp8_mqa_logits(None, (None, None), None, None, None)
+
+    def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits=True):
+        called.append(True)
+
+    entry, reason = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
+    assert entry is None
+    assert "deep_gemm.fp8_fp4_mqa_logits takes no max_seqlen_k" in reason
+    with pytest.raises(ImportError, match="takes no max_seqlen_k"):
+        _deepgemm.causal_logits(*_NO_OPERANDS)
     assert not called

@@ -6,8 +6,10 @@ repetition, random non-zero inputs checked against the torch reference first):
 
 - **kernels vs package**: cuDNN's ``indexer_forward_wrapper`` called directly against
   :func:`~dsa_precision.indexer_scores` on the same operands (BF16 and FP8), DeepGEMM's
-  ``fp8_mqa_logits`` when importable, and cuDNN's deterministic ``indexer_top_k_wrapper`` against
-  :func:`~dsa_precision.indexer_topk` (causal ``seq_lens``); the overhead is package / raw.
+  MQA logits when importable, and cuDNN's deterministic ``indexer_top_k_wrapper`` against
+  :func:`~dsa_precision.indexer_topk` (causal ``seq_lens``); the overhead is package / raw. The
+  raw top-k is timed twice: indices only, and with each pick's score (``return_val=True``, the
+  wrapper's default), which the package reads to drop ``-inf`` and NaN picks.
 - **end to end from the projections, like for like**: BF16 = Megatron's BF16 preprocessing and
   BF16 scoring, FP8 = the fused preprocess+quantize kernel (``--rope-fp32``, ``--hadamard``) and
   FP8 scoring, each followed by :func:`~dsa_precision.indexer_select`; beside the measured
@@ -310,11 +312,12 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
         if _deepgemm.deepgemm_available():
             t["score_fp8_deepgemm"] = timer(lambda: indexer_scores(ops8, backend="deepgemm"))
         scores = raw_score(ops8).view(b * seq, seq)
-        t["raw_topk"] = timer(
-            lambda: dsa.indexer_top_k_wrapper(
-                scores, lens, top_k=cfg.topk, next_n=1, return_val=False, deterministic=True
+        for key, val in (("raw_topk", False), ("raw_topk_val", True)):
+            t[key] = timer(
+                lambda val=val: dsa.indexer_top_k_wrapper(
+                    scores, lens, top_k=cfg.topk, next_n=1, return_val=val, deterministic=True
+                )
             )
-        )
         t["topk"] = timer(lambda: indexer_topk(scores, cfg.topk, seq_lens=lens))
         del scores
         q32, k32 = work.pre8(work.q, work.k, work.freqs)
@@ -346,6 +349,7 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
             "score_bf16": t["score_bf16"] / t["raw_score_bf16"],
             "score_fp8": t["score_fp8"] / t["raw_score_fp8"],
             "topk": t["topk"] / t["raw_topk"],
+            "topk_vs_val": t["topk"] / t["raw_topk_val"],
         }
         out["raw_e2e_ms"] = {"bf16": raw16, "fp8": raw8}
         out["e2e_bound"] = raw16 / raw8
@@ -375,7 +379,8 @@ def format_tables(report: dict[str, Any]) -> str:
         "",
         "kernels vs package (same operands; x = package / raw)",
         f"{'S':>6} {'H':>3} | {'bf16 raw':>8} {'pkg':>7} {'x':>5} | {'fp8 raw':>8} {'pkg':>7} "
-        f"{'x':>5} | {'deepgemm':>8} | {'top-k raw':>9} {'pkg':>7} {'x':>5}",
+        f"{'x':>5} | {'deepgemm':>8} | {'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} "
+        f"{'x val':>5}",
     ]
     for r in full:
         t, o = r["times_ms"], r["overhead"]
@@ -384,9 +389,13 @@ def format_tables(report: dict[str, Any]) -> str:
             f"{_fmt(t['score_bf16']):>7} {o['score_bf16']:>5.2f} | {_fmt(t['raw_score_fp8']):>8} "
             f"{_fmt(t['score_fp8']):>7} {o['score_fp8']:>5.2f} | "
             f"{_fmt(t.get('score_fp8_deepgemm')):>8} | {_fmt(t['raw_topk']):>9} "
-            f"{_fmt(t['topk']):>7} {o['topk']:>5.2f}"
+            f"{_fmt(t.get('raw_topk_val')):>6} {_fmt(t['topk']):>7} {o['topk']:>5.2f} "
+            f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
         )
     lines += [
+        "top-k raw: indices only (return_val=False); +val: with each pick's score, the "
+        "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
+        "over each",
         "",
         "end to end from the projections (prep + indexer_select; x = BF16 / FP8)",
         f"{'S':>6} {'H':>3} | {'prep bf16':>9} {'prep fp8':>8} | {'e2e bf16':>8} {'e2e fp8':>8} "

@@ -6,7 +6,7 @@ integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their 
 
 The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`, an
 independent model of the chosen engine profile: on the CPU its scores are exact, on CUDA they are
-DeepGEMM's ``fp8_mqa_logits`` (the engines' kernel) when it is importable. The training side is
+DeepGEMM's MQA logits (the engines' kernel) when they are importable. The training side is
 the package, as the Megatron integration runs it (torch reference on the CPU, cuDNN on CUDA). On
 the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures the contract (the
 profile's rules, reproduced), not a kernel. Metric definitions: ``docs/numerics.md``.
@@ -225,14 +225,14 @@ def format_run(run: DemoRun) -> str:
     """The human-readable report."""
     e, m = run.engine, run.model
     scores = (
-        "DeepGEMM fp8_mqa_logits (the engines' kernel)"
+        f"DeepGEMM {_deepgemm.entry_point()} (the engines' kernel)"
         if run.inference_kernel == "deepgemm"
         else "exact (float64 sums of the E4M3 products)"
     )
     training = {
         "torch": "the exact torch reference",
         "cudnn": "cuDNN's SM90 kernels",
-        "deepgemm": "DeepGEMM's fp8_mqa_logits (FP8 rows; BF16 rows by cuDNN)",
+        "deepgemm": f"DeepGEMM {_deepgemm.entry_point()} (FP8 rows; BF16 rows by cuDNN)",
     }[run.backend]
     rows = run.inference_indices.shape[0]
     header = [

@@ -5,7 +5,7 @@ Written from the engines' sources (``docs/numerics.md``) and an :class:`~dsa_pre
 rotates the engine's (cos, sin) pairs in place, the Hadamard transform is a dense Sylvester matrix,
 the FP8 scales follow each rule's formula in float64 / float32 torch arithmetic, and the scores are
 an exact float64 sum of E4M3 products rounded once to float32 (or, on CUDA, DeepGEMM's
-``fp8_mqa_logits`` -- the engines' own kernel -- on the model's operands). Where an engine's
+MQA logits -- the engines' own kernel -- on the model's operands). Where an engine's
 arithmetic is float32 (RoPE, its ratio and scaling), the model uses IEEE float32 operations with
 no fused multiply-add; where it is a reduction whose order is the engine's kernel's (LayerNorm
 statistics), the model is exact.
@@ -137,17 +137,16 @@ def engine_operands(
 @torch.no_grad()
 def engine_scores(ops: EngineOperands, *, kernel: str = "exact") -> torch.Tensor:
     """``(S, S)`` float32 causal scores: ``"exact"`` (float64 sum of the E4M3 products, rounded
-    once) or ``"deepgemm"`` (DeepGEMM's ``fp8_mqa_logits`` on CUDA)."""
+    once) or ``"deepgemm"`` (DeepGEMM's MQA logits on CUDA)."""
     s = ops.q.shape[0]
     keys = torch.arange(s, device=ops.q.device)
     if kernel == "deepgemm":
         from .. import _deepgemm
 
-        logits = _deepgemm.fp8_mqa_logits(
+        logits = _deepgemm.causal_logits(
             ops.q.contiguous(),
             (ops.k.contiguous(), ops.k_descale.contiguous()),
             ops.weights.contiguous(),
-            torch.zeros(s, dtype=torch.int32, device=ops.q.device),
             (keys + 1).to(torch.int32),
         )
         return logits[:, :s].contiguous()

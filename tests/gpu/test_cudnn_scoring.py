@@ -1,7 +1,10 @@
 """The real kernels on an SM90 GPU: cuDNN's indexer scoring and radix top-k against the exact torch
 reference on the same operands (BF16 and FP8, BSHD and packed THD, chunked selection), DeepGEMM's
-``fp8_mqa_logits`` against a direct call and against cuDNN, and the two promises of the device
-path: no host synchronisation, and capture in a CUDA graph."""
+MQA logits against a direct call, through both entry points and against cuDNN, and the two
+promises of the device path: no host synchronisation, and capture in a CUDA graph."""
+
+import importlib
+import types
 
 import pytest
 import torch
@@ -226,23 +229,65 @@ needs_deepgemm = pytest.mark.skipif(
 )
 
 
+def _deepgemm_module():
+    return importlib.import_module(_deepgemm.entry_point().rsplit(".", 1)[0])
+
+
 @needs_deepgemm
 @pytest.mark.parametrize("h", [32, 64])
 def test_deepgemm_backend_is_the_direct_kernel_call(h):
     q, k, w = _inputs(1, 2048, h)
     ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
     got = indexer_scores(ops, backend="deepgemm")
-    fn, _ = _deepgemm._import()
+    module = _deepgemm_module()
     rows = torch.arange(2048, device=DEV, dtype=torch.int32)
-    direct = fn(
-        ops.q[0].contiguous(),
+    args = (
         (ops.k[0].contiguous(), ops.k_descale[0].contiguous()),
         ops.weights[0].contiguous(),
         torch.zeros_like(rows),
         rows + 1,
-        True,
     )
+    if hasattr(module, "fp8_mqa_logits"):
+        direct = module.fp8_mqa_logits(ops.q[0].contiguous(), *args, True)
+    else:  # DeepGEMM 2.8: compressed logits, the tail past each window unwritten
+        direct = module.fp8_fp4_mqa_logits((ops.q[0].contiguous(), None), *args, max_seqlen_k=2048)
+        direct = direct.masked_fill(rows[None, :] > rows[:, None], float("-inf"))
     assert_bitwise_equal(got[0].contiguous(), direct.contiguous(), "deepgemm backend vs direct")
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("h", [32, 64])
+def test_both_entry_points_give_the_same_scores(monkeypatch, h):
+    """DeepGEMM 2.8 (vLLM 0.31+) has only ``fp8_fp4_mqa_logits``, whose logits are compressed and
+    uncleaned. The host's build has both names: the package through the compressed entry point
+    gives the legacy one's bits, BSHD (windows from key 0) and packed (windows in the middle)."""
+    module = _deepgemm_module()
+    if not (hasattr(module, "fp8_mqa_logits") and hasattr(module, "fp8_fp4_mqa_logits")):
+        pytest.skip(f"{module.__name__} does not have both entry points")
+    q, k, w = _inputs(2, 2048, h, seed=5)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    lens = [700, 33, 1500, 301]
+    pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
+
+    def run():
+        bshd = indexer_scores(ops, q_causal_offsets=torch.tensor([0, 64], device=DEV),
+                              backend="deepgemm")  # fmt: skip
+        packed = indexer_scores_varlen(pq[None], pk[None], pw[None], scoring_precision="fp8",
+                                       backend="deepgemm", **varlen)  # fmt: skip
+        return bshd, packed
+
+    legacy_entry, _ = _deepgemm._import()
+    assert not legacy_entry.compressed
+    legacy = run()
+    only_fp4 = types.SimpleNamespace(fp8_fp4_mqa_logits=module.fp8_fp4_mqa_logits)
+    entry, reason = _deepgemm._resolve(only_fp4, module.__name__)
+    assert entry is not None and entry.compressed, reason
+    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
+    compressed = run()
+    assert_bitwise_equal(compressed[0], legacy[0], "BSHD: compressed vs legacy entry point")
+    assert_bitwise_equal(compressed[1], legacy[1], "packed: compressed vs legacy entry point")
+    assert torch.isfinite(legacy[1]).sum() == sum(n * (n + 1) // 2 for n in lens)
 
 
 @needs_deepgemm

@@ -176,6 +176,29 @@ def test_deepgemm_varlen_replays_bit_exact():
     assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM varlen")
 
 
+@needs_deepgemm
+def test_deepgemm_compressed_entry_point_replays_bit_exact(monkeypatch):
+    """DeepGEMM 2.8's only entry point, ``fp8_fp4_mqa_logits`` with ``max_seqlen_k``: compressed
+    logits whose tail the package masks (run here through the host build's copy of it)."""
+    name = _deepgemm.entry_point().rsplit(".", 1)[0]
+    module = __import__(name, fromlist=["fp8_fp4_mqa_logits"])
+    if not hasattr(module, "fp8_fp4_mqa_logits"):
+        pytest.skip(f"{name} has no fp8_fp4_mqa_logits")
+    only_fp4 = type("OnlyFp4", (), {"fp8_fp4_mqa_logits": staticmethod(module.fp8_fp4_mqa_logits)})
+    entry, reason = _deepgemm._resolve(only_fp4, name)
+    assert entry is not None and entry.compressed, reason
+    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
+    q, k, w, cu = _packed([700, 33, 1500, 301])
+
+    def score(q, k, w):
+        return indexer_scores_varlen(
+            q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
+            scoring_precision="fp8", backend="deepgemm",
+        )  # fmt: skip
+
+    assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM compressed")
+
+
 # ------------------------------------------------------- operands (fused Triton kernel)
 
 
