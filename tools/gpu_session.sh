@@ -54,6 +54,13 @@ PY
         TAIL=9 run "demo_deepgemm-h$heads" 300 python -m dsa_precision demo --device cuda \
           --heads $heads --engine vllm --backend deepgemm
       done ;;
+    demo-backends)  # engine vllm, training side scored by cuDNN and by DeepGEMM, H = 32 and 64
+      for heads in 32 64; do
+        for backend in cudnn deepgemm; do
+          TAIL=12 run "demo_${backend}-h$heads" 300 python -m dsa_precision demo --device cuda \
+            --heads $heads --engine vllm --backend $backend
+        done
+      done ;;
     toy)
       TAIL=12 run toy_2048 900 python examples/toy_glm5_train.py --out "$LOGS/toy_2048.json"
       TAIL=12 run toy_8192 900 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
@@ -67,8 +74,11 @@ PY
       TAIL=20 run parity_throughput 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
         --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384} --json "$LOGS/throughput.json" ;;
     megatron-tests)
+      # MEGATRON_LM: the Megatron-LM tests export (tools/megatron_tests/slim.sh makes one small
+      # enough to carry)
       TAIL=30 run megatron_tests 900 python tools/megatron_tests/run.py \
-        --megatron-lm .megatron-lm --out "$LOGS/megatron_tests" ;;
+        --megatron-lm "${MEGATRON_LM:-.megatron-lm}" --timeout "${MEGATRON_TIMEOUT:-600}" \
+        --out "$LOGS/megatron_tests" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
