@@ -273,7 +273,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     def run():
         bshd = indexer_scores(ops, q_causal_offsets=torch.tensor([0, 64], device=DEV),
                               backend="deepgemm")  # fmt: skip
-        packed = indexer_scores_varlen(pq[None], pk[None], pw[None], scoring_precision="fp8",
+        packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8",
                                        backend="deepgemm", **varlen)  # fmt: skip
         return bshd, packed
 
