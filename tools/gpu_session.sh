@@ -54,11 +54,14 @@ PY
         TAIL=9 run "demo_deepgemm-h$heads" 300 python -m dsa_precision demo --device cuda \
           --heads $heads --engine vllm --backend deepgemm
       done ;;
-    demo-backends)  # engine vllm, training side scored by cuDNN and by DeepGEMM, H = 32 and 64
+    demo-backends)  # training side scored by cuDNN and by DeepGEMM, H = 32 and 64; engine
+      # DEMO_ENGINE (default vllm; with its model flags, e.g. "sglang-fused --rope-interleaved")
+      engine=${DEMO_ENGINE:-vllm}
       for heads in 32 64; do
-        for backend in cudnn deepgemm; do
-          TAIL=12 run "demo_${backend}-h$heads" 300 python -m dsa_precision demo --device cuda \
-            --heads $heads --engine vllm --backend $backend
+        for backend in ${DEMO_BACKENDS:-cudnn deepgemm}; do
+          TAIL=12 run "demo_$(echo "$engine" | cut -d' ' -f1)_${backend}-h$heads" 300 \
+            python -m dsa_precision demo --device cuda --heads $heads --engine $engine \
+            --backend $backend
         done
       done ;;
     toy)
