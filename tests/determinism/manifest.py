@@ -51,7 +51,6 @@ REGISTRY: dict[str, tuple[str, ...]] = {
     "dsa_precision/scoring.py": (
         f"{GPU}::test_scoring_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
-        f"{GPU}::test_deepgemm_compressed_entry_point_replays_bit_exact",
         f"{GPU}::test_varlen_scoring_replays_bit_exact",
         f"{GPU}::test_non_finite_inputs_replay_and_stay_non_finite",
     ),
@@ -64,7 +63,6 @@ REGISTRY: dict[str, tuple[str, ...]] = {
     "dsa_precision/_deepgemm.py": (
         f"{GPU}::test_deepgemm_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
-        f"{GPU}::test_deepgemm_compressed_entry_point_replays_bit_exact",
     ),
     "dsa_precision/operands.py": (
         f"{GPU}::test_prepare_scoring_operands_replays_bit_exact",
@@ -96,11 +94,11 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/_deepgemm.py": (
         "593812e02e82c6358f4a79f54b00ae088fadd7d66281c52e6a6794144613f949",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/fused.py": (
         "e8f7bf8031345e78010e104acc003c35030c057d1336e39cdcfda868abad7cbb",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
@@ -108,7 +106,7 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/megatron/attention.py": (
         "5570d9d5a3e94a50192445ecf0816b33a66237a5d46cbf5e962eb2b274c5cfdf",
@@ -120,23 +118,23 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/operands.py": (
         "bf73c6e124b21b691e94d5296d3135dd6d902906c5432ed7d9845728f3d4ed85",
-        "1387dac48a2948aa9322632ad24ea3d4aa132482f253a7f36dc53bc04948ed9f",
+        "a713edd85658f8d545735db6e890841955c45798518456c6d6f7ef75c2451e10",
     ),
     "dsa_precision/scoring.py": (
         "ef47dac473b76c5f5f272cb27e7e2c1a0d4d333367692ab59b3f8f4bb3646e3f",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/select.py": (
         "60d2398853c0a0d4719a0a139d68c30d085416a16e17f29129cf56c62fbee3e4",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/sparse_attention.py": (
         "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "3f339526e43b879f72d0395e042045c443ef70b4311f77444cf3493447dd550f",
+        "1a3ae5d44d8ba8063581d83077636bf642bf46f9b63cd51d638cbd46d0eadebd",
     ),
     "dsa_precision/topk.py": (
         "08e44d63b6fdaeed61e47a5ded5558b5ffb0002376d60f101bc63814b733c208",
-        "235ea09966293104f3d5df25e4ac31fbbfdcb272fe11246d769f8d02d8921be7",
+        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
 }
 # END HASHES

@@ -162,24 +162,9 @@ def test_deepgemm_replays_bit_exact():
     assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM")
 
 
-@needs_deepgemm
-def test_deepgemm_varlen_replays_bit_exact():
-    """Packed sequences: each row's key window found by its packed sequence, one launch."""
-    q, k, w, cu = _packed([700, 33, 1500, 301])
-
-    def score(q, k, w):
-        return indexer_scores_varlen(
-            q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
-            scoring_precision="fp8", backend="deepgemm",
-        )  # fmt: skip
-
-    assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM varlen")
-
-
-@needs_deepgemm
-def test_deepgemm_compressed_entry_point_replays_bit_exact(monkeypatch):
-    """DeepGEMM 2.8's only entry point, ``fp8_fp4_mqa_logits`` with ``max_seqlen_k``: compressed
-    logits whose tail the package masks (run here through the host build's copy of it)."""
+def _only_compressed_entry_point(monkeypatch) -> None:
+    """Make the package call ``fp8_fp4_mqa_logits`` with ``max_seqlen_k`` (DeepGEMM 2.8's only
+    entry point: compressed logits whose tail the package masks) through the host build."""
     name = _deepgemm.entry_point().rsplit(".", 1)[0]
     module = __import__(name, fromlist=["fp8_fp4_mqa_logits"])
     if not hasattr(module, "fp8_fp4_mqa_logits"):
@@ -188,6 +173,15 @@ def test_deepgemm_compressed_entry_point_replays_bit_exact(monkeypatch):
     entry, reason = _deepgemm._resolve(only_fp4, name)
     assert entry is not None and entry.compressed, reason
     monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("entry_point", ["detected", "compressed"])
+def test_deepgemm_varlen_replays_bit_exact(monkeypatch, entry_point):
+    """Packed sequences: each row's key window found by its packed sequence, one launch; through
+    the entry point the package detects, and through the compressed one."""
+    if entry_point == "compressed":
+        _only_compressed_entry_point(monkeypatch)
     q, k, w, cu = _packed([700, 33, 1500, 301])
 
     def score(q, k, w):
@@ -196,7 +190,9 @@ def test_deepgemm_compressed_entry_point_replays_bit_exact(monkeypatch):
             scoring_precision="fp8", backend="deepgemm",
         )  # fmt: skip
 
-    assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM compressed")
+    assert_replays_bit_exact(
+        score, (q, k, w), contention=True, what=f"DeepGEMM varlen, {entry_point}"
+    )
 
 
 # ------------------------------------------------------- operands (fused Triton kernel)
