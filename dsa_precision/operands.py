@@ -414,17 +414,44 @@ def prepare_indexer_operands(
             )
         if _use_kernel(impl, reason):
             w_pre = fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
-            return _fused(
+            ops = _fused(
                 preprocess, q_proj, k_proj, w_pre, token_freqs, engine=engine, mscale=mscale,
                 fold_scales=post,
             )  # fmt: skip
-        q, k = preprocess(
-            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
-        )
-        fold = engine.weights_fold
-        return _quantize_reference(
-            q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine, fold
-        )
+        else:
+            q, k = preprocess(
+                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
+                token_freqs=token_freqs,
+            )  # fmt: skip
+            fold = engine.weights_fold
+            ops = _quantize_reference(
+                q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
+                fold,
+            )  # fmt: skip
+        return _engine_lane_order(ops, preprocess)
+
+
+def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> ScoringOperands:
+    """FP8 operands with interleaved RoPE pairs back in place (no Hadamard rotation).
+
+    Megatron de-interleaves the RoPE lanes of ``dsa_indexer_rope_interleaved`` models into halves
+    (``apply_rope``); the engines rotate each adjacent pair in place (vLLM
+    ``models/deepseek_v32/common/kernels.py`` ``INDEX_ROPE_INTERLEAVE``; SGLang's fused GLM
+    path), so their q and k hold the same values in the checkpoint's lane order. The exact score
+    does not depend on the order, but Hopper's FP8 tensor cores add the products of each 32-lane
+    step with about 13 bits (docs/numerics.md, section 7): the engine's order gives the engine's
+    logits. With the Hadamard rotation on, lanes are mixed after RoPE and Megatron's order stays.
+    """
+    if not preprocess.rope_interleaved or preprocess.rotate_activation:
+        return ops
+    half, d = preprocess.rope_dim // 2, ops.q.shape[-1]
+    pairs = torch.stack((torch.arange(half), torch.arange(half, 2 * half)), dim=-1).flatten()
+    order = torch.cat((pairs, torch.arange(2 * half, d))).to(ops.device)
+
+    def reorder(x8: torch.Tensor) -> torch.Tensor:  # on the bytes: E4M3 has no index kernels
+        return x8.view(torch.uint8).index_select(-1, order).view(torch.float8_e4m3fn)
+
+    return dataclasses.replace(ops, q=reorder(ops.q), k=reorder(ops.k))
 
 
 # The fused kernel multiplies the folded weight by at most this many scalars after the descale.

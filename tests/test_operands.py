@@ -4,6 +4,7 @@ and sm_scale folded into float32 weights bit for bit), the fused Triton kernel (
 interpreter) against the torch reference, prepare_indexer_operands against preprocessing then
 preparing, and when the fused kernel applies."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dsa_precision import (
     prepare_indexer_operands,
     prepare_scoring_operands,
     quantize_e4m3_ue8m0,
+    quantize_fp8,
 )
 from dsa_precision import operands as operands_module
 from dsa_precision.config import ScoringPrecision
@@ -328,3 +330,77 @@ def test_preprocess_and_config_must_agree():
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8")
     with pytest.raises(ValueError, match="build the IndexerPreprocess from the same config"):
         prepare_indexer_operands(pre, q, k, w, freqs, config=config)
+
+
+# ------------------------------------------------------------------- RoPE lane order (FP8)
+
+
+def _interleaved(rope_fp32, hadamard=False, engine="sglang-fused"):
+    g = torch.Generator().manual_seed(8)
+    pre = IndexerPreprocess(
+        128, 64, rope_interleaved=True, rotate_activation=hadamard, rope_fp32=rope_fp32,
+        engine=ENGINE_PROFILES[engine],
+    )  # fmt: skip
+    q = torch.randn(6, 1, 32, 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(6, 1, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(6, 1, 32, generator=g).to(torch.bfloat16)
+    freqs = torch.rand(6, 1, 1, 64, generator=g) * 10
+    config = IndexerPrecisionConfig(
+        rope_fp32=rope_fp32, scoring_precision="fp8", engine=ENGINE_PROFILES[engine]
+    )
+    return pre, q, k, w, freqs, config
+
+
+# Megatron's rotate-half position of each lane of the checkpoint (pairs in place) order.
+_PAIRS = torch.cat((torch.stack((torch.arange(32), torch.arange(32, 64)), -1).flatten(),
+                    torch.arange(64, 128)))  # fmt: skip
+
+
+@pytest.mark.parametrize("rope_fp32", [False, True])
+def test_fp8_operands_keep_interleaved_rope_pairs_in_place(rope_fp32):
+    """Megatron de-interleaves the RoPE lanes; the engines rotate each pair in place. FP8
+    operands take the engines' lane order (the same values: Megatron's lane ``_PAIRS[j]`` at
+    position ``j``), which Hopper's FP8 accumulation needs for the engines' logits."""
+    pre, q, k, w, freqs, config = _interleaved(rope_fp32)
+    got = prepare_indexer_operands(pre, q, k, w, freqs, config=config, impl="torch")
+    with torch.no_grad():
+        qq, kk = pre(q, k, freqs)  # Megatron's (rotate-half) lane order
+    q8, _ = quantize_fp8(qq.transpose(0, 1), config.engine.q_quant)
+    k8, _ = quantize_fp8(kk.transpose(0, 1), config.engine.k_quant)
+    assert not torch.equal(q8.view(torch.uint8), got.q.view(torch.uint8))
+    assert_bitwise_equal(got.q, q8[..., _PAIRS], "q in pair order")
+    assert_bitwise_equal(got.k, k8[..., _PAIRS], "k in pair order")
+    bf16 = prepare_indexer_operands(
+        pre, q, k, w, freqs, config=dataclasses.replace(config, scoring_precision="bf16")
+    )
+    assert_bitwise_equal(bf16.q, qq.transpose(0, 1).to(torch.bfloat16), "bf16: Megatron's order")
+
+
+def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
+    """The demo's independent engine model (``cli/engine_model.py``) rotates pairs in place; with
+    ``rope_fp32`` the package's FP8 operands are its operands bit for bit, lane by lane."""
+    from dsa_precision.cli.engine_model import engine_operands
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+
+    engine = ENGINE_PROFILES["sglang-fused"]
+    inputs = synthetic_indexer_inputs(64, n_heads=32, head_dim=128, rope_dim=64, seed=3)
+    ref = engine_operands(inputs, engine, hadamard=False, interleaved=True)
+    pre = IndexerPreprocess(
+        128, 64, k_norm=inputs.k_norm, rope_interleaved=True, rope_fp32=True, engine=engine
+    )
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=engine)
+    got = prepare_indexer_operands(pre, inputs.q, inputs.k, inputs.w, inputs.freqs, config=config)
+    assert_bitwise_equal(got.q[0], ref.q, "q")
+    assert_bitwise_equal(got.k[0], ref.k, "k")
+    assert_bitwise_equal(got.k_descale[0], ref.k_descale, "k descale")
+    assert_bitwise_equal(got.weights[0], ref.weights, "weights")
+
+
+def test_with_the_hadamard_rotation_lanes_stay_in_megatrons_order():
+    """After the rotation every lane mixes all of them: there are no pairs to put back."""
+    pre, q, k, w, freqs, config = _interleaved(True, hadamard=True, engine="vllm-exact")
+    got = prepare_indexer_operands(pre, q, k, w, freqs, config=config, impl="torch")
+    with torch.no_grad():
+        qq, _ = pre(q, k, freqs)
+    q8, _ = quantize_fp8(qq.transpose(0, 1), config.engine.q_quant)
+    assert_bitwise_equal(got.q, q8, "q")

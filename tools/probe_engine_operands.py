@@ -5,7 +5,8 @@
 Builds one sequence's operands four ways -- the engine model (``cli/engine_model.py``) on the CPU
 and on CUDA, the package's torch reference and fused Triton kernel on CUDA -- and prints, for each
 tensor, the share of elements whose bits differ from the engine model on the CPU (the exact
-contract; FP8 vectors compared as sorted codes, lane order being free). A tensor that changes with the device points at an operation whose CUDA arithmetic
+contract), and the same with each FP8 vector's codes sorted: a difference only in the first is
+one of lane order, which the exact score ignores but the FP8 tensor cores' accumulation does not. A tensor that changes with the device points at an operation whose CUDA arithmetic
 differs from the CPU's.
 """
 
@@ -36,12 +37,11 @@ def _engine(inputs, engine, interleaved, hadamard):
     return dict(q=ops.q, k=ops.k, k_descale=ops.k_descale, weights=ops.weights)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit patterns; FP8 vectors sorted, since a layout may order the lanes differently (the
-    package keeps interleaved RoPE pairs apart), which leaves every dot product unchanged."""
+def _bits(t: torch.Tensor, sort: bool) -> torch.Tensor:
+    """The bit patterns; ``sort``: each FP8 vector's codes sorted, which ignores the lane order."""
     t = t.cpu().contiguous()
     if t.element_size() == 1:
-        return t.view(torch.uint8).sort(-1).values
+        return t.view(torch.uint8).sort(-1).values if sort else t.view(torch.uint8)
     return t.view(torch.int32)
 
 

@@ -102,7 +102,7 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
-        "4743e0034d58d3bee9ec4454a66d4d09f9b05a724fc7b8457f296226f48eadbf",
+        "78d12fb9b08983774389487ec074221d5ea090bf2a9fcbdd3ac5732c8f491863",
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
@@ -117,8 +117,8 @@ HASHES: dict[str, tuple[str, str]] = {
         "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/operands.py": (
-        "bf73c6e124b21b691e94d5296d3135dd6d902906c5432ed7d9845728f3d4ed85",
-        "a713edd85658f8d545735db6e890841955c45798518456c6d6f7ef75c2451e10",
+        "beed450aba82f020690edd936892507fcc73880d5032bbbe335f7ce5a811f1b0",
+        "422f08fa0a0f740817f7864bf6f5d98b13406949cb57e209fa8832ce747ce688",
     ),
     "dsa_precision/scoring.py": (
         "ef47dac473b76c5f5f272cb27e7e2c1a0d4d333367692ab59b3f8f4bb3646e3f",

@@ -125,15 +125,24 @@ def test_order_sensitive_sums(hadamard):
 
 
 @pytest.mark.parametrize(
-    "rope_fp32,hadamard",
-    [(True, True), (True, False), pytest.param(False, True, marks=_FAST_HADAMARD), (False, False)],
-    ids=["rope_fp32_hadamard", "rope_fp32", "bf16_hadamard", "bf16"],
-)
-def test_production_shape_and_replays(record, rope_fp32, hadamard):
+    "rope_fp32,hadamard,interleaved",
+    [
+        (True, True, False),
+        (True, False, False),
+        (True, False, True),  # FP8 lanes back in the engines' (pairs in place) order
+        pytest.param(False, True, False, marks=_FAST_HADAMARD),
+        (False, False, False),
+        (False, False, True),
+    ],
+    ids=["rope_fp32_hadamard", "rope_fp32", "rope_fp32_interleaved", "bf16_hadamard", "bf16",
+         "bf16_interleaved"],
+)  # fmt: skip
+def test_production_shape_and_replays(record, rope_fp32, hadamard, interleaved):
     """S = 16384, H = 64: bit-identical to the reference, and three launches give the same bits."""
     case = make_case(
-        seq=16384, batch=1, heads=64, rope_fp32=rope_fp32, hadamard=hadamard, device=DEV
-    )
+        seq=16384, batch=1, heads=64, rope_fp32=rope_fp32, hadamard=hadamard,
+        interleaved=interleaved, device=DEV,
+    )  # fmt: skip
     first = _check(case, sm_scale=128**-0.5)
     replays = [operands(case, "triton", sm_scale=128**-0.5) for _ in range(3)]
     for again in replays:
@@ -142,6 +151,7 @@ def test_production_shape_and_replays(record, rope_fp32, hadamard):
         "fused_production",
         rope_fp32=rope_fp32,
         hadamard=hadamard,
+        interleaved=interleaved,
         seq=16384,
         heads=64,
         bit_identical=True,
