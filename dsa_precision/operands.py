@@ -445,8 +445,9 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
     if not preprocess.rope_interleaved or preprocess.rotate_activation:
         return ops
     half, d = preprocess.rope_dim // 2, ops.q.shape[-1]
-    pairs = torch.stack((torch.arange(half), torch.arange(half, 2 * half)), dim=-1).flatten()
-    order = torch.cat((pairs, torch.arange(2 * half, d))).to(ops.device)
+    lanes = torch.arange(d, device=ops.device)  # built on the device: no host copy per call
+    pairs = torch.stack((lanes[:half], lanes[half : 2 * half]), dim=-1).flatten()
+    order = torch.cat((pairs, lanes[2 * half :]))
 
     def reorder(x8: torch.Tensor) -> torch.Tensor:  # on the bytes: E4M3 has no index kernels
         return x8.view(torch.uint8).index_select(-1, order).view(torch.float8_e4m3fn)

@@ -209,3 +209,18 @@ def test_helpers_on_hardware(hw_cast):
     )
     sums = kernel_probes.pairwise_sum(rows)
     assert torch.equal(sums.view(torch.int64), pairwise_sum(rows)[:, 0].view(torch.int64))
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16_path"])
+def test_interleaved_operands_never_wait_for_the_host(rope_fp32):
+    """Putting interleaved RoPE pairs back in place (the engines' lane order) stays on the device:
+    no host copy, no synchronisation."""
+    case = make_case(seq=512, batch=1, heads=64, rope_fp32=rope_fp32, interleaved=True, device=DEV)
+    warm = operands(case, "triton")  # compiles the kernel (which may synchronise)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = operands(case, "triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_bit_identical(again, warm)
