@@ -29,6 +29,7 @@ from dsa_precision.engines import DEFAULT_ENGINE
 from dsa_precision.operands import as_scoring_operands, fused_unsupported_reason
 from dsa_precision.preprocess import indexer_head_weights
 
+from .fused_cases import make_case
 from .helpers import assert_bitwise_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,19 +337,15 @@ def test_preprocess_and_config_must_agree():
 
 
 def _interleaved(rope_fp32, hadamard=False, engine="sglang-fused"):
-    g = torch.Generator().manual_seed(8)
-    pre = IndexerPreprocess(
-        128, 64, rope_interleaved=True, rotate_activation=hadamard, rope_fp32=rope_fp32,
-        engine=ENGINE_PROFILES[engine],
+    """An interleaved-RoPE case (:func:`tests.fused_cases.make_case`) and its FP8 config."""
+    case = make_case(
+        seq=6, batch=1, rope_fp32=rope_fp32, hadamard=hadamard, interleaved=True,
+        engine=ENGINE_PROFILES[engine], seed=8,
     )  # fmt: skip
-    q = torch.randn(6, 1, 32, 128, generator=g).to(torch.bfloat16)
-    k = torch.randn(6, 1, 128, generator=g).to(torch.bfloat16)
-    w = torch.randn(6, 1, 32, generator=g).to(torch.bfloat16)
-    freqs = torch.rand(6, 1, 1, 64, generator=g) * 10
     config = IndexerPrecisionConfig(
         rope_fp32=rope_fp32, scoring_precision="fp8", engine=ENGINE_PROFILES[engine]
     )
-    return pre, q, k, w, freqs, config
+    return case.pre, case.q, case.k, case.w, case.freqs, config
 
 
 # Megatron's rotate-half position of each lane of the checkpoint (pairs in place) order.
@@ -379,17 +376,15 @@ def test_fp8_operands_keep_interleaved_rope_pairs_in_place(rope_fp32):
 def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
     """The demo's independent engine model (``cli/engine_model.py``) rotates pairs in place; with
     ``rope_fp32`` the package's FP8 operands are its operands bit for bit, lane by lane."""
+    from dsa_precision.cli.demo import Model, training_operands
     from dsa_precision.cli.engine_model import engine_operands
     from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     engine = ENGINE_PROFILES["sglang-fused"]
     inputs = synthetic_indexer_inputs(64, n_heads=32, head_dim=128, rope_dim=64, seed=3)
     ref = engine_operands(inputs, engine, hadamard=False, interleaved=True)
-    pre = IndexerPreprocess(
-        128, 64, k_norm=inputs.k_norm, rope_interleaved=True, rope_fp32=True, engine=engine
-    )
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=engine)
-    got = prepare_indexer_operands(pre, inputs.q, inputs.k, inputs.w, inputs.freqs, config=config)
+    got = training_operands(inputs, config, Model(rope_interleaved=True))
     assert_bitwise_equal(got.q[0], ref.q, "q")
     assert_bitwise_equal(got.k[0], ref.k, "k")
     assert_bitwise_equal(got.k_descale[0], ref.k_descale, "k descale")

@@ -30,7 +30,7 @@ from .. import _deepgemm
 from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
 from ..config import FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
-from ..operands import prepare_indexer_operands
+from ..operands import Impl, ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
@@ -64,11 +64,15 @@ class Model:
     rope_interleaved: bool = False
 
 
-def training_scores(
-    inputs: SyntheticIndexerInputs, config: IndexerPrecisionConfig, model: Model, backend: str
-):
-    """The package's operands and scores for one configuration (as the Megatron integration
-    builds them: Megatron's BF16 preprocessing unless rope_fp32, the engine's rules for FP8)."""
+def training_operands(
+    inputs: SyntheticIndexerInputs,
+    config: IndexerPrecisionConfig,
+    model: Model,
+    impl: Impl = "auto",
+) -> ScoringOperands:
+    """The package's operands for one configuration (as the Megatron integration builds them:
+    Megatron's BF16 preprocessing unless rope_fp32, the engine's rules for FP8); ``impl`` as for
+    :func:`~dsa_precision.prepare_indexer_operands`."""
     pre = IndexerPreprocess(
         inputs.head_dim,
         inputs.rope_dim,
@@ -78,8 +82,9 @@ def training_scores(
         rope_fp32=config.rope_fp32,
         engine=config.engine,
     )
-    ops = prepare_indexer_operands(pre, inputs.q, inputs.k, inputs.w, inputs.freqs, config=config)
-    return ops, indexer_scores(ops, backend=backend)[0]
+    return prepare_indexer_operands(
+        pre, inputs.q, inputs.k, inputs.w, inputs.freqs, config=config, impl=impl
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +192,8 @@ def run_demo(
         for config in progress(configs(engine), desc="demo"):
             # DeepGEMM scores FP8 operands only: the BF16 rows stay on cuDNN (--backend help).
             fp8_only = backend == "deepgemm" and not config.fp8
-            _, scores = training_scores(inputs, config, model, "cudnn" if fp8_only else backend)
+            ops = training_operands(inputs, config, model)
+            scores = indexer_scores(ops, backend="cudnn" if fp8_only else backend)[0]
             picks = indexer_topk(
                 scores[rows], topk, backend="cudnn" if backend != "torch" else "torch"
             )
