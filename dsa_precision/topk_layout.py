@@ -1,0 +1,162 @@
+"""The engines' top-k layout, and the one check of picks that enter from outside.
+
+Replay (``dsa_precision.megatron.engine_topk``), capture adapters (engine outputs -> replay input)
+and ``dsa-precision agree`` read the same layout: per token, ``k`` sequence-relative key positions
+(``0 <= key <= the token's position``, causal), ``-1`` padding, keys distinct within a row; the
+``T`` tokens either packed across sequences (THD, ``cu_seqlens`` ``(n + 1,)``) or batch-major
+(BSHD, ``seq_len`` tokens per sequence, ``T = batch * seq_len``).
+
+Two levels of checks, as everywhere in the package (docs/robustness.md):
+
+- :meth:`TokenLayout.check_indices`: host-side facts only (types, dtypes, ranks, shapes, devices
+  where known); no device work, safe on the hot path.
+- :meth:`TokenLayout.validate_indices`: the data (row count against ``cu_seqlens[-1]``, causal
+  range, duplicates, monotone ``cu_seqlens``); a few reductions and **one host synchronisation**
+  per call on a CUDA tensor. Errors name the source (e.g. the layer), the row, its position, the
+  offending values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["INDEX_DTYPES", "TokenLayout"]
+
+# Integer dtypes accepted for top-k picks (int16 only where every position fits).
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+_CU_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+    """How ``T`` tokens of a micro-batch are laid out: packed (``cu_seqlens``) or batch-major
+    (``seq_len``); exactly one is given.
+
+    Args:
+        cu_seqlens: THD: ``(n + 1,)`` int32/int64 cumulative sequence lengths, ``cu_seqlens[0] ==
+            0``, non-decreasing, ``cu_seqlens[-1] == T``; on any device.
+        seq_len: BSHD: tokens per sequence, a positive ``int``.
+    """
+
+    cu_seqlens: torch.Tensor | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cu_seqlens is None) == (self.seq_len is None):
+            raise ValueError(
+                "give cu_seqlens (packed THD tokens) or seq_len (BSHD, tokens per sequence), "
+                f"exactly one; got cu_seqlens={_describe(self.cu_seqlens)}, "
+                f"seq_len={self.seq_len!r}."
+            )
+        if self.seq_len is not None:
+            if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
+                raise TypeError(
+                    f"seq_len={self.seq_len!r} ({type(self.seq_len).__name__}) must be an int: "
+                    "the tokens per sequence of a BSHD micro-batch."
+                )
+            if self.seq_len <= 0:
+                raise ValueError(f"seq_len={self.seq_len} must be positive (tokens per sequence).")
+            return
+        cu = self.cu_seqlens
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D int32/int64 torch.Tensor, got {type(cu).__name__}; "
+                "pass torch.tensor([0, len_0, len_0 + len_1, ...])."
+            )
+        if cu.dtype not in _CU_DTYPES or cu.ndim != 1 or cu.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens is {_describe(cu)}; expected a 1-D int32/int64 tensor of n + 1 >= 2 "
+                "cumulative lengths starting at 0."
+            )
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def check_indices(self, name: str, idx: object, *, topk: int | None = None) -> torch.Tensor:
+        """Host-side facts of ``idx``: a ``(T, k)`` integer tensor, ``1 <= k <= topk``, and (BSHD)
+        ``T`` a whole number of sequences. No device work. Returns ``idx``."""
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"{name}: expected a (T, k) integer tensor, got {type(idx).__name__}.")
+        if idx.dtype not in INDEX_DTYPES or idx.ndim != 2:
+            raise TypeError(
+                f"{name}: expected a (T, k) int16/int32/int64 tensor, got {_describe(idx)}."
+            )
+        if idx.shape[1] == 0:
+            raise ValueError(f"{name}: k = 0 keys per token; a top-k row holds at least one slot.")
+        if topk is not None and idx.shape[1] > topk:
+            raise ValueError(
+                f"{name} holds {idx.shape[1]} keys per token, more than the consumer's "
+                f"topk={topk}; pass at most {topk} picks per token."
+            )
+        if self.seq_len is not None and idx.shape[0] % self.seq_len:
+            raise ValueError(
+                f"{name}: {idx.shape[0]} token rows are not a whole number of sequences of "
+                f"seq_len={self.seq_len}; pass batch * seq_len rows, batch-major."
+            )
+        return idx
+
+    def validate(self, name: str = "cu_seqlens") -> None:
+        """``cu_seqlens`` starts at 0 and never decreases (one host synchronisation)."""
+        if self.cu_seqlens is None:
+            return
+        cu = self.cu_seqlens.to(torch.int64)
+        steps = cu[1:] - cu[:-1]
+        bad = torch.cat((cu[:1] != 0, steps < 0))
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name} = {cu.tolist()[:16]}{'...' if cu.numel() > 16 else ''} is not "
+                f"cumulative lengths (entry {at}): it must start at 0 and never decrease."
+            )
+
+    def positions(self, rows: int, device: torch.device) -> torch.Tensor:
+        """``(rows,)`` int64 position of each token inside its sequence."""
+        t = torch.arange(rows, device=device)
+        if self.cu_seqlens is None:
+            return t % self.seq_len
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int64)
+        seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=cu.numel() - 2)
+        return t - cu[seq]
+
+    def validate_indices(self, name: str, idx: torch.Tensor, *, topk: int | None = None) -> None:
+        """:meth:`check_indices`, then the data: ``T == cu_seqlens[-1]`` (THD), every key ``-1`` or
+        ``0 <= key <= position``, no key twice in a row. One host synchronisation."""
+        self.check_indices(name, idx, topk=topk)
+        self.validate(f"{name}: cu_seqlens")
+        total = idx.shape[0]
+        if self.cu_seqlens is not None:
+            end = int(self.cu_seqlens[-1])
+            if end != total:
+                raise ValueError(
+                    f"{name}: {total} token rows but cu_seqlens ends at {end}; the picks must "
+                    "hold one row per packed token of this micro-batch."
+                )
+        position = self.positions(total, idx.device)
+        bad = ((idx < -1) | (idx > position[:, None])).any(-1)
+        slots = torch.arange(idx.shape[1], device=idx.device)
+        # Pads become distinct negatives, so only a repeated key compares equal.
+        ordered = torch.where(idx < 0, -1 - slots, idx.to(torch.int64)).sort(-1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
+        if flags[0]:
+            row = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name}: row {row} (position {int(position[row])} in its sequence) holds "
+                f"{idx[row].tolist()[:8]}{'...' if idx.shape[1] > 8 else ''}; keys must satisfy "
+                "0 <= key <= position (causal, sequence-relative), -1 for padding."
+            )
+        if flags[1]:
+            row = int(repeated.nonzero()[0])
+            raise ValueError(
+                f"{name}: row {row} repeats a key ({idx[row].tolist()[:8]}); a top-k row holds "
+                "distinct keys."
+            )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"
+    return repr(t)
