@@ -19,6 +19,7 @@ Two levels of checks, as everywhere in the package (docs/robustness.md):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -121,9 +122,19 @@ class TokenLayout:
         seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=cu.numel() - 2)
         return t - cu[seq]
 
-    def validate_indices(self, name: str, idx: torch.Tensor, *, topk: int | None = None) -> None:
+    def validate_indices(
+        self,
+        name: str,
+        idx: torch.Tensor,
+        *,
+        topk: int | None = None,
+        describe_row: Callable[[int], str] | None = None,
+    ) -> None:
         """:meth:`check_indices`, then the data: ``T == cu_seqlens[-1]`` (THD), every key ``-1`` or
-        ``0 <= key <= position``, no key twice in a row. One host synchronisation."""
+        ``0 <= key <= position``, no key twice in a row. One host synchronisation.
+
+        ``describe_row(row)`` (optional) names a token row in the errors, e.g. the request it came
+        from (capture adapters)."""
         self.check_indices(name, idx, topk=topk)
         self.validate(f"{name}: cu_seqlens")
         total = idx.shape[0]
@@ -143,15 +154,17 @@ class TokenLayout:
         flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
         if flags[0]:
             row = int(bad.nonzero()[0])
+            where = f"{describe_row(row)}, " if describe_row is not None else ""
             raise ValueError(
-                f"{name}: row {row} (position {int(position[row])} in its sequence) holds "
+                f"{name}: row {row} ({where}position {int(position[row])} in its sequence) holds "
                 f"{idx[row].tolist()[:8]}{'...' if idx.shape[1] > 8 else ''}; keys must satisfy "
                 "0 <= key <= position (causal, sequence-relative), -1 for padding."
             )
         if flags[1]:
             row = int(repeated.nonzero()[0])
+            where = f" ({describe_row(row)})" if describe_row is not None else ""
             raise ValueError(
-                f"{name}: row {row} repeats a key ({idx[row].tolist()[:8]}); a top-k row holds "
+                f"{name}: row {row}{where} repeats a key ({idx[row].tolist()[:8]}); a top-k row holds "
                 "distinct keys."
             )
 
