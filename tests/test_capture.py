@@ -1,0 +1,323 @@
+"""Capture adapters, compact format and digest, on synthetic outputs laid out as the engines'
+sources produce them (docs/capture.md gives each layout and its source).
+
+References: the picks the synthetic engine output was built from (known rows), the shared
+:meth:`TokenLayout.validate_indices`, and the pure-Python digest reference.
+"""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_precision.capture import (
+    FORMATS,
+    VllmStep,
+    decode_picks,
+    digest_mismatches,
+    digest_row_reference,
+    digest_rows,
+    encode_picks,
+    from_sglang,
+    from_vllm,
+    from_vllm_steps,
+    load_engine_output,
+    pack_requests,
+)
+from dsa_precision.topk_layout import TokenLayout
+
+K = 8
+
+
+def causal_picks(seq: int, k: int = K, seed: int = 0) -> torch.Tensor:
+    """``(seq, k)`` int32: row ``i`` holds min(k, i + 1) distinct keys in ``[0, i]`` in a random
+    order, ``-1`` after them (the engines' top-k of a causal row)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(seq):
+        n = min(k, i + 1)
+        keys = torch.randperm(i + 1, generator=g)[:n]
+        rows.append(torch.cat((keys, torch.full((k - n,), -1))))
+    return torch.stack(rows).to(torch.int32)
+
+
+def engine_rows(seq: int, layers: int, seed: int, freq: int = 1) -> torch.Tensor:
+    """``(seq, layers, k)``: every layer its own picks; with ``freq=2``, SGLang's sharing: layer
+    ids 2, 4, ... (0-based) copy layer id - 1 (test_return_indexer_topk.py)."""
+    out = torch.stack([causal_picks(seq, seed=seed * 100 + n) for n in range(layers)], dim=1)
+    if freq == 2:
+        for n in range(2, layers, 2):
+            out[:, n] = out[:, n - 1]
+    return out
+
+
+def sglang_response(full: torch.Tensor, completion: int = 3) -> dict:
+    """A /generate response: rows of every token but the last, base64 little-endian int32."""
+    rows = full[:-1].numpy().astype("<i4")
+    return {
+        "text": "...",
+        "meta_info": {
+            "prompt_tokens": full.shape[0] - completion,
+            "completion_tokens": completion,
+            "indexer_topk": base64.b64encode(rows.tobytes()).decode("ascii"),
+            "indexer_topk_num_layers": full.shape[1],
+        },
+    }
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array.astype(np.int32))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# --- SGLang -------------------------------------------------------------------------------------
+
+
+def test_sglang_responses_become_the_packed_micro_batch():
+    fulls = [engine_rows(11, 3, seed=1), engine_rows(6, 3, seed=2)]
+    out = from_sglang([sglang_response(f) for f in fulls])
+    assert out.cu_seqlens.tolist() == [0, 11, 17]
+    assert sorted(out.indices) == [1, 2, 3]
+    layout = TokenLayout(cu_seqlens=out.cu_seqlens)
+    for n in (1, 2, 3):
+        idx = out.indices[n]
+        assert idx.dtype == torch.int32 and idx.shape == (17, K)
+        layout.validate_indices(f"layer {n}", idx)
+        # Every token but each sequence's last is the engine's row, unchanged.
+        assert torch.equal(idx[:10], fulls[0][:10, n - 1])
+        assert torch.equal(idx[11:16], fulls[1][:5, n - 1])
+        assert (idx[10] == -1).all() and (idx[16] == -1).all()  # never run: empty
+    assert out.engine_rows.tolist() == [True] * 10 + [False] + [True] * 5 + [False]
+
+
+def test_sglang_last_row_self_attends_its_own_position():
+    out = from_sglang([sglang_response(engine_rows(5, 1, seed=3))], last_row="self")
+    assert out.indices[1][4].tolist() == [4] + [-1] * (K - 1)
+
+
+def test_sglang_index_sharing_is_checked_and_dropped():
+    full = engine_rows(9, 5, seed=4, freq=2)  # engine layers 3, 5 (1-based) copy 2, 4
+    out = from_sglang([sglang_response(full)], shared={3: 2, 5: 4})
+    assert sorted(out.indices) == [1, 2, 4]
+    broken = full.clone()
+    broken[6, 4] = causal_picks(9, seed=99)[6]
+    with pytest.raises(ValueError, match=r"layer 5: row 6 \(request 0 token 6\) differs from its "):
+        from_sglang([sglang_response(broken)], shared={3: 2, 5: 4})
+
+
+def test_sglang_errors_name_request_layer_and_row():
+    full = engine_rows(7, 2, seed=5)
+    bad = full.clone()
+    bad[3, 1, 0] = 5  # token 3 picks key 5: not causal
+    with pytest.raises(ValueError, match=r"sglang layer 2: row 10 \(request 'b' token 3, pos"):
+        from_sglang({"a": sglang_response(engine_rows(7, 2, seed=6)), "b": sglang_response(bad)})
+    dup = full.clone()
+    dup[5, 0, 1] = dup[5, 0, 0]
+    with pytest.raises(ValueError, match=r"sglang layer 1: row 5 \(request 0 token 5\) repeats"):
+        from_sglang([sglang_response(dup)])
+
+
+def test_sglang_row_count_must_match_the_tokens():
+    response = sglang_response(engine_rows(7, 2, seed=7))
+    response["meta_info"]["completion_tokens"] += 1  # the trainer's sequence is one longer
+    with pytest.raises(ValueError, match=r"not a whole number|6 rows from position 0"):
+        from_sglang([response])
+    with pytest.raises(ValueError, match=r"--enable-return-indexer-topk"):
+        from_sglang([{"meta_info": {"prompt_tokens": 3, "completion_tokens": 1}}])
+
+
+# --- requests accounted for ---------------------------------------------------------------------
+
+
+def test_every_request_is_accounted_for():
+    rows = {"a": engine_rows(4, 1, seed=8)[:-1], "b": engine_rows(5, 1, seed=9)[:-1]}
+    lens = {"a": 4, "b": 5}
+    out = pack_requests(rows, lens, order=["b", "a"])
+    assert out.request_ids == ("b", "a") and out.cu_seqlens.tolist() == [0, 5, 9]
+    assert torch.equal(out.indices[1][:4], rows["b"][:, 0])
+    with pytest.raises(ValueError, match=r"no rows for request\(s\) \['c'\]"):
+        pack_requests(rows, lens | {"c": 3}, order=["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"rows for request\(s\) \['b'\] that the micro-batch"):
+        pack_requests(rows, lens, order=["a"])
+    with pytest.raises(ValueError, match=r"request 'a': 3 rows from position 0 .* 6 tokens"):
+        pack_requests(rows, {"a": 6, "b": 5})
+    with pytest.raises(ValueError, match=r"seq_lens has no length for request\(s\) \['b'\]"):
+        pack_requests(rows, {"a": 4})
+
+
+def test_layer_axes_must_agree():
+    rows = [engine_rows(4, 2, seed=1)[:-1], engine_rows(4, 3, seed=2)[:-1]]
+    with pytest.raises(ValueError, match=r"request 1: \(3, 8\) \(layers, k\) but request 0"):
+        pack_requests(rows, [4, 4])
+    with pytest.raises(ValueError, match=r"more than topk=4"):
+        pack_requests(rows[:1], [4], topk=4)
+
+
+# --- vLLM ---------------------------------------------------------------------------------------
+
+
+def test_vllm_pr49555_output_and_prompt_start():
+    full = engine_rows(9, 2, seed=10)
+    rows = decode_vllm_indexer_topk_roundtrip(full[:-1])
+    out = from_vllm([rows], [9], layer_numbers=[2, 4])  # NeMo-RL style: computing layers only
+    assert sorted(out.indices) == [2, 4]
+    assert torch.equal(out.indices[4][:8], full[:8, 1])
+    with pytest.raises(ValueError, match=r"rows start at position 3; positions 0..2 have no"):
+        from_vllm([rows[3:]], [9], first_rows=[3])
+
+
+def decode_vllm_indexer_topk_roundtrip(rows: torch.Tensor) -> torch.Tensor:
+    from dsa_precision.capture import decode_vllm_indexer_topk
+
+    return decode_vllm_indexer_topk(npy_b64(rows.numpy()))
+
+
+def _vllm_step(requests, starts, lengths, full, stale=7, kept=None):
+    """One step's buffer as sparse_attn_indexer leaves it: rows of the scheduled tokens in batch
+    order (query_start_loc), then stale rows from earlier, larger steps."""
+    qsl = np.cumsum([0, *lengths]).tolist()
+    buffers = {}
+    for n in (1, 2):
+        rows = [full[r][s : s + ln, n - 1] for r, s, ln in zip(requests, starts, lengths)]
+        stale_rows = torch.full((stale, K + 4), 12345, dtype=torch.int32)  # wider, stale
+        body = torch.nn.functional.pad(torch.cat(rows), (0, 4), value=-1)
+        buffers[n] = torch.cat((body, stale_rows))
+    return VllmStep(requests, qsl, starts, buffers, kept_rows=kept)
+
+
+def test_vllm_steps_stitch_chunked_prefill_decode_and_speculation():
+    full = {"x": engine_rows(10, 2, seed=11), "y": engine_rows(6, 2, seed=12)}
+    steps = [
+        _vllm_step(["x"], [0], [4], full),  # chunked prefill, chunk 1
+        _vllm_step(["y", "x"], [0, 4], [4, 3], full),  # y prefill; x chunk 2
+        # decode first: y verifies 1 + 2 drafts, accepts 1 (keeps 2 rows); x decodes 1
+        _vllm_step(["x", "y"], [7, 4], [1, 3], full, kept=[1, 2]),
+        _vllm_step(["x"], [8], [1], full),
+    ]
+    out = from_vllm_steps(steps, {"x": 10, "y": 6}, topk=K, order=["x", "y"])
+    assert out.cu_seqlens.tolist() == [0, 10, 16]
+    assert torch.equal(out.indices[2][:9], full["x"][:9, 1])
+    assert torch.equal(out.indices[1][10:16], full["y"][:, 0])  # y's rows cover every token
+
+
+def test_vllm_prefix_cache_hit_is_named():
+    full = {"x": engine_rows(10, 2, seed=13)}
+    steps = [_vllm_step(["x"], [4], [5], full)]  # 4 cached tokens: no rows for them
+    with pytest.raises(ValueError, match=r"request 'x': positions 0..3 have no rows .*prefix"):
+        from_vllm_steps(steps, {"x": 10}, topk=K)
+
+
+# --- files for agree ----------------------------------------------------------------------------
+
+
+def test_load_engine_output_reads_saved_responses(tmp_path):
+    fulls = [engine_rows(6, 2, seed=14), engine_rows(5, 2, seed=15)]
+    path = tmp_path / "sglang.jsonl"
+    path.write_text("\n".join(json.dumps(sglang_response(f)) for f in fulls))
+    layers, layout = load_engine_output(path, engine="sglang")
+    assert layout["cu_seqlens"].tolist() == [0, 6, 11]
+    assert torch.equal(layers[2][:5], fulls[0][:5, 1])
+    vllm = tmp_path / "vllm.json"
+    vllm.write_text(
+        json.dumps(
+            [
+                {
+                    "choices": [{"indexer_topk": npy_b64(f[:-1].numpy())}],
+                    "usage": {"prompt_tokens": f.shape[0] - 2, "completion_tokens": 2},
+                }
+                for f in fulls
+            ]
+        )
+    )
+    layers_v, layout_v = load_engine_output(vllm, engine="vllm")
+    assert torch.equal(layout_v["cu_seqlens"], layout["cu_seqlens"])
+    assert all(torch.equal(layers_v[n], layers[n]) for n in (1, 2))
+    with pytest.raises(ValueError, match=r"vllm.json: .*request 1: 4 rows"):
+        broken = json.loads(vllm.read_text())
+        broken[1]["usage"]["completion_tokens"] = 5
+        vllm.write_text(json.dumps(broken))
+        load_engine_output(vllm, engine="vllm")
+    with pytest.raises(ValueError, match=r"engine='lmdeploy'"):
+        load_engine_output(path, engine="lmdeploy")
+
+
+# --- compact format -----------------------------------------------------------------------------
+
+
+def _as_set(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t < 0, 2**40, t.to(torch.int64)).sort(-1).values
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compact_round_trip_is_exact(fmt):
+    idx = causal_picks(200, k=16, seed=16)
+    idx[50] = -1  # an empty row
+    idx[70, 3:] = -1  # a short row
+    packed = encode_picks(idx, fmt, rows_per_chunk=33)  # chunk boundaries inside the stream
+    back = decode_picks(packed)
+    assert back.dtype == torch.int32 and back.shape == idx.shape
+    if fmt == "delta":  # the same set, sorted, padding last
+        assert torch.equal(_as_set(back), _as_set(idx))
+        assert torch.equal(back, torch.where(_as_set(idx) >= 2**40, -1, _as_set(idx)).int())
+    else:  # order preserved
+        assert torch.equal(back, idx)
+
+
+def test_delta_handles_long_sequences_and_saves_bytes():
+    seq, k = 70000, 64
+    g = torch.Generator().manual_seed(17)
+    rows = torch.arange(seq - 300, seq)  # late rows of a 70k-token sequence
+    picks = torch.stack([torch.randperm(int(r) + 1, generator=g)[:k] for r in rows[:40]])
+    picks[:, 0] = rows[:40]  # the token itself, position > 65535
+    packed = encode_picks(picks, "delta")
+    assert torch.equal(_as_set(decode_picks(packed)), _as_set(picks))
+    assert packed.nbytes < encode_picks(picks, "int32").nbytes * 0.6
+    with pytest.raises(ValueError, match=r"format='int16' holds keys up to 32767"):
+        encode_picks(picks, "int16")
+
+
+def test_delta_rows_that_pick_every_key_cost_no_payload():
+    idx = causal_picks(8, k=8)  # row i picks all of 0..i: every gap is 0
+    packed = encode_picks(idx, "delta")
+    assert packed.width.tolist() == [0] * 8 and packed.data.numel() == 1  # the slack word only
+
+
+def test_encode_rejects_bad_keys():
+    with pytest.raises(ValueError, match=r"picks hold -2"):
+        encode_picks(torch.tensor([[0, -2]]), "delta")
+    with pytest.raises(TypeError, match=r"\(T, k\) int16/int32/int64"):
+        encode_picks(torch.zeros(3, 2), "delta")
+
+
+# --- digest -------------------------------------------------------------------------------------
+
+
+def test_digest_matches_the_reference_and_ignores_order_and_padding():
+    idx = causal_picks(64, k=16, seed=18).to(torch.int64)
+    idx[7] = -1
+    d = digest_rows(idx)
+    assert d.dtype == torch.int64 and d.shape == (64,)
+    assert d.tolist() == [digest_row_reference(r) for r in idx.tolist()]
+    shuffled = idx[:, torch.randperm(16, generator=torch.Generator().manual_seed(1))]
+    assert torch.equal(digest_rows(shuffled.to(torch.int32)), d)  # order and dtype don't matter
+    assert digest_row_reference([]) == 0 == int(d[7])
+    # Large keys, and values whose SplitMix products overflow int64 (wraparound arithmetic).
+    big = torch.tensor([[2**31 - 1, 65536, 0, -1]])
+    assert digest_rows(big).tolist() == [digest_row_reference([2**31 - 1, 65536, 0])]
+    assert digest_row_reference([1, 2]) != digest_row_reference([3])  # not just a count
+
+
+def test_digest_mismatches_counts_rows_per_layer():
+    ours = {1: causal_picks(32, seed=19), 3: causal_picks(32, seed=20)}
+    engine = {n: digest_rows(t) for n, t in ours.items()}
+    changed = ours[3].clone()
+    changed[[9, 20], 0] = torch.tensor([-1, -1], dtype=torch.int32)  # two rows lose a key
+    masks = digest_mismatches({1: ours[1], 3: changed}, engine)
+    assert int(masks[1].sum()) == 0
+    assert masks[3].nonzero().flatten().tolist() == [9, 20]
+    with pytest.raises(ValueError, match=r"layers differ"):
+        digest_mismatches({1: ours[1]}, engine)
