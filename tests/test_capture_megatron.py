@@ -15,7 +15,13 @@ pytest.importorskip("megatron.core")
 import dsa_precision.megatron as dsap
 from dsa_precision.capture import VllmStep, from_sglang, from_vllm_steps
 
-from .megatron_utils import attention_inputs, make_attention, make_config, packed_params, run_attention
+from .megatron_utils import (
+    attention_inputs,
+    make_attention,
+    make_config,
+    packed_params,
+    run_attention,
+)
 from .test_capture import sglang_response
 
 pytestmark = pytest.mark.usefixtures("megatron_parallel", "cpu_rotary")

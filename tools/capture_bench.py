@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     if args.json:
         json.dump(
-            dict(topk=args.topk, layers=args.layers, picks=args.picks, device=str(device), rows=rows),
+            dict(
+                topk=args.topk, layers=args.layers, picks=args.picks, device=str(device), rows=rows
+            ),
             sys.stdout,
             indent=2,
         )
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if timed:
             line += (
                 f" {r['h2d_ms_pageable']:>16.2f} {r['h2d_ms_pinned']:>14.2f} "
-                f"{r['decode_ms_device']:>10.2f} {str(r['exact']):>6}"
+                f"{r['decode_ms_device']:>10.2f} {r['exact']!s:>6}"
             )
         print(line)
     print(

@@ -207,7 +207,9 @@ def pack_requests(
                 "micro-batch's tokens are not the same sequence."
             )
         if t.device != device:
-            raise ValueError(f"{source} request {r!r} is on {t.device}, request {ref!r} on {device}.")
+            raise ValueError(
+                f"{source} request {r!r} is on {t.device}, request {ref!r} on {device}."
+            )
         t = t.to(torch.int32)
         if end == s - 1:
             pad = torch.full((1, n_layers, k), -1, dtype=torch.int32, device=device)
@@ -422,6 +424,4 @@ def from_vllm_steps(
             expect = start + rows.shape[0]
         rows_by_request[r] = torch.cat([p[1] for p in parts])
     kw.setdefault("layer_numbers", list(layer_set))
-    return pack_requests(
-        rows_by_request, seq_lens, order=order, topk=topk, source="vllm", **kw
-    )
+    return pack_requests(rows_by_request, seq_lens, order=order, topk=topk, source="vllm", **kw)

@@ -68,7 +68,9 @@ class CompactPicks:
         return dataclasses.replace(self, data=moved[0], width=moved[1], count=moved[2])
 
     def pin_memory(self) -> CompactPicks:
-        pinned = [None if t is None else t.pin_memory() for t in (self.data, self.width, self.count)]
+        pinned = [
+            None if t is None else t.pin_memory() for t in (self.data, self.width, self.count)
+        ]
         return dataclasses.replace(self, data=pinned[0], width=pinned[1], count=pinned[2])
 
 
@@ -85,11 +87,16 @@ def encode_picks(
     Raises ``ValueError`` for ``"int16"`` when a key exceeds 32767, and for keys outside
     ``[-1, 2**31)``. ``rows_per_chunk`` bounds the encoder's temporary memory (``delta``).
     """
-    if not isinstance(indices, torch.Tensor) or indices.dtype not in (
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    ) or indices.ndim != 2:
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.dtype
+        not in (
+            torch.int16,
+            torch.int32,
+            torch.int64,
+        )
+        or indices.ndim != 2
+    ):
         raise TypeError(
             f"indices must be a (T, k) int16/int32/int64 tensor, got "
             f"{getattr(indices, 'dtype', type(indices).__name__)} "
@@ -101,7 +108,9 @@ def encode_picks(
     if indices.numel():
         low, high = int(indices.min()), int(indices.max())
         if low < -1 or high >= 2**31:
-            raise ValueError(f"picks hold {low}..{high}; keys are -1 (padding) or 0 <= key < 2**31.")
+            raise ValueError(
+                f"picks hold {low}..{high}; keys are -1 (padding) or 0 <= key < 2**31."
+            )
     else:
         high = -1
     if format == "int32":

@@ -22,7 +22,9 @@ ENGINE_FORMATS = ("sglang", "vllm")
 
 def _records(path: Path) -> list[dict]:
     if path.suffix.lower() not in (".json", ".jsonl"):
-        raise ValueError(f"{path}: engine outputs are .json or .jsonl responses, got {path.suffix!r}.")
+        raise ValueError(
+            f"{path}: engine outputs are .json or .jsonl responses, got {path.suffix!r}."
+        )
     if not path.is_file():
         raise ValueError(f"{path}: no such file.")
     text = path.read_text()
