@@ -182,7 +182,9 @@ def _vllm_step(requests, starts, lengths, full, stale=7, kept=None):
     qsl = np.cumsum([0, *lengths]).tolist()
     buffers = {}
     for n in (1, 2):
-        rows = [full[r][s : s + ln, n - 1] for r, s, ln in zip(requests, starts, lengths)]
+        rows = [
+            full[r][s : s + ln, n - 1] for r, s, ln in zip(requests, starts, lengths, strict=True)
+        ]
         stale_rows = torch.full((stale, K + 4), 12345, dtype=torch.int32)  # wider, stale
         body = torch.nn.functional.pad(torch.cat(rows), (0, 4), value=-1)
         buffers[n] = torch.cat((body, stale_rows))

@@ -7,6 +7,8 @@ Reference: the layer's own FP8 selection of the same micro-batch (captured with
 ``capture_topk``), and the same layer replaying the captured picks directly.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ def _own_picks(attn, kw):
 
 
 def _sglang(picks):
-    responses = [sglang_response(picks[a:b, None], completion=2) for a, b in zip(CU, CU[1:])]
+    responses = [sglang_response(picks[a:b, None], completion=2) for a, b in itertools.pairwise(CU)]
     return from_sglang(responses)
 
 

@@ -134,7 +134,7 @@ def pack_requests(
     if last_row not in ("empty", "self"):
         raise ValueError(f"last_row={last_row!r}: use 'empty' or 'self'.")
     ids, per_request = _keyed("rows", rows)
-    len_ids, lens = _keyed("seq_lens", seq_lens)
+    _, lens = _keyed("seq_lens", seq_lens)
     if order is None:
         order = ids
     order = tuple(order)

@@ -167,7 +167,7 @@ def decode_picks(picks: CompactPicks) -> torch.Tensor:
         return picks.data.to(torch.int32)
     if picks.format != "delta":
         raise ValueError(f"unknown format {picks.format!r}.")
-    t, k = picks.shape
+    k = picks.shape[1]
     w = picks.width.to(torch.int64)
     n = picks.count.to(torch.int64)
     sizes = n * w
