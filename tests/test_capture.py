@@ -323,3 +323,28 @@ def test_digest_mismatches_counts_rows_per_layer():
     assert masks[3].nonzero().flatten().tolist() == [9, 20]
     with pytest.raises(ValueError, match=r"layers differ"):
         digest_mismatches({1: ours[1]}, engine)
+
+
+def test_nemo_rl_int16_payload_and_validate_off_keeps_host_checks():
+    full = engine_rows(6, 2, seed=21).to(torch.int16)  # NeMo-RL accepts int16 payloads
+    out = from_vllm([full[:-1]], [6], layer_numbers=[1, 3])
+    assert out.indices[3].dtype == torch.int32
+    assert torch.equal(out.indices[3][:5], full[:5, 1].to(torch.int32))
+    bad = full.clone()
+    bad[2, 0, 0] = 4  # not causal: only the data check (validate=True) sees it
+    assert pack_requests([bad[:-1]], [6], validate=False).indices[1][2, 0] == 4
+    with pytest.raises(ValueError, match=r"5 rows from position 0 .* 9 tokens"):
+        pack_requests([bad[:-1]], [9], validate=False)  # coverage is a host fact: always checked
+
+
+def test_vllm_rows_computed_twice_are_named():
+    full = {"x": engine_rows(8, 2, seed=22)}
+    steps = [_vllm_step(["x"], [0], [5], full), _vllm_step(["x"], [3], [4], full)]
+    with pytest.raises(ValueError, match=r"request 'x': positions 3..4 have rows twice"):
+        from_vllm_steps(steps, {"x": 8}, topk=K)
+
+
+def test_shared_layers_must_name_engine_layers():
+    rows = [engine_rows(4, 2, seed=23)[:-1]]
+    with pytest.raises(ValueError, match=r"shared=\{2: 5\}: both must be engine layers"):
+        pack_requests(rows, [4], shared={2: 5})

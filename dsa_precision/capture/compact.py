@@ -135,17 +135,24 @@ def encode_picks(
         w = _bit_length(gaps.max(-1).values) if k else torch.zeros_like(n)
         sizes = n * w
         start = bit_total + torch.cumsum(sizes, 0) - sizes
-        pos = start[:, None] + slot * w[:, None]
-        chunks.append((pos[valid], gaps[valid]))
+        chunk_bits = int(sizes.sum())
+        base = bit_total // _WORD  # this chunk's words start here (the first may be shared)
+        local = (start - base * _WORD)[:, None] + slot * w[:, None]
+        pos, gap = local[valid], gaps[valid]
+        part = torch.zeros(
+            (bit_total - base * _WORD + chunk_bits) // _WORD + 2, dtype=torch.int64, device=v.device
+        )
+        q, sh = pos >> 5, pos & 31
+        part.index_add_(0, q, (gap << sh) & _LOW32)  # disjoint bits: the sum is an OR
+        part.index_add_(0, q + 1, gap >> (_WORD - sh))
+        chunks.append((base, part))
         widths.append(w)
         counts.append(n)
-        bit_total += int(sizes.sum())
+        bit_total += chunk_bits
     n_words = (bit_total + _WORD - 1) // _WORD + 1  # one word of slack for the decoder's pair read
-    words = torch.zeros(n_words + 1, dtype=torch.int64, device=indices.device)
-    for pos, gap in chunks:
-        q, sh = pos >> 5, pos & 31
-        words.index_add_(0, q, (gap << sh) & _LOW32)  # disjoint bits: the sum is an OR
-        words.index_add_(0, q + 1, gap >> (_WORD - sh))
+    words = torch.zeros(n_words + 2, dtype=torch.int64, device=indices.device)
+    for base, part in chunks:
+        words[base : base + part.numel()] += part  # a shared boundary word: disjoint bits
     data = torch.where(words >= 2**31, words - 2**32, words)[:n_words].to(torch.int32)
     count_dtype = torch.int16 if k <= 32767 else torch.int32
     return CompactPicks(
