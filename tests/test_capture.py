@@ -348,3 +348,12 @@ def test_shared_layers_must_name_engine_layers():
     rows = [engine_rows(4, 2, seed=23)[:-1]]
     with pytest.raises(ValueError, match=r"shared=\{2: 5\}: both must be engine layers"):
         pack_requests(rows, [4], shared={2: 5})
+
+
+def test_capture_imports_no_megatron():
+    import subprocess
+    import sys
+
+    code = "import sys, dsa_precision.capture; print(any(m.startswith('megatron') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
