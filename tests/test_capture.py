@@ -357,3 +357,21 @@ def test_capture_imports_no_megatron():
     code = "import sys, dsa_precision.capture; print(any(m.startswith('megatron') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_vllm_step_buffers_and_kept_rows_are_checked():
+    full = {"x": engine_rows(8, 2, seed=24)}
+    step = _vllm_step(["x"], [0], [5], full, stale=0)
+    short = VllmStep(["x"], [0, 5], [0], {n: b[:4] for n, b in step.buffers.items()})
+    with pytest.raises(
+        ValueError, match=r"layer 1: buffer \(4, 12\) holds fewer than the step's 5"
+    ):
+        from_vllm_steps([short], {"x": 8}, topk=K)
+    with pytest.raises(ValueError, match=r"request 'x': kept_rows=6 but 5 rows"):
+        from_vllm_steps([_vllm_step(["x"], [0], [5], full, kept=[6])], {"x": 8}, topk=K)
+
+
+def test_first_rows_must_cover_every_request():
+    rows = {"a": engine_rows(4, 1, seed=25)[:-1]}
+    with pytest.raises(ValueError, match=r"first_rows has no entry for request\(s\) \['a'\]"):
+        pack_requests(rows, {"a": 4}, first_rows=[0])

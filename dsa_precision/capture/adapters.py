@@ -160,6 +160,9 @@ def pack_requests(
     firsts: dict[object, int] = {}
     if first_rows is not None:
         _, firsts = _keyed("first_rows", first_rows)
+        unknown = [r for r in order if r not in firsts]
+        if unknown:
+            raise ValueError(f"first_rows has no entry for request(s) {unknown}.")
     tensors = {r: _as_rows(f"{source} request {r!r}", per_request[r]) for r in order}
     ref = order[0]
     n_layers, k = tensors[ref].shape[1:]
@@ -400,11 +403,26 @@ def from_vllm_steps(
                 f"vLLM step {s}: {len(step.request_ids)} requests need query_start_loc of "
                 f"{len(step.request_ids) + 1} and num_computed_tokens of {len(step.request_ids)}."
             )
+        for n in layers:
+            buf = step.buffers[n]
+            if not isinstance(buf, torch.Tensor) or buf.ndim != 2:
+                raise TypeError(f"vLLM step {s} layer {n}: expected a 2-D buffer copy.")
+            if buf.shape[0] < qsl[-1] or buf.shape[1] < topk:
+                raise ValueError(
+                    f"vLLM step {s} layer {n}: buffer {tuple(buf.shape)} holds fewer than the "
+                    f"step's {qsl[-1]} token rows x topk={topk}; copy topk_indices_buffer whole."
+                )
         stacked = torch.stack([step.buffers[n][: qsl[-1], :topk] for n in layers], dim=1)
         for i, r in enumerate(step.request_ids):
             rows = stacked[qsl[i] : qsl[i + 1]]
             if step.kept_rows is not None:
-                rows = rows[: int(step.kept_rows[i])]
+                kept = int(step.kept_rows[i])
+                if not 0 <= kept <= rows.shape[0]:
+                    raise ValueError(
+                        f"vLLM step {s} request {r!r}: kept_rows={kept} but {rows.shape[0]} rows "
+                        "were scheduled."
+                    )
+                rows = rows[:kept]
             pieces.setdefault(r, []).append((int(step.num_computed_tokens[i]), rows))
     if layer_set is None:
         raise ValueError("from_vllm_steps: no steps.")
