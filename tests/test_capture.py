@@ -375,3 +375,22 @@ def test_first_rows_must_cover_every_request():
     rows = {"a": engine_rows(4, 1, seed=25)[:-1]}
     with pytest.raises(ValueError, match=r"first_rows has no entry for request\(s\) \['a'\]"):
         pack_requests(rows, {"a": 4}, first_rows=[0])
+
+
+def test_engine_digests_verify_training_picks_without_the_payload():
+    from dsa_precision.capture import pack_digests
+
+    fulls = {"a": engine_rows(7, 2, seed=26), "b": engine_rows(5, 2, seed=27)}
+    # Engine side: digest each request's rows (every token but the last), per layer.
+    engine = {r: digest_rows(f[:-1]) for r, f in fulls.items()}  # (n, L) int64
+    digests, ran = pack_digests(engine, {"a": 7, "b": 5}, order=["b", "a"])
+    assert ran.tolist() == [True] * 4 + [False] + [True] * 6 + [False]
+    # Training side: its own picks of the packed micro-batch, one row off in layer 2.
+    ours = {n: torch.cat([fulls["b"][:, n - 1], fulls["a"][:, n - 1]]) for n in (1, 2)}
+    ours[2] = ours[2].clone()
+    ours[2][7, 0] = -1  # request a, token 2 loses a key
+    masks = digest_mismatches(ours, digests, ran)
+    assert int(masks[1].sum()) == 0  # the last tokens (digest 0 vs a real set) are not counted
+    assert masks[2].nonzero().flatten().tolist() == [7]
+    with pytest.raises(ValueError, match=r"request 'a': 6 digest rows .* 5 tokens"):
+        pack_digests(engine, {"a": 5, "b": 5})

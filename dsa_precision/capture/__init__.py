@@ -18,6 +18,7 @@ from .adapters import (
     from_sglang,
     from_vllm,
     from_vllm_steps,
+    pack_digests,
     pack_requests,
 )
 from .compact import FORMATS, CompactPicks, decode_picks, encode_picks
@@ -41,5 +42,6 @@ __all__ = [
     "from_vllm",
     "from_vllm_steps",
     "load_engine_output",
+    "pack_digests",
     "pack_requests",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "from_sglang",
     "from_vllm",
     "from_vllm_steps",
+    "pack_digests",
     "pack_requests",
 ]
 
@@ -135,28 +136,7 @@ def pack_requests(
         raise ValueError(f"last_row={last_row!r}: use 'empty' or 'self'.")
     ids, per_request = _keyed("rows", rows)
     _, lens = _keyed("seq_lens", seq_lens)
-    if order is None:
-        order = ids
-    order = tuple(order)
-    if len(set(order)) != len(order):
-        raise ValueError(f"order lists a request twice: {list(order)}.")
-    missing = [r for r in order if r not in per_request]
-    if missing:
-        raise ValueError(
-            f"{source}: no rows for request(s) {missing} of the micro-batch; every request the "
-            "micro-batch packs needs the engine's rows (or drop it from the micro-batch)."
-        )
-    extra = [r for r in per_request if r not in set(order)]
-    if extra:
-        raise ValueError(
-            f"{source}: rows for request(s) {extra} that the micro-batch does not pack "
-            f"(order={list(order)}); pass exactly the micro-batch's requests."
-        )
-    no_len = [r for r in order if r not in lens]
-    if no_len:
-        raise ValueError(f"seq_lens has no length for request(s) {no_len}.")
-    if not order:
-        raise ValueError(f"{source}: no requests; a micro-batch packs at least one.")
+    order = _accounted(source, "rows", per_request, lens, ids if order is None else order)
     firsts: dict[object, int] = {}
     if first_rows is not None:
         _, firsts = _keyed("first_rows", first_rows)
@@ -254,6 +234,34 @@ def pack_requests(
     return result
 
 
+def _accounted(
+    source: str, what: str, given: Mapping, lens: Mapping, order: Sequence[object]
+) -> tuple[object, ...]:
+    """Every request of the micro-batch (``order``) has its ``what`` and a length, and nothing
+    else is given."""
+    order = tuple(order)
+    if not order:
+        raise ValueError(f"{source}: no requests; a micro-batch packs at least one.")
+    if len(set(order)) != len(order):
+        raise ValueError(f"order lists a request twice: {list(order)}.")
+    missing = [r for r in order if r not in given]
+    if missing:
+        raise ValueError(
+            f"{source}: no {what} for request(s) {missing} of the micro-batch; every request the "
+            "micro-batch packs needs the engine's rows (or drop it from the micro-batch)."
+        )
+    extra = [r for r in given if r not in set(order)]
+    if extra:
+        raise ValueError(
+            f"{source}: {what} for request(s) {extra} that the micro-batch does not pack "
+            f"(order={list(order)}); pass exactly the micro-batch's requests."
+        )
+    no_len = [r for r in order if r not in lens]
+    if no_len:
+        raise ValueError(f"seq_lens has no length for request(s) {no_len}.")
+    return order
+
+
 def _keyed(name: str, value: object) -> tuple[tuple[object, ...], dict[object, object]]:
     if isinstance(value, Mapping):
         return tuple(value), dict(value)
@@ -261,6 +269,52 @@ def _keyed(name: str, value: object) -> tuple[tuple[object, ...], dict[object, o
         items = list(value)
         return tuple(range(len(items))), dict(enumerate(items))
     raise TypeError(f"{name}: expected a mapping (request id -> value) or a sequence.")
+
+
+def pack_digests(
+    digests: Mapping[object, object] | Sequence[object],
+    seq_lens: Mapping[object, int] | Sequence[int],
+    *,
+    order: Sequence[object] | None = None,
+    layer_numbers: Sequence[int] | None = None,
+    source: str = "engine",
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Per-request engine row digests ``(n, L)`` int64 (:func:`~.digest.digest_rows` of the rows
+    :func:`pack_requests` would take) -> ``({layer_number: (T,) int64}, engine_rows (T,) bool)``
+    in the micro-batch's packing order; the same request accounting and coverage checks (host
+    only). A sequence's last token, never run by the engine, gets digest 0 and
+    ``engine_rows = False``: pass ``engine_rows`` to :func:`~.digest.digest_mismatches`."""
+    ids, given = _keyed("digests", digests)
+    _, lens = _keyed("seq_lens", seq_lens)
+    order = _accounted(source, "digests", given, lens, ids if order is None else order)
+    blocks, covered = [], []
+    n_layers = None
+    for r in order:
+        d = given[r]
+        if isinstance(d, np.ndarray):
+            d = torch.from_numpy(d)
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 2:
+            raise TypeError(f"{source} request {r!r}: digests must be a (n, L) int64 tensor.")
+        if n_layers is None:
+            n_layers = d.shape[1]
+        elif d.shape[1] != n_layers:
+            raise ValueError(f"{source} request {r!r}: {d.shape[1]} layers, expected {n_layers}.")
+        s = _int(f"seq_lens[{r!r}]", lens[r], low=1)
+        if d.shape[0] not in (s - 1, s):
+            raise ValueError(
+                f"{source} request {r!r}: {d.shape[0]} digest rows but the training sequence has "
+                f"{s} tokens: expected {s - 1} or {s}."
+            )
+        ran = d.shape[0]
+        if ran == s - 1:
+            d = torch.cat((d, d.new_zeros(1, n_layers)))
+        blocks.append(d)
+        covered.append(torch.arange(s, device=d.device) < ran)
+    packed = torch.cat(blocks)
+    numbers = list(range(1, n_layers + 1)) if layer_numbers is None else list(layer_numbers)
+    if len(numbers) != n_layers or len(set(numbers)) != n_layers:
+        raise ValueError(f"layer_numbers={numbers} must name each of the {n_layers} layers once.")
+    return {n: packed[:, i].contiguous() for i, n in enumerate(numbers)}, torch.cat(covered)
 
 
 # --- SGLang: /generate meta_info["indexer_topk"] ------------------------------------------------

@@ -94,13 +94,17 @@ def digest_rows(indices: torch.Tensor) -> torch.Tensor:
 
 
 def digest_mismatches(
-    ours: Mapping[int, torch.Tensor], engine_digests: Mapping[int, torch.Tensor]
+    ours: Mapping[int, torch.Tensor],
+    engine_digests: Mapping[int, torch.Tensor],
+    engine_rows: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """Rows whose digest differs, per layer, on the device (no host synchronisation).
 
     Args:
         ours: layer number -> training's ``(T, k)`` picks, or their ``(T,)`` int64 digests.
         engine_digests: layer number -> the engine's ``(T,)`` int64 digests of the same rows.
+        engine_rows: ``(T,)`` bool, the rows the engine computed (``pack_digests``); other rows
+            never count as mismatches.
 
     Returns:
         layer number -> ``(T,)`` bool, ``True`` where the row differs (``mask.sum()`` counts
@@ -123,5 +127,10 @@ def digest_mismatches(
                 f"layer {n}: {tuple(mine.shape)} training digests vs {tuple(theirs.shape)} "
                 "engine digests; digest the same rows."
             )
-        out[n] = mine != theirs.to(mine.device)
+        differs = mine != theirs.to(mine.device)
+        if engine_rows is not None:
+            if engine_rows.shape != differs.shape or engine_rows.dtype != torch.bool:
+                raise ValueError(f"engine_rows must be a {tuple(differs.shape)} bool tensor.")
+            differs = differs & engine_rows.to(differs.device)
+        out[n] = differs
     return out
