@@ -79,6 +79,15 @@ def _bit_length(x: torch.Tensor) -> torch.Tensor:
     return torch.frexp(x.to(torch.float64)).exponent.to(torch.int64)
 
 
+def _word_sums(q: torch.Tensor, values: torch.Tensor, n_words: int) -> torch.Tensor:
+    """``out[w] = sum(values[q == w])`` for non-decreasing ``q`` (the bit stream is written in
+    order): a difference of prefix sums at the run ends, exact integer arithmetic, the same bits
+    on every run (no scatter accumulation)."""
+    prefix = torch.cat((values.new_zeros(1), torch.cumsum(values, 0)))
+    ends = torch.searchsorted(q, torch.arange(n_words, device=q.device), right=True)
+    return prefix[ends] - prefix[torch.cat((ends.new_zeros(1), ends[:-1]))]
+
+
 def encode_picks(
     indices: torch.Tensor, format: Format = "delta", *, rows_per_chunk: int = 8192
 ) -> CompactPicks:
@@ -143,8 +152,8 @@ def encode_picks(
             (bit_total - base * _WORD + chunk_bits) // _WORD + 2, dtype=torch.int64, device=v.device
         )
         q, sh = pos >> 5, pos & 31
-        part.index_add_(0, q, (gap << sh) & _LOW32)  # disjoint bits: the sum is an OR
-        part.index_add_(0, q + 1, gap >> (_WORD - sh))
+        part += _word_sums(q, (gap << sh) & _LOW32, part.numel())  # disjoint bits: sum = OR
+        part += _word_sums(q + 1, gap >> (_WORD - sh), part.numel())
         chunks.append((base, part))
         widths.append(w)
         counts.append(n)
