@@ -394,3 +394,14 @@ def test_engine_digests_verify_training_picks_without_the_payload():
     assert masks[2].nonzero().flatten().tolist() == [7]
     with pytest.raises(ValueError, match=r"request 'a': 6 digest rows .* 5 tokens"):
         pack_digests(engine, {"a": 5, "b": 5})
+
+
+def test_select_all_rows_need_an_explicit_future_keys_drop():
+    seq = 5  # shorter than k: a dense "select all" output lists every key of the sequence
+    rows = torch.arange(seq).repeat(seq - 1, 1)  # row i: 0..4, keys past i included
+    rows = torch.nn.functional.pad(rows, (0, K - seq), value=-1)[:, None].to(torch.int32)
+    with pytest.raises(ValueError, match=r"row 0 \(request 0 token 0, position 0"):
+        pack_requests([rows], [seq])
+    out = pack_requests([rows], [seq], future_keys="drop")
+    assert out.indices[1][2].tolist() == [0, 1, 2] + [-1] * (K - 3)  # causal, pads last
+    assert out.indices[1][4].tolist() == [-1] * K  # the last token: never run

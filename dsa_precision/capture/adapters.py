@@ -99,6 +99,7 @@ def pack_requests(
     layer_numbers: Sequence[int] | None = None,
     shared: Mapping[int, int] | None = None,
     last_row: LastRow = "empty",
+    future_keys: Literal["error", "drop"] = "error",
     topk: int | None = None,
     source: str = "engine",
     validate: bool = True,
@@ -123,6 +124,10 @@ def pack_requests(
         last_row: the row of a sequence's last token when the engine returned none (it never ran
             that token: its output predicts past the sequence): ``"empty"`` (all ``-1``: attends
             to nothing) or ``"self"`` (its own position only, for kernels that need a key).
+        future_keys: keys past a row's own position: ``"error"`` (the causal check), or
+            ``"drop"`` them (set to ``-1``, padding moved last): for outputs whose short rows
+            "select all" keys of the sequence and leave causality to the attention mask (exact:
+            the attention never reads them). An explicit choice; never applied silently.
         topk: the consumer's ``dsa_indexer_topk``; ``k`` may not exceed it.
         source: names the engine output in errors.
         validate: check the data (causal range, duplicates, shared layers): a few reductions and
@@ -134,6 +139,8 @@ def pack_requests(
     """
     if last_row not in ("empty", "self"):
         raise ValueError(f"last_row={last_row!r}: use 'empty' or 'self'.")
+    if future_keys not in ("error", "drop"):
+        raise ValueError(f"future_keys={future_keys!r}: use 'error' or 'drop'.")
     ids, per_request = _keyed("rows", rows)
     _, lens = _keyed("seq_lens", seq_lens)
     order = _accounted(source, "rows", per_request, lens, ids if order is None else order)
@@ -194,6 +201,10 @@ def pack_requests(
                 f"{source} request {r!r} is on {t.device}, request {ref!r} on {device}."
             )
         t = t.to(torch.int32)
+        if future_keys == "drop":
+            position = torch.arange(t.shape[0], device=device).view(-1, 1, 1)
+            t = torch.where(t > position, -1, t)
+            t = t.gather(-1, (t < 0).to(torch.int8).argsort(dim=-1, stable=True))  # pads last
         if end == s - 1:
             pad = torch.full((1, n_layers, k), -1, dtype=torch.int32, device=device)
             if last_row == "self":
