@@ -405,3 +405,15 @@ def test_select_all_rows_need_an_explicit_future_keys_drop():
     out = pack_requests([rows], [seq], future_keys="drop")
     assert out.indices[1][2].tolist() == [0, 1, 2] + [-1] * (K - 3)  # causal, pads last
     assert out.indices[1][4].tolist() == [-1] * K  # the last token: never run
+
+
+def test_load_engine_output_names_bad_files(tmp_path):
+    with pytest.raises(ValueError, match=r"engine outputs are .json or .jsonl responses"):
+        load_engine_output(tmp_path / "x.pt", engine="sglang")
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"x.json: not JSON"):
+        load_engine_output(bad, engine="sglang")
+    bad.write_text(json.dumps([{"choices": [{}, {}]}]))
+    with pytest.raises(ValueError, match=r"response 0: expected one choice"):
+        load_engine_output(bad, engine="vllm")
