@@ -216,6 +216,9 @@ def test_topk_auto_and_empty(fake):
     scores = torch.randn(4, 6)
     indexer_topk(scores, 2)
     assert len(fake.topk_calls) == 1  # auto takes cuDNN when it can
+    wide = torch.randn(2, 4100)
+    assert torch.equal(indexer_topk(wide, 4096), indexer_topk(wide, 4096, backend="torch"))
+    assert len(fake.topk_calls) == 1  # k above cuDNN's 2048: the torch path
     assert indexer_topk(torch.empty(0, 6), 2, backend="cudnn").shape == (0, 2)
     assert len(fake.topk_calls) == 1  # nothing to launch
 
