@@ -175,6 +175,12 @@ def test_bf16_verify_keeps_megatrons_path_and_measures_the_package_selection():
     assert torch.equal(out, run_attention(base, attention_inputs()))  # Megatron attends as before
     m = dsap.topk_metrics(torch.nn.ModuleList([verify]))
     assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+    other = engine.clone()  # one pick of row 20 (position 4: 5 visible keys) made unknown to it
+    other[20] = torch.where(other[20] == other[20, 0], -1, other[20])
+    with dsap.engine_topk({1: other}, seq_len=SEQ):
+        assert torch.equal(run_attention(verify, attention_inputs()), out)
+    m = dsap.topk_metrics(torch.nn.ModuleList([verify]))
+    assert m["dsa_topk/layer_01/rows_identical"] == pytest.approx((2 * SEQ - 1) / (2 * SEQ))
 
 
 @pytest.mark.parametrize(
