@@ -357,17 +357,27 @@ if __name__ == "__main__":
 
 
 def _pytest_command(nodes: list[str], out: pathlib.Path) -> list[str]:
+    """pytest over the files of ``nodes``, running only ``nodes`` (the plugin deselects the rest,
+    so a registered test that does not exist is reported, not a collection error)."""
+    files = sorted({n.split("::")[0] for n in nodes})
     return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-        "tests.determinism.trace", f"--replay-trace={out}", "-W", "ignore", *nodes,
+        "tests.determinism.trace", f"--replay-trace={out}", f"--replay-only={','.join(nodes)}",
+        "-W", "ignore", *files,
     ]  # fmt: skip
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def run_replays(nodes: list[str], workdir: pathlib.Path, timeout: float = 300) -> dict:
     """Collect and run ``nodes`` in CPU-only subprocesses under the trace plugin (interpreter
     tests under ``TRITON_INTERPRET=1``, the rest with no GPU visible), concurrently; the merged
     trace (:mod:`tests.determinism.trace`) plus each run's output tail."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    # No GPU, one thread, and none of this process's torch.distributed rendezvous (the CPU
+    # Megatron fixture sets MASTER_PORT for its own gloo group).
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     groups = {
         "interpreter": [n for n in nodes if n.startswith("tests/interpreter/")],

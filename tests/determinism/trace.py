@@ -3,7 +3,8 @@ PY_START events, each code object reported once per test) and whether the replay
 ``assert_replays_bit_exact`` was entered. The determinism gate runs the registered replay tests
 in a subprocess with ``-p tests.determinism.trace --replay-trace=OUT.json``.
 
-OUT.json: ``{"collected": [node ids], "tests": {node id: {"outcome", "files", "replayed"}}}``.
+``--replay-only=ID,ID`` runs only those tests (node ids without parameters) of the files given.
+OUT.json: ``{"collected": [every node id of the files], "tests": {node id: {"outcome", "files", "replayed"}}}``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _TOOL = 4  # a tool id not reserved for debuggers, coverage or profilers
 
 def pytest_addoption(parser):
     parser.addoption("--replay-trace", help="write the traced files of each test to this JSON")
+    parser.addoption("--replay-only", help="comma-separated node ids (without parameters) to run")
 
 
 class _Recorder:
@@ -42,8 +44,15 @@ class _Recorder:
                 self.replayed = True
         return sys.monitoring.DISABLE  # once per code object until the next test
 
-    def pytest_collection_finish(self, session):
-        self.collected = [item.nodeid for item in session.items]
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        self.collected = [item.nodeid for item in items]
+        only = config.getoption("--replay-only")
+        if only:
+            wanted = set(only.split(","))
+            keep = [i for i in items if i.nodeid.split("[", 1)[0] in wanted]
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):
