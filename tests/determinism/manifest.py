@@ -170,7 +170,8 @@ def _library(dotted: str) -> str | None:
     return None
 
 
-def _resolve_from(module: _Module, node: ast.ImportFrom, modules: dict[str, _Module]) -> str:
+def _resolve_from(module: _Module, node: ast.ImportFrom) -> str:
+    """The dotted module an ``ImportFrom`` reads from (relative imports resolved)."""
     if not node.level:
         return node.module or ""
     parts = module.name.split(".")
@@ -205,7 +206,7 @@ def _index(module: _Module, modules: dict[str, _Module]) -> None:
                     alias = ("mod", a.name if a.asname else a.name.split(".")[0])
                 module.aliases.setdefault(a.asname or a.name.split(".")[0], []).append(alias)
         elif isinstance(node, ast.ImportFrom):
-            source = _resolve_from(module, node, modules)
+            source = _resolve_from(module, node)
             lib = _library(source)
             if lib:
                 module.seed.append(f"imports from {source}")
