@@ -219,11 +219,27 @@ class FakeDSA:
 
 
 def install(monkeypatch) -> FakeDSA:
-    """Route the package's cuDNN launches to a FakeDSA and declare the kernels usable."""
+    """Stand a FakeDSA in for the hardware this machine lacks, and nothing else: the library
+    imports (``_cudnn._import_dsa`` answers with the fake) and CPU tensors sit on an SM90 device
+    (``_cudnn``'s device check and ``torch.cuda.get_device_capability`` of a CPU device). Whether
+    cuDNN can serve a call (head count, head width, k, dtype) is still the package's decision,
+    computed by its own code from the real arguments."""
     from dsa_precision import _cudnn
 
     fake = FakeDSA()
-    monkeypatch.setattr(_cudnn, "dsa", lambda: fake)
-    monkeypatch.setattr(_cudnn, "scoring_unsupported_reason", lambda **kw: None)
-    monkeypatch.setattr(_cudnn, "topk_unsupported_reason", lambda **kw: None)
+    device_reason = _cudnn._device_reason
+    capability = torch.cuda.get_device_capability
+
+    def sm90_capability(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            return (9, 0)
+        return capability(device)
+
+    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (fake, None))
+    monkeypatch.setattr(
+        _cudnn,
+        "_device_reason",
+        lambda device: None if device.type == "cpu" else device_reason(device),
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", sm90_capability)
     return fake

@@ -44,11 +44,16 @@ def test_matches_set_arithmetic(dtype):
 
 
 def test_identical_and_errors():
-    x = torch.tensor([[1, 2, -1]])
-    got = topk_agreement(x, x).as_dict()
+    """The same sets in another order and padding layout agree fully; one changed member shows."""
+    x = torch.tensor([[1, 2, -1], [4, 3, 0]])
+    same = torch.tensor([[-1, 2, 1], [0, 4, 3]])
+    got = topk_agreement(same, x).as_dict()
     assert (
         got["member_agreement"] == 1.0 and got["rows_identical"] == 1.0 and got["flipped_max"] == 0
     )
+    got = topk_agreement(torch.tensor([[-1, 2, 1], [0, 4, 5]]), x).as_dict()
+    assert got["member_agreement"] == 4 / 5 and got["rows_identical"] == 0.5
+    assert got["flipped_max"] == 1
     with pytest.raises(ValueError, match="same rows"):
         topk_agreement(x, torch.tensor([[1, 2]]))
     with pytest.raises(TypeError, match="int16/int32/int64"):

@@ -8,11 +8,25 @@ GOOD = dict(indexer_loss_coeff=0.0, n_heads=64, head_dim=128, device="cpu")
 
 
 def test_defaults_are_megatron_behaviour():
-    cfg = IndexerPrecisionConfig()
-    assert cfg.rope_fp32 is False
-    assert cfg.scoring_precision is ScoringPrecision.BF16
-    assert not cfg.fp8
-    assert cfg.short_str() == "baseline"
+    """A config read from a Megatron config without the package's fields builds Megatron's
+    operands: BF16 preprocessing (no FP32 carriers), rounded to BF16, no descales."""
+    import torch
+
+    from dsa_precision import IndexerPreprocess, prepare_indexer_operands
+
+    cfg = IndexerPrecisionConfig.from_megatron_config(object())
+    assert cfg == IndexerPrecisionConfig()
+    g = torch.Generator().manual_seed(0)
+    pre = IndexerPreprocess(128, 64, rope_fp32=cfg.rope_fp32)
+    q = torch.randn(5, 1, 32, 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(5, 1, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(5, 1, 32, generator=g).to(torch.bfloat16)
+    freqs = torch.rand(5, 1, 1, 64, generator=g) * 10
+    ops = prepare_indexer_operands(pre, q, k, w, freqs, config=cfg)
+    megatron = IndexerPreprocess(128, 64, k_norm=pre.k_norm)  # Megatron's BF16 path
+    qq, kk = megatron(q, k, freqs)
+    assert ops.precision is ScoringPrecision.BF16 and ops.q_descale is None
+    assert torch.equal(ops.q, qq.transpose(0, 1)) and torch.equal(ops.k, kk.transpose(0, 1))
 
 
 @pytest.mark.parametrize(

@@ -116,10 +116,19 @@ def test_row_slices_reach_the_kernel_contiguous_and_aligned(fake):
 
 
 def test_auto_takes_cudnn_when_it_can(fake):
-    q, k, w = _inputs()
+    """The fake stands in for an SM90 GPU; whether cuDNN's kernel can serve each call is the
+    package's decision from the call's shapes: FP8 64 heads and BF16 16 heads yes, BF16 with 8
+    heads or 64-wide heads no (the torch reference then)."""
     reset_scoring_calls()
-    indexer_scores(q, k, w, scoring_precision="fp8")
-    assert len(fake.forward_calls) == 1 and scoring_calls("fp8", "cudnn") == 1
+    indexer_scores(*_inputs(h=64), scoring_precision="fp8")
+    indexer_scores(*_inputs(h=16), scoring_precision="bf16")
+    assert len(fake.forward_calls) == 2 and scoring_calls(backend="cudnn") == 2
+    q, k, w = _inputs(h=8)
+    indexer_scores(q, k, w, scoring_precision="bf16")
+    indexer_scores(q[..., :64], k[..., :64], w, scoring_precision="bf16")
+    assert len(fake.forward_calls) == 2 and scoring_calls("bf16", "torch") == 2
+    with pytest.raises(RuntimeError, match="n_heads=8"):
+        indexer_scores(q, k, w, scoring_precision="bf16", backend="cudnn")
 
 
 def test_empty_calls_launch_nothing(fake):
@@ -207,6 +216,9 @@ def test_topk_auto_and_empty(fake):
     scores = torch.randn(4, 6)
     indexer_topk(scores, 2)
     assert len(fake.topk_calls) == 1  # auto takes cuDNN when it can
+    wide = torch.randn(2, 4100)
+    assert torch.equal(indexer_topk(wide, 4096), indexer_topk(wide, 4096, backend="torch"))
+    assert len(fake.topk_calls) == 1  # k above cuDNN's 2048: the torch path
     assert indexer_topk(torch.empty(0, 6), 2, backend="cudnn").shape == (0, 2)
     assert len(fake.topk_calls) == 1  # nothing to launch
 

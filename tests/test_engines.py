@@ -175,8 +175,21 @@ def test_fold_orders_differ_where_h_is_not_a_power_of_four():
 
 
 def test_default_profile_is_the_original_contract():
-    assert DEFAULT_ENGINE.name == "vllm-exact" and IndexerPrecisionConfig().engine is DEFAULT_ENGINE
-    assert DEFAULT_ENGINE.q_quant == DEFAULT_ENGINE.k_quant == Fp8Rule()
+    """A default config quantizes q and k as the package's original contract, computed here
+    without any rule field: the descale is the smallest power of two ``s`` with
+    ``max(amax, fp32(1e-4)) <= 448 * s``, the values ``e4m3(v / s)``."""
+    engine = IndexerPrecisionConfig().engine
+    x = edge_rows()
+    floor = f32(Fraction(1e-4))
+    for rule in (engine.q_quant, engine.k_quant):
+        x8, descale = quantize_fp8(x, rule)
+        for i, row in enumerate(x.tolist()):
+            a, e = max(max(abs(Fraction(v)) for v in row), floor), -200
+            while a > 448 * Fraction(2) ** e:
+                e += 1
+            assert Fraction(descale[i].item()) == Fraction(2) ** e, i
+            got = [Fraction(v) for v in x8[i].float().tolist()]
+            assert got == [e4m3(Fraction(v) / Fraction(2) ** e) for v in row], i
 
 
 @pytest.mark.parametrize(

@@ -41,9 +41,21 @@ pytestmark = pytest.mark.usefixtures("megatron_parallel", "cpu_rotary")
 
 
 def test_field_defaults_keep_megatron_behaviour():
-    config = make_config()
-    assert config.dsa_indexer_precision == IndexerPrecisionConfig()
-    assert config.dsa_kernel_backend == "none"  # never rewritten
+    """Built from the same fields, the drop-in config is the stock config: every Megatron field
+    of a plain value (dsa_kernel_backend among them) is the stock one, and the precision is what
+    the stock config reads as."""
+    import enum
+
+    ours = make_config()
+    stock = make_config(type(ours).__mro__[1])
+    plain = (int, float, str, bool, type(None), enum.Enum, tuple, list, torch.dtype)
+    fields = [
+        f.name for f in dataclasses.fields(stock) if isinstance(getattr(stock, f.name), plain)
+    ]
+    assert "dsa_kernel_backend" in fields and len(fields) > 100
+    changed = [n for n in fields if getattr(ours, n) != getattr(stock, n)]
+    assert not changed, changed
+    assert ours.dsa_indexer_precision == IndexerPrecisionConfig.from_megatron_config(stock)
 
 
 def test_fp8_leaves_megatron_fields_alone():

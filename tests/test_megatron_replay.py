@@ -154,6 +154,16 @@ def test_verify_against_captured_picks_agrees_fully_and_changes_no_bits():
     m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
     assert m["dsa_topk/layer_01/member_agreement"] == 1.0
     assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+    # One engine pick of row 15 (position 15: 16 visible keys, 8 picked) swapped for an unpicked
+    # key: the monitor counts exactly that, and the layer still attends its own picks.
+    other = engine.clone()
+    other[15, 0] = sorted(set(range(16)) - set(engine[15].tolist()))[0]
+    with dsap.engine_topk({1: other}, seq_len=SEQ):
+        assert torch.equal(run_attention(attn, attention_inputs()), plain)
+    m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    members = int((engine >= 0).sum())
+    assert m["dsa_topk/layer_01/member_agreement"] == pytest.approx((members - 1) / members)
+    assert m["dsa_topk/layer_01/rows_identical"] == pytest.approx((2 * SEQ - 1) / (2 * SEQ))
 
 
 def test_bf16_verify_keeps_megatrons_path_and_measures_the_package_selection():
@@ -165,6 +175,12 @@ def test_bf16_verify_keeps_megatrons_path_and_measures_the_package_selection():
     assert torch.equal(out, run_attention(base, attention_inputs()))  # Megatron attends as before
     m = dsap.topk_metrics(torch.nn.ModuleList([verify]))
     assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+    other = engine.clone()  # one pick of row 20 (position 4: 5 visible keys) made unknown to it
+    other[20] = torch.where(other[20] == other[20, 0], -1, other[20])
+    with dsap.engine_topk({1: other}, seq_len=SEQ):
+        assert torch.equal(run_attention(verify, attention_inputs()), out)
+    m = dsap.topk_metrics(torch.nn.ModuleList([verify]))
+    assert m["dsa_topk/layer_01/rows_identical"] == pytest.approx((2 * SEQ - 1) / (2 * SEQ))
 
 
 @pytest.mark.parametrize(

@@ -184,12 +184,23 @@ def test_as_scoring_operands_passes_operands_through_and_prepares_carriers():
 
 
 def test_auto_on_cpu_is_the_reference(monkeypatch):
+    """impl='auto' launches the fused kernel only where it runs: never for CPU tensors, but under
+    Triton's interpreter (which runs it on CPU tensors). A recorder stands in for the launch."""
+    from dsa_precision.operands import triton_unavailable_reason
+
+    launches = []
+    monkeypatch.setattr(operands_module, "_quantize_triton", lambda *a: launches.append(a) or "k")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, w = _carriers()
     auto = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="auto")
-    ref = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="torch")
-    for name in ("q", "k", "weights", "q_descale", "k_descale"):
-        assert_bitwise_equal(getattr(auto, name), getattr(ref, name), name)
+    assert not launches
+    q8, qs = quantize_e4m3_ue8m0(q)  # the reference's bytes (default engine)
+    assert_bitwise_equal(auto.q, q8, "q")
+    assert_bitwise_equal(auto.weights, w.float() * qs, "weights")
+    if triton_unavailable_reason() is None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="auto") == "k"
+        assert len(launches) == 1
 
 
 _INTERPRETER_CHECK = """

@@ -130,5 +130,12 @@ def test_empty_inputs(shape):
 
 
 def test_auto_on_cpu_is_the_torch_path():
+    """On the CPU cuDNN cannot run: auto decides for the torch path, whose picks are the rule's."""
     scores = torch.randn(4, 30)
-    assert torch.equal(indexer_topk(scores, 6), indexer_topk(scores, 6, backend="torch"))
+    scores[1, ::3] = float("-inf")
+    cpu = torch.device("cpu")
+    assert topk_module.resolve_topk_backend("auto", device=cpu, k=6, dtype=scores.dtype) == "torch"
+    got = indexer_topk(scores, 6)
+    assert got.tolist() == reference_topk_rows(scores, 6)
+    with pytest.raises(RuntimeError, match="on cpu"):
+        indexer_topk(scores, 6, backend="cudnn")

@@ -1,0 +1,34 @@
+"""The Triton kernels, interpreted, replay bit for bit (registered in tests/determinism/manifest.py;
+compiled on the H200: tests/gpu/test_determinism.py)."""
+
+import torch
+
+from dsa_precision import prepare_scoring_operands
+from dsa_precision.kernels.topk_picks import drop_invalid_picks
+from dsa_precision.testing import assert_replays_bit_exact
+
+
+def test_drop_invalid_picks_replays_bit_exact():
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(2048 + 7, generator=g)
+    values[::5] = float("-inf")
+    values[::11] = float("nan")
+    indices = torch.randint(0, 1 << 16, values.shape, generator=g, dtype=torch.int32)
+    picks = assert_replays_bit_exact(drop_invalid_picks, (indices, values), what="drop picks")
+    assert bool((picks[::5] == -1).all())
+
+
+def test_fused_preprocess_quantize_replays_bit_exact():
+    """prepare_scoring_operands(impl="triton"): the fused quantize + weight fold kernel."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 3, 32, 128, generator=g) * torch.logspace(-8, 6, 128, base=2.0)
+    k = torch.randn(1, 5, 128, generator=g)
+    w = (torch.randn(1, 3, 32, generator=g) * 0.02).to(torch.bfloat16)
+
+    def prepare(q, k, w):
+        return prepare_scoring_operands(
+            q, k, w, scoring_precision="fp8", sm_scale=0.3, impl="triton"
+        )
+
+    ops = assert_replays_bit_exact(prepare, (q, k, w), what="fused quantize")
+    assert ops.q.dtype == torch.float8_e4m3fn
