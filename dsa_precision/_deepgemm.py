@@ -211,13 +211,17 @@ def causal_logits(
     kv: tuple[torch.Tensor, torch.Tensor],  # (k (S_k, 128) e4m3, k_descale (S_k,) float32)
     weights: torch.Tensor,  # (S_q, H) float32, q descale folded in, contiguous
     key_end: torch.Tensor,  # (S_q,) int32, one past each row's last key
-) -> torch.Tensor:  # (S_q, S_k) float32 (row stride padded), column j is key j, -inf from key_end on
+) -> (
+    torch.Tensor
+):  # (S_q, S_k) float32 (row stride padded), column j is key j, -inf from key_end on
     """Logits of every row against keys ``[0, key_end)``, cleaned by DeepGEMM where the entry point
     takes ``clean_logits`` (one launch and DeepGEMM's cleaning kernel), else masked here."""
     entry = _import()[0]
     if entry is not None and entry.clean_logits_arg:
         return _launch(q, kv, weights, torch.zeros_like(key_end), key_end, 0, clean=True)
-    return window_logits(q, kv, weights, torch.zeros_like(key_end), key_end, kv[0].shape[0]).masked()
+    return window_logits(
+        q, kv, weights, torch.zeros_like(key_end), key_end, kv[0].shape[0]
+    ).masked()
 
 
 def mqa_logits_unsupported_reason(

@@ -287,7 +287,7 @@ def _deepgemm_causal_windows(
     b, sq = ops.q.shape[:2]
     sk = ops.k.shape[1]
     counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
-    start = torch.arange(b, dtype=torch.int32, device=ops.device).repeat_interleave(sq) * sk
+    start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
     return _deepgemm_scores(ops, start, start + counts, sk)
 
 

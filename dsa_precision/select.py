@@ -217,9 +217,7 @@ def indexer_select_varlen(
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            logits = deepgemm_select_input(
-                part, off_chunk, ratio, varlen=varlen, validate=validate
-            )
+            logits = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
             scores, lens = logits.rows_in_place(), logits.counts
         else:
             scores = indexer_scores_varlen(

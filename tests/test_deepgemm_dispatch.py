@@ -34,90 +34,8 @@ from dsa_precision import select as select_module
 from dsa_precision.config import ScoringPrecision
 
 from .fake_cudnn import stand_in_scores
+from .fake_deepgemm import FP8_FP4_DOC, LEGACY_DOC, UNCLEANED, FakeMqaLogits, install
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
-
-# What DeepGEMM leaves where it writes nothing (its buffer comes from torch.empty).
-_GARBAGE = 3.0e38
-
-# What the package passes for compressed logits: clean_logits=False where the entry point takes it.
-_UNCLEANED = {True: False, False: None}
-
-_FP8_FP4_DOC = (
-    "fp8_fp4_mqa_logits(q: tuple[torch.Tensor, Optional[torch.Tensor]], kv: tuple, weights: "
-    "torch.Tensor, cu_seq_len_k_start: torch.Tensor, cu_seq_len_k_end: torch.Tensor, "
-    "clean_logits: bool = True, max_seqlen_k: int = 0, logits_dtype = torch.float32)"
-)
-_LEGACY_DOC = (
-    "fp8_mqa_logits(q: torch.Tensor, kv: tuple, weights: torch.Tensor, cu_seq_len_k_start: "
-    "torch.Tensor, cu_seq_len_k_end: torch.Tensor, clean_logits: bool = True, max_seqlen_k: int "
-    "= 0)"
-)
-
-
-def _align(x, n):
-    return (x + n - 1) // n * n
-
-
-class FakeMqaLogits:
-    """DeepGEMM's MQA logits (see the module docstring); ``q_pair``: takes ``(q, q_scales)``."""
-
-    def __init__(self, mode="tags", q_pair=True, events=None):
-        self.mode = mode
-        self.q_pair = q_pair
-        self.calls: list[dict] = []
-        self.buffers: list[torch.Tensor] = []
-        self.events = events if events is not None else []
-
-    def __call__(self, q, kv, weights, ks, ke, clean_logits=None, max_seqlen_k=0):
-        """``clean_logits=None``: not passed (DeepGEMM 2.8 has no such argument; 2.4-2.6 default
-        to True, which they assert against for compressed logits)."""
-        self.events.append("launch")
-        q_scale = None
-        if self.q_pair:
-            q, q_scale = q
-        k, k_scales = kv
-        rows, heads, sk = q.shape[0], q.shape[1], k.shape[0]
-        self.calls.append(
-            dict(
-                q=q.clone(), q_scale=q_scale, k=k.clone(), k_scales=k_scales.clone(),
-                weights=weights.clone(), ks=ks.clone(), ke=ke.clone(),
-                clean_logits=clean_logits, max_seqlen_k=max_seqlen_k,
-                contiguous=all(t.is_contiguous() for t in (q, k, k_scales, weights, ks, ke)),
-                aligned=all(t.data_ptr() % 16 == 0 for t in (q, k, k_scales, weights)),
-            )
-        )  # fmt: skip
-        assert ks.dtype == ke.dtype == torch.int32 and ks.shape == ke.shape == (rows,)
-        if self.mode == "tags":
-            r = torch.arange(rows, dtype=torch.float64).unsqueeze(1)
-            full = (len(self.calls) - 1) * 1e6 + r * 1000 + torch.arange(sk, dtype=torch.float64)
-        else:
-            full = stand_in_scores(q.unsqueeze(0), k.unsqueeze(0).unsqueeze(2))[0].double()
-        padded_rows = _align(rows, 128 // heads)
-        if max_seqlen_k == 0:  # (rows, S_k) columns = keys
-            width = sk
-            buf = torch.full((padded_rows, _align(sk + 256, 256)), _GARBAGE)
-            keys = torch.arange(sk)
-            inside = (keys >= ks.long().unsqueeze(1)) & (keys < ke.long().unsqueeze(1))
-            view = buf[:rows, :sk]
-            view[inside] = full.float()[inside]
-            if clean_logits or clean_logits is None:
-                view[~inside] = float("-inf")
-        else:  # compressed: column j = key ks + j, written below ke - ks
-            assert clean_logits is not True, "DeepGEMM asserts `not clean_logits` for compressed logits"
-            assert max_seqlen_k >= int((ke - ks).max())
-            width = max_seqlen_k
-            buf = torch.full((padded_rows, _align(max_seqlen_k, 256)), _GARBAGE)
-            for i in range(rows):
-                n = int(ke[i] - ks[i])
-                buf[i, :n] = full[i, int(ks[i]) : int(ke[i])].float()
-        self.buffers.append(buf)
-        return buf[:rows, :width]
-
-
-def _install(monkeypatch, fn, name="deep_gemm.fp8_fp4_mqa_logits", clean=True, switch=None):
-    entry = _deepgemm._EntryPoint(fn, name, fn.q_pair, clean, switch)
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
-    monkeypatch.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
 
 
 @pytest.fixture(params=["fp8_fp4_mqa_logits", "fp8_mqa_logits", "2.8"])
@@ -125,7 +43,7 @@ def fake(request, monkeypatch):
     """Each test runs against 54e2261's two names and DeepGEMM 2.8's form (no clean_logits)."""
     fn = FakeMqaLogits(q_pair=request.param != "fp8_mqa_logits")
     fn.clean_arg = request.param != "2.8"
-    _install(monkeypatch, fn, f"deep_gemm.{request.param}", clean=fn.clean_arg)
+    install(monkeypatch, fn, f"deep_gemm.{request.param}", clean=fn.clean_arg)
     return fn
 
 
@@ -170,7 +88,7 @@ def test_bshd_is_one_launch_over_all_batch_rows(fake, ratio):
     _check_operands(call, ops)
     starts, ends = _bshd_windows(offsets, 9, 13, ratio)
     assert call["ks"].tolist() == starts and call["ke"].tolist() == ends
-    assert call["max_seqlen_k"] == 13 and call["clean_logits"] is _UNCLEANED[fake.clean_arg]
+    assert call["max_seqlen_k"] == 13 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
     # DeepGEMM's logits in its own buffer, the unwritten tails -inf.
     assert got.shape == (2, 9, 13) and got.dtype == torch.float32
     assert got.data_ptr() == fake.buffers[0].data_ptr()
@@ -242,7 +160,7 @@ def test_varlen_is_one_launch_in_sequence_local_columns(fake, ratio):
     starts, counts = _varlen_windows(ratio)
     assert call["ks"].tolist() == starts
     assert call["ke"].tolist() == [s + c for s, c in zip(starts, counts, strict=True)]
-    assert call["max_seqlen_k"] == 8 and call["clean_logits"] is _UNCLEANED[fake.clean_arg]
+    assert call["max_seqlen_k"] == 8 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
     assert got.shape == (13, 8) and got.data_ptr() == fake.buffers[0].data_ptr()
     for t in range(13):
         want = [t * 1000 + starts[t] + c for c in range(counts[t])]
@@ -267,7 +185,7 @@ def topk_inputs(monkeypatch):
 
 def _expected_picks(ops, offsets, ratio, topk):
     """The deterministic top-k of the fake's logits under the causal windows (torch reference)."""
-    b, sq, _, _ = ops.q.shape
+    sq = ops.q.shape[1]
     sk = ops.k.shape[1]
     scores = stand_in_scores(ops.q, ops.k.unsqueeze(2))  # (B, S_q, S_k)
     keys = torch.arange(sk)
@@ -293,7 +211,7 @@ def test_select_is_one_launch_per_chunk_read_in_place(fake, topk_inputs, ratio):
         _check_operands(call, ops.rows(r0, r0 + rows))
         starts, ends = _bshd_windows(offsets, rows, 20, ratio, r0)
         assert call["ks"].tolist() == starts and call["ke"].tolist() == ends, n
-        assert call["max_seqlen_k"] == 20 and call["clean_logits"] is _UNCLEANED[fake.clean_arg]
+        assert call["max_seqlen_k"] == 20 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
         # The top-k reads DeepGEMM's buffer itself, all its row stride, bounded by the windows.
         seen = topk_inputs[n]
         assert seen["scores"].data_ptr() == fake.buffers[n].data_ptr()
@@ -360,7 +278,7 @@ def test_a_layout_other_than_row_major_rows_raises(monkeypatch):
         return fn(*args, **kwargs).t().contiguous().t()  # column-major (rows, columns)
 
     transposed.q_pair = True
-    _install(monkeypatch, transposed)
+    install(monkeypatch, transposed)
     with pytest.raises(RuntimeError, match="expected row-major rows"):
         indexer_select(_ops(b=1, sq=8, sk=8), topk=2, backend="deepgemm")
 
@@ -375,7 +293,7 @@ def test_the_determinism_switch_is_set_before_every_launch(monkeypatch):
     def use_deterministic_algorithms(mode):
         events.append(("deterministic", mode))
 
-    _install(monkeypatch, fn, switch=use_deterministic_algorithms)
+    install(monkeypatch, fn, switch=use_deterministic_algorithms)
     indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
     indexer_scores(_ops(b=1), backend="deepgemm")
     assert events == [("deterministic", True), "launch"] * 4
@@ -384,7 +302,7 @@ def test_the_determinism_switch_is_set_before_every_launch(monkeypatch):
 @pytest.mark.parametrize("name", _deepgemm.DETERMINISM_SWITCHES)
 def test_the_determinism_switch_is_detected(fresh_import, name):
     calls = []
-    legacy = _NoSignature(FakeMqaLogits(q_pair=False), _LEGACY_DOC)
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
     module = _module("deep_gemm", legacy=legacy)
     setattr(module, name, lambda mode: calls.append(mode))
     entry, _ = _detected(fresh_import, module)
@@ -395,7 +313,7 @@ def test_the_determinism_switch_is_detected(fresh_import, name):
 
 def test_no_switch_at_54e2261(fresh_import):
     """54e2261 has no determinism switch (its kernel has no order to choose): none is called."""
-    fp4 = _NoSignature(FakeMqaLogits(), _FP8_FP4_DOC)
+    fp4 = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
     module = _module("deep_gemm", fp4=fp4)
     module.set_pdl = lambda enable: pytest.fail("not a determinism switch")
     entry, _ = _detected(fresh_import, module)
@@ -484,7 +402,7 @@ def _detected(fresh_import, module):
 
 
 def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_import):
-    fn = _NoSignature(FakeMqaLogits(), _FP8_FP4_DOC)
+    fn = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
     fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm"))  # neither function
     fresh_import.setitem(sys.modules, "vllm", _module("vllm"))
     fresh_import.setitem(sys.modules, "vllm.third_party", _module("vllm.third_party"))
@@ -498,8 +416,8 @@ def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_impo
 
 def test_54e2261_is_called_through_fp8_fp4_mqa_logits(fresh_import):
     """Both names (54e2261): the current one, with ``(q, None)``; the legacy one is its wrapper."""
-    legacy = _NoSignature(FakeMqaLogits(q_pair=False), _LEGACY_DOC)
-    fp4 = _NoSignature(FakeMqaLogits(), _FP8_FP4_DOC)
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
+    fp4 = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
     entry, _ = _detected(fresh_import, _module("deep_gemm", legacy, fp4))
     assert entry.name == "deep_gemm.fp8_fp4_mqa_logits" and entry.q_pair
     assert entry.clean_logits_arg
@@ -508,7 +426,7 @@ def test_54e2261_is_called_through_fp8_fp4_mqa_logits(fresh_import):
 
 
 def test_the_legacy_name_with_max_seqlen_k_is_called_alone(fresh_import):
-    legacy = _NoSignature(FakeMqaLogits(q_pair=False), _LEGACY_DOC)
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
     entry, _ = _detected(fresh_import, _module("deep_gemm", legacy))
     assert entry.name == "deep_gemm.fp8_mqa_logits" and not entry.q_pair
     indexer_select(_ops(b=2, sq=4, sk=4), topk=2, backend="deepgemm")
