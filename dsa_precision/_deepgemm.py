@@ -188,7 +188,14 @@ class WindowLogits:
         return self.logits.as_strided((rows, stride), (stride, 1))
 
     def masked(self) -> torch.Tensor:
-        """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores."""
+        """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores (on
+        CUDA one Triton pass that stores only the tails, :mod:`dsa_precision.kernels.mask_tails`)."""
+        from .operands import triton_unavailable_reason
+
+        if self.logits.is_cuda and triton_unavailable_reason() is None:
+            from .kernels.mask_tails import mask_tails
+
+            return mask_tails(self.logits, self.counts.to(torch.int32))
         cols = torch.arange(self.logits.shape[1], device=self.logits.device)
         return self.logits.masked_fill_(cols >= self.counts.unsqueeze(1), float("-inf"))
 

@@ -50,7 +50,7 @@ def _cfg(**kw):
 
 
 def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
-    dsa, dg = cpu_bench
+    _, dg = cpu_bench
     report = bench.run_bench(_cfg(seqs=(256,)))
     (r,) = report["results"]
     t = r["times_ms"]
@@ -78,8 +78,10 @@ def test_long_profile_times_the_chunked_kernels(cpu_bench):
     assert set(r["peak_extra_mib"]) == {
         f"{w}_{k}" for w in ("select", "e2e") for k in ("bf16", "fp8", "fp8_dg")
     }
-    # Each raw or package DeepGEMM select launches once per 64-row chunk.
+    # Each raw or package select launches once per 64-row chunk, cuDNN and DeepGEMM.
     assert len(dg.calls) % 8 == 0 and all(c["q"].shape[0] == 64 for c in dg.calls)
+    assert len(dsa.forward_calls) % 8 == 0
+    assert all(c["q"].shape[1] == 64 for c in dsa.forward_calls)
     assert r["bound_fp8_dg"] == 1.0 and r["of_bound_fp8"] == 1.0
     assert "long context" in bench.format_tables(report)
 
