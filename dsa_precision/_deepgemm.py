@@ -20,9 +20,9 @@ then ``top_k_per_row_prefill`` with the row ends and strides). Entry points, det
   max_seqlen_k=N)``: DeepGEMM 2.4-2.6 (2.6.1 is 54e2261); 2.8 (vLLM 0.31+) has no
   ``clean_logits`` and is called without it.
 - ``fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits=False, max_seqlen_k=N)``: the
-  legacy name, where it takes ``max_seqlen_k`` (a wrapper of the first since 2.4).
+  legacy name, where it takes ``max_seqlen_k`` (2.2 and later; a wrapper of the first since 2.4).
 
-DeepGEMM before 2.4 (``fp8_mqa_logits`` without ``max_seqlen_k``) has no compressed form and is
+DeepGEMM 2.0-2.1 (``fp8_mqa_logits`` without ``max_seqlen_k``) has no compressed form and is
 reported, not called. Full causal scores (:func:`causal_logits`) use the uncompressed form with
 DeepGEMM's own cleaning where the entry point takes ``clean_logits``.
 
@@ -99,7 +99,7 @@ def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
         if params is None or "max_seqlen_k" not in params or "weights" not in params:
             reasons.append(
                 f"{name}.{attr} takes no max_seqlen_k ({params or 'no signature'}); this "
-                "package calls the compressed form (DeepGEMM 2.4 and later)"
+                "package calls the compressed form (DeepGEMM 2.2 and later)"
             )
             continue
         entry = _EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, switch)

@@ -468,8 +468,8 @@ def test_feature_detection_reports_each_failure(fresh_import):
         _deepgemm.window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
 
 
-def test_deepgemm_before_2_4_is_reported_not_called(fresh_import):
-    """``fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits)`` (DeepGEMM 2.0-2.3): no compressed
+def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
+    """``fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits)`` (DeepGEMM 2.0-2.1): no compressed
     form, so no one-launch packed call; reported with the version needed."""
     called = []
 
@@ -484,7 +484,7 @@ def test_deepgemm_before_2_4_is_reported_not_called(fresh_import):
     assert entry is None
     assert "deep_gemm.fp8_fp4_mqa_logits takes no max_seqlen_k" in reason
     assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
-    assert "DeepGEMM 2.4 and later" in reason
+    assert "DeepGEMM 2.2 and later" in reason
     with pytest.raises(ImportError, match="takes no max_seqlen_k"):
         _deepgemm.causal_logits(*_NO_OPERANDS)
     assert not called
