@@ -130,8 +130,9 @@ def indexer_select(
         r1 = min(r0 + step, sq)
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
-            logits = deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
-            scores, lens = logits.rows_in_place(), logits.counts
+            window = deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
+            scores, lens = window.rows_in_place(), window.counts
+            del window
         else:
             scores = indexer_scores(
                 part,
@@ -152,6 +153,7 @@ def indexer_select(
         if out is None:
             return picks
         out[:, r0:r1] = picks
+        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
     return out
 
 
@@ -217,8 +219,9 @@ def indexer_select_varlen(
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            logits = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
-            scores, lens = logits.rows_in_place(), logits.counts
+            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
+            scores, lens = window.rows_in_place(), window.counts
+            del window
         else:
             scores = indexer_scores_varlen(
                 part,
@@ -239,4 +242,5 @@ def indexer_select_varlen(
         if out is None:
             return picks
         out[r0:r1] = picks
+        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
     return out

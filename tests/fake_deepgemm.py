@@ -9,6 +9,8 @@ packed key) or a stand-in function of the operand bytes, never scores."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from dsa_precision import _deepgemm
@@ -46,11 +48,14 @@ class FakeMqaLogits:
         self.calls: list[dict] = []
         self.buffers: list[torch.Tensor] = []
         self.events = events if events is not None else []
+        self.keep = True  # False: hold only weak references to the buffers it answered with
+        self._refs: list[weakref.ref] = []
 
     def __call__(self, q, kv, weights, ks, ke, clean_logits=None, max_seqlen_k=0):
         """``clean_logits=None``: not passed (DeepGEMM 2.8 has no such argument; 2.4-2.6 default
         to True, which they assert against for compressed logits)."""
         self.events.append("launch")
+        alive = sum(ref() is not None for ref in self._refs)  # earlier answers still referenced
         q_scale = None
         if self.q_pair:
             q, q_scale = q
@@ -63,6 +68,7 @@ class FakeMqaLogits:
                 clean_logits=clean_logits, max_seqlen_k=max_seqlen_k,
                 contiguous=all(t.is_contiguous() for t in (q, k, k_scales, weights, ks, ke)),
                 aligned=all(t.data_ptr() % 16 == 0 for t in (q, k, k_scales, weights)),
+                alive=alive,
             )
         )  # fmt: skip
         assert ks.dtype == ke.dtype == torch.int32 and ks.shape == ke.shape == (rows,)
@@ -91,7 +97,9 @@ class FakeMqaLogits:
             for i in range(rows):
                 n = int(ke[i] - ks[i])
                 buf[i, :n] = full[i, int(ks[i]) : int(ke[i])].float()
-        self.buffers.append(buf)
+        if self.keep:
+            self.buffers.append(buf)
+        self._refs.append(weakref.ref(buf))
         return buf[:rows, :width]
 
 

@@ -224,6 +224,21 @@ def test_select_is_one_launch_per_chunk_read_in_place(fake, topk_inputs, ratio):
     assert len(fake.calls) == 1 and torch.equal(picks, whole)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_select_frees_each_chunks_logits_before_the_next_launch(fake, layout):
+    """At most one chunk of DeepGEMM's logits exists: the peak memory the chunk budget bounds."""
+    fake.keep = False
+    if layout == "bshd":
+        indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
+    else:
+        cu = cu_seqlens([9, 11])
+        indexer_select_varlen(_ops(b=1, sq=20, sk=20), topk=4, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              max_seqlen_q=11, max_seqlen_k=11, backend="deepgemm",
+                              chunk_bytes=1)  # fmt: skip
+    assert len(fake.calls) == 3
+    assert [c["alive"] for c in fake.calls] == [0, 0, 0]
+
+
 def test_select_ties_go_to_the_lower_key_and_short_rows_pad_with_minus_one(fake):
     """Every written logit equal (stand-in of all-zero q and k): each row picks its first keys."""
     fake.mode = "operands"
