@@ -112,10 +112,13 @@ def test_profiles_are_separate_flags(monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "run_bench", lambda cfg: seen.append(cfg) or {})
     monkeypatch.setattr(bench, "format_tables", lambda report: "")
-    for argv in ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768")):
+    runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
+            ("--seq", "8192", "--long", "--split"))  # fmt: skip
+    for argv in runs:
         bench.main(_parse(*argv))
-    default, long, split, long_seq = seen
+    default, long, split, long_seq, everything = seen
     assert default.seqs == (8192, 16384) and not default.long_seqs and not default.split_seqs
     assert long.seqs == () and long.long_seqs == bench.LONG_SEQS and long.long_reps == 5
     assert split.seqs == () and split.split_seqs == (4096,)
     assert long_seq.long_seqs == (32768,)
+    assert everything.seqs == (8192,) and everything.long_seqs and everything.split_seqs

@@ -43,6 +43,13 @@ for step in "$@"; do
     deepgemm)  # build DeepGEMM from the ignored .dg/ bundle (../shared/gpu/deepgemm.sh)
       run deepgemm 400 bash .dg/build.sh
       export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-} ;;
+    deepgemm-path)  # a later call on the same machine: the build of `deepgemm` if it is there
+      if [ -d /root/dg/DeepGEMM/deep_gemm ]; then
+        export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-}; echo "== deepgemm-path: reused"
+      else
+        run deepgemm 400 bash .dg/build.sh
+        export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-}
+      fi ;;
     tests)
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
     tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
@@ -51,13 +58,15 @@ for step in "$@"; do
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
       TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         tests/gpu/test_cudnn_scoring.py tests/gpu/test_determinism.py \
-        -k "deepgemm or select or topk or never_waits or cuda_graph" ;;
+        -k "deepgemm or entry_points or select or topk or never_waits or cuda_graph" ;;
     bench)  # S 8192 16384, H 32 64: package beside the raw kernels, both backends
       bench_step bench 600 ${BENCH_ARGS:-} ;;
     bench-long)  # S 32768 65536 131072, chunked select (about 2-3 minutes on an H200)
       bench_step bench_long 600 --long ${BENCH_ARGS:-} ;;
     bench-split)  # FP8 time split at S 16384 65536: score traffic share, fused-kernel decision
       bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
+    bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
+      bench_step bench_all 600 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
       for heads in 32 64; do
         for engine in "vllm-exact" "vllm" "vllm-eager" "vllm-legacy" "lmdeploy" \

@@ -87,7 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--seq", type=int, nargs="+", default=list(d.seqs), help="sequence lengths S")
+    p.add_argument(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"sequence lengths S of the default tables (default {' '.join(map(str, d.seqs))}; "
+        "with --long or --split only when given)",
+    )
     p.add_argument("--heads", type=int, nargs="+", default=list(d.heads), help="heads H (32, 64)")
     p.add_argument("--batch", type=int, default=d.batch, help=f"batch size B (default {d.batch})")
     p.add_argument("--topk", type=int, default=d.topk, help=f"keys per query (default {d.topk})")
@@ -792,7 +799,7 @@ def main(args: argparse.Namespace) -> int:
     long = args.long or args.long_seq is not None
     split = args.split or args.split_seq is not None
     cfg = BenchConfig(
-        seqs=() if long or split else tuple(args.seq),
+        seqs=tuple(args.seq) if args.seq else () if long or split else BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,

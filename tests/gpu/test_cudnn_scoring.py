@@ -257,7 +257,7 @@ def test_deepgemm_backend_is_the_direct_kernel_call(h):
 
 @needs_deepgemm
 @pytest.mark.parametrize("h", [32, 64])
-def test_one_packed_launch_gives_each_batch_rows_own_logits(h):
+def test_deepgemm_packed_launch_gives_each_batch_rows_own_logits(h):
     """Batch rows flattened into one launch (row b's keys at b * S_k) give the logits of each row
     launched alone, bit for bit, inside every causal window."""
     q, k, w = _inputs(3, 2048, h, seed=11)
