@@ -197,10 +197,15 @@ def test_deepgemm_varlen_replays_bit_exact(monkeypatch, entry_point):
 
 
 @needs_deepgemm
+@pytest.mark.parametrize("entry_point", ["detected", "legacy"])
 @pytest.mark.parametrize("chunk_bytes", [None, 64 << 20])
-def test_deepgemm_select_replays_bit_exact(chunk_bytes):
+def test_deepgemm_select_replays_bit_exact(monkeypatch, chunk_bytes, entry_point):
     """The new path: one DeepGEMM launch per chunk, its uncleaned logits read in place by the
-    radix top-k (bounded by each row's length); BSHD with two batch rows and packed sequences."""
+    radix top-k (bounded by each row's length, each chunk's logits freed before the next launch);
+    BSHD with two batch rows and packed sequences; through the detected entry point and the
+    legacy name."""
+    if entry_point == "legacy":
+        _legacy_entry_point(monkeypatch)
     q, k, w = _qkw(2, 4096, 64, seed=3)
     pq, pk, pw, cu = _packed([1700, 33, 2900, 301], seed=8)
 
@@ -218,8 +223,9 @@ def test_deepgemm_select_replays_bit_exact(chunk_bytes):
         return bshd, thd
 
     assert_replays_bit_exact(
-        select, (q, k, w, pq, pk, pw), contention=True, what=f"DeepGEMM select, {chunk_bytes}"
-    )
+        select, (q, k, w, pq, pk, pw), contention=True,
+        what=f"DeepGEMM select, {chunk_bytes}, {entry_point}",
+    )  # fmt: skip
 
 
 # ------------------------------------------------------- operands (fused Triton kernel)
