@@ -189,7 +189,8 @@ class WindowLogits:
 
     def masked(self) -> torch.Tensor:
         """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores (on
-        CUDA one Triton pass that stores only the tails, :mod:`dsa_precision.kernels.mask_tails`)."""
+        CUDA one Triton pass that stores only the tails, :mod:`~dsa_precision.kernels.mask_tails`).
+        """
         from .operands import triton_unavailable_reason
 
         if self.logits.is_cuda and triton_unavailable_reason() is None:
@@ -207,10 +208,11 @@ def window_logits(
     key_start: torch.Tensor,  # (rows,) int32, first key of each row's window
     key_end: torch.Tensor,  # (rows,) int32, one past its last key
     columns: int,  # >= every key_end - key_start
+    counts: torch.Tensor | None = None,  # (rows,) int32 key_end - key_start, if the caller has it
 ) -> WindowLogits:
     """One launch: the logits of every row against its window ``[key_start, key_end)``."""
     logits = _launch(q, kv, weights, key_start, key_end, columns)
-    return WindowLogits(logits, key_end - key_start)
+    return WindowLogits(logits, key_end - key_start if counts is None else counts)
 
 
 def causal_logits(

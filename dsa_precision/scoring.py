@@ -264,11 +264,17 @@ def _cudnn_scores(
 
 
 def _deepgemm_scores(
-    ops: ScoringOperands, key_start: torch.Tensor, key_end: torch.Tensor, columns: int
+    ops: ScoringOperands,
+    key_start: torch.Tensor,
+    key_end: torch.Tensor,
+    columns: int,
+    counts: torch.Tensor,
 ) -> _deepgemm.WindowLogits:
     """One DeepGEMM launch for every query row of ``ops`` (with the ``B = 1`` scores of
-    :func:`indexer_scores`, the only DeepGEMM call here): batch rows flattened, row ``b * S_q + s`` against its window ``[key_start, key_end)`` of the
-    flattened keys ``(B * S_k,)``; the logits as the kernel left them (no copy, no mask)."""
+    :func:`indexer_scores`, the only DeepGEMM call here): batch rows flattened, row
+    ``b * S_q + s`` against its window ``[key_start, key_end)`` of the flattened keys
+    ``(B * S_k,)``, ``counts = key_end - key_start``; the logits as the kernel left them (no
+    copy, no mask)."""
     b, sq, h, d = ops.q.shape
     q = _aligned(ops.q.reshape(b * sq, h, d))
     kv = (_aligned(ops.k.reshape(-1, d)), _aligned(ops.k_descale.reshape(-1)))
@@ -276,7 +282,7 @@ def _deepgemm_scores(
     start = key_start.to(torch.int32).contiguous()
     end = key_end.to(torch.int32).contiguous()
     with _cudnn.device_scope(ops.device):
-        return _deepgemm.window_logits(q, kv, w, start, end, columns)
+        return _deepgemm.window_logits(q, kv, w, start, end, columns, counts)
 
 
 def _deepgemm_causal_windows(
@@ -287,8 +293,11 @@ def _deepgemm_causal_windows(
     b, sq = ops.q.shape[:2]
     sk = ops.k.shape[1]
     counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
-    start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
-    return _deepgemm_scores(ops, start, start + counts, sk)
+    if b == 1:
+        start = torch.zeros_like(counts)
+    else:
+        start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
+    return _deepgemm_scores(ops, start, start + counts, sk, counts)
 
 
 def _deepgemm_varlen_windows(
@@ -305,7 +314,7 @@ def _deepgemm_varlen_windows(
     counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
     rows = torch.arange(tq, device=ops.device)
     start = cu_k.to(torch.int32)[packed_sequence_of(cu_q, rows)]
-    return _deepgemm_scores(ops, start, start + counts, max_seqlen_k)
+    return _deepgemm_scores(ops, start, start + counts, max_seqlen_k, counts)
 
 
 def deepgemm_select_input(

@@ -5,8 +5,9 @@ chunk of scores exists; ``chunk_bytes`` bounds a chunk's working set (its float3
 radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) a call whose whole
 working set fits in :data:`UNCHUNKED_MAX_BYTES` (4 GiB: S = 16384 at B = 1) runs as one launch of
 each kernel, since every extra chunk costs about 0.1 ms on the H200 (docs/benchmarks.md), and a
-larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal rows, so the result is
-bit-identical to scoring everything at once and selecting. No step waits for the host.
+larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal
+rows, so the result is bit-identical to scoring everything at once and selecting. No step waits
+for the host.
 
 With ``backend="deepgemm"`` each chunk is one DeepGEMM launch (batch rows flattened into key
 windows) whose logits the top-k reads where the kernel wrote them, bounded by each row's length:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_positive_int
+from ._deepgemm import WindowLogits
 from .config import ScoringPrecision
 from .engines import DEFAULT_ENGINE, EngineProfile
 from .operands import ScoringOperands, as_scoring_operands
@@ -76,6 +78,12 @@ def _buffer(n: int, backend: str, device: torch.device) -> torch.Tensor | None:
     return None if backend == "deepgemm" else torch.empty(n, dtype=torch.float32, device=device)
 
 
+def _in_place(window: WindowLogits) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k's input from DeepGEMM's logits: their buffer's rows and each row's length (the
+    window itself is not kept, so its memory goes with the scores)."""
+    return window.rows_in_place(), window.counts
+
+
 def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch.Tensor | None:
     """The result of a chunked call (every row is written by its chunk); ``None`` for one chunk,
     whose top-k output is returned as it is."""
@@ -103,9 +111,10 @@ def indexer_select(
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
     precision), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
     :data:`UNCHUNKED_MAX_BYTES`, else 1 GiB chunks; see the module docstring) and
-    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both kernels: ``"cudnn"`` scores and
-    selects with cuDNN, ``"torch"`` with the references, ``"deepgemm"`` scores with DeepGEMM (one launch per
-    chunk) and selects with cuDNN when it can, reading DeepGEMM's logits in place, ``"auto"`` takes cuDNN for each when it can.
+    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
+    kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
+    ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
+    can, reading DeepGEMM's logits in place; ``"auto"`` takes cuDNN for each when it can.
 
     Returns:
         int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots.
@@ -130,9 +139,9 @@ def indexer_select(
         r1 = min(r0 + step, sq)
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
-            window = deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
-            scores, lens = window.rows_in_place(), window.counts
-            del window
+            scores, lens = _in_place(
+                deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
+            )
         else:
             scores = indexer_scores(
                 part,
@@ -219,9 +228,9 @@ def indexer_select_varlen(
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
-            scores, lens = window.rows_in_place(), window.counts
-            del window
+            scores, lens = _in_place(
+                deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
+            )
         else:
             scores = indexer_scores_varlen(
                 part,

@@ -297,8 +297,10 @@ def test_deepgemm_select_is_the_top_k_of_its_scores(h):
     counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 4934)
     want = indexer_topk(packed, 2048, seq_lens=counts, backend="cudnn")
     for chunk_bytes in (None, 32 << 20):
-        got = indexer_select_varlen(pq, pk, pw, topk=2048, scoring_precision="fp8",
-                                    backend="deepgemm", chunk_bytes=chunk_bytes, **varlen)  # fmt: skip
+        got = indexer_select_varlen(
+            pq, pk, pw, topk=2048, scoring_precision="fp8", backend="deepgemm",
+            chunk_bytes=chunk_bytes, **varlen,
+        )  # fmt: skip
         assert torch.equal(got, want), chunk_bytes
 
 
@@ -371,6 +373,21 @@ def test_cudnn_fp8_vs_deepgemm_on_identical_operands(record, h):
 # ------------------------------------------------------------------ no host synchronisation
 
 
+def _run_twice_without_host_sync(run):
+    """``run()`` once (compiling the kernels, which may synchronise), then again with every host
+    synchronisation raising; the two results must be equal. Returns the first."""
+    warm = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(warm, again, strict=True):
+        assert torch.equal(a, b)
+    return warm
+
+
 def test_device_path_never_waits_for_the_host():
     q, k, w = _inputs(2, 1024, 64)
     lens = [300, 1, 700, 1047]
@@ -398,15 +415,7 @@ def test_device_path_never_waits_for_the_host():
         )  # fmt: skip
         return picks, sel, sel_v
 
-    warm = run()  # compiles the kernels (which may synchronise)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for a, b in zip(warm, again, strict=True):
-        assert torch.equal(a, b)
+    warm = _run_twice_without_host_sync(run)
     assert torch.equal(warm[0], warm[1])  # chunked select == scores then top-k
 
 
@@ -430,15 +439,7 @@ def test_deepgemm_select_never_waits_for_the_host():
         )  # fmt: skip
         return sel, sel_v
 
-    warm = run()  # compiles the kernels (which may synchronise)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for a, b in zip(warm, again, strict=True):
-        assert torch.equal(a, b)
+    _run_twice_without_host_sync(run)
 
 
 # -------------------------------------------------------------------------- CUDA graph

@@ -111,6 +111,13 @@ def test_topk_replays_bit_exact():
     picks = assert_replays_bit_exact(pick, (scores, seq_lens), contention=True, what="top-k")
     picked = scores.gather(-1, picks.clamp(min=0).long())
     assert bool(((picks < 0) | (picked > float("-inf"))).all()), "a -inf or NaN score was picked"
+    # The rows as one 2-D tensor with 1-D int32 lengths (indexer_select's form, which skips the
+    # reshapes and the cast) and with int64 lengths: the same picks.
+    flat = assert_replays_bit_exact(
+        pick, (scores.view(-1, 8192), seq_lens.view(-1)), what="top-k, 2-D scores"
+    )
+    assert torch.equal(flat.view(4, 512, 2048), picks)
+    assert torch.equal(pick(scores, seq_lens.long()), picks)
 
 
 # ------------------------------------------------------------------------ select.py
