@@ -3,7 +3,8 @@ through ``dsa_precision._deepgemm._import``: DeepGEMM 54e2261's
 ``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``
 (and its legacy name ``fp8_mqa_logits(q, ...)``, and 2.8's form without ``clean_logits``).
 
-The fake answers as the kernel's API does (``csrc/apis/attention.hpp``): a view of a buffer of
+The fake (tests/fake_deepgemm.py) answers as the kernel's API does (``csrc/apis/attention.hpp``):
+a view of a buffer of
 ``align(rows, 128 / H)`` rows, ``align(max_seqlen_k, 256)`` floats apart (compressed) or
 ``align(S_k + 256, 256)`` apart (``max_seqlen_k=0``), written only inside each row's window, the
 rest garbage (a huge finite value, which neither the ``-inf`` nor the NaN rule of the top-k would
