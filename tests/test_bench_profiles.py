@@ -87,7 +87,10 @@ def test_long_profile_times_the_chunked_kernels(cpu_bench):
 
 
 def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
-    report = bench.run_bench(_cfg(split_seqs=(256,), chunk_bytes=128 * 256 * 12))
+    done = []
+    cfg = _cfg(split_seqs=(256,), chunk_bytes=128 * 256 * 12)
+    report = bench.run_bench(cfg, lambda r: done.append(sorted(k for k in r if r[k])))
+    assert done == [["config", "device", "split", "versions"]]  # once, after the split profile
     (r,) = report["split"]
     assert r["chunks"] == 2
     for backend in ("cudnn", "deepgemm"):
@@ -110,7 +113,7 @@ def _parse(*argv):
 
 def test_profiles_are_separate_flags(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
     monkeypatch.setattr(bench, "format_tables", lambda report: "")
     runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
             ("--seq", "8192", "--long", "--split"))  # fmt: skip

@@ -66,7 +66,7 @@ for step in "$@"; do
     bench-split)  # FP8 time split at S 16384 65536: score traffic share, fused-kernel decision
       bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
     bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
-      bench_step bench_all 600 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
+      bench_step bench_all 560 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
       for heads in 32 64; do
         for engine in "vllm-exact" "vllm" "vllm-eager" "vllm-legacy" "lmdeploy" \

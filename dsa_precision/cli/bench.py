@@ -759,8 +759,11 @@ def format_tables(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints."""
+def run_bench(
+    cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints.
+    ``on_profile`` gets the report so far after each profile (default, long, split)."""
     _check_environment(cfg)
     from importlib import metadata
 
@@ -792,6 +795,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         for s, h in progress(cases, total=len(cases), desc=f"bench {key}"):
             report[key].append(measure(_Workload(cfg, s, h, gen)))
             torch.cuda.empty_cache()
+        if cases and on_profile is not None:
+            on_profile(report)
     return report
 
 
@@ -815,7 +820,12 @@ def main(args: argparse.Namespace) -> int:
         long_reps=args.long_reps,
         split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
     )
-    report = run_bench(cfg)
+    # With --json the tables of each finished profile go to stderr as it ends, so a run cut
+    # short by a time limit still leaves its first profiles in the log.
+    partial = (
+        (lambda r: print(format_tables(r), file=sys.stderr, flush=True)) if args.json else None
+    )
+    report = run_bench(cfg, partial)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
