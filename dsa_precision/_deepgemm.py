@@ -5,20 +5,31 @@ so ``backend="deepgemm"`` gives the engine's logits by construction. It is optio
 standalone ``deep_gemm`` package, or the copy vLLM ships as ``vllm.third_party.deep_gemm``.
 Importing this module loads nothing.
 
-The entry point is detected by feature, not by version string (pybind11 functions have no
-signature, so their parameter names are read from the docstring):
+The package calls the kernel's *compressed* form, one launch for every query row of a call
+(batch rows and packed sequences flattened, each row's key window ``[ks, ke)`` given by
+``cu_seq_len_k_start`` / ``cu_seq_len_k_end``): logits ``(rows, max_seqlen_k)``, column ``j`` of
+row ``i`` is key ``ks[i] + j``, written for ``j < ke[i] - ks[i]`` only; the rows lie
+``align(max_seqlen_k, 256)`` floats apart in a buffer DeepGEMM allocates (``fp8_fp4_mqa_logits``
+in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :class:`WindowLogits` hands that buffer on
+untouched: the top-k reads it in place, bounded by each row's length, which is how vLLM's
+prefill path reads it (``sparse_attn_indexer.py``: ``fp8_fp4_mqa_logits(..., max_seqlen_k)``,
+then ``top_k_per_row_prefill`` with the row ends and strides). Entry points, detected by feature
+(pybind11 functions have no signature, so their parameter names are read from the docstring):
 
-- ``fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits)`` (DeepGEMM 2.0-2.6, a legacy
-  wrapper since 2.4): called with ``clean_logits=True``; logits ``(S_q, S_k)``, column ``j`` is
-  key ``j``, ``-inf`` outside ``[ks, ke)``.
-- otherwise ``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, max_seqlen_k=...)``
-  (the only name in DeepGEMM 2.8, which vLLM 0.31+ vendors; 2.4-2.6 also take
-  ``clean_logits=False`` for this form): compressed logits ``(S_q, max_seqlen_k)``, column ``j``
-  is key ``ks + j``, the tail past ``ke - ks`` not written.
+- ``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, clean_logits=False,
+  max_seqlen_k=N)``: DeepGEMM 2.4-2.6 (2.6.1 is 54e2261); 2.8 (vLLM 0.31+) has no
+  ``clean_logits`` and is called without it.
+- ``fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits=False, max_seqlen_k=N)``: the
+  legacy name, where it takes ``max_seqlen_k`` (2.2 and later; a wrapper of the first since 2.4).
 
-Both run the same SM90 kernel (2.4-2.6 implement the legacy name as a call of the new one); the
-functions below hand back one layout whichever entry point ran. See ``docs/numerics.md`` for the
-kernel's arithmetic and the commits this was read from.
+DeepGEMM 2.0-2.1 (``fp8_mqa_logits`` without ``max_seqlen_k``) has no compressed form and is
+reported, not called. Full causal scores (:func:`causal_logits`) use the uncompressed form with
+DeepGEMM's own cleaning where the entry point takes ``clean_logits``.
+
+Determinism: the SM90 kernel of 54e2261 writes every logit once, from one thread's fixed-order
+sum over heads (no split over keys or heads, no atomics), so its logits are a function of the
+operands; it has no switch. A DeepGEMM that exposes one (``DETERMINISM_SWITCHES``) has it set
+on before every launch. See ``docs/numerics.md`` for the kernel's arithmetic.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ import torch
 from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 
 __all__ = [
+    "DETERMINISM_SWITCHES",
+    "WindowLogits",
     "causal_logits",
     "deepgemm_available",
     "entry_point",
@@ -48,6 +61,9 @@ _INSTALL_HINT = (
     "build DeepGEMM from https://github.com/deepseek-ai/DeepGEMM (python setup.py install; needs "
     "CUDA 12.8+ and an SM90 GPU) or install vLLM, which vendors it; docs/gpu-validation.md says how"
 )
+# Module functions that turn a DeepGEMM determinism mode on when called with True (none exists in
+# 54e2261; the names are those a later release may use, checked in this order).
+DETERMINISM_SWITCHES = ("use_deterministic_algorithms", "set_deterministic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +71,10 @@ class _EntryPoint:
     """A resolved DeepGEMM function and how to call it."""
 
     fn: Callable[..., torch.Tensor]
-    name: str  # "deep_gemm.fp8_mqa_logits", ...
-    compressed: bool  # fp8_fp4_mqa_logits with max_seqlen_k: window-local columns, tail unwritten
-    clean_logits_arg: bool = False  # fp8_fp4_mqa_logits of 2.4-2.6 takes clean_logits=False too
+    name: str  # "deep_gemm.fp8_fp4_mqa_logits", ...
+    q_pair: bool  # fp8_fp4_mqa_logits takes (q, q_scales); the legacy name takes q
+    clean_logits_arg: bool  # takes clean_logits (all but DeepGEMM 2.8)
+    deterministic: Callable[[bool], Any] | None = None  # the module's determinism switch
 
 
 def _parameter_names(fn: Callable) -> str | None:
@@ -69,28 +86,27 @@ def _parameter_names(fn: Callable) -> str | None:
 
 
 def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
-    legacy = getattr(module, "fp8_mqa_logits", None)
-    if legacy is not None:
-        doc = legacy.__doc__ or ""
-        if doc and "weights" not in doc:
-            return None, f"{name}.fp8_mqa_logits has an unknown signature ({doc.splitlines()[0]})"
-        return _EntryPoint(legacy, f"{name}.fp8_mqa_logits", compressed=False), None
-    fn = getattr(module, "fp8_fp4_mqa_logits", None)
-    if fn is None:
-        return None, f"{name} has neither fp8_mqa_logits nor fp8_fp4_mqa_logits"
-    params = _parameter_names(fn)
-    if params is None or "max_seqlen_k" not in params:
-        return None, (
-            f"{name}.fp8_fp4_mqa_logits takes no max_seqlen_k ({params or 'no signature'}); "
-            "this package calls it with max_seqlen_k (DeepGEMM 2.4 and later)"
-        )
-    entry = _EntryPoint(
-        fn,
-        f"{name}.fp8_fp4_mqa_logits",
-        compressed=True,
-        clean_logits_arg="clean_logits" in params,
+    switch = next(
+        (getattr(module, s) for s in DETERMINISM_SWITCHES if callable(getattr(module, s, None))),
+        None,
     )
-    return entry, None
+    reasons = []
+    for attr, q_pair in (("fp8_fp4_mqa_logits", True), ("fp8_mqa_logits", False)):
+        fn = getattr(module, attr, None)
+        if fn is None:
+            continue
+        params = _parameter_names(fn)
+        if params is None or "max_seqlen_k" not in params or "weights" not in params:
+            reasons.append(
+                f"{name}.{attr} takes no max_seqlen_k ({params or 'no signature'}); this "
+                "package calls the compressed form (DeepGEMM 2.2 and later)"
+            )
+            continue
+        entry = _EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, switch)
+        return entry, None
+    if not reasons:
+        return None, f"{name} has neither fp8_fp4_mqa_logits nor fp8_mqa_logits"
+    return None, "; ".join(reasons)
 
 
 @functools.cache
@@ -115,7 +131,7 @@ def deepgemm_available() -> bool:
 
 
 def entry_point() -> str | None:
-    """The function ``backend="deepgemm"`` calls (``"deep_gemm.fp8_mqa_logits"``, ...), or
+    """The function ``backend="deepgemm"`` calls (``"deep_gemm.fp8_fp4_mqa_logits"``, ...), or
     ``None`` when DeepGEMM is not importable."""
     entry = _import()[0]
     return None if entry is None else entry.name
@@ -128,24 +144,75 @@ def _launch(
     key_start: torch.Tensor,
     key_end: torch.Tensor,
     max_seqlen_k: int,
-) -> tuple[torch.Tensor, bool]:
-    """The only call of DeepGEMM: ``(logits, compressed)`` (layouts in the module docstring)."""
+    clean: bool = False,
+) -> torch.Tensor:
+    """The only call of DeepGEMM. ``max_seqlen_k > 0``: compressed, uncleaned logits;
+    ``max_seqlen_k == 0`` (``clean`` only): ``(rows, S_k)`` logits, ``-inf`` outside the windows."""
     entry, reason = _import()
     if entry is None:
         raise ImportError(reason)
-    if not entry.compressed:
-        return entry.fn(q, kv, weights, key_start, key_end, True), False
-    extra = {"clean_logits": False} if entry.clean_logits_arg else {}
-    logits = entry.fn(
-        (q, None), kv, weights, key_start, key_end, max_seqlen_k=max_seqlen_k, **extra
-    )
-    return logits, True
+    if entry.deterministic is not None:
+        entry.deterministic(True)
+    extra = {"clean_logits": clean} if entry.clean_logits_arg else {}
+    q_arg = (q, None) if entry.q_pair else q
+    return entry.fn(q_arg, kv, weights, key_start, key_end, max_seqlen_k=max_seqlen_k, **extra)
 
 
-def _mask_past(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``-inf`` in every column ``j >= counts[i]`` of row ``i``, in place."""
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    return logits.masked_fill_(cols >= counts.unsqueeze(1), float("-inf"))
+@dataclasses.dataclass(frozen=True)
+class WindowLogits:
+    """DeepGEMM's compressed logits as the kernel left them: no copy, no mask.
+
+    ``logits`` ``(rows, columns)`` float32, a view of DeepGEMM's buffer (rows ``row_stride >=
+    columns`` floats apart): column ``j`` of row ``i`` is key ``key_start[i] + j``, written for
+    ``j < counts[i]`` only (the rest is whatever the allocator held).
+    """
+
+    logits: torch.Tensor  # (rows, columns) float32, stride (row_stride, 1)
+    counts: torch.Tensor  # (rows,) int32, the written prefix of each row
+
+    @property
+    def row_stride(self) -> int:
+        return self.logits.stride(0) if self.logits.shape[0] > 1 else self.logits.shape[1]
+
+    def rows_in_place(self) -> torch.Tensor:
+        """``(rows, row_stride)``: the same memory as one contiguous tensor (the top-k's input;
+        with ``seq_lens=counts`` it reads only written columns)."""
+        rows, stride = self.logits.shape[0], self.row_stride
+        storage = self.logits.untyped_storage().nbytes() // self.logits.element_size()
+        if self.logits.stride(-1) != 1 or self.logits.storage_offset() + rows * stride > storage:
+            raise RuntimeError(
+                f"DeepGEMM returned logits of shape {tuple(self.logits.shape)} and strides "
+                f"{self.logits.stride()} in a buffer of {storage} floats; expected row-major rows "
+                "of one buffer (DeepGEMM 2.4-2.8's layout)."
+            )
+        return self.logits.as_strided((rows, stride), (stride, 1))
+
+    def masked(self) -> torch.Tensor:
+        """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores (on
+        CUDA one Triton pass that stores only the tails, :mod:`~dsa_precision.kernels.mask_tails`).
+        """
+        from .operands import triton_unavailable_reason
+
+        if self.logits.is_cuda and triton_unavailable_reason() is None:
+            from .kernels.mask_tails import mask_tails
+
+            return mask_tails(self.logits, self.counts.to(torch.int32))
+        cols = torch.arange(self.logits.shape[1], device=self.logits.device)
+        return self.logits.masked_fill_(cols >= self.counts.unsqueeze(1), float("-inf"))
+
+
+def window_logits(
+    q: torch.Tensor,  # (rows, H, 128) float8_e4m3fn, contiguous
+    kv: tuple[torch.Tensor, torch.Tensor],  # (k (keys, 128) e4m3, k_descale (keys,) float32)
+    weights: torch.Tensor,  # (rows, H) float32, q descale folded in, contiguous
+    key_start: torch.Tensor,  # (rows,) int32, first key of each row's window
+    key_end: torch.Tensor,  # (rows,) int32, one past its last key
+    columns: int,  # >= every key_end - key_start
+    counts: torch.Tensor | None = None,  # (rows,) int32 key_end - key_start, if the caller has it
+) -> WindowLogits:
+    """One launch: the logits of every row against its window ``[key_start, key_end)``."""
+    logits = _launch(q, kv, weights, key_start, key_end, columns)
+    return WindowLogits(logits, key_end - key_start if counts is None else counts)
 
 
 def causal_logits(
@@ -153,33 +220,17 @@ def causal_logits(
     kv: tuple[torch.Tensor, torch.Tensor],  # (k (S_k, 128) e4m3, k_descale (S_k,) float32)
     weights: torch.Tensor,  # (S_q, H) float32, q descale folded in, contiguous
     key_end: torch.Tensor,  # (S_q,) int32, one past each row's last key
-) -> torch.Tensor:  # (S_q, S_k) float32, column j is key j, -inf from key_end on
-    """Logits of every row against keys ``[0, key_end)``."""
-    s_k = kv[0].shape[0]
-    key_start = torch.zeros_like(key_end)
-    logits, compressed = _launch(q, kv, weights, key_start, key_end, s_k)
-    # Windows start at key 0, so both layouts agree; the compressed one leaves the tail unwritten.
-    return _mask_past(logits, key_end) if compressed else logits
-
-
-def window_logits(
-    q: torch.Tensor,  # (S_q, H, 128) float8_e4m3fn, contiguous
-    kv: tuple[torch.Tensor, torch.Tensor],  # (k (S_k, 128) e4m3, k_descale (S_k,) float32)
-    weights: torch.Tensor,  # (S_q, H) float32, q descale folded in, contiguous
-    key_start: torch.Tensor,  # (S_q,) int32, first key of each row's window
-    key_end: torch.Tensor,  # (S_q,) int32, one past its last key
-    columns: int,  # >= every key_end - key_start
-) -> torch.Tensor:  # (S_q, columns) float32, column j is key key_start + j, -inf past the window
-    """Logits of every row against its window ``[key_start, key_end)``, window-local columns."""
-    logits, compressed = _launch(q, kv, weights, key_start, key_end, columns)
-    counts = key_end - key_start
-    if not compressed:  # gather each window from the (S_q, S_k) logits
-        cols = torch.arange(columns, device=logits.device)
-        idx = (key_start.to(torch.int64).unsqueeze(1) + cols).clamp_(
-            max=max(logits.shape[1] - 1, 0)
-        )
-        logits = logits.gather(1, idx)
-    return _mask_past(logits[:, :columns], counts)
+) -> (
+    torch.Tensor
+):  # (S_q, S_k) float32 (row stride padded), column j is key j, -inf from key_end on
+    """Logits of every row against keys ``[0, key_end)``, cleaned by DeepGEMM where the entry point
+    takes ``clean_logits`` (one launch and DeepGEMM's cleaning kernel), else masked here."""
+    entry = _import()[0]
+    if entry is not None and entry.clean_logits_arg:
+        return _launch(q, kv, weights, torch.zeros_like(key_end), key_end, 0, clean=True)
+    return window_logits(
+        q, kv, weights, torch.zeros_like(key_end), key_end, kv[0].shape[0]
+    ).masked()
 
 
 def mqa_logits_unsupported_reason(

@@ -13,7 +13,9 @@ Both take prepared operands, or q / k / weights carriers, which they prepare fir
 (:func:`~dsa_precision.prepare_scoring_operands`: the fused Triton kernel for FP8 on CUDA). The
 precision is the operands'; this module only chooses a kernel, and calls each in one place:
 ``_cudnn_scores`` (cuDNN's SM90 indexer, BF16 or FP8), ``_deepgemm_scores`` (DeepGEMM's MQA
-logits, the engines' kernel) and ``_reference_scores`` (exact, float64, any device).
+logits, the engines' kernel: one launch per call, batch rows flattened into key windows) and
+``_reference_scores`` (exact, float64, any device); :func:`deepgemm_select_input` hands
+DeepGEMM's logits to the top-k unmasked, with each row's length.
 Nothing here waits for the host: lengths are Python ints, offsets stay on the device, and the
 data-dependent checks run only with ``validate=True``.
 """
@@ -263,25 +265,76 @@ def _cudnn_scores(
 
 def _deepgemm_scores(
     ops: ScoringOperands,
-    key_start: torch.Tensor | None,
+    key_start: torch.Tensor,
     key_end: torch.Tensor,
-    b: int,
-    columns: int | None = None,
-) -> torch.Tensor:
-    """One DeepGEMM launch for batch row ``b`` (the only place that scores with it), float32,
-    ``-inf`` outside each row's window: ``key_start=None`` gives ``(S_q, S_k)`` against keys
-    ``[0, key_end)``; otherwise ``(S_q, columns)``, column ``j`` being key ``key_start + j``."""
-    operands = (
-        _aligned(ops.q[b]),
-        (_aligned(ops.k[b]), _aligned(ops.k_descale[b])),
-        _aligned(ops.weights[b]),
-    )
-    key_end = key_end.to(torch.int32).contiguous()
+    columns: int,
+    counts: torch.Tensor,
+) -> _deepgemm.WindowLogits:
+    """One DeepGEMM launch for every query row of ``ops`` (with the ``B = 1`` scores of
+    :func:`indexer_scores`, the only DeepGEMM call here): batch rows flattened, row
+    ``b * S_q + s`` against its window ``[key_start, key_end)`` of the flattened keys
+    ``(B * S_k,)``, ``counts = key_end - key_start``; the logits as the kernel left them (no
+    copy, no mask)."""
+    b, sq, h, d = ops.q.shape
+    q = _aligned(ops.q.reshape(b * sq, h, d))
+    kv = (_aligned(ops.k.reshape(-1, d)), _aligned(ops.k_descale.reshape(-1)))
+    w = _aligned(ops.weights.reshape(b * sq, h))
+    start = key_start.to(torch.int32).contiguous()
+    end = key_end.to(torch.int32).contiguous()
     with _cudnn.device_scope(ops.device):
-        if key_start is None:
-            return _deepgemm.causal_logits(*operands, key_end)
-        key_start = key_start.to(torch.int32).contiguous()
-        return _deepgemm.window_logits(*operands, key_start, key_end, columns)
+        return _deepgemm.window_logits(q, kv, w, start, end, columns, counts)
+
+
+def _deepgemm_causal_windows(
+    ops: ScoringOperands, offsets: torch.Tensor, ratio: int
+) -> _deepgemm.WindowLogits:
+    """BSHD: each row ``(b, s)`` against keys ``[0, limit(b, s))`` of batch row ``b``; column ``j``
+    is key ``j``. With ``seq_lens=counts`` the top-k reads the logits in place."""
+    b, sq = ops.q.shape[:2]
+    sk = ops.k.shape[1]
+    counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
+    if b == 1:
+        start = torch.zeros_like(counts)
+    else:
+        start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
+    return _deepgemm_scores(ops, start, start + counts, sk, counts)
+
+
+def _deepgemm_varlen_windows(
+    ops: ScoringOperands,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    offsets: torch.Tensor,
+    ratio: int,
+    max_seqlen_k: int,
+) -> _deepgemm.WindowLogits:
+    """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
+    columns."""
+    tq = ops.q.shape[1]
+    counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
+    rows = torch.arange(tq, device=ops.device)
+    start = cu_k.to(torch.int32)[packed_sequence_of(cu_q, rows)]
+    return _deepgemm_scores(ops, start, start + counts, max_seqlen_k, counts)
+
+
+def deepgemm_select_input(
+    ops: ScoringOperands,
+    offsets: torch.Tensor,
+    ratio: int,
+    *,
+    varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    validate: bool = False,
+) -> _deepgemm.WindowLogits:
+    """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`): DeepGEMM's
+    uncleaned logits of ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM."""
+    if validate:
+        _validate_offsets(offsets)
+        _validate_finite(ops)
+    record_scoring_call(ops.precision.value, "deepgemm")
+    if varlen is None:
+        return _deepgemm_causal_windows(ops, offsets, ratio)
+    return _deepgemm_varlen_windows(ops, varlen[0], varlen[1], offsets, ratio, varlen[2])
 
 
 def _reference_scores(
@@ -366,7 +419,9 @@ def indexer_scores(
 
     Returns:
         float32 ``(B, S_q, S_k)`` with ``-inf`` at every key ``t >= limit(b, s)``: cuDNN's own
-        output buffer (or ``out``), never a copy.
+        output buffer (or ``out``), never a copy. DeepGEMM: its own buffer, whose rows are padded
+        (a strided view; one launch for all batch rows, ``-inf`` written by DeepGEMM's cleaning
+        at ``B = 1`` and by one mask of the unwritten tails otherwise).
     """
     ops = as_scoring_operands(
         q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
@@ -388,9 +443,15 @@ def indexer_scores(
     if backend == "cudnn":
         return _cudnn_scores(ops, offsets, ratio, out)
     if backend == "deepgemm":
-        ends = causal_key_counts(offsets, 0, sq, ratio, sk)
-        rows = [_deepgemm_scores(ops, None, ends[i], i) for i in range(b)]
-        return rows[0].unsqueeze(0) if b == 1 else torch.stack(rows)
+        if b == 1:  # windows from key 0: DeepGEMM's own cleaning, one launch each
+            ends = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
+            kv = (_aligned(ops.k[0]), _aligned(ops.k_descale[0]))
+            with _cudnn.device_scope(ops.device):
+                logits = _deepgemm.causal_logits(
+                    _aligned(ops.q[0]), kv, _aligned(ops.weights[0]), ends
+                )
+            return logits.unsqueeze(0)
+        return _deepgemm_causal_windows(ops, offsets, ratio).masked().view(b, sq, sk)
     if out is None:
         out = torch.empty((b, sq, sk), dtype=torch.float32, device=ops.device)
     return _reference_scores(ops, offsets, ratio, out)
@@ -512,12 +573,8 @@ def indexer_scores_varlen(
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
         )
-    counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
     if backend == "deepgemm":
-        # Each row's window [start, start + count) of packed keys, in sequence-local columns.
-        rows = torch.arange(tq, device=ops.device)
-        start = cu_k.to(torch.int64)[packed_sequence_of(cu_q, rows)]
-        return _deepgemm_scores(ops, start, start + counts, 0, max_seqlen_k)
+        return _deepgemm_varlen_windows(ops, cu_q, cu_k, offsets, ratio, max_seqlen_k).masked()
     # Reference: each sequence as a batch-1 BSHD block (host loop over the lengths).
     if out is None:
         out = torch.empty((tq, max_seqlen_k), dtype=torch.float32, device=ops.device)

@@ -5,8 +5,13 @@ chunk of scores exists; ``chunk_bytes`` bounds a chunk's working set (its float3
 radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) a call whose whole
 working set fits in :data:`UNCHUNKED_MAX_BYTES` (4 GiB: S = 16384 at B = 1) runs as one launch of
 each kernel, since every extra chunk costs about 0.1 ms on the H200 (docs/benchmarks.md), and a
-larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal rows, so the result is
-bit-identical to scoring everything at once and selecting. No step waits for the host.
+larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal
+rows, so the result is bit-identical to scoring everything at once and selecting. No step waits
+for the host.
+
+With ``backend="deepgemm"`` each chunk is one DeepGEMM launch (batch rows flattened into key
+windows) whose logits the top-k reads where the kernel wrote them, bounded by each row's length:
+no mask, no copy. A chunk's logits take ``align(S_k, 256)`` floats per row.
 
 - :func:`indexer_select`: BSHD, ``(B, S_q, topk)``.
 - :func:`indexer_select_varlen`: packed THD, ``(T_q, topk)`` with sequence-local key indices.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_positive_int
+from ._deepgemm import WindowLogits
 from .config import ScoringPrecision
 from .engines import DEFAULT_ENGINE, EngineProfile
 from .operands import ScoringOperands, as_scoring_operands
@@ -26,8 +32,10 @@ from .scoring import (
     _offsets,
     _validate_cu_seqlens,
     causal_key_counts,
+    deepgemm_select_input,
     indexer_scores,
     indexer_scores_varlen,
+    resolve_scoring_backend,
     varlen_key_counts,
     varlen_row_slice,
 )
@@ -70,6 +78,18 @@ def _buffer(n: int, backend: str, device: torch.device) -> torch.Tensor | None:
     return None if backend == "deepgemm" else torch.empty(n, dtype=torch.float32, device=device)
 
 
+def _in_place(window: WindowLogits) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k's input from DeepGEMM's logits: their buffer's rows and each row's length (the
+    window itself is not kept, so its memory goes with the scores)."""
+    return window.rows_in_place(), window.counts
+
+
+def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch.Tensor | None:
+    """The result of a chunked call (every row is written by its chunk); ``None`` for one chunk,
+    whose top-k output is returned as it is."""
+    return torch.empty(shape, dtype=torch.int32, device=device) if chunked else None
+
+
 def indexer_select(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -91,14 +111,16 @@ def indexer_select(
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
     precision), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
     :data:`UNCHUNKED_MAX_BYTES`, else 1 GiB chunks; see the module docstring) and
-    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both kernels: ``"cudnn"`` scores and
-    selects with cuDNN, ``"torch"`` with the references, ``"deepgemm"`` scores with DeepGEMM and
-    selects with cuDNN when it can, ``"auto"`` takes cuDNN for each when it can.
+    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
+    kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
+    ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
+    can, reading DeepGEMM's logits in place; ``"auto"`` takes cuDNN for each when it can.
 
     Returns:
         int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots.
     """
     topk = check_positive_int("topk", topk)
+    ratio = check_positive_int("ratio", ratio)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     ops = as_scoring_operands(
@@ -107,26 +129,40 @@ def indexer_select(
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     offsets = _offsets(q_causal_offsets, b, ops.device, "batch row")
-    out = torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
-    step = _chunk_rows(chunk_bytes, sq, b * max(sk, 1) * _SELECT_BYTES_PER_SCORE)
-    buf = _buffer(b * min(step, sq) * sk, backend, ops.device) if sq and sk else None
+    backend = resolve_scoring_backend(backend, ops)
+    if sq == 0 or sk == 0:
+        return torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
+    step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
+    out = _picks((b, sq, topk), step < sq, ops.device)
+    buf = _buffer(b * min(step, sq) * sk, backend, ops.device)
     for r0 in range(0, sq, step):
         r1 = min(r0 + step, sq)
-        scores = indexer_scores(
-            ops.rows(r0, r1),
-            ratio=ratio,
-            q_causal_offsets=offsets + r0,
-            backend=backend,
-            out=None if buf is None else buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk),
-            validate=validate,
-        )
-        out[:, r0:r1] = indexer_topk(
+        part = ops.rows(r0, r1)
+        if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
+            scores, lens = _in_place(
+                deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
+            )
+        else:
+            scores = indexer_scores(
+                part,
+                ratio=ratio,
+                q_causal_offsets=offsets + r0,
+                backend=backend,
+                out=buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk),
+                validate=validate,
+            ).view(b * (r1 - r0), sk)
+            lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
+        picks = indexer_topk(
             scores,
             topk,
-            seq_lens=causal_key_counts(offsets, r0, r1 - r0, ratio, sk),
+            seq_lens=lens,
             deterministic=deterministic,
             backend=_topk_backend(backend),
-        )
+        ).view(b, r1 - r0, topk)
+        if out is None:
+            return picks
+        out[:, r0:r1] = picks
+        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
     return out
 
 
@@ -161,6 +197,7 @@ def indexer_select_varlen(
         ``-1`` in unused slots.
     """
     topk = check_positive_int("topk", topk)
+    ratio = check_positive_int("ratio", ratio)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     if not isinstance(q, ScoringOperands) and isinstance(q, torch.Tensor) and q.ndim == 3:
@@ -179,31 +216,40 @@ def indexer_select_varlen(
     offsets = _offsets(q_causal_offsets, n_seq, ops.device, "packed sequence").to(torch.int64)
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
-    out = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
-    step = _chunk_rows(chunk_bytes, tq, max(max_seqlen_k, 1) * _SELECT_BYTES_PER_SCORE)
-    buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device) if tq else None
+    backend = resolve_scoring_backend(backend, ops)
+    if tq == 0 or max_seqlen_k == 0:
+        return torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
+    step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
+    out = _picks((tq, topk), step < tq, ops.device)
+    buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
     for r0 in range(0, tq, step):
         r1 = min(r0 + step, tq)
         cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
-        scores = indexer_scores_varlen(
-            ops.rows(r0, r1),
-            cu_seqlens_q=cu_chunk,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=min(max_seqlen_q, r1 - r0),
-            max_seqlen_k=max_seqlen_k,
-            ratio=ratio,
-            q_causal_offsets=off_chunk,
-            backend=backend,
-            out=None
-            if buf is None
-            else buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
-            validate=validate,
+        part = ops.rows(r0, r1)
+        if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
+            varlen = (cu_chunk, cu_k, max_seqlen_k)
+            scores, lens = _in_place(
+                deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
+            )
+        else:
+            scores = indexer_scores_varlen(
+                part,
+                cu_seqlens_q=cu_chunk,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=min(max_seqlen_q, r1 - r0),
+                max_seqlen_k=max_seqlen_k,
+                ratio=ratio,
+                q_causal_offsets=off_chunk,
+                backend=backend,
+                out=buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
+                validate=validate,
+            )
+            lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
+        picks = indexer_topk(
+            scores, topk, seq_lens=lens, deterministic=deterministic, backend=_topk_backend(backend)
         )
-        out[r0:r1] = indexer_topk(
-            scores,
-            topk,
-            seq_lens=varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0),
-            deterministic=deterministic,
-            backend=_topk_backend(backend),
-        )
+        if out is None:
+            return picks
+        out[r0:r1] = picks
+        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
     return out

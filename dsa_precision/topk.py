@@ -135,7 +135,7 @@ def indexer_topk(
         raise ValueError("scores must have a key dimension, got a 0-d tensor.")
     k = check_positive_int("k", k)
     lead, sk = scores.shape[:-1], scores.shape[-1]
-    flat = scores.reshape(lead.numel(), sk)
+    flat = scores if scores.ndim == 2 else scores.reshape(lead.numel(), sk)  # rows of keys
     if seq_lens is None:
         lens = torch.full((flat.shape[0],), sk, dtype=torch.int32, device=scores.device)
     else:
@@ -149,7 +149,8 @@ def indexer_topk(
             raise ValueError(
                 f"seq_lens is on {seq_lens.device} but scores on {scores.device}; move it."
             )
-        lens = seq_lens.reshape(-1).to(torch.int32)
+        lens = seq_lens if seq_lens.ndim == 1 else seq_lens.reshape(-1)
+        lens = lens if lens.dtype == torch.int32 else lens.to(torch.int32)
         if validate and lens.numel() and bool(((lens < 0) | (lens > sk)).any()):
             raise ValueError(
                 f"seq_lens must lie in [0, S_k={sk}]; got values in "
@@ -172,4 +173,4 @@ def indexer_topk(
         ).to(torch.int32)
     if picked.shape[-1] < k:
         picked = torch.nn.functional.pad(picked, (0, k - picked.shape[-1]), value=-1)
-    return picked.reshape(*lead, k)
+    return picked if len(lead) == 1 else picked.reshape(*lead, k)

@@ -1,11 +1,18 @@
 """What reaches DeepGEMM's MQA-logits kernel, checked on the CPU with recording fakes injected
-through ``dsa_precision._deepgemm._import``, for both entry points the package calls: the legacy
-``fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits=True)`` (full logits) and
-``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, max_seqlen_k)`` (DeepGEMM 2.8's
-compressed logits, tail unwritten). Per BSHD batch row and for packed windows, the tests check the
-arguments and how the package places the kernel's logits: both entry points must give the same
-scores. Also the feature detection of the module. The fakes' logits are tags (row, key, launch),
-never scores: the kernel's numerics are the ``gpu`` tests' (tests/gpu/test_cudnn_scoring.py)."""
+through ``dsa_precision._deepgemm._import``: DeepGEMM 54e2261's
+``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``
+(and its legacy name ``fp8_mqa_logits(q, ...)``, and 2.8's form without ``clean_logits``).
+
+The fake (tests/fake_deepgemm.py) answers as the kernel's API does (``csrc/apis/attention.hpp``):
+a view of a buffer of
+``align(rows, 128 / H)`` rows, ``align(max_seqlen_k, 256)`` floats apart (compressed) or
+``align(S_k + 256, 256)`` apart (``max_seqlen_k=0``), written only inside each row's window, the
+rest garbage (a huge finite value, which neither the ``-inf`` nor the NaN rule of the top-k would
+hide). Its logits are tags (launch, packed row, packed key) or a stand-in function of the operand
+bytes, never scores: the kernel's numerics are the ``gpu`` tests' (tests/gpu/test_cudnn_scoring.py).
+The tests check one launch per call, the windows, that the top-k reads DeepGEMM's buffer itself
+bounded by each row's length, and that the selection is the deterministic top-k of the logits.
+"""
 
 import sys
 import types
@@ -18,144 +25,94 @@ from dsa_precision import (
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
+    indexer_select_varlen,
+    indexer_topk,
     prepare_scoring_operands,
     reset_scoring_calls,
     scoring_calls,
 )
+from dsa_precision import select as select_module
 from dsa_precision.config import ScoringPrecision
 
 from .fake_cudnn import stand_in_scores
+from .fake_deepgemm import FP8_FP4_DOC, LEGACY_DOC, UNCLEANED, FakeMqaLogits, install
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
-# What the compressed entry point leaves past each row's window (DeepGEMM does not write it).
-_UNWRITTEN = float("nan")
 
-
-class FakeMqaLogits:
-    """``deep_gemm.fp8_mqa_logits(q, (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``
-    or, ``compressed``, DeepGEMM 2.8's ``fp8_fp4_mqa_logits((q, None), kv, weights, ks, ke,
-    max_seqlen_k, schedule_meta=None)``.
-
-    Answers with a view of a padded buffer, as DeepGEMM does: full ``(S_q, S_k)`` logits, ``-inf``
-    outside each row's window ``[ks, ke)``; compressed ``(S_q, max_seqlen_k)`` logits whose column
-    ``j`` is key ``ks + j``, NaN past ``ke - ks``. Inside a window ``tags`` mode writes
-    ``launch * 10**6 + row * 1000 + key`` and ``operands`` mode the stand-in function of the
-    operand bytes.
-    """
-
-    __doc__ += "\n(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits)"
-
-    def __init__(self, mode="tags", compressed=False):
-        self.mode = mode
-        self.compressed = compressed
-        self.calls: list[dict] = []
-
-    def __call__(self, q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
-        q_scale = None
-        if self.compressed:
-            q, q_scale = q
-        k, k_scales = kv
-        sq, sk = q.shape[0], k.shape[0]
-        self.calls.append(
-            dict(
-                q=q.clone(),
-                q_scale=q_scale,
-                k=k.clone(),
-                k_scales=k_scales.clone(),
-                weights=weights.clone(),
-                ks=ks.clone(),
-                ke=ke.clone(),
-                clean_logits=clean_logits,
-                max_seqlen_k=max_seqlen_k,
-                contiguous=all(t.is_contiguous() for t in (q, k, k_scales, weights, ks, ke)),
-            )
-        )
-        if self.mode == "tags":
-            rows = torch.arange(sq, dtype=torch.float64).unsqueeze(1)
-            keys = torch.arange(sk, dtype=torch.float64)
-            full = (len(self.calls) - 1) * 1e6 + rows * 1000 + keys
-        else:
-            full = stand_in_scores(q.unsqueeze(0), k.unsqueeze(0).unsqueeze(2))[0].double()
-        if not self.compressed:
-            logits = torch.empty(sq, sk + 5)[:, :sk]
-            logits.copy_(full)
-            keys = torch.arange(sk)
-            outside = (keys < ks.long().unsqueeze(1)) | (keys >= ke.long().unsqueeze(1))
-            return logits.masked_fill_(outside, float("-inf"))
-        assert max_seqlen_k >= int((ke - ks).max())
-        logits = torch.full((sq, max_seqlen_k + 3), _UNWRITTEN)[:, :max_seqlen_k]
-        for i in range(sq):
-            n = int(ke[i] - ks[i])
-            logits[i, :n] = full[i, int(ks[i]) : int(ke[i])]
-        return logits
-
-
-@pytest.fixture(params=["fp8_mqa_logits", "fp8_fp4_mqa_logits"])
+@pytest.fixture(params=["fp8_fp4_mqa_logits", "fp8_mqa_logits", "2.8"])
 def fake(request, monkeypatch):
-    """Each test runs against both entry points."""
-    compressed = request.param == "fp8_fp4_mqa_logits"
-    fn = FakeMqaLogits(compressed=compressed)
-    entry = _deepgemm._EntryPoint(fn, f"deep_gemm.{request.param}", compressed=compressed)
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
-    monkeypatch.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
+    """Each test runs against 54e2261's two names and DeepGEMM 2.8's form (no clean_logits)."""
+    fn = FakeMqaLogits(q_pair=request.param != "fp8_mqa_logits")
+    fn.clean_arg = request.param != "2.8"
+    install(monkeypatch, fn, f"deep_gemm.{request.param}", clean=fn.clean_arg)
     return fn
 
 
-def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0):
-    q, k = torch.randn(b, sq, h, 128), torch.randn(b, sk, 128)
-    w = (torch.randn(b, sq, h) * 0.02).to(torch.bfloat16)
+def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, sq, h, 128, generator=g), torch.randn(b, sk, 128, generator=g)
+    w = (torch.randn(b, sq, h, generator=g) * 0.02).to(torch.bfloat16)
     return prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
 
 
-def _check_launch(call, ops, b, ends, starts=None, columns=None, compressed=False):
-    sq, h = ops.q.shape[1], ops.q.shape[2]
-    if compressed:  # window-local columns, one per key of the widest window that can occur
-        assert call["clean_logits"] is False and call["max_seqlen_k"] == columns
-        assert call["q_scale"] is None  # FP8 q: its descale is folded into the weights
-    else:
-        assert call["clean_logits"] is True and call["max_seqlen_k"] == 0
-    assert call["contiguous"]
-    assert call["q"].dtype == torch.float8_e4m3fn and call["q"].shape == (sq, h, 128)
-    assert_bitwise_equal(call["q"], ops.q[b], "q (S_q, H, 128)")
-    assert call["k"].dtype == torch.float8_e4m3fn
-    assert_bitwise_equal(call["k"], ops.k[b], "k (S_k, 128)")
-    assert call["k_scales"].dtype == torch.float32 and call["k_scales"].ndim == 1
-    assert_bitwise_equal(call["k_scales"], ops.k_descale[b], "k descale (S_k,)")
-    assert call["weights"].dtype == torch.float32 and call["weights"].shape == (sq, h)
-    assert_bitwise_equal(call["weights"], ops.weights[b], "folded weights (S_q, H)")
-    assert call["ks"].dtype == call["ke"].dtype == torch.int32
-    assert call["ks"].tolist() == ([0] * sq if starts is None else starts)
-    assert call["ke"].tolist() == ends
+def _check_operands(call, ops):
+    """The launch got every batch row flattened: q (B*S_q, H, 128), k (B*S_k, 128), ..."""
+    b, sq, h, d = ops.q.shape
+    assert call["contiguous"] and call["aligned"]
+    assert call["q_scale"] is None  # FP8 q: its descale is folded into the weights
+    assert_bitwise_equal(call["q"], ops.q.reshape(b * sq, h, d), "q (B*S_q, H, 128)")
+    assert_bitwise_equal(call["k"], ops.k.reshape(-1, d), "k (B*S_k, 128)")
+    assert_bitwise_equal(call["k_scales"], ops.k_descale.reshape(-1), "k descale (B*S_k,)")
+    assert_bitwise_equal(call["weights"], ops.weights.reshape(b * sq, h), "weights (B*S_q, H)")
+
+
+def _bshd_windows(offsets, sq, sk, ratio, r0=0):
+    starts, ends = [], []
+    for b, off in enumerate(offsets):
+        for c in causal_counts(off, range(r0, r0 + sq), ratio, sk):
+            starts.append(b * sk)
+            ends.append(b * sk + c)
+    return starts, ends
 
 
 # ---------------------------------------------------------------------------------- BSHD
 
 
 @pytest.mark.parametrize("ratio", [1, 4])
-def test_bshd_launches_once_per_batch_row_with_causal_windows(fake, ratio):
+def test_bshd_is_one_launch_over_all_batch_rows(fake, ratio):
     ops = _ops(b=2, sq=9, sk=13, sm_scale=0.5)
     offsets = [0, 5]
     got = indexer_scores(
         ops, ratio=ratio, q_causal_offsets=torch.tensor(offsets), backend="deepgemm"
     )
-    assert len(fake.calls) == 2
-    for b, call in enumerate(fake.calls):
-        ends = causal_counts(offsets[b], range(9), ratio, 13)
-        _check_launch(call, ops, b, ends, columns=13, compressed=fake.compressed)
-    # DeepGEMM's logits, untouched, batch row b from launch b.
+    (call,) = fake.calls
+    _check_operands(call, ops)
+    starts, ends = _bshd_windows(offsets, 9, 13, ratio)
+    assert call["ks"].tolist() == starts and call["ke"].tolist() == ends
+    assert call["max_seqlen_k"] == 13 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+    # DeepGEMM's logits in its own buffer, the unwritten tails -inf.
     assert got.shape == (2, 9, 13) and got.dtype == torch.float32
+    assert got.data_ptr() == fake.buffers[0].data_ptr()
     for b in range(2):
         for i, end in enumerate(causal_counts(offsets[b], range(9), ratio, 13)):
-            want = [b * 1e6 + i * 1000 + j for j in range(end)] + [float("-inf")] * (13 - end)
+            row = b * 9 + i
+            want = [row * 1000 + b * 13 + j for j in range(end)] + [float("-inf")] * (13 - end)
             assert got[b, i].tolist() == want, (b, i)
 
 
-def test_batch_one_returns_the_kernels_logits(fake):
+def test_batch_one_is_deepgemms_cleaned_logits(fake):
     ops = _ops(b=1, sq=4, sk=6)
-    got = indexer_scores(ops, backend="deepgemm")
-    assert got.shape == (1, 4, 6)
+    got = indexer_scores(ops, q_causal_offsets=1, backend="deepgemm")
+    (call,) = fake.calls
+    _check_operands(call, ops)
+    assert call["ks"].tolist() == [0] * 4 and call["ke"].tolist() == [2, 3, 4, 5]
+    if fake.clean_arg:  # DeepGEMM cleans its own logits: nothing is masked here
+        assert call["clean_logits"] is True and call["max_seqlen_k"] == 0
+    else:  # DeepGEMM 2.8: compressed logits, the tails masked here
+        assert call["max_seqlen_k"] == 6
+    assert got.shape == (1, 4, 6) and got.data_ptr() == fake.buffers[0].data_ptr()
     assert got[0].tolist() == [
-        [i * 1000 + j if j <= i else float("-inf") for j in range(6)] for i in range(4)
+        [i * 1000 + j if j <= i + 1 else float("-inf") for j in range(6)] for i in range(4)
     ]
 
 
@@ -174,31 +131,38 @@ def test_deepgemm_rejects_out(fake):
 
 # ------------------------------------------------------------------------------- varlen
 
+_LENS_Q, _LENS_K, _OFFSETS = [4, 0, 6, 3], [5, 2, 7, 0], [1, 0, 0, 2]
 
-@pytest.mark.parametrize("ratio", [1, 2])
-def test_varlen_is_one_launch_whose_windows_are_gathered_into_local_columns(fake, ratio):
-    lens_q, lens_k = [4, 0, 6, 3], [5, 2, 7, 0]
-    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    ops = _ops(b=1, sq=13, sk=14)
-    offsets = [1, 0, 0, 2]
-    got = indexer_scores_varlen(
-        ops,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=6,
-        max_seqlen_k=8,  # one padding column past the longest key sequence
-        ratio=ratio,
-        q_causal_offsets=torch.tensor(offsets),
-        backend="deepgemm",
-    )
-    (call,) = fake.calls
+
+def _varlen_windows(ratio, lens_q=_LENS_Q, lens_k=_LENS_K, offsets=_OFFSETS):
+    cu_k = cu_seqlens(lens_k)
     starts, counts = [], []
     for i, n in enumerate(lens_q):
         starts += [int(cu_k[i])] * n
         counts += [min(c, lens_k[i]) for c in causal_counts(offsets[i], range(n), ratio, 10**9)]
-    ends = [s + c for s, c in zip(starts, counts, strict=True)]
-    _check_launch(call, ops, 0, ends, starts, columns=8, compressed=fake.compressed)
-    assert got.shape == (13, 8)
+    return starts, counts
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_varlen_is_one_launch_in_sequence_local_columns(fake, ratio):
+    ops = _ops(b=1, sq=13, sk=14)
+    got = indexer_scores_varlen(
+        ops,
+        cu_seqlens_q=cu_seqlens(_LENS_Q),
+        cu_seqlens_k=cu_seqlens(_LENS_K),
+        max_seqlen_q=6,
+        max_seqlen_k=8,  # one padding column past the longest key sequence
+        ratio=ratio,
+        q_causal_offsets=torch.tensor(_OFFSETS),
+        backend="deepgemm",
+    )
+    (call,) = fake.calls
+    _check_operands(call, ops)
+    starts, counts = _varlen_windows(ratio)
+    assert call["ks"].tolist() == starts
+    assert call["ke"].tolist() == [s + c for s, c in zip(starts, counts, strict=True)]
+    assert call["max_seqlen_k"] == 8 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+    assert got.shape == (13, 8) and got.data_ptr() == fake.buffers[0].data_ptr()
     for t in range(13):
         want = [t * 1000 + starts[t] + c for c in range(counts[t])]
         assert got[t].tolist() == want + [float("-inf")] * (8 - counts[t]), t
@@ -207,29 +171,170 @@ def test_varlen_is_one_launch_whose_windows_are_gathered_into_local_columns(fake
 # ------------------------------------------------------------------------------ select
 
 
-def test_select_scores_each_chunk_with_its_global_rows(fake):
+@pytest.fixture
+def topk_inputs(monkeypatch):
+    """Record what reaches the top-k from ``indexer_select``."""
+    seen = []
+
+    def recording_topk(scores, k, **kw):
+        seen.append(dict(scores=scores, seq_lens=kw["seq_lens"].clone()))
+        return indexer_topk(scores, k, **kw)
+
+    monkeypatch.setattr(select_module, "indexer_topk", recording_topk)
+    return seen
+
+
+def _expected_picks(ops, offsets, ratio, topk):
+    """The deterministic top-k of the fake's logits under the causal windows (torch reference)."""
+    sq = ops.q.shape[1]
+    sk = ops.k.shape[1]
+    scores = stand_in_scores(ops.q, ops.k.unsqueeze(2))  # (B, S_q, S_k)
+    keys = torch.arange(sk)
+    for i, off in enumerate(offsets):
+        limit = torch.tensor(causal_counts(off, range(sq), ratio, sk))
+        scores[i].masked_fill_(keys >= limit.unsqueeze(1), float("-inf"))
+    return indexer_topk(scores, topk, backend="torch")
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_select_is_one_launch_per_chunk_read_in_place(fake, topk_inputs, ratio):
     fake.mode = "operands"
     ops = _ops(b=2, sq=20, sk=20)
-    offsets = torch.tensor([0, 3])
+    offsets = [0, 3]
     picks = indexer_select(
-        ops, topk=5, q_causal_offsets=offsets, backend="deepgemm", chunk_bytes=1
-    )  # 8-row chunks
-    assert len(fake.calls) == 6  # 3 chunks x 2 batch rows
+        ops, topk=5, ratio=ratio, q_causal_offsets=torch.tensor(offsets), backend="deepgemm",
+        chunk_bytes=1,
+    )  # fmt: skip  # 8-row chunks
+    assert len(fake.calls) == 3  # one per chunk, both batch rows in it
     for n, call in enumerate(fake.calls):
-        r0, b = 8 * (n // 2), n % 2
-        rows = range(r0, min(r0 + 8, 20))
-        assert call["ke"].tolist() == causal_counts(int(offsets[b]), rows, 1, 20), n
-        assert_bitwise_equal(call["q"], ops.q[b, r0 : r0 + 8], f"chunk {n} q")
+        r0 = 8 * n
+        rows = min(r0 + 8, 20) - r0
+        _check_operands(call, ops.rows(r0, r0 + rows))
+        starts, ends = _bshd_windows(offsets, rows, 20, ratio, r0)
+        assert call["ks"].tolist() == starts and call["ke"].tolist() == ends, n
+        assert call["max_seqlen_k"] == 20 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+        # The top-k reads DeepGEMM's buffer itself, all its row stride, bounded by the windows.
+        seen = topk_inputs[n]
+        assert seen["scores"].data_ptr() == fake.buffers[n].data_ptr()
+        assert seen["scores"].shape == (2 * rows, 256) and seen["scores"].is_contiguous()
+        assert seen["seq_lens"].tolist() == [e - s for s, e in zip(starts, ends, strict=True)]
+    assert_bitwise_equal(picks, _expected_picks(ops, offsets, ratio, 5), "picks vs top-k")
     fake.calls.clear()
-    whole = indexer_select(ops, topk=5, q_causal_offsets=offsets, backend="deepgemm")
-    assert len(fake.calls) == 2 and torch.equal(picks, whole)
+    whole = indexer_select(ops, topk=5, ratio=ratio, q_causal_offsets=torch.tensor(offsets),
+                           backend="deepgemm")  # fmt: skip
+    assert len(fake.calls) == 1 and torch.equal(picks, whole)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_select_frees_each_chunks_logits_before_the_next_launch(fake, layout):
+    """At most one chunk of DeepGEMM's logits exists: the peak memory the chunk budget bounds."""
+    fake.keep = False
+    if layout == "bshd":
+        indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
+    else:
+        cu = cu_seqlens([9, 11])
+        indexer_select_varlen(_ops(b=1, sq=20, sk=20), topk=4, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              max_seqlen_q=11, max_seqlen_k=11, backend="deepgemm",
+                              chunk_bytes=1)  # fmt: skip
+    assert len(fake.calls) == 3
+    assert [c["alive"] for c in fake.calls] == [0, 0, 0]
+
+
+def test_select_ties_go_to_the_lower_key_and_short_rows_pad_with_minus_one(fake):
+    """Every written logit equal (stand-in of all-zero q and k): each row picks its first keys."""
+    fake.mode = "operands"
+    ops = _ops(b=1, sq=6, sk=6)
+    zero = type(ops)(torch.zeros_like(ops.q), torch.zeros_like(ops.k), ops.weights,
+                     ops.q_descale, ops.k_descale)  # fmt: skip
+    picks = indexer_select(zero, topk=3, backend="deepgemm")
+    want = [[j if j <= min(i, 2) else -1 for j in range(3)] for i in range(6)]
+    assert picks[0].tolist() == want
+
+
+def test_select_varlen_is_one_launch_read_in_place(fake, topk_inputs):
+    fake.mode = "operands"
+    ops = _ops(b=1, sq=13, sk=14)
+    picks = indexer_select_varlen(
+        ops, topk=4, cu_seqlens_q=cu_seqlens(_LENS_Q), cu_seqlens_k=cu_seqlens(_LENS_K),
+        max_seqlen_q=6, max_seqlen_k=8, q_causal_offsets=torch.tensor(_OFFSETS),
+        backend="deepgemm",
+    )  # fmt: skip
+    (call,) = fake.calls
+    starts, counts = _varlen_windows(1)
+    assert call["ks"].tolist() == starts and call["max_seqlen_k"] == 8
+    (seen,) = topk_inputs
+    assert seen["scores"].data_ptr() == fake.buffers[0].data_ptr()
+    assert seen["seq_lens"].tolist() == counts
+    # The deterministic top-k of each row's window of the stand-in scores.
+    scores = stand_in_scores(ops.q, ops.k.unsqueeze(2))[0]
+    for t in range(13):
+        window = scores[t, starts[t] : starts[t] + counts[t]]
+        want = indexer_topk(window, 4, backend="torch").tolist()
+        assert picks[t].tolist() == want, t
 
 
 def test_auto_never_chooses_deepgemm(fake):
     ops = _ops()
     reset_scoring_calls()
     indexer_scores(ops)  # CPU: cuDNN cannot run, and auto does not pick DeepGEMM
-    assert not fake.calls and scoring_calls("fp8", "torch") == 1
+    indexer_select(ops, topk=4)
+    assert not fake.calls and scoring_calls("fp8", "torch") == 2
+
+
+def test_select_counts_its_deepgemm_calls(fake):
+    reset_scoring_calls()
+    indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
+    assert scoring_calls("fp8", "deepgemm") == 3 == len(fake.calls)
+
+
+def test_a_layout_other_than_row_major_rows_raises(monkeypatch):
+    fn = FakeMqaLogits()
+
+    def transposed(*args, **kwargs):
+        return fn(*args, **kwargs).t().contiguous().t()  # column-major (rows, columns)
+
+    transposed.q_pair = True
+    install(monkeypatch, transposed)
+    with pytest.raises(RuntimeError, match="expected row-major rows"):
+        indexer_select(_ops(b=1, sq=8, sk=8), topk=2, backend="deepgemm")
+
+
+# ----------------------------------------------------------------------- determinism switch
+
+
+def test_the_determinism_switch_is_set_before_every_launch(monkeypatch):
+    events = []
+    fn = FakeMqaLogits(events=events)
+
+    def use_deterministic_algorithms(mode):
+        events.append(("deterministic", mode))
+
+    install(monkeypatch, fn, switch=use_deterministic_algorithms)
+    indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
+    indexer_scores(_ops(b=1), backend="deepgemm")
+    assert events == [("deterministic", True), "launch"] * 4
+
+
+@pytest.mark.parametrize("name", _deepgemm.DETERMINISM_SWITCHES)
+def test_the_determinism_switch_is_detected(fresh_import, name):
+    calls = []
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
+    module = _module("deep_gemm", legacy=legacy)
+    setattr(module, name, lambda mode: calls.append(mode))
+    entry, _ = _detected(fresh_import, module)
+    assert entry.deterministic is getattr(module, name)
+    _call()
+    assert calls == [True]
+
+
+def test_no_switch_at_54e2261(fresh_import):
+    """54e2261 has no determinism switch (its kernel has no order to choose): none is called."""
+    fp4 = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
+    module = _module("deep_gemm", fp4=fp4)
+    module.set_pdl = lambda enable: pytest.fail("not a determinism switch")
+    entry, _ = _detected(fresh_import, module)
+    assert entry.deterministic is None
+    _call()
 
 
 # ------------------------------------------------------------- why DeepGEMM cannot run
@@ -242,6 +347,8 @@ def test_explicit_deepgemm_raises_with_the_reason():
         indexer_scores(q, k, w, scoring_precision="bf16", backend="deepgemm")
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
         indexer_scores(q, k, w, scoring_precision="fp8", backend="deepgemm")
+    with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
+        indexer_select(q, k, w, topk=2, scoring_precision="fp8", backend="deepgemm")
 
 
 def test_unsupported_reasons(monkeypatch):
@@ -275,18 +382,32 @@ _NO_OPERANDS = (torch.empty(1, 32, 128), (torch.empty(1, 128), torch.empty(1)), 
                 torch.ones(1, dtype=torch.int32))  # fmt: skip
 
 
-def _module(name, fn=None, fp4=None):
+class _NoSignature:
+    """A callable without an introspectable signature (as pybind11 functions), its docstring
+    ``doc``."""
+
+    __signature__ = property(lambda self: (_ for _ in ()).throw(ValueError("no signature")))
+
+    def __init__(self, fn, doc):
+        self.fn = fn
+        self.calls = fn.calls
+        self.__doc__ = doc
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _module(name, legacy=None, fp4=None):
     module = types.ModuleType(name)
-    if fn is not None:
-        module.fp8_mqa_logits = fn
+    if legacy is not None:
+        module.fp8_mqa_logits = legacy
     if fp4 is not None:
         module.fp8_fp4_mqa_logits = fp4
     return module
 
 
 def _call():
-    ops = _ops(b=1, sq=3, sk=3)
-    return indexer_scores(ops, backend="deepgemm")
+    return indexer_scores(_ops(b=1, sq=3, sk=3), backend="deepgemm")
 
 
 def _detected(fresh_import, module):
@@ -297,77 +418,56 @@ def _detected(fresh_import, module):
 
 
 def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_import):
-    fn = FakeMqaLogits()
+    fn = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
     fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm"))  # neither function
     fresh_import.setitem(sys.modules, "vllm", _module("vllm"))
     fresh_import.setitem(sys.modules, "vllm.third_party", _module("vllm.third_party"))
-    fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", _module("vdg", fn))
+    fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", _module("vdg", fp4=fn))
     fresh_import.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
     assert _deepgemm.deepgemm_available()
-    assert _deepgemm.entry_point() == "vllm.third_party.deep_gemm.fp8_mqa_logits"
+    assert _deepgemm.entry_point() == "vllm.third_party.deep_gemm.fp8_fp4_mqa_logits"
     _call()
-    (call,) = fn.calls
-    assert call["clean_logits"] is True
+    assert len(fn.calls) == 1
 
 
-def test_the_legacy_name_is_preferred_when_both_exist(fresh_import):
-    legacy, fp4 = FakeMqaLogits(), FakeMqaLogits(compressed=True)
-    fp4.__doc__ = "fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)"
+def test_54e2261_is_called_through_fp8_fp4_mqa_logits(fresh_import):
+    """Both names (54e2261): the current one, with ``(q, None)``; the legacy one is its wrapper."""
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
+    fp4 = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
     entry, _ = _detected(fresh_import, _module("deep_gemm", legacy, fp4))
-    assert entry.name == "deep_gemm.fp8_mqa_logits" and not entry.compressed
+    assert entry.name == "deep_gemm.fp8_fp4_mqa_logits" and entry.q_pair
+    assert entry.clean_logits_arg
     _call()
-    assert len(legacy.calls) == 1 and not fp4.calls
+    assert len(fp4.calls) == 1 and not legacy.calls
 
 
-def test_deepgemm_2_8_is_called_for_compressed_logits(fresh_import):
+def test_the_legacy_name_with_max_seqlen_k_is_called_alone(fresh_import):
+    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
+    entry, _ = _detected(fresh_import, _module("deep_gemm", legacy))
+    assert entry.name == "deep_gemm.fp8_mqa_logits" and not entry.q_pair
+    indexer_select(_ops(b=2, sq=4, sk=4), topk=2, backend="deepgemm")
+    (call,) = legacy.calls
+    assert call["max_seqlen_k"] == 4 and call["clean_logits"] is False
+
+
+def test_deepgemm_2_8_is_called_without_clean_logits(fresh_import):
     """DeepGEMM 2.8 (vLLM 0.31+): only ``fp8_fp4_mqa_logits``, ``max_seqlen_k`` required, no
     ``clean_logits``; read from its Python signature."""
-    fake = FakeMqaLogits(compressed=True)
+    fake = FakeMqaLogits()
     calls = []
 
     def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k,
                            schedule_meta=None):  # fmt: skip
         calls.append(dict(max_seqlen_k=max_seqlen_k, schedule_meta=schedule_meta))
-        return fake(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k=max_seqlen_k)
+        return fake(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, False, max_seqlen_k)
 
     entry, _ = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
-    assert entry.compressed and not entry.clean_logits_arg
+    assert entry.q_pair and not entry.clean_logits_arg
     assert _deepgemm.entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
     got = _call()
     assert calls == [dict(max_seqlen_k=3, schedule_meta=None)]
     assert got[0].tolist() == [[i * 1000 + j if j <= i else float("-inf") for j in range(3)]
                                for i in range(3)]  # fmt: skip
-
-
-def test_deepgemm_2_4_to_2_6_fp8_fp4_form_asks_for_uncleaned_compressed_logits(fresh_import):
-    """A pybind11 ``fp8_fp4_mqa_logits`` whose docstring names ``clean_logits`` (2.4-2.6) and no
-    legacy name: compressed logits need ``clean_logits=False`` there."""
-    fake = FakeMqaLogits(compressed=True)
-    fake.__doc__ = (
-        "fp8_fp4_mqa_logits(q: tuple[torch.Tensor, Optional[torch.Tensor]], kv: tuple, weights: "
-        "torch.Tensor, cu_seq_len_k_start: torch.Tensor, cu_seq_len_k_end: torch.Tensor, "
-        "clean_logits: bool = True, max_seqlen_k: int = 0, logits_dtype = torch.float32)"
-    )
-    builtin = types.SimpleNamespace(fp8_fp4_mqa_logits=_NoSignature(fake))
-    entry, _ = _detected(fresh_import, builtin)
-    assert entry.compressed and entry.clean_logits_arg
-    _call()
-    (call,) = fake.calls
-    assert call["clean_logits"] is False and call["max_seqlen_k"] == 3
-
-
-class _NoSignature:
-    """A callable without an introspectable signature (as pybind11 functions), its docstring the
-    wrapped one's."""
-
-    __signature__ = property(lambda self: (_ for _ in ()).throw(ValueError("no signature")))
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
 
 
 def test_feature_detection_reports_each_failure(fresh_import):
@@ -378,21 +478,29 @@ def test_feature_detection_reports_each_failure(fresh_import):
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
     assert not _deepgemm.deepgemm_available() and _deepgemm.entry_point() is None
     _, reason = _deepgemm._import()
-    assert "deep_gemm.fp8_mqa_logits has an unknown signature" in reason
+    assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
     assert "vllm.third_party.deep_gemm" in reason and "DeepGEMM" in reason
     with pytest.raises(ImportError, match="not importable"):
-        _deepgemm.causal_logits(*_NO_OPERANDS)
+        _deepgemm.window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
 
 
-def test_an_fp8_fp4_form_without_max_seqlen_k_is_reported_not_called(fresh_import):
+def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
+    """``fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits)`` (DeepGEMM 2.0-2.1): no compressed
+    form, so no one-launch packed call; reported with the version needed."""
     called = []
+
+    def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits=True):
+        called.append(True)
 
     def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits=True):
         called.append(True)
 
-    entry, reason = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
+    module = _module("deep_gemm", fp8_mqa_logits, fp8_fp4_mqa_logits)
+    entry, reason = _detected(fresh_import, module)
     assert entry is None
     assert "deep_gemm.fp8_fp4_mqa_logits takes no max_seqlen_k" in reason
+    assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
+    assert "DeepGEMM 2.2 and later" in reason
     with pytest.raises(ImportError, match="takes no max_seqlen_k"):
         _deepgemm.causal_logits(*_NO_OPERANDS)
     assert not called

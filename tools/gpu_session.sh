@@ -2,6 +2,7 @@
 # The H200 runs behind docs/gpu-validation.md, docs/benchmarks.md and docs/megatron.md.
 # On the GPU host, after `source .gpu/bin/env.sh` (../shared/gpu/README.md):
 #   bash tools/gpu_session.sh deepgemm tests bench demo toy replay ...
+#   bash tools/gpu_session.sh deepgemm tests-speed bench bench-long bench-split  (docs/benchmarks.md)
 # Every step logs to $OUT (default ./gpu-out); the last step packs the logs into $OUT/logs.tgz.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -24,25 +25,48 @@ run() {  # run NAME TIMEOUT CMD...: log to $LOGS/NAME.log, print its tail
   grep -v -i "warn\|deprecat" "$LOGS/$name.log" | tail -n "${TAIL:-25}"
 }
 
+bench_step() {  # bench_step NAME TIMEOUT ARGS...: the JSON report in NAME.log, tables in NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  TAIL=3 run "$name" "$limit" python -m dsa_precision bench --json "$@"
+  python - "$LOGS/$name.log" <<'PY' | tee "$LOGS/$name.txt"
+import json, sys
+from dsa_precision.cli.bench import format_tables
+text = open(sys.argv[1]).read()
+start = 0 if text.startswith("{\n") else text.index("\n{\n") + 1  # warnings may precede it
+print(format_tables(json.JSONDecoder().raw_decode(text[start:])[0]))
+PY
+}
+
 for step in "$@"; do
   case $step in
     deepgemm)  # build DeepGEMM from the ignored .dg/ bundle (../shared/gpu/deepgemm.sh)
       run deepgemm 400 bash .dg/build.sh
       export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-} ;;
+    deepgemm-path)  # a later call on the same machine: the build of `deepgemm` if it is there
+      if [ -d /root/dg/DeepGEMM/deep_gemm ]; then
+        export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-}; echo "== deepgemm-path: reused"
+      else
+        run deepgemm 400 bash .dg/build.sh
+        export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-}
+      fi ;;
     tests)
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
     tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
       TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
         -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
-    bench)
-      run bench 900 python -m dsa_precision bench --json ${BENCH_ARGS:-}
-      python - "$LOGS/bench.log" <<'PY' | tee "$LOGS/bench.txt"
-import json, sys
-from dsa_precision.cli.bench import format_tables
-text = open(sys.argv[1]).read()
-print(format_tables(json.loads(text[text.index("{"):])))
-PY
-      ;;
+    tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
+      TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+        tests/gpu/test_cudnn_scoring.py tests/gpu/test_determinism.py \
+        -k "deepgemm or entry_points or select or topk or never_waits or cuda_graph" ;;
+    bench)  # S 8192 16384, H 32 64: package beside the raw kernels, both backends
+      bench_step bench 600 ${BENCH_ARGS:-} ;;
+    bench-long)  # S 32768 65536 131072, chunked select (about 2-3 minutes on an H200)
+      bench_step bench_long 600 --long ${BENCH_ARGS:-} ;;
+    bench-split)  # FP8 time split at S 16384 65536: score traffic share, fused-kernel decision
+      bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
+    bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
+      bench_step bench_all 560 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
       for heads in 32 64; do
         for engine in "vllm-exact" "vllm" "vllm-eager" "vllm-legacy" "lmdeploy" \

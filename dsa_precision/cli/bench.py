@@ -42,19 +42,21 @@ __all__ = ["BenchConfig", "format_tables", "register", "run_bench"]
 HEAD_DIM = 128
 ROPE_DIM = 64
 _FLUSH_BYTES = 256 << 20  # larger than the H200's L2 (60 MB)
+_BANDWIDTH_BYTES = 1 << 30
+_DEVICE = "cuda"  # where the operands live (the CPU tests run the measurement code on fakes)
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     """What to measure (the command's flags)."""
 
-    seqs: tuple[int, ...] = (8192, 16384, 65536)
+    seqs: tuple[int, ...] = (8192, 16384)
     heads: tuple[int, ...] = (32, 64)
     batch: int = 1
     topk: int = 2048
     reps: int = 20
     warmup: int = 3
-    chunked_from: int = 65536
+    chunked_from: int = 32768
     chunk_bytes: int | None = None  # indexer_select's default
     rope_fp32: bool = True
     # Off by default: Megatron's BF16 Hadamard is fast_hadamard_transform's kernel; where that
@@ -63,6 +65,18 @@ class BenchConfig:
     hadamard: bool = False
     torch_reference: bool = False
     seed: int = 0
+    # The long-context profile (--long): chunked select only, beside the raw chunked kernels.
+    long_seqs: tuple[int, ...] = ()
+    long_reps: int = 5
+    # The time split of FP8 selection (--split): scoring, top-k, score traffic, at these S.
+    split_seqs: tuple[int, ...] = ()
+
+
+LONG_SEQS = (32768, 65536, 131072)
+SPLIT_SEQS = (16384, 65536)
+# The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
+# costs more than this share of FP8 end-to-end time at S = 65536.
+FUSED_THRESHOLD = 0.20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,7 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--seq", type=int, nargs="+", default=list(d.seqs), help="sequence lengths S")
+    p.add_argument(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"sequence lengths S of the default tables (default {' '.join(map(str, d.seqs))}; "
+        "with --long or --split only when given)",
+    )
     p.add_argument("--heads", type=int, nargs="+", default=list(d.heads), help="heads H (32, 64)")
     p.add_argument("--batch", type=int, default=d.batch, help=f"batch size B (default {d.batch})")
     p.add_argument("--topk", type=int, default=d.topk, help=f"keys per query (default {d.topk})")
@@ -112,6 +133,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also time the torch reference of the fused preprocessing (default off)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help=f"only the long-context profile: chunked select at S {' '.join(map(str, LONG_SEQS))} "
+        "(or --long-seq), FP8 / BF16, both backends, beside the raw chunked kernels, peak memory",
+    )
+    p.add_argument("--long-seq", type=int, nargs="+", default=None, help="S of --long")
+    p.add_argument(
+        "--long-reps", type=int, default=d.long_reps, help=f"reps of --long (default {d.long_reps})"
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help=f"only the time split of FP8 selection at S {' '.join(map(str, SPLIT_SEQS))} (or "
+        "--split-seq): scoring, top-k, scores written and read back; what a fused kernel saves",
+    )
+    p.add_argument("--split-seq", type=int, nargs="+", default=None, help="S of --split")
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
     p.set_defaults(func=main)
 
@@ -168,11 +206,11 @@ def _inputs(seq: int, batch: int, heads: int, gen: torch.Generator):
     """Megatron-layout BF16 projections (q, k, raw head weights) and RoPE angles."""
 
     def nonzero(*shape: int) -> torch.Tensor:
-        x = torch.randn(*shape, device="cuda", generator=gen)
+        x = torch.randn(*shape, device=_DEVICE, generator=gen)
         return torch.where(x == 0, torch.full_like(x, 1e-3), x).to(torch.bfloat16)
 
-    inv = 10000.0 ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device="cuda") / ROPE_DIM)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device="cuda"), inv)
+    inv = 10000.0 ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device=_DEVICE) / ROPE_DIM)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=_DEVICE), inv)
     freqs = torch.cat([angles] * 2, -1).view(seq, 1, 1, ROPE_DIM)
     return (
         nonzero(seq, batch, heads, HEAD_DIM),
@@ -189,7 +227,7 @@ def _preprocess(rope_fp32: bool, hadamard: bool):
     with torch.no_grad():
         pre.k_norm.weight.normal_(1.0, 0.1)
         pre.k_norm.bias.normal_(0.0, 0.1)
-    return pre.to(device="cuda", dtype=torch.bfloat16)
+    return pre.to(device=_DEVICE, dtype=torch.bfloat16)
 
 
 def _check_environment(cfg: BenchConfig) -> None:
@@ -203,11 +241,16 @@ def _check_environment(cfg: BenchConfig) -> None:
     bad = [h for h in cfg.heads if h not in (32, 64)]
     if bad:
         raise CliError(f"--heads {bad}: FP8 scoring packs 32 or 64 heads.")
-    for name in ("batch", "topk", "reps", "chunk_bytes"):
+    for name in ("batch", "topk", "reps", "chunk_bytes", "long_reps"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1.")
-    if any(s < 1 for s in cfg.seqs):
-        raise CliError("--seq values must be >= 1.")
+    for flag, seqs in (
+        ("seq", cfg.seqs),
+        ("long-seq", cfg.long_seqs),
+        ("split-seq", cfg.split_seqs),
+    ):
+        if any(s < 1 for s in seqs):
+            raise CliError(f"--{flag} values must be >= 1.")
     from .. import _cudnn
     from ..config import ScoringPrecision
     from ..operands import triton_unavailable_reason
@@ -277,13 +320,79 @@ def _verify(work: _Workload) -> dict[str, Any]:
     return {"operands_bit_identical": True, "fp8_score_rel_err": rel}
 
 
+class _Raw:
+    """The kernels called directly, as a user of cuDNN and DeepGEMM would (no package code on the
+    path but the operands it prepared): the columns the package is measured against."""
+
+    def __init__(self, topk: int) -> None:
+        from .. import _cudnn, _deepgemm
+
+        self.k = topk
+        self.dsa = _cudnn.dsa()
+        entry = _deepgemm._import()[0]
+        self.dg = entry  # None without DeepGEMM
+
+    def cudnn_scores(self, ops, offsets: torch.Tensor, out: torch.Tensor | None = None):
+        ks = None if ops.k_descale is None else ops.k_descale.unsqueeze(-1)
+        return self.dsa.indexer_forward_wrapper(
+            ops.q, ops.k.unsqueeze(2), ops.weights, ratio=1, sm_scale=ops.sm_scale,
+            q_causal_offsets=offsets, precision=ops.precision.value,
+            q_scale=ops.q_descale, k_scale=ks, out=out,
+        )["scores"]  # fmt: skip
+
+    def deepgemm_logits(self, ops, counts: torch.Tensor, clean: bool = False):
+        """Batch row 0 of ``ops`` against keys ``[0, counts)``: compressed and uncleaned (what
+        the engines' prefill top-k reads), or with ``clean`` the full cleaned ``(S_q, S_k)``
+        scores (``None`` where the entry point takes no ``clean_logits``)."""
+        e = self.dg
+        q, kv, w = ops.q[0], (ops.k[0], ops.k_descale[0]), ops.weights[0]
+        args = ((q, None) if e.q_pair else q, kv, w, torch.zeros_like(counts), counts)
+        if clean:
+            if not e.clean_logits_arg:
+                return None
+            return e.fn(*args, clean_logits=True, max_seqlen_k=0)
+        extra = {"clean_logits": False} if e.clean_logits_arg else {}
+        return e.fn(*args, max_seqlen_k=kv[0].shape[0], **extra)
+
+    def topk(self, scores: torch.Tensor, lens: torch.Tensor, val: bool = True):
+        return self.dsa.indexer_top_k_wrapper(
+            scores, lens, top_k=self.k, next_n=1, return_val=val, deterministic=True
+        )
+
+    def select(self, ops, step: int, backend: str, buf: torch.Tensor | None, score_only=False):
+        """Chunked scoring + top-k over rows ``[0, S)`` of batch 1 in chunks of ``step`` rows,
+        nothing kept: the raw-kernel bound of ``indexer_select``."""
+        from .._deepgemm import WindowLogits
+        from ..scoring import causal_key_counts
+
+        b, sq = ops.q.shape[:2]
+        sk = ops.k.shape[1]
+        zero = torch.zeros(b, dtype=torch.int32, device=_DEVICE)
+        for r0 in range(0, sq, step):
+            r1 = min(r0 + step, sq)
+            part, lens = ops.rows(r0, r1), causal_key_counts(zero, r0, r1 - r0, 1, sk).view(-1)
+            if backend == "deepgemm":
+                scores = WindowLogits(self.deepgemm_logits(part, lens), lens).rows_in_place()
+            else:
+                out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
+                scores = self.cudnn_scores(part, zero + r0, out).view(-1, sk)
+            if not score_only:
+                self.topk(scores, lens)
+
+
+def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
+    """The FP8 backends timed: cuDNN, and DeepGEMM where it imports (batch 1: raw calls)."""
+    return ("cudnn", "deepgemm") if raw.dg is not None and batch == 1 else ("cudnn",)
+
+
 def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
-    from .. import _cudnn, _deepgemm
     from ..scoring import causal_key_counts, indexer_scores
     from ..select import indexer_select
     from ..topk import indexer_topk
 
     seq, b = work.seq, cfg.batch
+    raw = _Raw(cfg.topk)
+    backends = _backends(raw, b)
     t: dict[str, float | None] = {}
     mem: dict[str, float] = {}
     check = _verify(work) if seq <= 16384 else None
@@ -291,33 +400,22 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
     t["prep_fp8"] = timer(lambda: work.prep(True, "triton"))
     t["prep_fp8_torch"] = timer(lambda: work.prep(True, "torch")) if cfg.torch_reference else None
     ops16, ops8 = work.prep(False), work.prep(True, "triton")
-    offsets = torch.zeros(b, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(b, dtype=torch.int32, device=_DEVICE)
     lens = causal_key_counts(offsets, 0, seq, 1, seq).view(-1)
     chunked = seq >= cfg.chunked_from
     if not chunked:
-        dsa = _cudnn.dsa()
-
-        def raw_score(ops):
-            ks = None if ops.k_descale is None else ops.k_descale.unsqueeze(-1)
-            return dsa.indexer_forward_wrapper(
-                ops.q, ops.k.unsqueeze(2), ops.weights, ratio=1, sm_scale=ops.sm_scale,
-                q_causal_offsets=offsets, precision=ops.precision.value,
-                q_scale=ops.q_descale, k_scale=ks,
-            )["scores"]  # fmt: skip
-
-        t["raw_score_bf16"] = timer(lambda: raw_score(ops16))
+        t["raw_score_bf16"] = timer(lambda: raw.cudnn_scores(ops16, offsets))
         t["score_bf16"] = timer(lambda: indexer_scores(ops16))
-        t["raw_score_fp8"] = timer(lambda: raw_score(ops8))
+        t["raw_score_fp8"] = timer(lambda: raw.cudnn_scores(ops8, offsets))
         t["score_fp8"] = timer(lambda: indexer_scores(ops8))
-        if _deepgemm.deepgemm_available():
+        if "deepgemm" in backends:
+            t["raw_score_dg"] = timer(lambda: raw.deepgemm_logits(ops8, lens))
+            if raw.deepgemm_logits(ops8, lens, clean=True) is not None:
+                t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_logits(ops8, lens, True))
             t["score_fp8_deepgemm"] = timer(lambda: indexer_scores(ops8, backend="deepgemm"))
-        scores = raw_score(ops8).view(b * seq, seq)
+        scores = raw.cudnn_scores(ops8, offsets).view(b * seq, seq)
         for key, val in (("raw_topk", False), ("raw_topk_val", True)):
-            t[key] = timer(
-                lambda val=val: dsa.indexer_top_k_wrapper(
-                    scores, lens, top_k=cfg.topk, next_n=1, return_val=val, deterministic=True
-                )
-            )
+            t[key] = timer(lambda val=val: raw.topk(scores, lens, val))
         t["topk"] = timer(lambda: indexer_topk(scores, cfg.topk, seq_lens=lens))
         del scores
         q32, k32 = work.pre8(work.q, work.k, work.freqs)
@@ -332,6 +430,10 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
     t["e2e_fp8"] = timer(lambda: indexer_select(work.prep(True), **sel))
     mem["e2e_bf16"] = _peak_extra_mib(lambda: indexer_select(work.prep(False), **sel))
     mem["e2e_fp8"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **sel))
+    if "deepgemm" in backends:
+        dg = dict(sel, backend="deepgemm")
+        t["e2e_fp8_dg"] = timer(lambda: indexer_select(work.prep(True), **dg))
+        mem["e2e_fp8_dg"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **dg))
     out: dict[str, Any] = {
         "seq": seq,
         "heads": work.heads,
@@ -342,6 +444,8 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
         "peak_extra_mib": mem,
         "e2e_ratio": t["e2e_bf16"] / t["e2e_fp8"],
     }
+    if "e2e_fp8_dg" in t:
+        out["e2e_ratio_dg"] = t["e2e_bf16"] / t["e2e_fp8_dg"]
     if not chunked:
         raw16 = t["prep_bf16"] + t["raw_score_bf16"] + t["raw_topk"]
         raw8 = t["prep_fp8"] + t["raw_score_fp8"] + t["raw_topk"]
@@ -350,12 +454,150 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
             "score_fp8": t["score_fp8"] / t["raw_score_fp8"],
             "topk": t["topk"] / t["raw_topk"],
             "topk_vs_val": t["topk"] / t["raw_topk_val"],
+            # e2e over prep + raw scoring + raw top-k as the package calls it (with values)
+            "e2e_fp8": t["e2e_fp8"] / (t["prep_fp8"] + t["raw_score_fp8"] + t["raw_topk_val"]),
         }
         out["raw_e2e_ms"] = {"bf16": raw16, "fp8": raw8}
         out["e2e_bound"] = raw16 / raw8
         out["e2e_share_of_bound"] = out["e2e_ratio"] / out["e2e_bound"]
         out["api_ratio"] = t["api_bf16"] / t["api_fp8"]
         out["flops_score"] = 2.0 * b * work.heads * HEAD_DIM * seq * (seq + 1) / 2
+        if "raw_score_dg" in t:
+            clean = t.get("raw_score_dg_clean")
+            out["overhead"] |= {
+                "score_dg": None if clean is None else t["score_fp8_deepgemm"] / clean,
+                "dg_vs_cudnn": t["raw_score_dg"] / t["raw_score_fp8"],
+                "e2e_fp8_dg": t["e2e_fp8_dg"]
+                / (t["prep_fp8"] + t["raw_score_dg"] + t["raw_topk_val"]),
+                "e2e_dg_vs_cudnn": t["e2e_fp8_dg"] / t["e2e_fp8"],
+            }
+            raw_dg = t["prep_fp8"] + t["raw_score_dg"] + t["raw_topk"]
+            out["raw_e2e_ms"]["fp8_dg"] = raw_dg
+            out["e2e_bound_dg"] = raw16 / raw_dg
+            out["e2e_share_of_bound_dg"] = out["e2e_ratio_dg"] / out["e2e_bound_dg"]
+            out["tflops_dg"] = out["flops_score"] / t["raw_score_dg"] / 1e9
+    return out
+
+
+def _select_step(cfg: BenchConfig, seq: int) -> int:
+    from ..select import _SELECT_BYTES_PER_SCORE, _chunk_rows
+
+    return _chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * _SELECT_BYTES_PER_SCORE)
+
+
+def _measure_long(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
+    """Chunked select at long S: the package end to end and from prepared operands, the raw
+    chunked kernels (the bound), and the peak memory each adds."""
+    from ..select import indexer_select
+
+    seq, b = work.seq, cfg.batch
+    raw = _Raw(cfg.topk)
+    step = _select_step(cfg, seq)
+    sel = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
+    t: dict[str, float] = {}
+    mem: dict[str, float] = {}
+    t["prep_bf16"] = timer(lambda: work.prep(False))
+    t["prep_fp8"] = timer(lambda: work.prep(True, "triton"))
+    ops = {"bf16": work.prep(False), "fp8": work.prep(True)}
+    buf = torch.empty(b * step * seq, dtype=torch.float32, device=_DEVICE)
+    cases = [("bf16", "cudnn"), ("fp8", "cudnn")]
+    if "deepgemm" in _backends(raw, b):
+        cases.append(("fp8", "deepgemm"))
+    for p, backend in cases:
+        key = p if backend == "cudnn" else "fp8_dg"
+        fp8 = p == "fp8"
+        t[f"raw_{key}"] = timer(lambda p=p, be=backend: raw.select(ops[p], step, be, buf))
+        t[f"select_{key}"] = timer(
+            lambda p=p, be=backend: indexer_select(ops[p], backend=be, **sel)
+        )
+        t[f"e2e_{key}"] = timer(
+            lambda fp8=fp8, be=backend: indexer_select(work.prep(fp8), backend=be, **sel)
+        )
+        mem[f"select_{key}"] = _peak_extra_mib(
+            lambda p=p, be=backend: indexer_select(ops[p], backend=be, **sel)
+        )
+        mem[f"e2e_{key}"] = _peak_extra_mib(
+            lambda fp8=fp8, be=backend: indexer_select(work.prep(fp8), backend=be, **sel)
+        )
+    out: dict[str, Any] = {
+        "seq": seq,
+        "heads": work.heads,
+        "batch": b,
+        "chunk_rows": step,
+        "chunks": -(-seq // step),
+        "chunk_budget_mib": step * b * seq * 12 / 2**20,
+        "times_ms": t,
+        "peak_extra_mib": mem,
+    }
+    for key in ("fp8", "fp8_dg"):
+        if f"e2e_{key}" in t:
+            out[f"ratio_{key}"] = t["e2e_bf16"] / t[f"e2e_{key}"]
+            bound = (t["prep_bf16"] + t["raw_bf16"]) / (t["prep_fp8"] + t[f"raw_{key}"])
+            out[f"bound_{key}"] = bound
+            out[f"of_bound_{key}"] = out[f"ratio_{key}"] / bound
+            out[f"select_vs_raw_{key}"] = t[f"select_{key}"] / t[f"raw_{key}"]
+    out["select_vs_raw_bf16"] = t["select_bf16"] / t["raw_bf16"]
+    return out
+
+
+def _bandwidth(timer: _Timer) -> tuple[float, float]:
+    """The card's achieved write and read bandwidth, bytes per ms (a 1 GiB fill and sum)."""
+    x = torch.empty(_BANDWIDTH_BYTES // 4, dtype=torch.float32, device=_DEVICE)
+    write = timer(lambda: x.fill_(0.5))
+    read = timer(lambda: x.sum())
+    return x.numel() * 4 / write, x.numel() * 4 / read
+
+
+def _measure_split(
+    cfg: BenchConfig, timer: _Timer, work: _Workload, bandwidth: tuple[float, float]
+) -> dict[str, Any]:
+    """Where FP8 selection's time goes, per backend: scoring alone (writing the scores), the
+    top-k (raw select minus scoring), and the scores' memory traffic at the measured bandwidth
+    (written once by the scoring kernel, read once by the top-k), against the package's FP8 end
+    to end; and what a fused score-and-select kernel that never writes the scores could save."""
+    from ..select import indexer_select
+
+    seq, b = work.seq, cfg.batch
+    raw = _Raw(cfg.topk)
+    step = _select_step(cfg, seq)
+    ops = work.prep(True)
+    buf = torch.empty(b * step * seq, dtype=torch.float32, device=_DEVICE)
+    prep = timer(lambda: work.prep(True, "triton"))
+    causal = b * seq * (seq + 1) // 2 * 4  # bytes of the scores inside the causal windows
+    out: dict[str, Any] = {"seq": seq, "heads": work.heads, "batch": b, "chunks": -(-seq // step)}
+    out["bandwidth_gbs"] = {"write": bandwidth[0] / 1e6, "read": bandwidth[1] / 1e6}
+    out["prep_fp8_ms"] = prep
+    for backend in _backends(raw, b):
+        score = timer(lambda be=backend: raw.select(ops, step, be, buf, score_only=True))
+        both = timer(lambda be=backend: raw.select(ops, step, be, buf))
+        e2e = timer(lambda be=backend: indexer_select(
+            work.prep(True), topk=cfg.topk, chunk_bytes=cfg.chunk_bytes, backend=be
+        ))  # fmt: skip
+        # cuDNN writes every score of its (rows, S_k) output, -inf included; DeepGEMM's
+        # compressed logits only the windows. The top-k reads each row's window.
+        written = b * seq * seq * 4 if backend == "cudnn" else causal
+        write_ms, read_ms = written / bandwidth[0], causal / bandwidth[1]
+        topk = both - score
+        traffic = write_ms + read_ms
+        out[backend] = {
+            "score_ms": score,
+            "topk_ms": topk,
+            "raw_select_ms": both,
+            "e2e_ms": e2e,
+            "package_ms": e2e - prep - both,  # what the package adds over the raw kernels
+            "written_gib": written / 2**30,
+            "read_gib": causal / 2**30,
+            "write_ms": write_ms,
+            "read_ms": read_ms,
+            "traffic_ms": traffic,
+            "traffic_share": traffic / e2e,
+            "topk_reads": topk / read_ms,  # the top-k's time in single reads of the scores
+            # A fused kernel that never writes the scores: at least their traffic saved; at most
+            # the whole top-k too, with scoring as fast as without its stores.
+            "fused_speedup_traffic": e2e / (e2e - traffic),
+            "fused_speedup_max": e2e / max(prep + score - write_ms, 1e-9),
+            "build_fused": traffic / e2e > FUSED_THRESHOLD,
+        }
     return out
 
 
@@ -367,20 +609,16 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def format_tables(report: dict[str, Any]) -> str:
-    """The human-readable tables of a :func:`run_bench` report (times in ms)."""
-    cfg = report["config"]
-    rows = report["results"]
-    full = [r for r in rows if not r["chunked"]]
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
+
+
+def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"{report['device']}: B={cfg['batch']} D={HEAD_DIM} causal, top-k {cfg['topk']}, "
-        f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
-        f"{cfg['reps']} reps (ms)",
-        "",
         "kernels vs package (same operands; x = package / raw)",
         f"{'S':>6} {'H':>3} | {'bf16 raw':>8} {'pkg':>7} {'x':>5} | {'fp8 raw':>8} {'pkg':>7} "
-        f"{'x':>5} | {'deepgemm':>8} | {'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} "
-        f"{'x val':>5}",
+        f"{'x':>5} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'dg/cu':>5} | "
+        f"{'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} {'x val':>5}",
     ]
     for r in full:
         t, o = r["times_ms"], r["overhead"]
@@ -388,67 +626,185 @@ def format_tables(report: dict[str, Any]) -> str:
             f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['raw_score_bf16']):>8} "
             f"{_fmt(t['score_bf16']):>7} {o['score_bf16']:>5.2f} | {_fmt(t['raw_score_fp8']):>8} "
             f"{_fmt(t['score_fp8']):>7} {o['score_fp8']:>5.2f} | "
-            f"{_fmt(t.get('score_fp8_deepgemm')):>8} | {_fmt(t['raw_topk']):>9} "
+            f"{_fmt(t.get('raw_score_dg')):>7} {_fmt(t.get('raw_score_dg_clean')):>7} "
+            f"{_fmt(t.get('score_fp8_deepgemm')):>7} {_fmt(o.get('score_dg'), '.2f'):>5} "
+            f"{_fmt(o.get('dg_vs_cudnn'), '.2f'):>5} | {_fmt(t['raw_topk']):>9} "
             f"{_fmt(t.get('raw_topk_val')):>6} {_fmt(t['topk']):>7} {o['topk']:>5.2f} "
             f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
         )
     lines += [
+        "dg raw: DeepGEMM's compressed uncleaned logits (what the select path reads); clean: "
+        "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; dg/cu: "
+        "dg raw / fp8 raw",
         "top-k raw: indices only (return_val=False); +val: with each pick's score, the "
         "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
         "over each",
-        "",
+    ]
+    return lines
+
+
+def _e2e_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "end to end from the projections (prep + indexer_select; x = BF16 / FP8)",
         f"{'S':>6} {'H':>3} | {'prep bf16':>9} {'prep fp8':>8} | {'e2e bf16':>8} {'e2e fp8':>8} "
-        f"{'x':>5} | {'raw bound x':>11} {'of bound':>8} | {'api x':>5} | {'peak MiB bf16':>13} "
-        f"{'fp8':>6}",
+        f"{'x':>5} | {'raw bound x':>11} {'of bound':>8} {'/raw':>5} | {'dg fp8':>8} {'x':>5} "
+        f"{'bound':>5} {'of b.':>5} {'/raw':>5} {'dg/cu':>5} | {'api x':>5} | "
+        f"{'peak MiB bf16':>13} {'fp8':>6} {'dg':>6}",
     ]
     for r in rows:
-        t, m = r["times_ms"], r["peak_extra_mib"]
-        bound = _fmt(r.get("e2e_bound"), ".2f")
-        share = "-" if "e2e_share_of_bound" not in r else f"{100 * r['e2e_share_of_bound']:.0f} %"
+        t, m, o = r["times_ms"], r["peak_extra_mib"], r.get("overhead", {})
         lines.append(
             f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['prep_bf16']):>9} {_fmt(t['prep_fp8']):>8} | "
             f"{_fmt(t['e2e_bf16']):>8} {_fmt(t['e2e_fp8']):>8} {r['e2e_ratio']:>5.2f} | "
-            f"{bound:>11} {share:>8} | {_fmt(r.get('api_ratio'), '.2f'):>5} | "
-            f"{m['e2e_bf16']:>13.0f} {m['e2e_fp8']:>6.0f}"
+            f"{_fmt(r.get('e2e_bound'), '.2f'):>11} {_pct(r.get('e2e_share_of_bound')):>8} "
+            f"{_fmt(o.get('e2e_fp8'), '.2f'):>5} | {_fmt(t.get('e2e_fp8_dg')):>8} "
+            f"{_fmt(r.get('e2e_ratio_dg'), '.2f'):>5} {_fmt(r.get('e2e_bound_dg'), '.2f'):>5} "
+            f"{_pct(r.get('e2e_share_of_bound_dg')):>5} {_fmt(o.get('e2e_fp8_dg'), '.2f'):>5} "
+            f"{_fmt(o.get('e2e_dg_vs_cudnn'), '.2f'):>5} | "
+            f"{_fmt(r.get('api_ratio'), '.2f'):>5} | "
+            f"{m['e2e_bf16']:>13.0f} {m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6}"
         )
     lines += [
-        "",
         "raw bound = (prep bf16 + raw bf16 scoring + raw top-k) / (prep fp8 + raw fp8 scoring + "
-        "raw top-k); api = indexer_topk(indexer_scores(carriers)), BF16 / FP8",
+        "raw top-k); /raw = e2e fp8 / (prep fp8 + raw scoring + raw top-k +val); dg: "
+        "backend='deepgemm' (bound with dg raw); api = indexer_topk(indexer_scores(carriers)), "
+        "BF16 / FP8",
     ]
+    return lines
+
+
+def _long_lines(rows: list[dict[str, Any]], reps: int | None) -> list[str]:
+    lines = [
+        f"long context, median of {reps} reps: chunked indexer_select (x = BF16 / FP8; bound = "
+        "(prep + raw chunked kernels) BF16 / FP8)",
+        f"{'S':>6} {'H':>3} {'chunks':>6} | {'e2e bf16':>8} {'fp8':>8} {'dg':>8} | {'x fp8':>5} "
+        f"{'x dg':>5} | {'bound fp8':>9} {'dg':>5} | {'of bound':>8} {'dg':>5} | "
+        f"{'sel/raw bf16':>12} {'fp8':>5} {'dg':>5} | {'peak MiB sel bf16':>17} {'fp8':>6} "
+        f"{'dg':>6} | {'e2e bf16':>8} {'fp8':>6} {'dg':>6} | {'chunk MiB':>9}",
+    ]
+    for r in rows:
+        t, m = r["times_ms"], r["peak_extra_mib"]
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} {r['chunks']:>6} | {_fmt(t['e2e_bf16'], '.2f'):>8} "
+            f"{_fmt(t['e2e_fp8'], '.2f'):>8} {_fmt(t.get('e2e_fp8_dg'), '.2f'):>8} | "
+            f"{_fmt(r.get('ratio_fp8'), '.2f'):>5} {_fmt(r.get('ratio_fp8_dg'), '.2f'):>5} | "
+            f"{_fmt(r.get('bound_fp8'), '.2f'):>9} {_fmt(r.get('bound_fp8_dg'), '.2f'):>5} | "
+            f"{_pct(r.get('of_bound_fp8')):>8} {_pct(r.get('of_bound_fp8_dg')):>5} | "
+            f"{_fmt(r.get('select_vs_raw_bf16'), '.2f'):>12} "
+            f"{_fmt(r.get('select_vs_raw_fp8'), '.2f'):>5} "
+            f"{_fmt(r.get('select_vs_raw_fp8_dg'), '.2f'):>5} | "
+            f"{m['select_bf16']:>17.0f} {m['select_fp8']:>6.0f} "
+            f"{_fmt(m.get('select_fp8_dg'), '.0f'):>6} | {m['e2e_bf16']:>8.0f} "
+            f"{m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6} | "
+            f"{r['chunk_budget_mib']:>9.0f}"
+        )
+    lines += [
+        "sel/raw: indexer_select from prepared operands / the raw chunked kernels (scoring + "
+        "top-k +val per chunk); peak MiB: allocator peak beyond inputs and output, select alone "
+        "and end to end; chunk MiB: rows per chunk x S x 12 bytes (scores + top-k scratch)",
+    ]
+    return lines
+
+
+def _split_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "time split of FP8 selection (raw chunked kernels; traffic = scores written once + read "
+        "once at the measured bandwidth)",
+        f"{'S':>6} {'H':>3} {'backend':>8} | {'prep':>6} {'score':>8} {'top-k':>8} {'e2e':>8} "
+        f"{'pkg adds':>8} | {'written GiB':>11} {'read':>6} {'traffic':>8} {'share':>6} "
+        f"{'top-k reads':>11} | {'fused x traffic':>15} {'max':>5} | build fused",
+    ]
+    for r in rows:
+        for backend in ("cudnn", "deepgemm"):
+            x = r.get(backend)
+            if x is None:
+                continue
+            lines.append(
+                f"{r['seq']:>6} {r['heads']:>3} {backend:>8} | {r['prep_fp8_ms']:>6.3f} "
+                f"{x['score_ms']:>8.3f} {x['topk_ms']:>8.3f} {x['e2e_ms']:>8.3f} "
+                f"{x['package_ms']:>8.3f} | {x['written_gib']:>11.2f} {x['read_gib']:>6.2f} "
+                f"{x['traffic_ms']:>8.3f} {_pct(x['traffic_share']):>6} "
+                f"{x['topk_reads']:>11.1f} | {x['fused_speedup_traffic']:>15.2f} "
+                f"{x['fused_speedup_max']:>5.2f} | "
+                f"{'yes' if x['build_fused'] else 'no'}"
+            )
+    if rows:
+        bw = rows[0]["bandwidth_gbs"]
+        lines.append(
+            f"bandwidth: write {bw['write']:.0f} GB/s, read {bw['read']:.0f} GB/s (1 GiB fill / "
+            f"sum); build fused: traffic > {100 * FUSED_THRESHOLD:.0f} % of e2e; fused x: e2e / "
+            "(e2e - traffic), max: e2e / (prep + score - its writes)"
+        )
+    return lines
+
+
+def format_tables(report: dict[str, Any]) -> str:
+    """The human-readable tables of a :func:`run_bench` report (times in ms)."""
+    cfg = report["config"]
+    rows = report.get("results", [])
+    full = [r for r in rows if not r["chunked"]]
+    lines = [
+        f"{report['device']}: B={cfg['batch']} D={HEAD_DIM} causal, top-k {cfg['topk']}, "
+        f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
+        f"{cfg['reps']} reps (ms)",
+    ]
+    if full:
+        lines += ["", *_kernel_lines(full)]
+    if rows:
+        lines += ["", *_e2e_lines(rows)]
+    if report.get("long"):
+        lines += ["", *_long_lines(report["long"], cfg.get("long_reps"))]
+    if report.get("split"):
+        lines += ["", *_split_lines(report["split"])]
     return "\n".join(lines)
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints."""
+def run_bench(
+    cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints.
+    ``on_profile`` gets the report so far after each profile (default, long, split)."""
     _check_environment(cfg)
     from importlib import metadata
 
-    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    from .. import _deepgemm
+
+    gen = torch.Generator(device=_DEVICE).manual_seed(cfg.seed)
     timer = _Timer(cfg.reps, cfg.warmup)
-    versions = {"torch": torch.__version__}
+    versions = {"torch": torch.__version__, "deepgemm": _deepgemm.entry_point()}
     for dist in ("triton", "nvidia-cudnn-frontend"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    cases = [(s, h) for s in cfg.seqs for h in cfg.heads]
-    results = []
-    for s, h in progress(cases, total=len(cases), desc="bench"):
-        results.append(_measure(cfg, timer, _Workload(cfg, s, h, gen)))
-        torch.cuda.empty_cache()
-    return {
+    report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "versions": versions,
         "config": dataclasses.asdict(cfg),
-        "results": results,
     }
+    long_timer = _Timer(cfg.long_reps, 1)  # --long and --split: seconds per call at S >= 65536
+    bandwidth = _bandwidth(long_timer) if cfg.split_seqs else (0.0, 0.0)
+    plans = [
+        ("results", cfg.seqs, lambda w: _measure(cfg, timer, w)),
+        ("long", cfg.long_seqs, lambda w: _measure_long(cfg, long_timer, w)),
+        ("split", cfg.split_seqs, lambda w: _measure_split(cfg, long_timer, w, bandwidth)),
+    ]
+    for key, seqs, measure in plans:
+        cases = [(s, h) for s in seqs for h in cfg.heads]
+        report[key] = []
+        for s, h in progress(cases, total=len(cases), desc=f"bench {key}"):
+            report[key].append(measure(_Workload(cfg, s, h, gen)))
+            torch.cuda.empty_cache()
+        if cases and on_profile is not None:
+            on_profile(report)
+    return report
 
 
 def main(args: argparse.Namespace) -> int:
+    long = args.long or args.long_seq is not None
+    split = args.split or args.split_seq is not None
     cfg = BenchConfig(
-        seqs=tuple(args.seq),
+        seqs=tuple(args.seq) if args.seq else () if long or split else BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,
@@ -460,8 +816,16 @@ def main(args: argparse.Namespace) -> int:
         hadamard=args.hadamard,
         torch_reference=args.torch_reference,
         seed=args.seed,
+        long_seqs=tuple(args.long_seq or LONG_SEQS) if long else (),
+        long_reps=args.long_reps,
+        split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
     )
-    report = run_bench(cfg)
+    # With --json the tables of each finished profile go to stderr as it ends, so a run cut
+    # short by a time limit still leaves its first profiles in the log.
+    partial = (
+        (lambda r: print(format_tables(r), file=sys.stderr, flush=True)) if args.json else None
+    )
+    report = run_bench(cfg, partial)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")

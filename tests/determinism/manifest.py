@@ -70,6 +70,11 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{CPU}::test_deepgemm_launches_replay_through_a_recording_fake",
         f"{GPU}::test_deepgemm_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
+        f"{GPU}::test_deepgemm_select_replays_bit_exact",
+    ),
+    "dsa_precision/kernels/mask_tails.py": (
+        f"{GPU}::test_deepgemm_replays_bit_exact",
+        f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
     ),
     "dsa_precision/scoring.py": (
         f"{CPU}::test_torch_scoring_replays_bit_exact",
@@ -87,6 +92,7 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{CPU}::test_chunked_select_replays_bit_exact",
         f"{GPU}::test_chunked_select_replays_bit_exact",
         f"{GPU}::test_chunked_select_varlen_replays_bit_exact",
+        f"{GPU}::test_deepgemm_select_replays_bit_exact",
     ),
     "dsa_precision/quantize.py": (
         f"{CPU}::test_torch_scoring_replays_bit_exact",

@@ -233,34 +233,83 @@ def _deepgemm_module():
     return importlib.import_module(_deepgemm.entry_point().rsplit(".", 1)[0])
 
 
+def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
+    """DeepGEMM called by hand on batch row ``b`` of ``ops`` (its current name, else 2.8's)."""
+    module = _deepgemm_module()
+    kv = (ops.k[b].contiguous(), ops.k_descale[b].contiguous())
+    args = ((ops.q[b].contiguous(), None), kv, ops.weights[b].contiguous(), ks, ke)
+    if _deepgemm._import()[0].clean_logits_arg:
+        return module.fp8_fp4_mqa_logits(*args, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    return module.fp8_fp4_mqa_logits(*args, max_seqlen_k=max_seqlen_k or kv[0].shape[0])
+
+
 @needs_deepgemm
 @pytest.mark.parametrize("h", [32, 64])
 def test_deepgemm_backend_is_the_direct_kernel_call(h):
     q, k, w = _inputs(1, 2048, h)
     ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
     got = indexer_scores(ops, backend="deepgemm")
-    module = _deepgemm_module()
     rows = torch.arange(2048, device=DEV, dtype=torch.int32)
-    args = (
-        (ops.k[0].contiguous(), ops.k_descale[0].contiguous()),
-        ops.weights[0].contiguous(),
-        torch.zeros_like(rows),
-        rows + 1,
-    )
-    if hasattr(module, "fp8_mqa_logits"):
-        direct = module.fp8_mqa_logits(ops.q[0].contiguous(), *args, True)
-    else:  # DeepGEMM 2.8: compressed logits, the tail past each window unwritten
-        direct = module.fp8_fp4_mqa_logits((ops.q[0].contiguous(), None), *args, max_seqlen_k=2048)
-        direct = direct.masked_fill(rows[None, :] > rows[:, None], float("-inf"))
+    direct = _direct_logits(ops, 0, torch.zeros_like(rows), rows + 1, 0, True)
+    direct = direct.masked_fill(rows[None, :] > rows[:, None], float("-inf"))  # 2.8: unwritten
     assert_bitwise_equal(got[0].contiguous(), direct.contiguous(), "deepgemm backend vs direct")
 
 
 @needs_deepgemm
 @pytest.mark.parametrize("h", [32, 64])
+def test_deepgemm_packed_launch_gives_each_batch_rows_own_logits(h):
+    """Batch rows flattened into one launch (row b's keys at b * S_k) give the logits of each row
+    launched alone, bit for bit, inside every causal window."""
+    q, k, w = _inputs(3, 2048, h, seed=11)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    offsets = torch.tensor([0, 64, 1000], device=DEV)
+    got = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
+    counts = causal_key_counts(offsets, 0, 2048, 1, 2048)
+    cols = torch.arange(2048, device=DEV)
+    for b in range(3):
+        alone = _direct_logits(ops, b, torch.zeros_like(counts[b]), counts[b], 2048, False)
+        alone = alone.masked_fill(cols >= counts[b].unsqueeze(1), float("-inf"))
+        assert_bitwise_equal(got[b].contiguous(), alone.contiguous(), f"batch row {b}")
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("h", [32, 64])
+def test_deepgemm_select_is_the_top_k_of_its_scores(h):
+    """indexer_select(backend="deepgemm") reads DeepGEMM's uncleaned logits in place: its picks
+    are the deterministic top-k of the masked scores, bit for bit (cuDNN's radix top-k and the
+    torch reference), chunked or not, BSHD and packed."""
+    q, k, w = _inputs(2, 4096, h, seed=12)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    offsets = torch.tensor([0, 96], device=DEV)
+    scores = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
+    lens = causal_key_counts(offsets, 0, 4096, 1, 4096)
+    want = indexer_topk(scores, 2048, seq_lens=lens, backend="cudnn")
+    assert torch.equal(want, indexer_topk(scores, 2048, seq_lens=lens, backend="torch"))
+    for chunk_bytes in (None, 64 << 20):
+        got = indexer_select(ops, topk=2048, q_causal_offsets=offsets, backend="deepgemm",
+                             chunk_bytes=chunk_bytes)  # fmt: skip
+        assert torch.equal(got, want), chunk_bytes
+    lens_q = [1700, 33, 2900, 301]
+    pq, pk, pw, cu, _ = _packed(lens_q, lens_q, h=h)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2900, max_seqlen_k=2900)
+    packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8", backend="deepgemm",
+                                   **varlen)  # fmt: skip
+    counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 4934)
+    want = indexer_topk(packed, 2048, seq_lens=counts, backend="cudnn")
+    for chunk_bytes in (None, 32 << 20):
+        got = indexer_select_varlen(
+            pq, pk, pw, topk=2048, scoring_precision="fp8", backend="deepgemm",
+            chunk_bytes=chunk_bytes, **varlen,
+        )  # fmt: skip
+        assert torch.equal(got, want), chunk_bytes
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("h", [32, 64])
 def test_both_entry_points_give_the_same_scores(monkeypatch, h):
-    """DeepGEMM 2.8 (vLLM 0.31+) has only ``fp8_fp4_mqa_logits``, whose logits are compressed and
-    uncleaned. The host's build has both names: the package through the compressed entry point
-    gives the legacy one's bits, BSHD (windows from key 0) and packed (windows in the middle)."""
+    """The host's build (54e2261) has both names: the legacy ``fp8_mqa_logits(q, ...)`` is a
+    wrapper of ``fp8_fp4_mqa_logits((q, None), ...)``; through either the package gives the same
+    bits, BSHD (one launch of two batch rows), packed (windows in the middle) and selected."""
     module = _deepgemm_module()
     if not (hasattr(module, "fp8_mqa_logits") and hasattr(module, "fp8_fp4_mqa_logits")):
         pytest.skip(f"{module.__name__} does not have both entry points")
@@ -269,25 +318,26 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     lens = [700, 33, 1500, 301]
     pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
+    offsets = torch.tensor([0, 64], device=DEV)
 
     def run():
-        bshd = indexer_scores(ops, q_causal_offsets=torch.tensor([0, 64], device=DEV),
-                              backend="deepgemm")  # fmt: skip
+        bshd = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
         packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8",
                                        backend="deepgemm", **varlen)  # fmt: skip
-        return bshd, packed
+        picks = indexer_select(ops, topk=512, q_causal_offsets=offsets, backend="deepgemm")
+        return bshd, packed, picks
 
-    legacy_entry, _ = _deepgemm._import()
-    assert not legacy_entry.compressed
-    legacy = run()
-    only_fp4 = types.SimpleNamespace(fp8_fp4_mqa_logits=module.fp8_fp4_mqa_logits)
-    entry, reason = _deepgemm._resolve(only_fp4, module.__name__)
-    assert entry is not None and entry.compressed, reason
+    detected, _ = _deepgemm._import()
+    assert detected.q_pair  # fp8_fp4_mqa_logits is preferred
+    current = run()
+    legacy = types.SimpleNamespace(fp8_mqa_logits=module.fp8_mqa_logits)
+    entry, reason = _deepgemm._resolve(legacy, module.__name__)
+    assert entry is not None and not entry.q_pair, reason
     monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
-    compressed = run()
-    assert_bitwise_equal(compressed[0], legacy[0], "BSHD: compressed vs legacy entry point")
-    assert_bitwise_equal(compressed[1], legacy[1], "packed: compressed vs legacy entry point")
-    assert torch.isfinite(legacy[1]).sum() == sum(n * (n + 1) // 2 for n in lens)
+    old = run()
+    for name, a, b in zip(("BSHD", "packed", "picks"), current, old, strict=True):
+        assert_bitwise_equal(a, b, f"{name}: fp8_fp4_mqa_logits vs fp8_mqa_logits")
+    assert torch.isfinite(current[1]).sum() == sum(n * (n + 1) // 2 for n in lens)
 
 
 @needs_deepgemm
@@ -323,6 +373,21 @@ def test_cudnn_fp8_vs_deepgemm_on_identical_operands(record, h):
 # ------------------------------------------------------------------ no host synchronisation
 
 
+def _run_twice_without_host_sync(run):
+    """``run()`` once (compiling the kernels, which may synchronise), then again with every host
+    synchronisation raising; the two results must be equal. Returns the first."""
+    warm = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(warm, again, strict=True):
+        assert torch.equal(a, b)
+    return warm
+
+
 def test_device_path_never_waits_for_the_host():
     q, k, w = _inputs(2, 1024, 64)
     lens = [300, 1, 700, 1047]
@@ -350,16 +415,31 @@ def test_device_path_never_waits_for_the_host():
         )  # fmt: skip
         return picks, sel, sel_v
 
-    warm = run()  # compiles the kernels (which may synchronise)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for a, b in zip(warm, again, strict=True):
-        assert torch.equal(a, b)
+    warm = _run_twice_without_host_sync(run)
     assert torch.equal(warm[0], warm[1])  # chunked select == scores then top-k
+
+
+@needs_deepgemm
+def test_deepgemm_select_never_waits_for_the_host():
+    q, k, w = _inputs(2, 1024, 64, seed=4)
+    lens = [300, 1, 700, 1047]
+    pq, pk, pw, cu, _ = _packed(lens, lens, h=64)
+    offsets = torch.tensor([0, 128], device=DEV)
+    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+    packed = prepare_scoring_operands(
+        pq[None], pk[None], pw[None], scoring_precision="fp8", impl="triton"
+    )
+
+    def run():
+        sel = indexer_select(ops, topk=256, q_causal_offsets=offsets, backend="deepgemm",
+                             chunk_bytes=256 * 2 * 1024 * 12)  # fmt: skip
+        sel_v = indexer_select_varlen(
+            packed, topk=256, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1047,
+            max_seqlen_k=1047, backend="deepgemm", chunk_bytes=512 * 1047 * 12,
+        )  # fmt: skip
+        return sel, sel_v
+
+    _run_twice_without_host_sync(run)
 
 
 # -------------------------------------------------------------------------- CUDA graph

@@ -111,6 +111,13 @@ def test_topk_replays_bit_exact():
     picks = assert_replays_bit_exact(pick, (scores, seq_lens), contention=True, what="top-k")
     picked = scores.gather(-1, picks.clamp(min=0).long())
     assert bool(((picks < 0) | (picked > float("-inf"))).all()), "a -inf or NaN score was picked"
+    # The rows as one 2-D tensor with 1-D int32 lengths (indexer_select's form, which skips the
+    # reshapes and the cast) and with int64 lengths: the same picks.
+    flat = assert_replays_bit_exact(
+        pick, (scores.view(-1, 8192), seq_lens.view(-1)), what="top-k, 2-D scores"
+    )
+    assert torch.equal(flat.view(4, 512, 2048), picks)
+    assert torch.equal(pick(scores, seq_lens.long()), picks)
 
 
 # ------------------------------------------------------------------------ select.py
@@ -153,6 +160,7 @@ needs_deepgemm = pytest.mark.skipif(
 
 @needs_deepgemm
 def test_deepgemm_replays_bit_exact():
+    """Scores of two batch rows: one launch (rows flattened into key windows), tails masked."""
     q, k, w = _qkw(2, 2048, 64)
 
     def score(q, k, w):
@@ -162,26 +170,26 @@ def test_deepgemm_replays_bit_exact():
     assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM")
 
 
-def _only_compressed_entry_point(monkeypatch) -> None:
-    """Make the package call ``fp8_fp4_mqa_logits`` with ``max_seqlen_k`` (DeepGEMM 2.8's only
-    entry point: compressed logits whose tail the package masks) through the host build."""
+def _legacy_entry_point(monkeypatch) -> None:
+    """Make the package call the legacy name ``fp8_mqa_logits(q, ..., max_seqlen_k)`` (a wrapper
+    of ``fp8_fp4_mqa_logits`` in 54e2261) through the host build."""
     name = _deepgemm.entry_point().rsplit(".", 1)[0]
-    module = __import__(name, fromlist=["fp8_fp4_mqa_logits"])
-    if not hasattr(module, "fp8_fp4_mqa_logits"):
-        pytest.skip(f"{name} has no fp8_fp4_mqa_logits")
-    only_fp4 = type("OnlyFp4", (), {"fp8_fp4_mqa_logits": staticmethod(module.fp8_fp4_mqa_logits)})
-    entry, reason = _deepgemm._resolve(only_fp4, name)
-    assert entry is not None and entry.compressed, reason
+    module = __import__(name, fromlist=["fp8_mqa_logits"])
+    if not hasattr(module, "fp8_mqa_logits"):
+        pytest.skip(f"{name} has no fp8_mqa_logits")
+    legacy = type("Legacy", (), {"fp8_mqa_logits": staticmethod(module.fp8_mqa_logits)})
+    entry, reason = _deepgemm._resolve(legacy, name)
+    assert entry is not None and not entry.q_pair, reason
     monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
 
 
 @needs_deepgemm
-@pytest.mark.parametrize("entry_point", ["detected", "compressed"])
+@pytest.mark.parametrize("entry_point", ["detected", "legacy"])
 def test_deepgemm_varlen_replays_bit_exact(monkeypatch, entry_point):
     """Packed sequences: each row's key window found by its packed sequence, one launch; through
-    the entry point the package detects, and through the compressed one."""
-    if entry_point == "compressed":
-        _only_compressed_entry_point(monkeypatch)
+    the entry point the package detects, and through the legacy name."""
+    if entry_point == "legacy":
+        _legacy_entry_point(monkeypatch)
     q, k, w, cu = _packed([700, 33, 1500, 301])
 
     def score(q, k, w):
@@ -193,6 +201,38 @@ def test_deepgemm_varlen_replays_bit_exact(monkeypatch, entry_point):
     assert_replays_bit_exact(
         score, (q, k, w), contention=True, what=f"DeepGEMM varlen, {entry_point}"
     )
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("entry_point", ["detected", "legacy"])
+@pytest.mark.parametrize("chunk_bytes", [None, 64 << 20])
+def test_deepgemm_select_replays_bit_exact(monkeypatch, chunk_bytes, entry_point):
+    """The new path: one DeepGEMM launch per chunk, its uncleaned logits read in place by the
+    radix top-k (bounded by each row's length, each chunk's logits freed before the next launch);
+    BSHD with two batch rows and packed sequences; through the detected entry point and the
+    legacy name."""
+    if entry_point == "legacy":
+        _legacy_entry_point(monkeypatch)
+    q, k, w = _qkw(2, 4096, 64, seed=3)
+    pq, pk, pw, cu = _packed([1700, 33, 2900, 301], seed=8)
+
+    def select(q, k, w, pq, pk, pw):
+        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+        bshd = indexer_select(
+            ops, topk=2048, q_causal_offsets=torch.tensor([0, 96], device=DEV),
+            backend="deepgemm", chunk_bytes=chunk_bytes,
+        )  # fmt: skip
+        thd = indexer_select_varlen(
+            pq, pk, pw, topk=2048, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2900,
+            max_seqlen_k=2900, scoring_precision="fp8", backend="deepgemm",
+            chunk_bytes=chunk_bytes,
+        )  # fmt: skip
+        return bshd, thd
+
+    assert_replays_bit_exact(
+        select, (q, k, w, pq, pk, pw), contention=True,
+        what=f"DeepGEMM select, {chunk_bytes}, {entry_point}",
+    )  # fmt: skip
 
 
 # ------------------------------------------------------- operands (fused Triton kernel)
