@@ -179,12 +179,10 @@ def test_cudnn_launches_replay_through_the_recording_fake(monkeypatch):
 def test_deepgemm_launches_replay_through_a_recording_fake(monkeypatch):
     """BSHD causal logits and THD windows through DeepGEMM's compressed entry point (a recording
     fake of ``fp8_fp4_mqa_logits``): the package's placement of the logits replays."""
-    from .test_deepgemm_dispatch import FakeMqaLogits
+    from . import fake_deepgemm
 
-    fn = FakeMqaLogits(mode="operands", compressed=True)
-    entry = _deepgemm._EntryPoint(fn, "deep_gemm.fp8_fp4_mqa_logits", compressed=True)
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
-    monkeypatch.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
+    fn = fake_deepgemm.FakeMqaLogits(mode="operands")
+    fake_deepgemm.install(monkeypatch, fn)
     q, k, w = _qkw(b=1, s=17)
     cu = cu_seqlens([4, 0, 13])
 

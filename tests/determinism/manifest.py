@@ -73,6 +73,7 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{GPU}::test_deepgemm_select_replays_bit_exact",
     ),
     "dsa_precision/kernels/mask_tails.py": (
+        f"{INTERPRETER}::test_mask_tails_replays_bit_exact",
         f"{GPU}::test_deepgemm_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
     ),

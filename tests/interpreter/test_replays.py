@@ -32,3 +32,18 @@ def test_fused_preprocess_quantize_replays_bit_exact():
 
     ops = assert_replays_bit_exact(prepare, (q, k, w), what="fused quantize")
     assert ops.q.dtype == torch.float8_e4m3fn
+
+
+def test_mask_tails_replays_bit_exact():
+    """The -inf tail mask of DeepGEMM's uncleaned logits (in place on a padded buffer)."""
+    from dsa_precision.kernels.mask_tails import mask_tails
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(5, 1024 + 256, generator=g)
+    counts = torch.tensor([0, 1, 700, 1024, 1023], dtype=torch.int32)
+
+    def mask(buf, counts):
+        return mask_tails(buf[:, :1024], counts)
+
+    out = assert_replays_bit_exact(mask, (buf, counts), what="tail mask")
+    assert bool(torch.isneginf(out[2, 700:]).all()) and bool(torch.isfinite(out[2, :700]).all())
