@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     swap_reports = sorted((out / "swapped").glob("*.swap.json")) if "swapped" in modes else []
     if swap_reports:
-        install = json.loads(swap_reports[0].read_text()).get("install", {})
-        print(f"\nswap_plugin install(): {install}")
+        probe = json.loads(swap_reports[0].read_text()).get("probe", {})
+        print(f"\nswap_plugin probe: {probe}")
     summary = {
         "megatron_lm": args.megatron_lm,
         "commit": commit,

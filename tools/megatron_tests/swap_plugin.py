@@ -43,9 +43,8 @@ the swap. ``DSAttentionSubmodules``, ``DSAIndexerSubmodules``, ``TransformerConf
 every other name are untouched. Module-path strings (``mock.patch("megatron.core...dsa.x")``)
 address the real modules, as in the stock run.
 
-``dsa_precision.megatron.install()``: called only if the function exists AND a probe
-``PrecisionDSAttention`` (a top-k-sharing layer, which builds no indexer and needs no process
-group) refuses to build without it; the outcome is printed in the pytest header and written to
+A probe ``PrecisionDSAttention`` (a top-k-sharing layer, which builds no indexer and needs no
+process group) is built once; the outcome is printed in the pytest header and written to
 ``$DSA_SWAP_REPORT`` (JSON) with the list of rebindings.
 """
 
@@ -154,21 +153,12 @@ def _probe_attention() -> tuple[bool, str]:
     return True, "built"
 
 
-def _decide_install() -> dict[str, Any]:
-    has_install = callable(getattr(dsap, "install", None))
-    info: dict[str, Any] = {"install_exists": has_install, "install_called": False}
+def _probe() -> dict[str, Any]:
     try:
         builds, detail = _probe_attention()
     except Exception:
-        info["probe"] = "probe could not run: " + traceback.format_exc(limit=1).strip()
-        return info
-    info["builds_without_install"] = builds
-    info["probe"] = detail
-    if has_install and not builds:
-        dsap.install()
-        info["install_called"] = True
-        info["builds_after_install"], info["probe_after_install"] = _probe_attention()
-    return info
+        return {"builds": False, "probe": traceback.format_exc(limit=1).strip()}
+    return {"builds": builds, "probe": detail}
 
 
 def _register() -> None:
@@ -187,7 +177,7 @@ def _register() -> None:
         _rebind.register(original, _wrap_builder(_rebind.resolve(original)))
 
 
-REPORT["install"] = _decide_install()
+REPORT["probe"] = _probe()
 _register()
 _rebind.activate(
     os.path.join(os.path.abspath(os.environ.get("MEGATRON_LM_ROOT", os.getcwd())), "tests")
@@ -195,13 +185,11 @@ _rebind.activate(
 
 
 def pytest_report_header(config) -> list[str]:
-    info = REPORT["install"]
+    info = REPORT["probe"]
     return [
         "swap_plugin: DSAIndexer, DSAttention, MLATransformerConfig, DSA spec builders/constants "
         "rebound in Megatron-LM's test modules",
-        f"swap_plugin: install() exists={info.get('install_exists')} "
-        f"builds_without_install={info.get('builds_without_install')} "
-        f"install_called={info.get('install_called')} ({info.get('probe')})",
+        f"swap_plugin: probe PrecisionDSAttention builds={info['builds']} ({info['probe']})",
     ]
 
 
