@@ -116,28 +116,6 @@ def test_cli_flags_round_trip_into_the_config(monkeypatch):
     assert config.hidden_size == HIDDEN
 
 
-# ---------------------------------------------------------------------------- compatibility
-
-
-def test_surface_check_passes_on_the_installed_release():
-    assert compat._surface_problems() == []
-
-
-def test_surface_check_names_the_version_and_every_change(monkeypatch):
-    import megatron.core
-    from megatron.core.transformer.experimental_attention_variant import dsa, dsa_layout
-
-    monkeypatch.setattr(megatron.core, "__version__", "0.21.0rc0")
-    monkeypatch.delattr(dsa.DSAttention, "_get_index_share_topk_holder")
-    monkeypatch.setattr(dsa_layout, "build_zigzag_allgather_cp_key_reorder", lambda n: n)
-    with pytest.raises(ImportError) as err:
-        compat.check_megatron_core()
-    text = str(err.value)
-    assert "megatron-core 0.21.0rc0" in text and "0.19.2" in text
-    assert "DSAttention._get_index_share_topk_holder is missing" in text
-    assert "build_zigzag_allgather_cp_key_reorder('n',) no longer takes" in text
-
-
 # ------------------------------------------------------------------- megatron stays untouched
 
 

@@ -42,7 +42,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from .. import audit
 from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
-from . import replay
+from . import compat, replay
 from .config import layer_decisions
 from .indexer import PrecisionDSAIndexer
 from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
@@ -71,8 +71,12 @@ class PrecisionDSAttention(DSAttention):
     """``DSAttention`` whose top-k follows the dsa-precision fields of its config (see the module
     docstring); its indexer must be a :class:`PrecisionDSAIndexer` (the spec swap builds both)."""
 
+    # Megatron's routing state as its __init__ computed it (skip_topk, index_share, source_layer).
+    _built: dict[str, Any]
+
     def __init__(self, config, submodules, layer_number, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        compat.check_built(self, "DSAttention")
         if self.indexer is not None and not isinstance(self.indexer, PrecisionDSAIndexer):
             raise TypeError(
                 f"PrecisionDSAttention needs a PrecisionDSAIndexer, got "

@@ -31,6 +31,7 @@ from ..operands import ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
 from ..scoring import indexer_scores, packed_sequence_of
 from ..topk import indexer_topk
+from . import compat
 from .config import layer_decisions
 
 __all__ = ["PrecisionDSAIndexer"]
@@ -42,6 +43,7 @@ class PrecisionDSAIndexer(DSAIndexer):
 
     def __init__(self, config, submodules, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, *args, **kwargs)
+        compat.check_built(self, "DSAIndexer")
         self._precision, _ = layer_decisions(self.config)
         # (Megatron fields it follows, module): a tuple, so nn.Module does not register the
         # preprocessing (it borrows k_norm; the state dict keeps Megatron's names).
