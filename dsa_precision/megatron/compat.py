@@ -78,7 +78,7 @@ CALLS: dict[str, tuple[Call, ...]] = {
                 "query_cu_seqlens_cover_output",
             ),
         ),
-    ),  # fmt: skip
+    ),
     "megatron.core.transformer.transformer_config.MLATransformerConfig": (),
     "megatron.training.argument_utils.core_transformer_config_from_args": ((1, ()),),
     "megatron.core.models.backends.BackendSpecProvider": (),
