@@ -134,10 +134,8 @@ class _Surface(ast.NodeVisitor):
                 )
                 if setter:  # a property over an attribute Megatron's __init__ sets
                     self.used.instance[path.rsplit(".", 1)[1]].add(item.name)
-                elif (
-                    (hasattr(base, item.name)
-                    and not item.name.startswith("__"))
-                    or (item.name in ("__init__", "__post_init__"))
+                elif (hasattr(base, item.name) and not item.name.startswith("__")) or (
+                    item.name in ("__init__", "__post_init__")
                 ):
                     self.used.methods[path].add(item.name)
                 ours.add(item.name)
