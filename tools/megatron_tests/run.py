@@ -5,7 +5,7 @@
 ``PATH`` is a Megatron-LM checkout (or an export of one: only its ``tests/`` tree is used) of the
 release matching the installed megatron-core, e.g.::
 
-    git --git-dir=MIRROR archive core_r0.19.0 tests | tar -x -C .megatron-lm
+    git --git-dir=MIRROR archive core_r0.19.0 tests pyproject.toml | tar -x -C .megatron-lm
 
 (``--from-git MIRROR --commit REV`` does this when ``PATH`` has no ``tests/``). Megatron's code
 itself comes from the installed megatron-core, never from ``PATH``.
@@ -170,7 +170,11 @@ def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, st
     cmd = [sys.executable, "-m", "pytest", *selection.targets()]
     if selection.keyword:
         cmd += ["-k", selection.keyword]
-    cmd += ["-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider", "-p", "cpu_plugin"]
+    # --rootdir: node ids relative to the checkout (the plugins select tests by them), also when
+    # the export sits inside another project whose pytest configuration would claim it.
+    root = Path(args.megatron_lm).resolve()
+    cmd += ["--rootdir", str(root), "-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-p", "cpu_plugin"]
     if mode == "swapped":
         cmd += ["-p", "swap_plugin"]
     cmd += [f"--junitxml={junit}", *args.pytest_arg]
