@@ -317,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--from-git", default=None, help="Megatron-LM git dir to extract tests")
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="Megatron-LM commit to extract")
+    parser.add_argument(
+        "--fields",
+        default="",
+        help="swapped mode: dsa-precision fields switched on in every config (rope_fp32)",
+    )
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument")
     args = parser.parse_args(argv)
     args.megatron_lm = str(Path(args.megatron_lm).resolve())
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         path.insert(0, str(Path(package_root).resolve()))
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["MEGATRON_LM_ROOT"] = args.megatron_lm
+    env["DSA_SWAP_FIELDS"] = args.fields
     commit_file = Path(args.megatron_lm) / "COMMIT"
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     versions = _probe_versions(env)

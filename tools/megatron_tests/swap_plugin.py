@@ -23,7 +23,9 @@ original (megatron.core ...)                                  test modules see
 ``transformer.experimental_attention_variant.dsa.DSAttention`` ``PrecisionDSAttention``
 ``transformer.transformer_config.MLATransformerConfig``        ``DSAPrecisionTransformerConfig``
                                                                (also via ``megatron.core.transformer``;
-                                                               its four fields keep their defaults)
+                                                               its four fields keep their defaults
+                                                               unless ``$DSA_SWAP_FIELDS`` names
+                                                               some: ``rope_fp32``)
 ``models.gpt.experimental_attention_variant_module_specs.``    wrapper: ``with_dsa_precision(
 ``get_dsa_module_spec_for_backend``,                           original(...))`` when the result
 ``get_experimental_attention_variant_module_spec``,            contains ``DSAttention`` or
@@ -82,6 +84,27 @@ _SPEC_CONSTANTS = (
 _DSA_CLASSES = (DSAttention, DSAIndexer)
 _CONSTANT_COPIES: dict[int, tuple[Any, Any]] = {}
 REPORT: dict[str, Any] = {}
+
+# ``$DSA_SWAP_FIELDS``: comma-separated dsa-precision fields switched on in every config the tests
+# build (``rope_fp32``); empty: the four fields keep their defaults.
+_FIELD_SWITCHES = {"rope_fp32": ("dsa_indexer_rope_fp32", True)}
+
+
+def _config_class() -> type:
+    names = [n for n in os.environ.get("DSA_SWAP_FIELDS", "").split(",") if n]
+    unknown = sorted(set(names) - set(_FIELD_SWITCHES))
+    if unknown:
+        raise ValueError(f"DSA_SWAP_FIELDS: unknown {unknown}; use {sorted(_FIELD_SWITCHES)}")
+    REPORT["fields"] = names
+    if not names:
+        return dsap.DSAPrecisionTransformerConfig
+    defaults = dict(_FIELD_SWITCHES[n] for n in names)
+    cls = type(
+        "DSAPrecisionTransformerConfig",
+        (dsap.DSAPrecisionTransformerConfig,),
+        {"__annotations__": {k: type(v) for k, v in defaults.items()}, **defaults},
+    )
+    return dataclasses.dataclass(cls)
 
 
 def _mentions_dsa(node: Any, _seen: set[int] | None = None) -> bool:
@@ -164,7 +187,7 @@ def _probe() -> dict[str, Any]:
 def _register() -> None:
     _rebind.register(DSAIndexer, dsap.PrecisionDSAIndexer)
     _rebind.register(DSAttention, dsap.PrecisionDSAttention)
-    _rebind.register(MLATransformerConfig, dsap.DSAPrecisionTransformerConfig)
+    _rebind.register(MLATransformerConfig, _config_class())
     for module, name in _SPEC_CONSTANTS:
         constant = getattr(module, name)
         copy = dsap.with_dsa_precision(constant)
@@ -190,6 +213,7 @@ def pytest_report_header(config) -> list[str]:
         "swap_plugin: DSAIndexer, DSAttention, MLATransformerConfig, DSA spec builders/constants "
         "rebound in Megatron-LM's test modules",
         f"swap_plugin: probe PrecisionDSAttention builds={info['builds']} ({info['probe']})",
+        f"swap_plugin: dsa-precision fields switched on: {REPORT['fields'] or 'none'}",
     ]
 
 
