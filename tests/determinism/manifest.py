@@ -110,12 +110,12 @@ HASHES: dict[str, tuple[str, str]] = {
         "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/megatron/attention.py": (
-        "5570d9d5a3e94a50192445ecf0816b33a66237a5d46cbf5e962eb2b274c5cfdf",
-        "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
+        "8615e19aee055acf6fadb945ac4d89cd1bf5b04fa6d315ed12bd38dfb5d0f9cc",
+        "adcf3722a1c8ad519807a2cbdc1c3b632bca7c220a71deef78b604df70d69887",
     ),
     "dsa_precision/megatron/indexer.py": (
-        "854411eee604cd006daa2bfb315eccd0439e190476085f67adc9529014f230e2",
-        "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
+        "6506674b26ec21f31eaf92bff1289fd978f821cf133747da521f2e9d14efcca6",
+        "adcf3722a1c8ad519807a2cbdc1c3b632bca7c220a71deef78b604df70d69887",
     ),
     "dsa_precision/operands.py": (
         "a45a6dc3ab1cadaa3577bef8a08e615e7e1becbf22f7924440e36bf015c438bc",
