@@ -264,11 +264,16 @@ def _frame_owner(event) -> str | None:
     return None
 
 
-def _python_parent(event):
+def _owning_parent(event) -> str | None:
+    """The owner of the nearest enclosing frame of either package (torch's frames between, e.g.
+    ``Module.__call__``, are skipped)."""
     parent = event.cpu_parent
-    while parent is not None and "): " not in parent.name:
+    while parent is not None:
+        owner = _frame_owner(parent)
+        if owner is not None:
+            return owner
         parent = parent.cpu_parent
-    return parent
+    return None
 
 
 def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
@@ -288,8 +293,7 @@ def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
         owner = _frame_owner(event)
         if owner is None:
             continue
-        parent = _python_parent(event)
-        parent_owner = _frame_owner(parent) if parent is not None else None
+        parent_owner = _owning_parent(event)
         duration = event.time_range.elapsed_us()
         if owner == "dsa_precision" and parent_owner != "dsa_precision":
             total_us += duration  # entering the package
