@@ -19,8 +19,6 @@ they rely on is checked at import (:mod:`.compat`). See ``docs/megatron.md``.
 
 # ruff: noqa: I001, E402  (the surface check runs before the modules that rely on it import)
 
-import warnings
-
 from .compat import TESTED_MEGATRON_CORE, check_megatron_core
 
 check_megatron_core()
@@ -48,20 +46,8 @@ __all__ = [
     "engine_topk",
     "get_dsa_precision_module_spec",
     "get_gpt_dsa_precision_block_spec",
-    "install",
     "load_topk",
     "save_topk",
     "topk_metrics",
     "with_dsa_precision",
 ]
-
-
-def install() -> None:
-    """Deprecated no-op, kept for one release: the drop-in modules no longer need any setup
-    (dsa-precision 0.1 replaced five megatron-core functions here; 0.2 replaces none)."""
-    warnings.warn(
-        "dsa_precision.megatron.install() is a no-op since dsa-precision 0.2 and will be removed; "
-        "build the model with the drop-in modules directly.",
-        DeprecationWarning,
-        stacklevel=2,
-    )

@@ -11,14 +11,26 @@ a top-k from the index-share holder): the rest -- sparse attention (FlashMLA or 
 the latent-to-value projection, the output layout, sequence and context parallelism of the
 attention -- is Megatron's. Layers that reuse another layer's top-k (index sharing) are Megatron's
 unchanged; an owned layer stores its indices in Megatron's holder for them.
+
+The seam: Megatron's forward decides on the reader route from ``skip_topk``, ``index_share`` and
+``source_layer``, and reads the indices from ``_get_index_share_topk_holder``. Here those three are
+properties over the values Megatron's ``__init__`` computed, and an owned layer stages its top-k
+in a context variable keyed by the layer (:func:`_staging`) for one call of Megatron's forward:
+while it is staged, the properties present the layer as a reader of its own indices and the
+holder methods hand them over. No attribute of the module changes during a call, so nested
+forwards (of this or another layer), activation recomputation, interleaved micro-batches and
+threads each see their own state; the precision, the top-k source and whether the layer owns its
+top-k are decided once, at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -30,44 +42,106 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from .. import audit
 from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
-from . import replay
+from . import compat, replay
+from .config import layer_decisions
 from .indexer import PrecisionDSAIndexer
 from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
 
 __all__ = ["PrecisionDSAttention"]
 
 
+# Layer -> the top-k it hands Megatron's forward, for the duration of that call (see _staging).
+_STAGED: contextvars.ContextVar[Mapping[DSAttention, torch.Tensor]] = contextvars.ContextVar(
+    "dsa_precision_staged_topk", default=MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def _staging(layer: DSAttention, topk: torch.Tensor) -> Iterator[None]:
+    """Stage ``topk`` for ``layer`` in this context (thread, task) until the block exits; other
+    layers' staged indices are kept, an outer staging of ``layer`` is shadowed and restored."""
+    token = _STAGED.set(MappingProxyType({**_STAGED.get(), layer: topk}))
+    try:
+        yield
+    finally:
+        _STAGED.reset(token)
+
+
 class PrecisionDSAttention(DSAttention):
     """``DSAttention`` whose top-k follows the dsa-precision fields of its config (see the module
     docstring); its indexer must be a :class:`PrecisionDSAIndexer` (the spec swap builds both)."""
 
+    # Megatron's routing state as its __init__ computed it (skip_topk, index_share, source_layer).
+    _built: dict[str, Any]
+
     def __init__(self, config, submodules, layer_number, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        # While set, Megatron's forward reads this layer's top-k from the index-share holder.
-        self._staged_topk: torch.Tensor | None = None
-        # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
-        self.topk_monitor = replay.TopkMonitor()
+        compat.check_built(self, "DSAttention")
         if self.indexer is not None and not isinstance(self.indexer, PrecisionDSAIndexer):
             raise TypeError(
                 f"PrecisionDSAttention needs a PrecisionDSAIndexer, got "
                 f"{type(self.indexer).__name__}; build the layer spec with "
                 "dsa_precision.megatron.with_dsa_precision (or get_gpt_dsa_precision_block_spec)."
             )
+        self._precision, self._topk_source = layer_decisions(self.config)
+        self._owns_topk = not self._built["skip_topk"] and (
+            self._precision.fp8 or self._topk_source == "replay"
+        )
+        # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
+        self.topk_monitor = replay.TopkMonitor()
+
+    # -- Megatron's routing state: decided by its __init__, presented per call (see _staging) ---
+
+    def _route(self, name: str, value: Any) -> None:
+        built = self.__dict__.setdefault("_built", {})
+        if name in built:
+            raise AttributeError(
+                f"DSA layer {self.layer_number}: {name} is decided when the layer is built "
+                f"(it is {built[name]!r}); build the layer from a config that gives {value!r}."
+            )
+        built[name] = value
+
+    @property
+    def skip_topk(self) -> bool:
+        """Megatron's ``skip_topk``; ``True`` while this layer's own top-k is staged."""
+        return self._built["skip_topk"] or self in _STAGED.get()
+
+    @skip_topk.setter
+    def skip_topk(self, value: bool) -> None:
+        self._route("skip_topk", value)
+
+    @property
+    def index_share(self) -> bool:
+        """Megatron's ``index_share``; ``True`` while this layer's own top-k is staged."""
+        return self._built["index_share"] or self in _STAGED.get()
+
+    @index_share.setter
+    def index_share(self, value: bool) -> None:
+        self._route("index_share", value)
+
+    @property
+    def source_layer(self) -> int:
+        """Megatron's ``source_layer``; this layer while its own top-k is staged."""
+        return self.layer_number if self in _STAGED.get() else self._built["source_layer"]
+
+    @source_layer.setter
+    def source_layer(self, value: int) -> None:
+        self._route("source_layer", value)
 
     @property
     def precision(self) -> IndexerPrecisionConfig:
-        """The configured precision, read from the config now."""
-        return IndexerPrecisionConfig.from_megatron_config(self.config)
+        """The precision decided when the layer was built (the config freezes its fields)."""
+        return self._precision
 
     @property
     def topk_source(self) -> str:
-        """``dsa_indexer_topk_source``, read from the config now."""
-        return getattr(self.config, "dsa_indexer_topk_source", "compute")
+        """``dsa_indexer_topk_source``, decided when the layer was built."""
+        return self._topk_source
 
     def owns_topk(self) -> bool:
         """Whether this layer's attention reads a top-k the package supplies (FP8 scoring, or
         the engine's picks replayed) rather than one Megatron computes."""
-        return not self.skip_topk and (self.precision.fp8 or self.topk_source == "replay")
+        return self._owns_topk
 
     def forward(
         self,
@@ -90,11 +164,11 @@ class PrecisionDSAttention(DSAttention):
             packed_seq_params=packed_seq_params,
             up_v_weight=up_v_weight,
         )
-        if self.skip_topk:  # index sharing: Megatron's rule, whatever the source layer's picks
+        if self._built["skip_topk"]:  # index sharing: Megatron's rule, whatever the source's picks
             return super().forward(*args, **kwargs)
-        source = self.topk_source
+        source = self._topk_source
         engine, capture = replay.current_engine_topk(), replay.current_capture()
-        owned = self.owns_topk()
+        owned = self._owns_topk
         if not (owned or source == "verify" or capture is not None):
             return super().forward(*args, **kwargs)
         layout = self.rank_layout(query, x, packed_seq_params)
@@ -118,10 +192,10 @@ class PrecisionDSAttention(DSAttention):
             capture[self.layer_number] = self._captured(topk, layout, x)
         if not owned:  # BF16 verify / capture: Megatron selects and attends as configured
             return super().forward(*args, **kwargs)
-        if self.index_share:  # later layers of the group reuse these indices (Megatron's rule)
+        if self._built["index_share"]:  # later layers of the group reuse these (Megatron's rule)
             holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
             holder[self.layer_number] = topk
-        with self._reading(topk):
+        with _staging(self, topk):
             return super().forward(*args, **kwargs)
 
     def _indexer_rows(self, x: torch.Tensor) -> int:
@@ -209,7 +283,7 @@ class PrecisionDSAttention(DSAttention):
         configured precision (indices into the gathered keys, ``-1`` in unused slots); with
         ``margins`` also each row's ``topk``-th minus ``(topk + 1)``-th score ``(b, rows)``.
         ``layout``: :meth:`rank_layout` of these inputs, when the caller already has it."""
-        precision = self.precision
+        precision = self._precision
         layout = layout or self.rank_layout(query, x, packed_seq_params)
         gather = None
         if layout.cp_size > 1:
@@ -224,9 +298,7 @@ class PrecisionDSAttention(DSAttention):
         )
         before = audit.scoring_calls()
         with torch.no_grad(), audit.scoring_site("megatron"), guard:
-            ops = self.indexer.scoring_operands(
-                x.detach(), qr.detach(), packed_seq_params, precision
-            )
+            ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
             select = owned_topk_with_margins if margins else owned_topk
             topk = select(ops, layout, self.index_topk, gather=gather)
         if strict and audit.scoring_calls() == before:
@@ -238,26 +310,14 @@ class PrecisionDSAttention(DSAttention):
 
     # -- Megatron reads a staged top-k through its index-share holder ------------------------
 
-    @contextlib.contextmanager
-    def _reading(self, topk: torch.Tensor) -> Iterator[None]:
-        """For one Megatron forward, present this layer as one that reads its top-k (``topk``)
-        from the index-share holder, the route of Megatron's index-sharing skip layers."""
-        saved = (self.skip_topk, self.index_share, self.source_layer)
-        self.skip_topk, self.index_share, self.source_layer = True, True, self.layer_number
-        self._staged_topk = topk
-        try:
-            yield
-        finally:
-            self.skip_topk, self.index_share, self.source_layer = saved
-            self._staged_topk = None
-
     def _get_index_share_topk_holder(
         self,
         packed_seq_params: PackedSeqParams | None,
         attention_mask: torch.Tensor | None = None,
     ) -> dict[int, torch.Tensor]:
-        if self._staged_topk is not None:
-            return {self.layer_number: self._staged_topk}
+        staged = _STAGED.get().get(self)
+        if staged is not None:
+            return {self.layer_number: staged}
         return super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
 
     def _get_index_share_topk_length_holder(
@@ -265,6 +325,6 @@ class PrecisionDSAttention(DSAttention):
         packed_seq_params: PackedSeqParams | None,
         attention_mask: torch.Tensor | None = None,
     ) -> dict[int, torch.Tensor]:
-        if self._staged_topk is not None:
-            return {}
+        if self in _STAGED.get():
+            return {}  # the owned top-k marks unused slots with -1; no per-row lengths
         return super()._get_index_share_topk_length_holder(packed_seq_params, attention_mask)

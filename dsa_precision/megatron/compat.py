@@ -1,42 +1,130 @@
-"""The megatron-core surface the integration relies on, checked once, at import.
+"""The megatron-core surface the integration relies on: listed once here, checked against the
+installed release.
 
-The drop-in modules subclass ``DSAIndexer`` and ``DSAttention`` and call Megatron's public layout
-and masking helpers; nothing of megatron-core is replaced or reassigned. What they rely on is
-listed here (classes, methods with their parameters, instance attributes, config fields and
-module functions), and :func:`check_megatron_core` raises one ``ImportError`` naming the installed
-megatron-core version and everything that changed. Tested: megatron-core 0.19.2.
+Every Megatron name the package uses is below -- what it imports, the module functions it calls
+(with the positional count and keywords of each call), the methods it overrides or calls through
+``super()`` (with their leading parameters), the instance attributes it reads on a built layer,
+the attributes of the objects Megatron hands it and the config fields it reads. Nothing of
+megatron-core is replaced or reassigned. :func:`check_megatron_core` (run when
+``dsa_precision.megatron`` is imported) checks the classes, functions, signatures and fields;
+:func:`check_built` checks the instance attributes on each layer as it is built (they exist only
+on a constructed object). Either raises one ``ImportError`` naming the installed megatron-core
+version, the tested one and everything that changed. ``tests/test_megatron_compat.py`` pins this
+list against the package's source (its imports, calls and attribute reads), so a name used and
+not listed, or listed and no longer used, fails the suite. Tested: megatron-core 0.19.2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from typing import Any
 
-__all__ = ["TESTED_MEGATRON_CORE", "check_megatron_core", "megatron_core_version"]
+__all__ = [
+    "ATTRIBUTES_OF",
+    "CALLS",
+    "CONFIG_FIELDS",
+    "INSTANCE_ATTRIBUTES",
+    "METHODS",
+    "PACKED_SEQ_FIELDS",
+    "PROCESS_GROUP_FIELDS",
+    "TESTED_MEGATRON_CORE",
+    "check_built",
+    "check_megatron_core",
+    "megatron_core_version",
+]
 
 TESTED_MEGATRON_CORE = "0.19.2"
 
-# (module, name) -> expected parameters (None: must exist and be callable)
-_FUNCTIONS: dict[tuple[str, str], tuple[str, ...] | None] = {
-    ("dsa_layout", "get_packed_qk_cu_seqlens"): ("packed_seq_params",),
-    ("dsa_layout", "build_zigzag_cp_local_positions"): ("seq_len", "cp_size", "cp_rank", "device"),
-    ("dsa_layout", "build_zigzag_allgather_cp_key_reorder"): ("sq", "cp_size", "device"),
-    ("dsa_layout", "build_packed_allgather_cp_query_positions_and_key_reorder"): None,
-    ("dsa_layout", "build_packed_allgather_cp_local_positions"): None,
-    ("dsa", "fused_qk_topk_naive"): None,
-    ("dsa", "is_dsa_skip_topk_layer"): ("layer_number", "skip_topk_offset", "topk_freq"),
+_EAV = "megatron.core.transformer.experimental_attention_variant"
+_SPECS = "megatron.core.models.gpt.experimental_attention_variant_module_specs"
+_DSA = f"{_EAV}.dsa"
+_LAYOUT = f"{_EAV}.dsa_layout"
+
+# Every Megatron name the package imports or reaches through an imported module, by its dotted
+# path, with the calls made to it: (positional arguments, keywords) per call shape; () for a
+# name that is only referenced (a class subclassed or annotated, a flag read).
+Call = tuple[int, tuple[str, ...]]
+CALLS: dict[str, tuple[Call, ...]] = {
+    "megatron.core.packed_seq_params.PackedSeqParams": (),
+    "megatron.core.tensor_parallel.mappings.gather_from_sequence_parallel_region": (
+        (1, ("group",)),
+    ),
+    f"{_DSA}.DSAIndexer": (),
+    f"{_DSA}.DSAttention": (),
+    _LAYOUT: (),
+    f"{_LAYOUT}.ensure_sbhd": ((2, ()),),
+    f"{_LAYOUT}.get_packed_qk_cu_seqlens": ((1, ()),),
+    f"{_LAYOUT}.build_packed_allgather_cp_local_positions": (
+        (4, ("output_size",)),
+        (4, ("cu_seqlens_cover_output", "output_size")),
+    ),
+    f"{_LAYOUT}.build_zigzag_cp_local_positions": ((4, ()),),
+    f"{_LAYOUT}.build_zigzag_allgather_cp_key_reorder": ((0, ("cp_size", "device", "sq")),),
+    f"{_LAYOUT}.build_packed_allgather_cp_query_positions_and_key_reorder": (
+        (
+            0,
+            (
+                "cp_rank",
+                "cp_size",
+                "cu_seqlens_kv",
+                "cu_seqlens_q",
+                "device",
+                "global_output_size",
+                "key_cu_seqlens_cover_output",
+                "key_local_output_size",
+                "local_output_size",
+                "query_cu_seqlens_cover_output",
+            ),
+        ),
+    ),
+    "megatron.core.transformer.transformer_config.MLATransformerConfig": (),
+    "megatron.training.argument_utils.core_transformer_config_from_args": ((1, ()),),
+    "megatron.core.models.backends.BackendSpecProvider": (),
+    "megatron.core.models.backends.LocalSpecProvider": (),
+    "megatron.core.models.backends.LocalSpecProvider.layer_norm": ((0, ("for_qk", "rms_norm")),),
+    _SPECS: (),
+    f"{_SPECS}.HAVE_TE": (),
+    f"{_SPECS}.TESpecProvider": ((0, ()),),
+    f"{_SPECS}.get_dsa_module_spec_for_backend": ((1, ("backend",)),),
+    f"{_SPECS}.get_transformer_block_with_experimental_attention_variant_spec": (
+        (1, ("pp_rank", "vp_stage")),
+    ),
+    f"{_SPECS}.get_transformer_layer_with_experimental_attention_variant_spec": (
+        (1, ("backend",)),
+    ),
+    "megatron.core.transformer.spec_utils.ModuleSpec": (),
+    "megatron.core.transformer.transformer_block.TransformerBlockSubmodules": (
+        (0, ("layer_norm", "layer_specs")),
+    ),
+    "megatron.core.transformer.transformer_block.get_num_layers_to_build": (
+        (1, ("pp_rank", "vp_stage")),
+    ),
+    "megatron.core.transformer.transformer_layer.get_transformer_layer_offset": (
+        (1, ("pp_rank", "vp_stage")),
+    ),
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear": (),
+    f"{_EAV}.absorbed_mla.AbsorbedMLASelfAttentionSubmodules": (),
+    "megatron.core.post_training.modelopt.layers.Linear": (),
 }
-# class -> method -> expected leading parameters (after self)
-_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
-    "DSAIndexer": {
-        "__init__": ("config", "submodules", "pg_collection"),
+# Names that exist only when a flag of their module is set (Transformer Engine installed).
+_PRESENT_IF = {f"{_SPECS}.TESpecProvider": f"{_SPECS}.HAVE_TE"}
+# Imported inside a function, checked only where the module is installed (megatron.training is
+# not part of every megatron-core install; config_from_args needs it).
+_OPTIONAL_MODULES = ("megatron.training",)
+
+# Megatron classes subclassed: method -> leading parameters (after self) the package relies on,
+# for each method it overrides (Megatron calls it) or calls through super().
+METHODS: dict[str, dict[str, tuple[str, ...]]] = {
+    f"{_DSA}.DSAIndexer": {
+        "__init__": ("config", "submodules"),
         "forward_before_topk": ("x", "qr", "packed_seq_params"),
         "forward_with_scores": ("x", "qr", "mask", "packed_seq_params"),
         "_apply_rope": ("x", "rotary_pos_emb", "mscale", "cu_seqlens"),
     },
-    "DSAttention": {
-        "__init__": ("config", "submodules", "layer_number", "attn_mask_type", "attention_type"),
+    f"{_DSA}.DSAttention": {
+        "__init__": ("config", "submodules", "layer_number"),
         "forward": (
             "query", "key", "value", "attention_mask", "x", "qr", "position_ids",
             "attn_mask_type", "attention_bias", "packed_seq_params", "up_v_weight",
@@ -44,20 +132,40 @@ _METHODS: dict[str, dict[str, tuple[str, ...]]] = {
         "_get_index_share_topk_holder": ("packed_seq_params", "attention_mask"),
         "_get_index_share_topk_length_holder": ("packed_seq_params", "attention_mask"),
     },
+    "megatron.core.transformer.transformer_config.MLATransformerConfig": {"__post_init__": ()},
 }  # fmt: skip
-# Instance attributes DSAttention.forward reads to decide whether a layer computes its top-k or
-# reads it from the index-share holder (the route the owned top-k takes).
-_DSATTENTION_STATE = ("skip_topk", "index_share", "source_layer", "layer_number", "pg_collection")
-_INDEXER_STATE = (
-    "linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj", "rotary_pos_emb",
-    "index_n_heads", "index_head_dim", "qk_pos_emb_head_dim", "pg_collection",
-)  # fmt: skip
-_CONFIG_FIELDS = (
-    "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
-    "dsa_indexer_rotate_activation", "dsa_indexer_k_norm_fp32", "dsa_indexer_rope_interleaved",
-    "dsa_indexer_scoring_relu", "dsa_indexer_topk_freq", "dsa_kernel_backend",
-    "experimental_attention_variant", "qk_pos_emb_head_dim", "rope_type", "apply_rope_fusion",
-    "sequence_parallel", "context_parallel_size",
+# (LocalDSASpecProvider adds ``linear()``, which Megatron's DSA spec builder calls on the backend
+# with no argument; LocalSpecProvider has none to override.)
+
+# Instance attributes of a built module the package reads (Megatron's __init__ sets them; the
+# seam presents skip_topk / index_share / source_layer per call, see attention.py).
+INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "DSAttention": (
+        "config", "indexer", "index_share", "index_topk", "layer_number", "pg_collection",
+        "skip_topk", "source_layer",
+    ),
+    "DSAIndexer": (
+        "config", "index_head_dim", "index_n_heads", "index_topk", "k_norm",
+        "linear_weights_proj", "linear_wk", "linear_wq_b", "pg_collection",
+        "qk_pos_emb_head_dim", "rotary_pos_emb",
+    ),
+}  # fmt: skip
+# Attributes of those instance attributes, with their call shapes (() for a value).
+# Checked on the built layer (the attribute's class depends on the config).
+ATTRIBUTES_OF: dict[tuple[str, str], dict[str, tuple[Call, ...]]] = {
+    ("DSAIndexer", "rotary_pos_emb"): {"get_rotary_seq_len": ((5, ()),)},
+    ("DSAIndexer", "linear_weights_proj"): {"weight": ()},  # its float32 product (FP32 weights)
+}
+# Fields of the dataclasses Megatron hands the layers: PackedSeqParams, and ProcessGroupCollection
+# (``pg_collection``; its groups' size() and rank() are torch.distributed's).
+PACKED_SEQ_FIELDS = ("max_seqlen_kv", "max_seqlen_q", "qkv_format")
+PROCESS_GROUP_FIELDS = ("cp", "tp")
+# TransformerConfig fields read (besides the package's own four).
+CONFIG_FIELDS = (
+    "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_fp32",
+    "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved",
+    "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
+    "normalization", "rope_type", "sequence_parallel",
 )  # fmt: skip
 
 
@@ -71,45 +179,91 @@ def _params(fn: Any) -> tuple[str, ...]:
     return tuple(p for p in inspect.signature(fn).parameters if p != "self")
 
 
-def _surface_problems() -> list[str]:
-    from megatron.core.transformer.experimental_attention_variant import dsa, dsa_layout
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    modules = {"dsa": dsa, "dsa_layout": dsa_layout}
-    problems = []
-    for (module, name), params in _FUNCTIONS.items():
-        fn = getattr(modules[module], name, None)
-        if not callable(fn):
-            problems.append(f"{module}.{name} is missing")
-        elif params is not None and _params(fn)[: len(params)] != params:
-            problems.append(f"{module}.{name}{_params(fn)} no longer takes {params}")
-    for cls_name, methods in _METHODS.items():
-        cls = getattr(dsa, cls_name, None)
-        if cls is None:
-            problems.append(f"dsa.{cls_name} is missing")
+def _resolve(path: str) -> Any:
+    """The object at dotted ``path``: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
             continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(path)
+
+
+def _call_problems(name: str, obj: Any, calls: tuple[Call, ...]) -> list[str]:
+    problems = []
+    for npos, keywords in calls:
+        if not callable(obj):
+            return [f"{name} is no longer callable"]
+        # A method reached through its class (``Class.method``) also takes self.
+        unbound = inspect.isfunction(obj) and "." in obj.__qualname__
+        try:
+            inspect.signature(obj).bind(*range(npos + unbound), **dict.fromkeys(keywords))
+        except TypeError as exc:
+            shown = ", ".join([f"<{npos} positional>"] + [f"{k}=" for k in keywords])
+            problems.append(f"{name}{inspect.signature(obj)} no longer takes ({shown}): {exc}")
+        except ValueError:  # no signature (a builtin): nothing to check
+            pass
+    return problems
+
+
+def _surface_problems() -> list[str]:
+    problems = []
+    for path, calls in CALLS.items():
+        if path in _PRESENT_IF and not _resolve(_PRESENT_IF[path]):
+            continue
+        try:
+            obj = _resolve(path)
+        except ModuleNotFoundError:
+            if path.startswith(_OPTIONAL_MODULES):
+                continue
+            problems.append(f"{path} is missing (its module does not import)")
+            continue
+        except AttributeError:
+            problems.append(f"{path} is missing")
+            continue
+        problems += _call_problems(path, obj, calls)
+    for path, methods in METHODS.items():
+        try:
+            cls = _resolve(path)
+        except (ModuleNotFoundError, AttributeError):
+            continue  # reported above
+        short = path.rsplit(".", 1)[1]
         for method, params in methods.items():
             fn = getattr(cls, method, None)
             if fn is None:
-                problems.append(f"{cls_name}.{method} is missing")
+                problems.append(f"{short}.{method} is missing")
             elif _params(fn)[: len(params)] != params:
-                problems.append(f"{cls_name}.{method}{_params(fn)} no longer takes {params}")
-    for cls_name, attrs in (("DSAttention", _DSATTENTION_STATE), ("DSAIndexer", _INDEXER_STATE)):
-        cls = getattr(dsa, cls_name, None)
-        if cls is None:
-            continue  # reported above
-        source = inspect.getsource(cls.__init__)
-        problems += [
-            f"{cls_name} no longer sets self.{a}" for a in attrs if f"self.{a} =" not in source
-        ]
-    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    problems += [f"TransformerConfig has no field {f}" for f in _CONFIG_FIELDS if f not in fields]
+                problems.append(f"{short}.{method}{_params(fn)} no longer takes {params}")
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    for cls, names in (
+        (PackedSeqParams, PACKED_SEQ_FIELDS),
+        (ProcessGroupCollection, PROCESS_GROUP_FIELDS),
+        (MLATransformerConfig, CONFIG_FIELDS),
+    ):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        problems += [f"{cls.__name__} has no field {f}" for f in names if f not in fields]
     return problems
+
+
+def _raise(problems: list[str]) -> None:
+    raise ImportError(
+        f"dsa_precision.megatron was built against megatron-core {TESTED_MEGATRON_CORE}; the "
+        f"installed megatron-core {megatron_core_version()} differs where the drop-in modules "
+        "rely on it:\n  - " + "\n  - ".join(problems) + "\nInstall megatron-core=="
+        f"{TESTED_MEGATRON_CORE} or a dsa-precision release that supports this version."
+    )
 
 
 def check_megatron_core() -> None:
     """Raise ``ImportError`` naming the megatron-core version and every missing or changed piece
-    of the surface the integration relies on."""
+    of the surface the integration relies on (classes, functions, signatures, fields)."""
     try:
         problems = _surface_problems()
     except ImportError as exc:
@@ -118,9 +272,23 @@ def check_megatron_core() -> None:
             f"'megatron-core=={TESTED_MEGATRON_CORE}' (or dsa-precision[megatron])."
         ) from exc
     if problems:
-        raise ImportError(
-            f"dsa_precision.megatron was built against megatron-core {TESTED_MEGATRON_CORE}; the "
-            f"installed megatron-core {megatron_core_version()} differs where the drop-in modules "
-            "rely on it:\n  - " + "\n  - ".join(problems) + "\nInstall megatron-core=="
-            f"{TESTED_MEGATRON_CORE} or a dsa-precision release that supports this version."
-        )
+        _raise(problems)
+
+
+def check_built(module: Any, megatron_class: str) -> None:
+    """Raise ``ImportError`` (version and changes) if a just-built ``module`` (a subclass of
+    Megatron's ``megatron_class``) lacks an instance attribute the package reads."""
+    problems = []
+    for name in INSTANCE_ATTRIBUTES[megatron_class]:
+        if name not in module.__dict__ and not hasattr(module, name):
+            problems.append(f"{megatron_class}.__init__ no longer sets self.{name}")
+            continue
+        value = getattr(module, name)
+        for attr, calls in ATTRIBUTES_OF.get((megatron_class, name), {}).items():
+            where = f"{megatron_class}.{name}.{attr}"
+            if not hasattr(value, attr):
+                problems.append(f"{where} is missing ({type(value).__name__})")
+            else:
+                problems += _call_problems(where, getattr(value, attr), calls)
+    if problems:
+        _raise(problems)

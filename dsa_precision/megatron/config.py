@@ -15,7 +15,14 @@ from ..config import IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
 from .replay import TOPK_SOURCES
 
-__all__ = ["DSAPrecisionTransformerConfig", "add_dsa_precision_args", "config_from_args"]
+__all__ = [
+    "PRECISION_FIELDS",
+    "VALIDATED_MEGATRON_FIELDS",
+    "DSAPrecisionTransformerConfig",
+    "add_dsa_precision_args",
+    "config_from_args",
+    "layer_decisions",
+]
 
 
 @dataclass
@@ -53,13 +60,80 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.dsa_indexer_precision  # noqa: B018 - validates the fields and their combination
+        # Validated once; from here on the precision fields are frozen (see __setattr__).
+        object.__setattr__(self, _VALIDATED, _validate_precision(self))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After ``__post_init__`` a precision field cannot change (the built layers decided on
+        it); a Megatron field the precision was validated against is re-validated, and the
+        assignment is undone if the combination can no longer be honoured."""
+        validated = self.__dict__.get(_VALIDATED)
+        if validated is None or name not in _REVALIDATED:
+            object.__setattr__(self, name, value)
+            return
+        if name in PRECISION_FIELDS:
+            if value == getattr(self, name):
+                return
+            raise AttributeError(
+                f"{name} is frozen after the config is validated (it is {getattr(self, name)!r}, "
+                f"asked {value!r}); the DSA layers decided on it when they were built. Build a "
+                f"new config instead: dataclasses.replace(config, {name}={value!r})."
+            )
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            object.__setattr__(self, _VALIDATED, _validate_precision(self))
+        except (TypeError, ValueError) as exc:
+            object.__setattr__(self, name, old)
+            raise type(exc)(f"{name}={value!r} rejected (kept {old!r}): {exc}") from None
 
     @property
     def dsa_indexer_precision(self) -> IndexerPrecisionConfig:
         """The dsa-precision fields as the core's frozen :class:`IndexerPrecisionConfig`,
-        validated against the model (one ``ValueError`` naming every field to fix)."""
-        return _validate_precision(self)
+        validated against the model once (one ``ValueError`` naming every field to fix)."""
+        validated = self.__dict__.get(_VALIDATED)
+        return validated if validated is not None else _validate_precision(self)
+
+
+# The four fields of DSAPrecisionTransformerConfig: frozen once validated.
+PRECISION_FIELDS = (
+    "dsa_indexer_rope_fp32",
+    "dsa_indexer_scoring_precision",
+    "dsa_indexer_engine",
+    "dsa_indexer_topk_source",
+)
+# Megatron's fields the precision is validated against (_validate_precision): re-validated when
+# assigned after __post_init__ (Megatron's own layers read them per forward, and so may a test).
+VALIDATED_MEGATRON_FIELDS = (
+    "dsa_indexer_loss_coeff",
+    "dsa_indexer_scoring_relu",
+    "dsa_indexer_n_heads",
+    "dsa_indexer_head_dim",
+    "dsa_indexer_rotate_activation",
+    "dsa_indexer_rope_interleaved",
+    "experimental_attention_variant",
+)
+_REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
+# Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
+_VALIDATED = "_dsa_indexer_precision_validated"
+
+
+def layer_decisions(config: Any) -> tuple[IndexerPrecisionConfig, str]:
+    """``(precision, topk_source)`` a DSA layer built on ``config`` decides once.
+
+    A :class:`DSAPrecisionTransformerConfig` hands its validated (and frozen) fields; any other
+    config (Megatron's ``MLATransformerConfig``) means Megatron's behaviour, and must not carry
+    the fields as loose attributes, which nothing would validate or freeze."""
+    if isinstance(config, DSAPrecisionTransformerConfig):
+        return config.dsa_indexer_precision, config.dsa_indexer_topk_source
+    loose = [name for name in PRECISION_FIELDS if hasattr(config, name)]
+    if loose:
+        raise TypeError(
+            f"{type(config).__name__} carries {', '.join(loose)} as plain attributes; build the "
+            "config as dsa_precision.megatron.DSAPrecisionTransformerConfig, which validates "
+            "and freezes them."
+        )
+    return IndexerPrecisionConfig(), "compute"
 
 
 def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisionConfig:

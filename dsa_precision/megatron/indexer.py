@@ -1,6 +1,7 @@
 """``PrecisionDSAIndexer``: megatron-core's ``DSAIndexer`` with the dsa-precision numerics.
 
-The dsa-precision fields are read from the config at every call, as Megatron reads its own:
+The dsa-precision fields are decided once, when the indexer is built (the config freezes them);
+the Megatron fields its preprocessing follows are read per forward, as Megatron reads them:
 
 - default fields: every method is Megatron's, unchanged;
 - ``dsa_indexer_rope_fp32``: ``forward_before_topk`` keeps key LayerNorm -> RoPE -> Hadamard in
@@ -17,6 +18,8 @@ way.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -28,33 +31,61 @@ from ..operands import ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
 from ..scoring import indexer_scores, packed_sequence_of
 from ..topk import indexer_topk
+from . import compat
+from .config import layer_decisions
 
 __all__ = ["PrecisionDSAIndexer"]
 
 
 class PrecisionDSAIndexer(DSAIndexer):
     """``DSAIndexer`` whose numerics follow the dsa-precision fields of its config (see the
-    module docstring)."""
+    module docstring), decided once, when it is built."""
+
+    def __init__(self, config, submodules, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        compat.check_built(self, "DSAIndexer")
+        self._precision, _ = layer_decisions(self.config)
+        # (Megatron fields it follows, module): a tuple, so nn.Module does not register the
+        # preprocessing (it borrows k_norm; the state dict keeps Megatron's names).
+        self._preprocess_cache: tuple[tuple[bool, ...], IndexerPreprocess] | None = None
+        if self._precision.rope_fp32 or self._precision.fp8:
+            self.preprocess()  # built (and its arguments checked) now, not at the first forward
 
     @property
     def precision(self) -> IndexerPrecisionConfig:
-        """The configured precision, read from the config now."""
-        return IndexerPrecisionConfig.from_megatron_config(self.config)
+        """The precision decided when the indexer was built (the config freezes its fields)."""
+        return self._precision
 
-    def preprocess(self, precision: IndexerPrecisionConfig) -> IndexerPreprocess:
-        """The preprocessing the config describes now (Megatron's own RoPE on its BF16 path)."""
-        return IndexerPreprocess(
+    def preprocess(self) -> IndexerPreprocess:
+        """The preprocessing of the configured precision (Megatron's own RoPE on its BF16 path),
+        built once. Megatron reads ``dsa_indexer_rope_interleaved``, ``..._rotate_activation``,
+        ``..._k_norm_fp32`` and ``apply_rope_fusion`` at every forward, and so does this: a
+        change (re-validated by the config) rebuilds the module, nothing else does."""
+        config = self.config
+        key = (
+            config.dsa_indexer_rope_interleaved,
+            config.dsa_indexer_rotate_activation,
+            config.dsa_indexer_k_norm_fp32,
+            config.apply_rope_fusion,
+        )
+        cached = self._preprocess_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        rope_interleaved, rotate_activation, k_norm_fp32, rope_fusion = key
+        module = IndexerPreprocess(
             self.index_head_dim,
             self.qk_pos_emb_head_dim,
             k_norm=self.k_norm,
-            rope_interleaved=self.config.dsa_indexer_rope_interleaved,
-            rotate_activation=self.config.dsa_indexer_rotate_activation,
-            k_norm_fp32=self.config.dsa_indexer_k_norm_fp32,
-            rope_fp32=precision.rope_fp32,
-            engine=precision.engine,
+            rope_interleaved=rope_interleaved,
+            rotate_activation=rotate_activation,
+            k_norm_fp32=k_norm_fp32,
+            rope_fp32=self._precision.rope_fp32,
+            engine=self._precision.engine,
             rope_fn=self._megatron_rope,
-            exact_bf16_rope=not self.config.apply_rope_fusion,
+            exact_bf16_rope=not rope_fusion,
         )
+        self._preprocess_cache = (key, module)
+        return module
 
     def _megatron_rope(self, x, freqs, mscale, cu_seqlens):
         return self._apply_rope(x, freqs, mscale, cu_seqlens=cu_seqlens)
@@ -142,13 +173,13 @@ class PrecisionDSAIndexer(DSAIndexer):
         and rounded to BF16 for BF16 scoring (float32 carriers for FP8 scoring, with float32
         weights in the engine's order).
         """
-        precision = self.precision
+        precision = self._precision
         if not precision.rope_fp32:
             return super().forward_before_topk(x, qr, packed_seq_params)
         q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
             x, qr, packed_seq_params
         )
-        q, k = self.preprocess(precision)(
+        q, k = self.preprocess()(
             q, k, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
         )
         if not precision.fp8:
@@ -163,15 +194,22 @@ class PrecisionDSAIndexer(DSAIndexer):
         packed_seq_params: PackedSeqParams | None = None,
         precision: IndexerPrecisionConfig | None = None,
     ) -> ScoringOperands:
-        """The scoring operands of every indexer row (``(b, s, ...)``; packed: batch 1), built by
-        the fused preprocess + quantize kernel when it reproduces the reference (FP8 on CUDA)."""
-        precision = precision or self.precision
+        """The scoring operands of every indexer row (``(b, s, ...)``; packed: batch 1) in the
+        indexer's precision, built by the fused preprocess + quantize kernel when it reproduces
+        the reference (FP8 on CUDA). ``precision``, if given, must be :attr:`precision` (the
+        indexer's preprocessing is built for it)."""
+        if precision is not None and precision != self._precision:
+            raise ValueError(
+                f"precision={precision!r} is not this indexer's ({self._precision!r}); the "
+                "precision is decided when the indexer is built: build one from a config with it."
+            )
+        precision = self._precision
         weights_fp32 = precision.fp8 and precision.engine.weights_dtype == "fp32"
         q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
             x, qr, packed_seq_params, weights_fp32
         )
         return prepare_indexer_operands(
-            self.preprocess(precision),
+            self.preprocess(),
             q,
             k,
             w,
@@ -196,10 +234,9 @@ class PrecisionDSAIndexer(DSAIndexer):
         ``[b, sq, sk]``) is applied as Megatron applies it, and the top-k is the package's
         deterministic one (keys ascending, ``-1`` for masked picks).
         """
-        precision = self.precision
-        if not precision.fp8:
+        if not self._precision.fp8:
             return super().forward_with_scores(x, qr, mask, packed_seq_params)
-        ops = self.scoring_operands(x, qr, packed_seq_params, precision)
+        ops = self.scoring_operands(x, qr, packed_seq_params)
         sk = ops.k.shape[1]
         scores = indexer_scores(ops, q_causal_offsets=sk)  # every key visible: Megatron masks
         if mask is not None:

@@ -176,3 +176,106 @@ def test_owned_top_k_never_waits_for_the_host(dsap, packed):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
+
+
+def _packed_params(packed: bool):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not packed:
+        return None
+    cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device="cuda")
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1100, max_seqlen_kv=1100
+    )
+
+
+def _layer_step(dsap, name, topk_freq, packed):
+    """Layers 1 and 2 of an FP8 model (with topk_freq=2 layer 2 reads layer 1's top-k) and a
+    step: forward of both, backward; returns the output and the query / key gradients."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name])
+    layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+
+    def step(inputs):
+        psp = _packed_params(packed)
+        outs = []
+        for layer, (query, key, x, qr, up_v) in zip(layers, inputs, strict=True):
+            if packed:
+                query, key = query.view(query.shape[0], *query.shape[2:]), key[:, 0]
+            outs.append(
+                layer(
+                    query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal,
+                    up_v_weight=up_v, packed_seq_params=psp,
+                )
+            )  # fmt: skip
+        sum(o.float().square().sum() for o in outs).backward()
+        return [o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]]
+
+    return step
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+@pytest.mark.parametrize("name", ["fp8", "rope_fp32+fp8"])
+def test_fp8_layer_forward_and_backward_never_wait_for_the_host(dsap, name, topk_freq, packed):
+    """Issue 19 item 3: the default FP8 step (the package's owned top-k, the seam, Megatron's
+    sparse attention, the backward) runs under ``set_sync_debug_mode("error")``."""
+    step = _layer_step(dsap, name, topk_freq, packed)
+    want = step([_inputs(seed=s) for s in (0, 1)])  # warm-up: compiles the kernels
+    torch.cuda.synchronize()
+    inputs = [_inputs(seed=s) for s in (0, 1)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_megatron_recompute_gives_the_eager_gradients(dsap, topk_freq):
+    """Megatron's activation recomputation (``tensor_parallel.checkpoint``, what
+    ``recompute_granularity`` uses) reruns each FP8 layer in the backward: the owned layer
+    restages its top-k, the reader reads the holder again; outputs and gradients are eager's."""
+    from megatron.core import tensor_parallel
+
+    config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS["rope_fp32+fp8"])
+    layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+    results = []
+    for recompute in (False, True):
+        inputs = [_inputs(seed=s) for s in (0, 1)]
+        outs = []
+        for layer, args in zip(layers, inputs, strict=True):
+            run = _forward(layer)
+            outs.append(tensor_parallel.checkpoint(run, False, *args) if recompute else run(*args))
+        sum(o.float().square().sum() for o in outs).backward()
+        results.append([o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_layer_forward_replays_from_a_cuda_graph(dsap):
+    """CUDA-graph capture of the FP8 layer forward (owned top-k staged through the seam): the
+    replay on new inputs copied into the static buffers gives the eager output."""
+    config = _config(dsap, **CONFIGS["rope_fp32+fp8"])
+    attn = _attention(dsap, config)
+    run = _forward(attn)
+    static = [t.detach().clone() for t in _inputs(seed=0)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream, as torch.cuda.graph requires
+            run(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = run(*static)
+    fresh = [t.detach() for t in _inputs(seed=3)]
+    for buffer, value in zip(static, fresh, strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    with torch.no_grad():
+        want = run(*fresh)
+    assert torch.equal(out, want)

@@ -5,7 +5,7 @@
 ``PATH`` is a Megatron-LM checkout (or an export of one: only its ``tests/`` tree is used) of the
 release matching the installed megatron-core, e.g.::
 
-    git --git-dir=MIRROR archive core_r0.19.0 tests | tar -x -C .megatron-lm
+    git --git-dir=MIRROR archive core_r0.19.0 tests pyproject.toml | tar -x -C .megatron-lm
 
 (``--from-git MIRROR --commit REV`` does this when ``PATH`` has no ``tests/``). Megatron's code
 itself comes from the installed megatron-core, never from ``PATH``.
@@ -170,7 +170,11 @@ def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, st
     cmd = [sys.executable, "-m", "pytest", *selection.targets()]
     if selection.keyword:
         cmd += ["-k", selection.keyword]
-    cmd += ["-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider", "-p", "cpu_plugin"]
+    # --rootdir: node ids relative to the checkout (the plugins select tests by them), also when
+    # the export sits inside another project whose pytest configuration would claim it.
+    root = Path(args.megatron_lm).resolve()
+    cmd += ["--rootdir", str(root), "-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-p", "cpu_plugin"]
     if mode == "swapped":
         cmd += ["-p", "swap_plugin"]
     cmd += [f"--junitxml={junit}", *args.pytest_arg]
@@ -313,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--from-git", default=None, help="Megatron-LM git dir to extract tests")
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="Megatron-LM commit to extract")
+    parser.add_argument(
+        "--fields",
+        default="",
+        help="swapped mode: dsa-precision fields switched on in every config (rope_fp32)",
+    )
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument")
     args = parser.parse_args(argv)
     args.megatron_lm = str(Path(args.megatron_lm).resolve())
@@ -331,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         path.insert(0, str(Path(package_root).resolve()))
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["MEGATRON_LM_ROOT"] = args.megatron_lm
+    env["DSA_SWAP_FIELDS"] = args.fields
     commit_file = Path(args.megatron_lm) / "COMMIT"
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     versions = _probe_versions(env)
@@ -404,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     swap_reports = sorted((out / "swapped").glob("*.swap.json")) if "swapped" in modes else []
     if swap_reports:
-        install = json.loads(swap_reports[0].read_text()).get("install", {})
-        print(f"\nswap_plugin install(): {install}")
+        probe = json.loads(swap_reports[0].read_text()).get("probe", {})
+        print(f"\nswap_plugin probe: {probe}")
     summary = {
         "megatron_lm": args.megatron_lm,
         "commit": commit,

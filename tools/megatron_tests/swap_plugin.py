@@ -23,7 +23,9 @@ original (megatron.core ...)                                  test modules see
 ``transformer.experimental_attention_variant.dsa.DSAttention`` ``PrecisionDSAttention``
 ``transformer.transformer_config.MLATransformerConfig``        ``DSAPrecisionTransformerConfig``
                                                                (also via ``megatron.core.transformer``;
-                                                               its four fields keep their defaults)
+                                                               its four fields keep their defaults
+                                                               unless ``$DSA_SWAP_FIELDS`` names
+                                                               some: ``rope_fp32``)
 ``models.gpt.experimental_attention_variant_module_specs.``    wrapper: ``with_dsa_precision(
 ``get_dsa_module_spec_for_backend``,                           original(...))`` when the result
 ``get_experimental_attention_variant_module_spec``,            contains ``DSAttention`` or
@@ -43,9 +45,8 @@ the swap. ``DSAttentionSubmodules``, ``DSAIndexerSubmodules``, ``TransformerConf
 every other name are untouched. Module-path strings (``mock.patch("megatron.core...dsa.x")``)
 address the real modules, as in the stock run.
 
-``dsa_precision.megatron.install()``: called only if the function exists AND a probe
-``PrecisionDSAttention`` (a top-k-sharing layer, which builds no indexer and needs no process
-group) refuses to build without it; the outcome is printed in the pytest header and written to
+A probe ``PrecisionDSAttention`` (a top-k-sharing layer, which builds no indexer and needs no
+process group) is built once; the outcome is printed in the pytest header and written to
 ``$DSA_SWAP_REPORT`` (JSON) with the list of rebindings.
 """
 
@@ -83,6 +84,27 @@ _SPEC_CONSTANTS = (
 _DSA_CLASSES = (DSAttention, DSAIndexer)
 _CONSTANT_COPIES: dict[int, tuple[Any, Any]] = {}
 REPORT: dict[str, Any] = {}
+
+# ``$DSA_SWAP_FIELDS``: comma-separated dsa-precision fields switched on in every config the tests
+# build (``rope_fp32``); empty: the four fields keep their defaults.
+_FIELD_SWITCHES = {"rope_fp32": ("dsa_indexer_rope_fp32", True)}
+
+
+def _config_class() -> type:
+    names = [n for n in os.environ.get("DSA_SWAP_FIELDS", "").split(",") if n]
+    unknown = sorted(set(names) - set(_FIELD_SWITCHES))
+    if unknown:
+        raise ValueError(f"DSA_SWAP_FIELDS: unknown {unknown}; use {sorted(_FIELD_SWITCHES)}")
+    REPORT["fields"] = names
+    if not names:
+        return dsap.DSAPrecisionTransformerConfig
+    defaults = dict(_FIELD_SWITCHES[n] for n in names)
+    cls = type(
+        "DSAPrecisionTransformerConfig",
+        (dsap.DSAPrecisionTransformerConfig,),
+        {"__annotations__": {k: type(v) for k, v in defaults.items()}, **defaults},
+    )
+    return dataclasses.dataclass(cls)
 
 
 def _mentions_dsa(node: Any, _seen: set[int] | None = None) -> bool:
@@ -154,27 +176,18 @@ def _probe_attention() -> tuple[bool, str]:
     return True, "built"
 
 
-def _decide_install() -> dict[str, Any]:
-    has_install = callable(getattr(dsap, "install", None))
-    info: dict[str, Any] = {"install_exists": has_install, "install_called": False}
+def _probe() -> dict[str, Any]:
     try:
         builds, detail = _probe_attention()
     except Exception:
-        info["probe"] = "probe could not run: " + traceback.format_exc(limit=1).strip()
-        return info
-    info["builds_without_install"] = builds
-    info["probe"] = detail
-    if has_install and not builds:
-        dsap.install()
-        info["install_called"] = True
-        info["builds_after_install"], info["probe_after_install"] = _probe_attention()
-    return info
+        return {"builds": False, "probe": traceback.format_exc(limit=1).strip()}
+    return {"builds": builds, "probe": detail}
 
 
 def _register() -> None:
     _rebind.register(DSAIndexer, dsap.PrecisionDSAIndexer)
     _rebind.register(DSAttention, dsap.PrecisionDSAttention)
-    _rebind.register(MLATransformerConfig, dsap.DSAPrecisionTransformerConfig)
+    _rebind.register(MLATransformerConfig, _config_class())
     for module, name in _SPEC_CONSTANTS:
         constant = getattr(module, name)
         copy = dsap.with_dsa_precision(constant)
@@ -187,7 +200,7 @@ def _register() -> None:
         _rebind.register(original, _wrap_builder(_rebind.resolve(original)))
 
 
-REPORT["install"] = _decide_install()
+REPORT["probe"] = _probe()
 _register()
 _rebind.activate(
     os.path.join(os.path.abspath(os.environ.get("MEGATRON_LM_ROOT", os.getcwd())), "tests")
@@ -195,13 +208,12 @@ _rebind.activate(
 
 
 def pytest_report_header(config) -> list[str]:
-    info = REPORT["install"]
+    info = REPORT["probe"]
     return [
         "swap_plugin: DSAIndexer, DSAttention, MLATransformerConfig, DSA spec builders/constants "
         "rebound in Megatron-LM's test modules",
-        f"swap_plugin: install() exists={info.get('install_exists')} "
-        f"builds_without_install={info.get('builds_without_install')} "
-        f"install_called={info.get('install_called')} ({info.get('probe')})",
+        f"swap_plugin: probe PrecisionDSAttention builds={info['builds']} ({info['probe']})",
+        f"swap_plugin: dsa-precision fields switched on: {REPORT['fields'] or 'none'}",
     ]
 
 
