@@ -192,7 +192,9 @@ def causal_selections(batch: int = 2, seq_len: int = 20, k: int = 8, seed: int =
 def save_replay(path: Path, layers: dict, **layout) -> Path:
     """A replay file as ``save_topk`` writes it, without importing Megatron."""
     tensors = {f"layer_{n:02d}": t for n, t in layers.items()} if layers else {}
-    tensors |= {k: v if isinstance(v, torch.Tensor) else torch.tensor([v]) for k, v in layout.items()}
+    tensors |= {
+        k: v if isinstance(v, torch.Tensor) else torch.tensor([v]) for k, v in layout.items()
+    }
     torch.save(tensors, path)
     return path
 
@@ -261,7 +263,7 @@ def test_gate_covers_every_layer_whatever_its_k(tmp_path):
 
 
 def _bad_replays(tmp_path: Path) -> dict[str, tuple[Path, Path, str]]:
-    train, infer = causal_selections(seed=5)
+    train, _ = causal_selections(seed=5)
     good = save_replay(tmp_path / "good.pt", {1: train, 2: train}, seq_len=20)
     late = train.clone()
     late[23, 0] = 4  # token 23 is position 3 of sequence 1: key 4 is in its future

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import CliError, progress
+from . import CliError, print_json, progress, seed
 
 __all__ = ["BenchConfig", "format_tables", "register", "run_bench"]
 
@@ -71,7 +69,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="time the indexer's kernels and the package beside them, BF16 vs FP8 (CUDA GPU)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--seq", type=int, nargs="+", default=list(d.seqs), help="sequence lengths S")
     p.add_argument("--heads", type=int, nargs="+", default=list(d.heads), help="heads H (32, 64)")
@@ -111,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=d.torch_reference,
         help="also time the torch reference of the fused preprocessing (default off)",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
+    p.add_argument("--seed", type=seed, default=d.seed, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
     p.set_defaults(func=main)
 
@@ -463,8 +460,7 @@ def main(args: argparse.Namespace) -> int:
     )
     report = run_bench(cfg)
     if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(report)
     else:
         print(format_tables(report))
     return 0
