@@ -298,13 +298,17 @@ def _bad_replays(tmp_path: Path) -> dict[str, tuple[Path, Path, str]]:
 
 
 BAD_REPLAYS = ["causal", "rows", "cu_seqlens", "layout", "seq_len", "nothing", "same layer",
-               "layer name", "entry"]  # fmt: skip
+               "layer name", "entry", "key"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", BAD_REPLAYS)
 def test_bad_replay_files_are_one_line_exit_2(tmp_path, case):
-    good, bad, message = _bad_replays(tmp_path)[case]
-    code, out, err = run_cli("agree", "--train", good, "--infer", bad)
+    if case == "key":  # an explicit request a replay file cannot honour
+        good, _, _ = _bad_replays(tmp_path)["causal"]
+        bad, extra, message = good, ["--key", "layer_01"], "--key layer_01: replay files"
+    else:
+        (good, bad, message), extra = _bad_replays(tmp_path)[case], []
+    code, out, err = run_cli("agree", "--train", good, "--infer", bad, *extra)
     assert code == 2 and out == ""
     assert err.startswith("dsa-precision agree: error: --") and err.count("\n") == 1, err
     assert message in err, err

@@ -272,6 +272,11 @@ def _compare(
             )
         metrics = _nonempty(topk_agreement(train, infer).as_dict(), f"--infer {infer_path}")
         return [(train_path.name, metrics)], list(train.shape)
+    if key is not None:
+        raise CliError(
+            f"--key {key}: replay files (layer_NN tensors) are compared layer by layer, every "
+            "layer; --key picks the tensor of a plain index file"
+        )
     if sorted(train_replay.layers) != sorted(infer_replay.layers):
         raise CliError(
             f"layers differ: --train has {sorted(train_replay.layers)}, "
