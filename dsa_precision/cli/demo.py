@@ -1,15 +1,16 @@
 """``python -m dsa_precision demo``: how often training picks the keys inference picked.
 
-From one set of structured BF16 projection outputs (:mod:`.synthetic`), the demo computes the
-inference engine's top-k and the training top-k of the four configurations the Megatron
-integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
+From one set of structured BF16 projection outputs (:mod:`dsa_precision.cli.synthetic`), the demo
+computes the inference engine's top-k and the training top-k of the four configurations the
+Megatron integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
 
-The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`, an
-independent model of the chosen engine profile: on the CPU its scores are exact, on CUDA they are
-DeepGEMM's MQA logits (the engines' kernel) when they are importable. The training side is
-the package, as the Megatron integration runs it (torch reference on the CPU, cuDNN on CUDA). On
-the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures the contract (the
-profile's rules, reproduced), not a kernel. Metric definitions: ``docs/numerics.md``.
+The two sides share nothing but the inputs. The inference side is
+:mod:`dsa_precision.cli.engine_model`, an independent model of the chosen engine profile: on the
+CPU its scores are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when they
+are importable. The training side is the package, as the Megatron integration runs it (torch
+reference on the CPU, cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the
+``rope_fp32+fp8`` row measures the contract (the profile's rules, reproduced), not a kernel.
+Metric definitions: ``docs/numerics.md``.
 """
 
 from __future__ import annotations
