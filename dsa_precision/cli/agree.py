@@ -133,7 +133,7 @@ def _replay(path: Path, flag: str) -> _Replay | None:
 
 
 def _integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    """Host-side facts of a saved selection: an integer tensor ``[..., k]``, ``k >= 1``; as int64."""
+    """Host-side facts of a saved selection: an integer tensor ``[..., k]``, k >= 1; as int64."""
     if tensor.dtype not in _INT_DTYPES:
         raise CliError(
             f"{where}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
