@@ -96,7 +96,9 @@ def test_json_carries_the_package_version(monkeypatch, capsys):
     from dsa_precision.cli import bench
 
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda cfg: seen.append(cfg) or {"results": []})
+    monkeypatch.setattr(
+        bench, "run_bench", lambda cfg, *_, **__: seen.append(cfg) or {"results": []}
+    )
     assert cli.main(["bench", "--seq", "4096", "--json"]) == 0
     assert seen[0].seqs == (4096,)
     assert json.loads(capsys.readouterr().out) == {
