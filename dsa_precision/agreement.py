@@ -7,11 +7,19 @@ Definitions, over the rows whose inference set ``I`` is non-empty (``T`` is the 
     rows_identical   = share of rows with T == I
     flipped picks    = |I \\ T| per row (mean and max over those rows)
 
-Index tensors are ``[..., k]`` integer tensors with ``-1`` as padding, in any order (indices
-unique within a row), on any device.
-The metrics are computed with a handful of tensor ops and no host synchronisation per row, so
-calling :func:`topk_agreement` every training step on GPU tensors is cheap; the returned
-:class:`TopkAgreement` holds 0-d tensors until you read a field as a Python number.
+Index tensors are ``[..., k]`` integer tensors (``k >= 1``), in any order, on any device. **The
+index rule** (the same for :func:`topk_agreement`, ``dsa-precision agree`` and the replay layout
+of :class:`dsa_precision.topk_layout.TokenLayout`): an entry is a key ``>= 0`` or ``-1``
+(padding); a row holds each key at most once (``-1`` may repeat). A negative other than ``-1`` or
+a repeated key is an error, never read as padding or counted twice.
+
+The metrics are computed with a handful of tensor ops and no host synchronisation, so calling
+:func:`topk_agreement` every training step on GPU tensors is cheap; the returned
+:class:`TopkAgreement` holds 0-d tensors until you read a field as a Python number. Checking the
+rule on the data needs a host synchronisation, so it is opt-in: with ``validate=True`` a
+violation raises ``ValueError`` naming the tensor, the row and its values; without it, a
+violation makes ``member_agreement``, ``rows_identical`` and ``flipped_mean`` NaN (no sync), so a
+broken selection never reads as an agreement.
 """
 
 from __future__ import annotations
@@ -22,9 +30,18 @@ import torch
 
 from ._checks import check_tensor
 
-__all__ = ["TopkAgreement", "boundary_margin", "row_scale", "score_error", "topk_agreement"]
+__all__ = [
+    "TopkAgreement",
+    "boundary_margin",
+    "row_scale",
+    "score_error",
+    "topk_agreement",
+    "validate_index_rows",
+]
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+# Padding sorts last, as a value no key takes.
+_PAD = torch.iinfo(torch.int64).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,34 +66,88 @@ class TopkAgreement:
         return out
 
 
-def topk_agreement(train_idx: torch.Tensor, infer_idx: torch.Tensor) -> TopkAgreement:
+def topk_agreement(
+    train_idx: torch.Tensor, infer_idx: torch.Tensor, *, validate: bool = False
+) -> TopkAgreement:
     """Compare two top-k selections of the same rows.
 
     Args:
         train_idx: ``[..., k]`` integer key indices selected by training, ``-1`` padded.
         infer_idx: ``[..., k]`` integer key indices selected by inference, same shape and device.
+        validate: check the index rule (module docstring) on the data of both tensors and raise
+            ``ValueError`` on a violation; one host synchronisation. Without it, rows breaking
+            the rule make the float metrics NaN.
 
     Returns:
         :class:`TopkAgreement` over the rows whose inference set is non-empty (all metrics are
         ``1`` / ``0`` when there is none).
     """
+    if validate:
+        for name, idx in (("train_idx", train_idx), ("infer_idx", infer_idx)):
+            validate_index_rows(name, idx)
     return _agreement_and_identical_rows(train_idx, infer_idx)[0]
+
+
+def _check_index_tensor(name: str, idx: object) -> torch.Tensor:
+    """Host-side facts of one ``[..., k]`` selection; returns it as ``int64 [rows, k]``."""
+    idx = check_tensor(name, idx)
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {idx.dtype}; top-k indices are int16/int32/int64.")
+    if idx.ndim < 1:
+        raise ValueError(f"{name} must be [..., k], got a 0-d tensor.")
+    k = idx.shape[-1]
+    if k == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(idx.shape)}: k = 0 slots per row; a top-k selection holds "
+            "at least one slot (-1 pads a row with fewer keys)."
+        )
+    return idx.reshape(-1, k).to(torch.int64)
+
+
+def _sorted_keys(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``int64 [rows, k]`` sorted, negatives (padding) last as ``_PAD``."""
+    return torch.where(rows < 0, _PAD, rows).sort(dim=-1).values
+
+
+def _broken_rows(rows: torch.Tensor, ordered: torch.Tensor) -> torch.Tensor:
+    """bool ``[rows]``: the row breaks the index rule (a negative other than -1, or a key twice);
+    ``ordered`` is :func:`_sorted_keys` of ``rows``."""
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != _PAD)
+    return (rows < -1).any(-1) | repeated.any(-1)
+
+
+def validate_index_rows(name: str, idx: torch.Tensor) -> None:
+    """Check the index rule (module docstring) on the data of ``idx`` ``[..., k]``.
+
+    Raises:
+        TypeError, ValueError: host-side facts (not a tensor, dtype, 0-d, ``k = 0``).
+        ValueError: naming ``name``, the first offending row (flattened over ``[...]``) and its
+            values. One host synchronisation.
+    """
+    rows = _check_index_tensor(name, idx)
+    broken = _broken_rows(rows, _sorted_keys(rows))
+    if not bool(broken.any()):  # the one synchronisation
+        return
+    row = int(broken.nonzero()[0])
+    values = rows[row].tolist()
+    shown = f"{values[:8]}{'...' if len(values) > 8 else ''}"
+    why = (
+        f"holds {min(v for v in values if v < -1)}; keys are >= 0 and -1 pads"
+        if min(values) < -1
+        else "repeats a key; a top-k row holds distinct keys"
+    )
+    raise ValueError(
+        f"{name}: row {row} of {rows.shape[0]} (shape {tuple(idx.shape)}) is {shown}: it {why}."
+    )
 
 
 def _agreement_and_identical_rows(
     train_idx: torch.Tensor, infer_idx: torch.Tensor
 ) -> tuple[TopkAgreement, torch.Tensor]:
     """:func:`topk_agreement`, and a bool ``[...]`` tensor: whether each row's two sets are equal
-    (two empty sets included)."""
-    train_idx, infer_idx = (
-        check_tensor("train_idx", train_idx),
-        check_tensor("infer_idx", infer_idx),
-    )
-    for name, t in (("train_idx", train_idx), ("infer_idx", infer_idx)):
-        if t.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; top-k indices are int16/int32/int64.")
-        if t.ndim < 1:
-            raise ValueError(f"{name} must be [..., k], got a 0-d tensor.")
+    (two empty sets included; ``False`` where a row breaks the index rule)."""
+    t = _check_index_tensor("train_idx", train_idx)
+    i = _check_index_tensor("infer_idx", infer_idx)
     if train_idx.shape != infer_idx.shape:
         raise ValueError(
             f"train_idx has shape {tuple(train_idx.shape)} but infer_idx {tuple(infer_idx.shape)}; "
@@ -84,19 +155,18 @@ def _agreement_and_identical_rows(
         )
     if train_idx.device != infer_idx.device:
         raise ValueError(f"train_idx is on {train_idx.device} but infer_idx on {infer_idx.device}.")
-    k = train_idx.shape[-1]
-    t = train_idx.reshape(-1, k).to(torch.int64)
-    i = infer_idx.reshape(-1, k).to(torch.int64)
-    # Membership of each inference pick in the training row: binary search in the sorted row
-    # (padding sorted to the end as a value no index takes). O(rows * k log k), no host sync.
-    pad = torch.iinfo(torch.int64).max
-    t_sorted = torch.where(t < 0, pad, t).sort(dim=-1).values
-    pos = torch.searchsorted(t_sorted, i).clamp_max(max(k - 1, 0))
+    k = t.shape[-1]
+    # Membership of each inference pick in the training row: binary search in the sorted row.
+    # O(rows * k log k), no host sync.
+    t_sorted, i_sorted = _sorted_keys(t), _sorted_keys(i)
+    broken_rows = _broken_rows(t, t_sorted) | _broken_rows(i, i_sorted)
+    broken = broken_rows.any()
+    pos = torch.searchsorted(t_sorted, i).clamp_max(k - 1)
     found = (t_sorted.gather(-1, pos) == i) & (i >= 0)
     size_i = (i >= 0).sum(-1)
     size_t = (t >= 0).sum(-1)
     common = found.sum(-1)
-    same = (common == size_i) & (size_t == size_i)
+    same = (common == size_i) & (size_t == size_i) & ~broken_rows
     rows = size_i > 0
     n_rows = rows.sum()
     members = size_i.sum()
@@ -104,10 +174,18 @@ def _agreement_and_identical_rows(
     flipped = (size_i - common) * rows
     one = torch.ones((), dtype=torch.float64, device=t.device)
     f64 = torch.float64
+
+    def checked(x: torch.Tensor) -> torch.Tensor:  # NaN when any row breaks the index rule
+        return torch.where(broken, torch.nan, x)
+
     agreement = TopkAgreement(
-        member_agreement=torch.where(members > 0, common.sum().to(f64) / members.clamp_min(1), one),
-        rows_identical=torch.where(n_rows > 0, identical.to(f64) / n_rows.clamp_min(1), one),
-        flipped_mean=flipped.sum().to(f64) / n_rows.clamp_min(1),
+        member_agreement=checked(
+            torch.where(members > 0, common.sum().to(f64) / members.clamp_min(1), one)
+        ),
+        rows_identical=checked(
+            torch.where(n_rows > 0, identical.to(f64) / n_rows.clamp_min(1), one)
+        ),
+        flipped_mean=checked(flipped.sum().to(f64) / n_rows.clamp_min(1)),
         flipped_max=flipped.max()
         if flipped.numel()
         else torch.zeros((), dtype=torch.int64, device=t.device),

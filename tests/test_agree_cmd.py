@@ -97,6 +97,10 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list, str]]:
         "short.pt": torch.tensor([[0, 1, 2]]),
         "float.pt": torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, -1.0]]),
         "dup.pt": torch.tensor([[0, 0, 2], [3, 4, -1]]),
+        "neg.pt": torch.tensor([[0, 1, 2], [3, -2, -1]]),
+        "k0.pt": torch.zeros(2, 0, dtype=torch.int64),
+        "pads.pt": torch.full((2, 3), -1),
+        "intkey.pt": {1: torch.tensor([[0, 1, 2], [3, 4, -1]])},
         "two.pt": {"a": torch.tensor([[0, 1, 2]]), "b": torch.tensor([[0, 1, 2]])},
         "obj.pt": [1, 2, 3],
     }
@@ -108,7 +112,11 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list, str]]:
         "missing": (["--infer", tmp_path / "missing.pt"], "no such file"),
         "shape": (["--infer", tmp_path / "short.pt"], "shape mismatch"),
         "float": (["--infer", tmp_path / "float.pt"], "must be an integer tensor"),
-        "duplicate": (["--infer", tmp_path / "dup.pt"], "repeats an index"),
+        "duplicate": (["--infer", tmp_path / "dup.pt"], "row 0 of 2 (shape (2, 3)) is [0, 0, 2]"),
+        "negative": (["--infer", tmp_path / "neg.pt"], "row 1 of 2 (shape (2, 3)) is [3, -2, -1]"),
+        "k0": (["--infer", tmp_path / "k0.pt"], "k = 0 slots per row"),
+        "nothing": (["--infer", tmp_path / "pads.pt"], "every row is -1 padding"),
+        "int key": (["--infer", tmp_path / "intkey.pt"], "key 1 (int) is not a string"),
         "several": (["--infer", tmp_path / "two.pt"], "pick one with --key"),
         "object": (["--infer", tmp_path / "obj.pt"], "save a tensor"),
         "corrupt": (["--infer", tmp_path / "junk.pt"], "not a readable torch file"),
@@ -119,8 +127,9 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list, str]]:
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "shape", "float", "duplicate", "several", "object", "corrupt", "extension", "gate"],
-)
+    ["missing", "shape", "float", "duplicate", "negative", "k0", "nothing", "int key", "several",
+     "object", "corrupt", "extension", "gate"],
+)  # fmt: skip
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     cases, good = _bad_cases(tmp_path)
     extra, message = cases[case]
@@ -164,16 +173,39 @@ def test_errors_from_a_subprocess_have_no_traceback(tmp_path):
     assert proc.stderr.strip() == "dsa-precision agree: error: --train a.pt: no such file"
 
 
+def causal_selections(batch: int = 2, seq_len: int = 20, k: int = 8, seed: int = 0):
+    """Replay-layout picks ``(batch * seq_len, k)`` int32: token ``p`` of a sequence picks
+    ``min(k, p + 1)`` keys in ``[0, p]``; training swaps a few for keys inference did not pick."""
+    g = torch.Generator().manual_seed(seed)
+    infer = torch.full((batch * seq_len, k), -1, dtype=torch.int32)
+    train = infer.clone()
+    for row in range(batch * seq_len):
+        p = row % seq_len
+        keys = torch.randperm(p + 1, generator=g)
+        n = min(k, p + 1)
+        infer[row, :n] = train[row, :n] = keys[:n]
+        if p + 1 > n and torch.rand((), generator=g) < 0.5:
+            train[row, 0] = keys[n]  # one flipped pick
+    return train, infer
+
+
+def save_replay(path: Path, layers: dict, **layout) -> Path:
+    """A replay file as ``save_topk`` writes it, without importing Megatron."""
+    tensors = {f"layer_{n:02d}": t for n, t in layers.items()} if layers else {}
+    tensors |= {
+        k: v if isinstance(v, torch.Tensor) else torch.tensor([v]) for k, v in layout.items()
+    }
+    torch.save(tensors, path)
+    return path
+
+
 def test_replay_files_are_compared_layer_by_layer(tmp_path):
     from dsa_precision.megatron.replay import save_topk
 
-    train1, infer1 = selections(seed=1)
-    train2, infer2 = selections(seed=2)
-    flat = {n: t.reshape(-1, t.shape[-1]) for n, t in ((1, train1), (2, train2))}
-    save_topk(tmp_path / "train.pt", flat, seq_len=20)
-    save_topk(
-        tmp_path / "infer.pt", {1: infer1.reshape(40, -1), 2: infer2.reshape(40, -1)}, seq_len=20
-    )
+    train1, infer1 = causal_selections(seed=1)
+    train2, infer2 = causal_selections(seed=2)
+    save_topk(tmp_path / "train.pt", {1: train1, 2: train2}, seq_len=20)
+    save_topk(tmp_path / "infer.pt", {1: infer1, 2: infer2}, seq_len=20)
     code, out, err = run_cli(
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt",
         "--engine", "vllm", "--json",
@@ -183,12 +215,10 @@ def test_replay_files_are_compared_layer_by_layer(tmp_path):
     assert got["engine"] == "vllm" and [c["name"] for c in got["configs"]] == [
         "layer 1", "layer 2", "all",
     ]  # fmt: skip
-    assert (
-        got["configs"][0]["member_agreement"]
-        == topk_agreement(train1, infer1).as_dict()["member_agreement"]
-    )
+    assert got["configs"][0] == {"name": "layer 1", **topk_agreement(train1, infer1).as_dict()}
     both = topk_agreement(torch.cat([train1, train2]), torch.cat([infer1, infer2])).as_dict()
     assert got["configs"][-1] == {"name": "all", **both}
+    assert 0 < both["member_agreement"] < 1
     code, out, _ = run_cli(
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"
     )
@@ -199,11 +229,108 @@ def test_replay_files_are_compared_layer_by_layer(tmp_path):
     )
 
 
+def test_gate_covers_every_layer_whatever_its_k(tmp_path):
+    """Layer 1 (k = 8) at 0 %, layer 2 (k = 4) at 100 %: the gate fails and names layer 1."""
+    _, infer1 = causal_selections(k=8, seed=3)
+    train2, infer2 = causal_selections(k=4, seed=4)
+    train1 = torch.full_like(infer1, -1)  # training picked nothing: 0 % of inference's picks
+    train = save_replay(tmp_path / "t.pt", {1: train1, 2: infer2}, seq_len=20)
+    infer = save_replay(tmp_path / "i.pt", {1: infer1, 2: infer2}, seq_len=20)
+    code, out, err = run_cli("agree", "--train", train, "--infer", infer, "--min-agreement", 0.5)
+    assert code == 1, (out, err)
+    members1, members2 = int((infer1 >= 0).sum()), int((infer2 >= 0).sum())
+    pooled = members2 / (members1 + members2)
+    assert pooled < 0.5
+    assert err.splitlines() == [
+        "layer 1: member agreement 0.000000 is below --min-agreement 0.5",
+        f"all: member agreement {pooled:.6f} is below --min-agreement 0.5",
+    ]
+    code, out, err = run_cli(
+        "agree", "--train", train, "--infer", infer, "--min-agreement", 0.5, "--json"
+    )
+    got = json.loads(out)
+    assert code == 1 and got["passed"] is False and got["failed"] == ["layer 1", "all"]
+    assert got["configs"][-1] == {
+        "name": "all", "member_agreement": pooled, "rows_identical": 0.5, "flipped_mean":
+        members1 / 80, "flipped_max": 8, "rows": 80, "members": members1 + members2,
+    }  # fmt: skip
+    # Both layers above the gate: it passes.
+    save_replay(train, {1: infer1, 2: train2}, seq_len=20)
+    code, out, err = run_cli(
+        "agree", "--train", train, "--infer", infer, "--min-agreement", 0.5, "--json"
+    )
+    assert code == 0 and json.loads(out)["failed"] == [], err
+
+
+def _bad_replays(tmp_path: Path) -> dict[str, tuple[Path, Path, str]]:
+    train, _ = causal_selections(seed=5)
+    good = save_replay(tmp_path / "good.pt", {1: train, 2: train}, seq_len=20)
+    late = train.clone()
+    late[23, 0] = 4  # token 23 is position 3 of sequence 1: key 4 is in its future
+    bad = {
+        "causal": ({1: train, 2: late}, dict(seq_len=20), "layer 2: row 23 (position 3"),
+        "rows": ({1: train, 2: train}, dict(cu_seqlens=torch.tensor([0, 20, 30])),
+                 "40 token rows but cu_seqlens ends at 30"),
+        "cu_seqlens": ({1: train, 2: train}, dict(cu_seqlens=torch.tensor([0, 25, 20, 40])),
+                       "it must start at 0 and never decrease"),
+        "layout": ({1: train, 2: train}, dict(seq_len=40), "--train has seq_len=20, --infer "
+                   "seq_len=40; the two files must hold picks of the same tokens"),
+        "seq_len": ({1: train, 2: train}, dict(seq_len=torch.tensor([2.5])),
+                    "seq_len is a float32 tensor"),
+        "nothing": ({1: train, 2: torch.full_like(train, -1)}, dict(seq_len=20),
+                    "layer 2: every row is -1 padding, so nothing is compared"),
+    }  # fmt: skip
+    cases = {
+        name: (good, save_replay(tmp_path / f"{name}.pt", layers, **layout), message)
+        for name, (layers, layout, message) in bad.items()
+    }
+    for name, tensors, message in [
+        ("same layer", {"layer_01": train, "layer_1": train, "seq_len": torch.tensor([20])},
+         "'layer_01' and 'layer_1' both name layer 1"),
+        ("layer name", {"layer_01": train, "layer_x": train},
+         "entry 'layer_x' is not a layer_NN tensor"),
+        ("entry", {"layer_01": train, "layer_02": train, "seqlen": torch.tensor([20])},
+         "entry 'seqlen' is not a layer_NN tensor (NN the layer number) nor cu_seqlens / seq_len"),
+    ]:  # fmt: skip
+        torch.save(tensors, tmp_path / f"{name}.pt")
+        cases[name] = (good, tmp_path / f"{name}.pt", message)
+    return cases
+
+
+BAD_REPLAYS = ["causal", "rows", "cu_seqlens", "layout", "seq_len", "nothing", "same layer",
+               "layer name", "entry", "key"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_REPLAYS)
+def test_bad_replay_files_are_one_line_exit_2(tmp_path, case):
+    if case == "key":  # an explicit request a replay file cannot honour
+        good, _, _ = _bad_replays(tmp_path)["causal"]
+        bad, extra, message = good, ["--key", "layer_01"], "--key layer_01: replay files"
+    else:
+        (good, bad, message), extra = _bad_replays(tmp_path)[case], []
+    code, out, err = run_cli("agree", "--train", good, "--infer", bad, *extra)
+    assert code == 2 and out == ""
+    assert err.startswith("dsa-precision agree: error: --") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_json_carries_the_package_version(tmp_path):
+    import dsa_precision
+
+    train, infer = causal_selections()
+    torch.save(train, tmp_path / "t.pt")
+    torch.save(infer, tmp_path / "i.pt")
+    code, out, err = run_cli("agree", "--train", tmp_path / "t.pt", "--infer", tmp_path / "i.pt",
+                             "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["dsa_precision_version"] == dsa_precision.__version__
+
+
 def test_a_replay_file_against_a_plain_file_is_refused(tmp_path):
     from dsa_precision.megatron.replay import save_topk
 
-    train, infer = selections()
-    save_topk(tmp_path / "train.pt", {1: train.reshape(40, -1)}, seq_len=20)
+    train, infer = causal_selections()
+    save_topk(tmp_path / "train.pt", {1: train}, seq_len=20)
     torch.save(infer, tmp_path / "infer.pt")
     code, _, err = run_cli(
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"

@@ -32,7 +32,7 @@ def test_matches_set_arithmetic(dtype):
     infer = torch.stack([torch.randperm(sk, generator=g)[:k] for _ in range(60)])
     train = infer.clone()
     swap = torch.rand(60, k, generator=g) < 0.1
-    train[swap] = torch.randint(sk, sk + 20, (int(swap.sum()),), generator=g)  # picks outside I
+    train[swap] = sk + torch.arange(int(swap.sum()))  # distinct picks outside I
     infer[:5, 6:] = -1  # short rows
     train[5:8] = train[5:8].flip(-1)  # order does not matter
     infer[8] = -1  # empty inference row: excluded
@@ -58,3 +58,43 @@ def test_identical_and_errors():
         topk_agreement(x, torch.tensor([[1, 2]]))
     with pytest.raises(TypeError, match="int16/int32/int64"):
         topk_agreement(x.float(), x)
+
+
+# The index rule: keys >= 0, -1 pads, no key twice in a row (the same rule as the agree command).
+BROKEN = {
+    "repeated key": (torch.tensor([[1, 2, -1], [4, 4, -1]]), r"row 1 of 2 .* repeats a key"),
+    "negative": (torch.tensor([[1, 2, -1], [4, -3, -1]]), r"row 1 of 2 .* holds -3; keys are >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+@pytest.mark.parametrize("side", ["train_idx", "infer_idx"])
+def test_the_index_rule_is_an_error_with_validate(case, side):
+    broken, message = BROKEN[case]
+    good = torch.tensor([[1, 2, -1], [4, 5, -1]])
+    args = (broken, good) if side == "train_idx" else (good, broken)
+    with pytest.raises(ValueError, match=f"^{side}: {message}"):
+        topk_agreement(*args, validate=True)
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+@pytest.mark.parametrize("side", ["train_idx", "infer_idx"])
+def test_without_validate_a_broken_row_makes_the_metrics_nan(case, side):
+    """No host sync, but never an agreement: a repeated key would otherwise count twice and a
+    -3 would pass as padding."""
+    broken, _ = BROKEN[case]
+    good = torch.tensor([[1, 2, -1], [4, 5, -1]])
+    args = (broken, good) if side == "train_idx" else (good, broken)
+    got = topk_agreement(*args)
+    for name in ("member_agreement", "rows_identical", "flipped_mean"):
+        assert torch.isnan(getattr(got, name)), name
+    # Padding may repeat: -1 twice in a row is not a violation.
+    assert topk_agreement(good, good, validate=True).as_dict()["member_agreement"] == 1.0
+
+
+def test_k_zero_and_zero_dim_are_clear_errors():
+    empty = torch.zeros(3, 0, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"train_idx has shape \(3, 0\): k = 0 slots per row"):
+        topk_agreement(empty, empty)
+    with pytest.raises(ValueError, match="0-d tensor"):
+        topk_agreement(torch.tensor(1), torch.tensor(1))

@@ -85,3 +85,23 @@ def test_table_layout():
     assert "2.00" in e2e and "1.90" in e2e and "105 %" in e2e and "1.75" in e2e
     chunked = next(line for line in lines if line.lstrip().startswith("65536"))
     assert "2100" in chunked and "1600" in chunked and chunked.count("-") >= 2
+
+
+def test_json_carries_the_package_version(monkeypatch, capsys):
+    """The report (measured on a GPU, stood in for here) is printed with the package version."""
+    import json
+
+    import dsa_precision
+    from dsa_precision import cli
+    from dsa_precision.cli import bench
+
+    seen = []
+    monkeypatch.setattr(
+        bench, "run_bench", lambda cfg, *_, **__: seen.append(cfg) or {"results": []}
+    )
+    assert cli.main(["bench", "--seq", "4096", "--json"]) == 0
+    assert seen[0].seqs == (4096,)
+    assert json.loads(capsys.readouterr().out) == {
+        "dsa_precision_version": dsa_precision.__version__,
+        "results": [],
+    }

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -124,7 +125,79 @@ def test_errors_are_one_line(argv, message):
     code, out, err = run_cli("demo", *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
+
+
+def test_json_carries_the_package_version(demo_json):
+    import dsa_precision
+
+    assert demo_json["dsa_precision_version"] == dsa_precision.__version__
+
+
+def test_footer_defines_every_column():
+    code, out, err = run_cli("demo", "--seq", "96", "--topk", "16")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    columns = [c for c in lines[header].split("  ") if c.strip()][1:]
+    assert len(columns) == 6, columns
+    footer = "\n".join(lines[header + 1 :])
+    for column in columns:
+        column = column.strip()
+        assert re.search(rf"(^|, ){re.escape(column)}[:,]", footer, re.M), column
+
+
+def _no_run(**kwargs):
+    raise AssertionError("the demo ran before its arguments were checked")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("x.txt", r"matplotlib cannot write \.txt files; name a file ending in one of .*\.png"),
+        ("x", "matplotlib cannot write a file name without a suffix"),
+    ],
+)
+def test_plot_format_is_checked_before_the_demo_runs(monkeypatch, tmp_path, name, message):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(demo, "run_demo", _no_run)
+    code, out, err = run_cli("demo", "--seq", "64", "--topk", "8", "--plot", str(tmp_path / name))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert re.search(message, err), err
+
+
+def test_plot_other_matplotlib_formats(tmp_path):
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "agreement.svg"
+    code, _, err = run_cli("demo", "--seq", "64", "--topk", "8", "--plot", str(svg))
+    assert code == 0, err
+    assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_too_few_compared_rows_are_refused(monkeypatch):
+    monkeypatch.setattr(demo, "run_demo", _no_run)
+    code, out, err = run_cli("demo", "--seq", "130", "--topk", "128")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "leaves 2 query rows with more visible keys than topk (positions 128..129" in err
+    assert f"use --seq >= {128 + demo.MIN_COMPARED_ROWS} or a smaller --topk" in err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64), "1.5"])
+def test_seed_out_of_range_is_an_argparse_error(monkeypatch, capsys, seed):
+    monkeypatch.setattr(demo, "run_demo", _no_run)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--seed", seed])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dsa-precision demo") and "Traceback" not in err
+    assert "argument --seed: " in err and seed in err, err
+
+
+def test_largest_seed_runs():
+    code, out, err = run_cli("demo", "--seq", "64", "--topk", "8", "--seed", str(2**64 - 1),
+                             "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["seed"] == 2**64 - 1
 
 
 def test_plot_without_matplotlib(monkeypatch, tmp_path):

@@ -301,6 +301,18 @@ def test_readme_make_targets_are_what_ci_runs():
     assert "pytest -q" in re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
 
 
+def test_readme_commands_run_in_the_environment_make_creates():
+    """``python -m dsa_precision ...`` needs the packages ``make demo`` installs into the Makefile's
+    virtual environment: the README's install block activates it right after ``make``."""
+    readme = (ROOT / "README.md").read_text()
+    venv = re.search(r"^VENV \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "make demo" in b)
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert lines[:3] == ["make demo", "make test", f". {venv}/bin/activate"], lines
+    first_command = readme.index("python -m dsa_precision")
+    assert readme.index(block) < first_command
+
+
 # --------------------------------------------------------------------------- design.md logging
 
 

@@ -2,18 +2,24 @@
 
 Each subcommand lives in its own module, imported only when it runs, and exposes
 ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. Expected failures
-raise :class:`CliError`: one clear line on stderr and exit status 2, no traceback.
+raise :class:`CliError`: one clear line on stderr and exit status 2, no traceback; bad flag values
+are argparse errors (usage line, exit status 2). Every command's ``--help`` goes through
+:class:`HelpFormatter` (docstrings shown as plain text), and every ``--json`` document goes
+through :func:`print_json` (it carries the package version).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
-__all__ = ["CliError", "main", "progress"]
+__all__ = ["CliError", "HelpFormatter", "main", "plain_text", "print_json", "progress", "seed"]
 
 # subcommand -> module defining register(subparsers)
 COMMANDS = {
@@ -25,6 +31,58 @@ COMMANDS = {
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+# :role:`target` (Sphinx cross-references), ``literal``, **bold**.
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+_BOLD = re.compile(r"\*\*([^*]+)\*\*")
+
+
+def _role_target(match: re.Match) -> str:
+    tilde, target = match.groups()
+    target = target.lstrip(".")
+    return target.rsplit(".", 1)[-1] if tilde else target
+
+
+def plain_text(text: str) -> str:
+    """``text`` (reStructuredText from a docstring) as a terminal shows it: ``:func:`~a.b``` ->
+    ``b``, ``:mod:`.x``` -> ``x``, double-backquoted literals and ``**bold**`` unwrapped."""
+    return _BOLD.sub(r"\1", _LITERAL.sub(r"\1", _ROLE.sub(_role_target, text)))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks (docstrings); descriptions and flag help are shown as
+    :func:`plain_text`."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+
+# torch.Generator.manual_seed takes 64-bit seeds; a negative one aliases a positive one.
+_SEED_MAX = 2**64 - 1
+
+
+def seed(text: str) -> int:
+    """argparse type of ``--seed``: an integer in ``[0, 2**64 - 1]``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= _SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**64 - 1] (a 64-bit seed)")
+    return value
+
+
+def print_json(document: Mapping[str, Any]) -> None:
+    """Print one ``--json`` document on stdout, with the package version first."""
+    from .. import __version__
+
+    json.dump({"dsa_precision_version": __version__, **document}, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 def progress[T](items: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterator[T]:
@@ -52,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsa-precision",
         description="Measure and close the train/inference top-k gap of the DSA lightning indexer.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}"
@@ -63,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module:
                 raise
             sub.add_parser(name, help="(not available in this build)")
+    for command in sub.choices.values():  # one way to show help, whatever a command set
+        command.formatter_class = HelpFormatter
     return parser
 
 

@@ -1,32 +1,44 @@
 """``python -m dsa_precision agree --train A --infer B``: agreement of two saved top-k selections.
 
-Each file holds one integer index tensor ``[..., k]`` (``-1`` = padding, indices unique within a
-row), e.g. captured from an inference engine and from a training step on the same tokens:
-``.pt`` (``torch.save`` of a tensor or of a dict of tensors) or ``.safetensors``. A file with
-several tensors needs ``--key``. Replay files (``layer_NN`` tensors, as
-:func:`dsa_precision.megatron.save_topk` writes them) are compared layer by layer. Metrics as
-:func:`dsa_precision.topk_agreement`.
+Each file holds one integer index tensor ``[..., k]`` (the index rule of
+:mod:`dsa_precision.agreement`: keys ``>= 0``, ``-1`` = padding, no key twice in a row), e.g.
+captured from an inference engine and from a training step on the same tokens: ``.pt``
+(``torch.save`` of a tensor or of a dict of tensors) or ``.safetensors``. A file with several
+tensors needs ``--key``. Replay files (``layer_NN`` tensors ``(T, k)``, plus ``cu_seqlens`` or
+``seq_len``, as :func:`dsa_precision.megatron.save_topk` writes them) are compared layer by
+layer; their picks are checked against their token layout
+(:meth:`dsa_precision.topk_layout.TokenLayout.validate_indices`: causal, sequence-relative).
+Every file is checked before anything is compared; a selection that compares no row (every row
+padding) is an error.
+
+Metrics (:func:`dsa_precision.topk_agreement`), over the rows whose inference set ``I`` is
+non-empty (``T``: training's set): rows identical (share of rows with ``T == I``), member
+agreement (``sum |T & I| / sum |I|``), flipped picks per row (``|I - T|``, mean and max).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..agreement import topk_agreement
+from ..agreement import topk_agreement, validate_index_rows
 from ..engines import ENGINE_PROFILES
-from . import CliError
-from .report import AGREEMENT_HEADERS, agreement_cells, format_table
+from ..topk_layout import TokenLayout
+from . import CliError, print_json
+from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 
 __all__ = ["load_indices", "register"]
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _SUFFIXES = (".pt", ".pth", ".safetensors")
+_LAYER = re.compile(r"layer_(\d+)")
+_LAYOUT_KEYS = ("cu_seqlens", "seq_len")
 
 
 def _load_tensors(path: Path, flag: str) -> dict[str, torch.Tensor] | torch.Tensor:
@@ -57,22 +69,97 @@ def _load_tensors(path: Path, flag: str) -> dict[str, torch.Tensor] | torch.Tens
     if isinstance(obj, torch.Tensor):
         return obj
     if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        for key in obj:
+            if not isinstance(key, str):
+                raise CliError(
+                    f"{flag} {path}: key {key!r} ({type(key).__name__}) is not a string; name "
+                    "the tensors with strings (layer_NN in a replay file)"
+                )
         return obj
     raise CliError(
         f"{flag} {path}: holds a {type(obj).__name__}; save a tensor or a dict of tensors"
     )
 
 
-def _layers(path: Path, flag: str) -> dict[int, torch.Tensor] | None:
-    """The per-layer tensors of a replay file, or ``None`` for a plain index file."""
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """A replay file: ``(T, k)`` picks per layer number, and the token layout when it has one."""
+
+    layers: dict[int, torch.Tensor]
+    layout: TokenLayout | None
+
+
+def _layout(loaded: dict[str, torch.Tensor], where: str) -> TokenLayout | None:
+    if not any(key in loaded for key in _LAYOUT_KEYS):
+        return None
+    seq_len = loaded.get("seq_len")
+    if seq_len is not None:
+        if seq_len.numel() != 1 or seq_len.dtype not in _INT_DTYPES:
+            raise CliError(
+                f"{where}: seq_len is a {str(seq_len.dtype).removeprefix('torch.')} tensor of "
+                f"shape {tuple(seq_len.shape)}; save one integer (tokens per sequence)"
+            )
+        seq_len = int(seq_len.reshape(()))
+    try:
+        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=seq_len)
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"{where}: {exc}") from None
+
+
+def _replay(path: Path, flag: str) -> _Replay | None:
+    """The layers and layout of a replay file, or ``None`` for a plain index file."""
     loaded = _load_tensors(path, flag)
     if not isinstance(loaded, dict) or not any(k.startswith("layer_") for k in loaded):
         return None
-    layers = {}
-    for key in loaded:
-        if key.startswith("layer_"):
-            layers[int(key.removeprefix("layer_"))] = _check_indices(loaded[key], path, flag)
-    return layers
+    where = f"{flag} {path}"
+    layers: dict[int, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for key, tensor in loaded.items():
+        if key in _LAYOUT_KEYS:
+            continue
+        match = _LAYER.fullmatch(key)
+        if match is None:
+            raise CliError(
+                f"{where}: entry {key!r} is not a layer_NN tensor (NN the layer number) nor "
+                f"{' / '.join(_LAYOUT_KEYS)}; a replay file holds only those"
+            )
+        n = int(match.group(1))
+        if n in layers:
+            raise CliError(
+                f"{where}: {names[n]!r} and {key!r} both name layer {n}; save each layer once"
+            )
+        layers[n], names[n] = _integer_indices(tensor, f"{where} layer {n}"), key
+    return _Replay(layers, _layout(loaded, where))
+
+
+def _integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """Host-side facts of a saved selection: an integer tensor ``[..., k]``, k >= 1; as int64."""
+    if tensor.dtype not in _INT_DTYPES:
+        raise CliError(
+            f"{where}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
+            "must be an integer tensor (int32 or int64, -1 = padding)"
+        )
+    if tensor.ndim == 0:
+        raise CliError(f"{where}: a 0-d tensor; expected [..., k] indices")
+    if tensor.shape[-1] == 0:
+        raise CliError(
+            f"{where}: shape {tuple(tensor.shape)} has k = 0 slots per row; a top-k selection "
+            "holds at least one (-1 pads a row with fewer keys)"
+        )
+    return tensor.to(torch.int64)
+
+
+def _validated(tensor: torch.Tensor, where: str, layout: TokenLayout | None) -> torch.Tensor:
+    """The data check: the replay layout's (causal, sequence-relative keys) when there is one,
+    else the index rule of :mod:`dsa_precision.agreement`."""
+    try:
+        if layout is None:
+            validate_index_rows(where, tensor)
+        else:
+            layout.validate_indices(where, tensor)
+    except (TypeError, ValueError) as exc:
+        raise CliError(" ".join(str(exc).split()).rstrip(".")) from None
+    return tensor
 
 
 def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None) -> torch.Tensor:
@@ -106,36 +193,15 @@ def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None
             )
     else:
         tensor = loaded
-    return _check_indices(tensor, path, flag)
-
-
-def _check_indices(tensor: torch.Tensor, path: Path, flag: str) -> torch.Tensor:
-    if tensor.dtype not in _INT_DTYPES:
-        raise CliError(
-            f"{flag} {path}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
-            "must be an integer tensor (int32 or int64, -1 = padding)"
-        )
-    if tensor.ndim == 0:
-        raise CliError(f"{flag} {path}: a 0-d tensor; expected [..., k] indices")
-    tensor = tensor.to(torch.int64)
-    if tensor.numel() and int(tensor.min()) < -1:
-        raise CliError(f"{flag} {path}: holds index {int(tensor.min())}; indices are >= 0, -1 pads")
-    rows = tensor.reshape(-1, tensor.shape[-1]).sort(dim=-1).values
-    if bool(((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()):
-        raise CliError(f"{flag} {path}: a row repeats an index; top-k rows hold distinct keys")
-    return tensor
+    where = f"{flag} {path}"
+    return _validated(_integer_indices(tensor, where), where, None)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "agree",
         help="agreement of two saved top-k index tensors (training vs inference)",
-        description=(
-            "Load two top-k index tensors of the same shape [..., k] (-1 = padding) from .pt or "
-            ".safetensors files and print their agreement, over the rows whose inference set is "
-            "non-empty: rows identical (share of rows with the same set), member agreement "
-            "(sum |T & I| / sum |I|) and flipped picks per row (|I - T|, mean and max)."
-        ),
+        description=__doc__,
     )
     p.add_argument("--train", required=True, type=Path, metavar="A", help="training top-k file")
     p.add_argument("--infer", required=True, type=Path, metavar="B", help="inference top-k file")
@@ -149,23 +215,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--min-agreement",
         type=float,
         metavar="X",
-        help="gate: exit 1 when the member agreement is below X (a fraction in [0, 1])",
+        help="gate: exit 1 when the member agreement of any layer (of the file, for a plain "
+        "index file) is below X, a fraction in [0, 1]; the failing layers are named on stderr",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(func=main)
+
+
+def _same_layout(a: TokenLayout, b: TokenLayout) -> bool:
+    if a.seq_len is not None or b.seq_len is not None:
+        return a.seq_len == b.seq_len
+    return torch.equal(a.cu_seqlens.to(torch.int64), b.cu_seqlens.to(torch.int64))
+
+
+def _describe_layout(layout: TokenLayout) -> str:
+    if layout.seq_len is not None:
+        return f"seq_len={layout.seq_len}"
+    cu = layout.cu_seqlens.tolist()
+    return f"cu_seqlens={cu[:8]}{'...' if len(cu) > 8 else ''}"
+
+
+def _pooled(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The agreement over the union of the rows of several ``TopkAgreement.as_dict()``."""
+    rows = sum(m["rows"] for m in metrics)
+    members = sum(m["members"] for m in metrics)
+    common = sum(round(m["member_agreement"] * m["members"]) for m in metrics)
+    identical = sum(round(m["rows_identical"] * m["rows"]) for m in metrics)
+    flipped = sum(round(m["flipped_mean"] * m["rows"]) for m in metrics)
+    return {
+        "member_agreement": common / members if members else 1.0,
+        "rows_identical": identical / rows if rows else 1.0,
+        "flipped_mean": flipped / max(rows, 1),
+        "flipped_max": max(m["flipped_max"] for m in metrics),
+        "rows": rows,
+        "members": members,
+    }
 
 
 def _compare(
     train_path: Path, infer_path: Path, key: str | None
 ) -> tuple[list[tuple[str, dict]], list[int] | None]:
     """``([(name, TopkAgreement.as_dict())], shape)``: one row and the tensors' shape, or one row
-    per layer (then "all" last) and ``None``."""
-    train_layers, infer_layers = _layers(train_path, "--train"), _layers(infer_path, "--infer")
-    if (train_layers is None) != (infer_layers is None):
+    per layer (then "all" last) and ``None``. Every compared selection has at least one row."""
+    train_replay, infer_replay = _replay(train_path, "--train"), _replay(infer_path, "--infer")
+    if (train_replay is None) != (infer_replay is None):
         raise CliError(
             "--train and --infer must both be replay files (layer_NN tensors) or both index files"
         )
-    if train_layers is None:
+    if train_replay is None:
         train = load_indices(train_path, flag="--train", key=key)
         infer = load_indices(infer_path, flag="--infer", key=key)
         if train.shape != infer.shape:
@@ -173,24 +270,51 @@ def _compare(
                 f"shape mismatch: --train {tuple(train.shape)} vs --infer {tuple(infer.shape)}; "
                 "compare selections of the same rows with the same k"
             )
-        return [(train_path.name, topk_agreement(train, infer).as_dict())], list(train.shape)
-    if sorted(train_layers) != sorted(infer_layers):
+        metrics = _nonempty(topk_agreement(train, infer).as_dict(), f"--infer {infer_path}")
+        return [(train_path.name, metrics)], list(train.shape)
+    if key is not None:
         raise CliError(
-            f"layers differ: --train has {sorted(train_layers)}, --infer {sorted(infer_layers)}"
+            f"--key {key}: replay files (layer_NN tensors) are compared layer by layer, every "
+            "layer; --key picks the tensor of a plain index file"
         )
-    rows, trains, infers = [], [], []
-    for n in sorted(train_layers):
-        train, infer = train_layers[n], infer_layers[n]
+    if sorted(train_replay.layers) != sorted(infer_replay.layers):
+        raise CliError(
+            f"layers differ: --train has {sorted(train_replay.layers)}, "
+            f"--infer {sorted(infer_replay.layers)}"
+        )
+    # Each file's picks against its own layout (the other's when it has none), then the layouts.
+    train_layout = train_replay.layout or infer_replay.layout
+    infer_layout = infer_replay.layout or train_replay.layout
+    layers = {}
+    for n in sorted(train_replay.layers):
+        train = _validated(train_replay.layers[n], f"--train {train_path} layer {n}", train_layout)
+        infer = _validated(infer_replay.layers[n], f"--infer {infer_path} layer {n}", infer_layout)
         if train.shape != infer.shape:
             raise CliError(
-                f"layer {n}: shape mismatch {tuple(train.shape)} vs {tuple(infer.shape)}"
+                f"layer {n}: shape mismatch --train {tuple(train.shape)} vs --infer "
+                f"{tuple(infer.shape)}"
             )
-        rows.append((f"layer {n}", topk_agreement(train, infer).as_dict()))
-        trains.append(train.reshape(-1, train.shape[-1]))
-        infers.append(infer.reshape(-1, infer.shape[-1]))
-    if len({t.shape[-1] for t in trains}) == 1:
-        rows.append(("all", topk_agreement(torch.cat(trains), torch.cat(infers)).as_dict()))
+        layers[n] = train, infer
+    if train_layout is not None and not _same_layout(train_layout, infer_layout):
+        raise CliError(
+            f"--train has {_describe_layout(train_layout)}, --infer "
+            f"{_describe_layout(infer_layout)}; the two files must hold picks of the same tokens"
+        )
+    rows = []
+    for n, (train, infer) in layers.items():
+        metrics = topk_agreement(train, infer).as_dict()
+        rows.append((f"layer {n}", _nonempty(metrics, f"--infer {infer_path} layer {n}")))
+    rows.append(("all", _pooled([m for _, m in rows])))
     return rows, None
+
+
+def _nonempty(metrics: dict[str, Any], where: str) -> dict[str, Any]:
+    if metrics["rows"] == 0:
+        raise CliError(
+            f"{where}: every row is -1 padding, so nothing is compared; save the engine's picks "
+            "(at least one key in a row)"
+        )
+    return metrics
 
 
 def main(args: argparse.Namespace) -> int:
@@ -199,20 +323,23 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--min-agreement {gate}: give a fraction in [0, 1], e.g. 0.999")
     results, shape = _compare(args.train, args.infer, args.key)
     overall = results[-1][1]
-    passed = None if gate is None else overall["member_agreement"] >= gate
+    # The gate covers every compared selection: each layer (and the pooled "all" row).
+    failed = [] if gate is None else [n for n, m in results if m["member_agreement"] < gate]
+    passed = None if gate is None else not failed
     engine = ENGINE_PROFILES[args.engine] if args.engine else None
     if args.json:
-        out: dict[str, Any] = {
-            "train": str(args.train),
-            "infer": str(args.infer),
-            "engine": None if engine is None else engine.name,
-            **({"shape": shape} if shape is not None else {}),
-            "configs": [{"name": name, **metrics} for name, metrics in results],
-            "min_agreement": gate,
-            "passed": passed,
-        }
-        json.dump(out, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(
+            {
+                "train": str(args.train),
+                "infer": str(args.infer),
+                "engine": None if engine is None else engine.name,
+                **({"shape": shape} if shape is not None else {}),
+                "configs": [{"name": name, **metrics} for name, metrics in results],
+                "min_agreement": gate,
+                "passed": passed,
+                "failed": None if gate is None else failed,
+            }
+        )
     else:
         where = f": shape {tuple(shape)}" if shape is not None else ", layer by layer"
         print(f"train {args.train} vs infer {args.infer}{where}")
@@ -225,10 +352,13 @@ def main(args: argparse.Namespace) -> int:
         print()
         table = [[name, *agreement_cells(metrics)] for name, metrics in results]
         print(format_table(["train", *AGREEMENT_HEADERS], table))
-    if passed is False:
+        print()
+        print("\n".join(AGREEMENT_LEGEND))
+    metrics = dict(results)
+    for name in failed:
         print(
-            f"member agreement {overall['member_agreement']:.6f} is below --min-agreement {gate:g}",
+            f"{name}: member agreement {metrics[name]['member_agreement']:.6f} is below "
+            f"--min-agreement {gate:g}",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    return 1 if failed else 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import CliError, progress
+from . import CliError, print_json, progress, seed
 
 __all__ = ["BenchConfig", "format_tables", "register", "run_bench"]
 
@@ -85,7 +84,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="time the indexer's kernels and the package beside them, BF16 vs FP8 (CUDA GPU)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--seq",
@@ -132,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=d.torch_reference,
         help="also time the torch reference of the fused preprocessing (default off)",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
+    p.add_argument("--seed", type=seed, default=d.seed, help="random seed (default 0)")
     p.add_argument(
         "--long",
         action="store_true",
@@ -827,8 +825,7 @@ def main(args: argparse.Namespace) -> int:
     )
     report = run_bench(cfg, partial)
     if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(report)
     else:
         print(format_tables(report))
     return 0

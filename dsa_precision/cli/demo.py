@@ -1,15 +1,16 @@
 """``python -m dsa_precision demo``: how often training picks the keys inference picked.
 
-From one set of structured BF16 projection outputs (:mod:`.synthetic`), the demo computes the
-inference engine's top-k and the training top-k of the four configurations the Megatron
-integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
+From one set of structured BF16 projection outputs (:mod:`dsa_precision.cli.synthetic`), the demo
+computes the inference engine's top-k and the training top-k of the four configurations the
+Megatron integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
 
-The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`, an
-independent model of the chosen engine profile: on the CPU its scores are exact, on CUDA they are
-DeepGEMM's MQA logits (the engines' kernel) when they are importable. The training side is
-the package, as the Megatron integration runs it (torch reference on the CPU, cuDNN on CUDA). On
-the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures the contract (the
-profile's rules, reproduced), not a kernel. Metric definitions: ``docs/numerics.md``.
+The two sides share nothing but the inputs. The inference side is
+:mod:`dsa_precision.cli.engine_model`, an independent model of the chosen engine profile: on the
+CPU its scores are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when they
+are importable. The training side is the package, as the Megatron integration runs it (torch
+reference on the CPU, cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the
+``rope_fp32+fp8`` row measures the contract (the profile's rules, reproduced), not a kernel.
+Metric definitions: ``docs/numerics.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,9 @@ from ..operands import Impl, ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
-from . import CliError, progress
+from . import CliError, print_json, progress, seed
 from .engine_model import engine_operands, engine_scores, engine_topk
-from .report import AGREEMENT_HEADERS, agreement_cells, format_table
+from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
 __all__ = ["ConfigResult", "DemoRun", "configs", "register", "run_demo"]
@@ -46,6 +45,8 @@ DEFAULT_SIZES = {"cpu": (2048, 256), "cuda": (8192, 2048)}
 HEAD_DIM = 128
 ROPE_DIM = 64
 PLOT_BINS = 64
+# Fewer compared rows (query positions with more visible keys than topk) than this measure nothing.
+MIN_COMPARED_ROWS = 32
 
 
 def configs(engine: EngineProfile) -> tuple[IndexerPrecisionConfig, ...]:
@@ -269,6 +270,7 @@ def format_run(run: DemoRun) -> str:
     table = format_table(["config", *AGREEMENT_HEADERS, "margin", "score error"], table_rows)
     footer = [
         "",
+        *AGREEMENT_LEGEND,
         "margin: median over rows of (k-th - (k+1)-th largest score) / row score std;",
         "score error: median over rows of max |training - inference score| / row score std.",
         f"({run.seconds:.1f} s)",
@@ -307,6 +309,27 @@ def plot_run(run: DemoRun, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _check_plot_path(path: Path) -> None:
+    """Before the demo runs: matplotlib is importable, writes ``path``'s suffix, and the
+    directory exists."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()  # {suffix: description}
+    except ImportError:
+        raise CliError("--plot needs matplotlib: pip install 'dsa-precision[plot]'") from None
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        what = f".{suffix} files" if suffix else "a file name without a suffix"
+        raise CliError(
+            f"--plot {path}: matplotlib cannot write {what}; name a file ending in one of "
+            + ", ".join("." + f for f in sorted(formats))
+        )
+    if not path.parent.is_dir():
+        raise CliError(f"--plot {path}: directory {path.parent} does not exist")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -322,7 +345,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="measure training vs inference top-k agreement on structured synthetic inputs",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
     p.add_argument("--seq", type=_positive_int, help="sequence length (cpu 2048, cuda 8192)")
@@ -330,7 +352,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--heads", type=int, choices=FP8_N_HEADS, default=32, help="indexer heads (default 32)"
     )
-    p.add_argument("--seed", type=int, default=0, help="input generator seed (default 0)")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="input generator seed, 0 to 2**64 - 1 (default 0)"
+    )
     p.add_argument(
         "--engine",
         choices=sorted(ENGINE_PROFILES),
@@ -350,7 +374,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument(
         "--rope-interleaved", action="store_true", help="interleaved RoPE lanes (MLA style)"
     )
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="plot agreement vs position")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="plot agreement vs position (any format matplotlib writes: .png, .pdf, .svg, ...)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(func=main)
 
@@ -361,6 +390,13 @@ def main(args: argparse.Namespace) -> int:
     topk = args.topk or min(default_topk, max(1, seq_len // 4))
     if topk >= seq_len:
         raise CliError(f"--topk {topk} must be below the sequence length {seq_len}")
+    if seq_len - topk < MIN_COMPARED_ROWS:
+        raise CliError(
+            f"--seq {seq_len} --topk {topk} leaves {seq_len - topk} query rows with more visible "
+            f"keys than topk (positions {topk}..{seq_len - 1}; earlier rows keep every key on "
+            f"both sides); agreement over fewer than {MIN_COMPARED_ROWS} rows measures nothing: "
+            f"use --seq >= {topk + MIN_COMPARED_ROWS} or a smaller --topk"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device cuda: CUDA is not available in this process")
     if args.backend in ("cudnn", "deepgemm") and args.device != "cuda":
@@ -373,12 +409,7 @@ def main(args: argparse.Namespace) -> int:
     if mismatch:
         raise CliError("; ".join(mismatch).replace("dsa_indexer_rotate_activation", "--hadamard"))
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CliError("--plot needs matplotlib: pip install 'dsa-precision[plot]'") from None
-        if not args.plot.parent.is_dir():
-            raise CliError(f"--plot {args.plot}: directory {args.plot.parent} does not exist")
+        _check_plot_path(args.plot)
     try:
         run = run_demo(
             seq_len=seq_len,
@@ -398,8 +429,7 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"--plot {args.plot}: {exc.strerror or exc}") from None
     if args.json:
-        json.dump(run.as_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(run.as_json())
     else:
         print(format_run(run))
         if args.plot is not None:

@@ -6,6 +6,12 @@ from collections.abc import Mapping, Sequence
 
 # Columns every agreement table shows, from a TopkAgreement.as_dict() mapping.
 AGREEMENT_HEADERS = ("rows identical", "member agreement", "flipped/row mean", "max")
+# What those columns mean, for a report's footer (rows: those with a non-empty inference set).
+AGREEMENT_LEGEND = (
+    "rows identical: share of rows where training picked exactly inference's set of keys;",
+    "member agreement: inference's picks that training also picked / all inference's picks;",
+    "flipped/row mean, max: inference's picks training missed, per row (mean and max);",
+)
 
 
 def percent(x: float, digits: int = 2) -> str:
