@@ -417,3 +417,32 @@ def test_load_engine_output_names_bad_files(tmp_path):
     bad.write_text(json.dumps([{"choices": [{}, {}]}]))
     with pytest.raises(ValueError, match=r"response 0: expected one choice"):
         load_engine_output(bad, engine="vllm")
+
+
+def test_agree_reads_an_engine_output_through_the_adapters(tmp_path, capsys):
+    """``agree --infer-format sglang``: the engine's responses against training's replay file of
+    the same packed requests; one swapped pick in layer 2 fails the gate there, and only there."""
+    from dsa_precision import cli
+    from dsa_precision.megatron.replay import save_topk
+
+    fulls = [engine_rows(6, 2, seed=16), engine_rows(5, 2, seed=17)]
+    infer = tmp_path / "sglang.jsonl"
+    infer.write_text("\n".join(json.dumps(sglang_response(f)) for f in fulls))
+    layers, layout = load_engine_output(infer, engine="sglang")
+    train = tmp_path / "train.pt"
+    save_topk(train, layers, cu_seqlens=layout["cu_seqlens"])
+    args = ["agree", "--train", train, "--infer", infer, "--infer-format", "sglang", "--json"]
+    assert cli.main([str(a) for a in args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in report["configs"]] == ["layer 1", "layer 2", "all"]
+    assert all(c["rows_identical"] == 1.0 for c in report["configs"])
+    changed = {n: t.clone() for n, t in layers.items()}
+    row = int(layout["cu_seqlens"][1]) + 3  # request 1, position 3 (its last token has no picks)
+    changed[2][row, 0] = -1
+    save_topk(train, changed, cu_seqlens=layout["cu_seqlens"])
+    assert cli.main([str(a) for a in [*args, "--min-agreement", "1.0"]]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["failed"] == ["layer 2", "all"]
+    infer.write_text("not json")
+    assert cli.main([str(a) for a in args]) == 2
+    assert "--infer-format sglang" in capsys.readouterr().err

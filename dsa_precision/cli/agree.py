@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..agreement import topk_agreement, validate_index_rows
+from ..capture import ENGINE_FORMATS, load_engine_output
 from ..engines import ENGINE_PROFILES
 from ..topk_layout import TokenLayout
 from . import CliError, print_json
@@ -218,8 +219,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="gate: exit 1 when the member agreement of any layer (of the file, for a plain "
         "index file) is below X, a fraction in [0, 1]; the failing layers are named on stderr",
     )
+    p.add_argument(
+        "--infer-format",
+        choices=ENGINE_FORMATS,
+        help="--infer is an engine's own output (.json / .jsonl responses: SGLang's "
+        "return_indexer_topk, vLLM's indexer top-k), read through dsa_precision.capture; --train "
+        "is then a replay file of the same packed requests",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(func=main)
+
+
+def _engine_output(path: Path, engine: str) -> _Replay:
+    """The picks of an engine's saved responses, packed as a replay file (capture adapters)."""
+    try:
+        layers, layout = load_engine_output(path, engine=engine)
+    except (OSError, TypeError, ValueError) as exc:
+        raise CliError(f"--infer {path} (--infer-format {engine}): {exc}") from None
+    return _Replay(dict(layers), TokenLayout(cu_seqlens=layout["cu_seqlens"]))
 
 
 def _same_layout(a: TokenLayout, b: TokenLayout) -> bool:
@@ -253,11 +270,21 @@ def _pooled(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _compare(
-    train_path: Path, infer_path: Path, key: str | None
+    train_path: Path, infer_path: Path, key: str | None, infer_format: str | None = None
 ) -> tuple[list[tuple[str, dict]], list[int] | None]:
     """``([(name, TopkAgreement.as_dict())], shape)``: one row and the tensors' shape, or one row
     per layer (then "all" last) and ``None``. Every compared selection has at least one row."""
-    train_replay, infer_replay = _replay(train_path, "--train"), _replay(infer_path, "--infer")
+    train_replay = _replay(train_path, "--train")
+    if infer_format is not None:
+        infer_replay = _engine_output(infer_path, infer_format)
+        if train_replay is None:
+            raise CliError(
+                f"--infer-format {infer_format}: --train {train_path} must be a replay file "
+                "(layer_NN tensors with cu_seqlens, e.g. dsa_precision.megatron.save_topk) of the "
+                "same packed requests"
+            )
+    else:
+        infer_replay = _replay(infer_path, "--infer")
     if (train_replay is None) != (infer_replay is None):
         raise CliError(
             "--train and --infer must both be replay files (layer_NN tensors) or both index files"
@@ -321,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
     gate = args.min_agreement
     if gate is not None and not (0.0 <= gate <= 1.0):
         raise CliError(f"--min-agreement {gate}: give a fraction in [0, 1], e.g. 0.999")
-    results, shape = _compare(args.train, args.infer, args.key)
+    results, shape = _compare(args.train, args.infer, args.key, args.infer_format)
     overall = results[-1][1]
     # The gate covers every compared selection: each layer (and the pooled "all" row).
     failed = [] if gate is None else [n for n, m in results if m["member_agreement"] < gate]
