@@ -28,7 +28,14 @@ check_megatron_core()
 from .config import DSAPrecisionTransformerConfig, add_dsa_precision_args, config_from_args
 from .indexer import PrecisionDSAIndexer
 from .attention import PrecisionDSAttention
-from .replay import capture_topk, engine_topk, load_topk, save_topk, topk_metrics
+from .replay import (
+    capture_topk,
+    engine_topk,
+    load_topk,
+    save_topk,
+    set_replay_validation,
+    topk_metrics,
+)
 from .specs import (
     LocalDSASpecProvider,
     get_dsa_precision_module_spec,
@@ -51,6 +58,7 @@ __all__ = [
     "install",
     "load_topk",
     "save_topk",
+    "set_replay_validation",
     "topk_metrics",
     "with_dsa_precision",
 ]
