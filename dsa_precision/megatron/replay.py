@@ -15,6 +15,17 @@ Each rank takes its own rows (sequence and context parallelism: the global rows 
 Layers that reuse another layer's top-k (index sharing) follow Megatron's rule and reuse the
 source layer's picks, replayed or computed.
 
+Checks (one :class:`~dsa_precision.topk_layout.TokenLayout`, the package's shared check of picks
+that enter from outside): :func:`engine_topk` always checks host facts (the layout's types, each
+layer's ``(T, k)`` integer picks, their device; ``cu_seqlens`` held on the CPU, its values), and
+each layer, when it reads its picks, that they are in its own layout (BSHD: the model's sequence
+length and batch; THD: its ``PackedSeqParams``' number of sequences, and their ``cu_seqlens``
+values when both are on the CPU) -- no host synchronisation. The data (causal range, duplicate
+keys, device ``cu_seqlens`` values against the layer's) is checked only with validation on, one
+host synchronisation per layer: ``engine_topk(validate=True)``, or for every call that does not
+say, ``DSA_PRECISION_VALIDATE=1`` / :func:`set_replay_validation` (a debug run). It is off by
+default, so that a training step does not wait for the host.
+
 Monitoring: in ``verify`` (and in ``compute`` when indices are handed in and the layer's picks are
 the package's, i.e. FP8 scoring), every layer accumulates on the device, without host
 synchronisation, its member agreement, identical rows and flipped picks, and (``verify``) the
