@@ -6,8 +6,7 @@ Sequence parallelism: Megatron's torch norm refuses ``sequence_parallel`` withou
 marked ``sequence_parallel`` (what Megatron's fused norms do), and :func:`local_sp_backend` the
 package's local DSA spec provider with it.
 
-Devices: 
-megatron-core asks for a GPU in a few places that a CPU run of the DSA path reaches:
+Devices: megatron-core asks for a GPU in a few places that a CPU run of the DSA path reaches:
 
 - ``RotaryEmbedding`` places its buffers on ``torch.cuda.current_device()`` whatever
   ``use_cpu_initialization`` says;
