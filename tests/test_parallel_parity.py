@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -115,3 +116,89 @@ def test_losses_finite_and_reference_reproduced(parity):
         assert row.get("ranks_reproduce", True), key
         if "loss_rel" in row:  # parallel runs train like the single-GPU run
             assert row["loss_rel"] < 1e-2, (key, row["loss_rel"])
+
+
+# -- the test utilities themselves (no processes) ----------------------------------------------
+
+
+def _part(tokens, picks):
+    return {"tokens": torch.tensor(tokens), "picks": torch.tensor(picks, dtype=torch.int32)}
+
+
+def test_assemble_picks_orders_by_token_and_compares_duplicate_rows():
+    from dsa_precision.testing.parity import assemble_picks
+
+    a, b = _part([2, 0], [[1, 0], [0, -1]]), _part([1, 3], [[0, 1], [2, -1]])
+    picks, agree = assemble_picks([a, b])
+    assert agree and picks.tolist() == [[0, -1], [0, 1], [1, 0], [2, -1]]
+    # A TP rank holding token 0 with another set of keys: the ranks disagree.
+    _, agree = assemble_picks([a, b, _part([0], [[-1, 5]])])
+    assert not agree
+    with pytest.raises(RuntimeError, match="do not cover every token"):
+        assemble_picks([_part([0, 2], [[0], [1]])])
+
+
+def test_assemble_ops_puts_rows_back_and_compares_duplicates():
+    from dsa_precision.testing.parity import assemble_ops
+
+    rows = torch.arange(8.0).view(1, 4, 2)
+    parts = [
+        {"positions": torch.tensor([0, 3]), "ops": {"q": rows[:, [0, 3]], "fp8": False}},
+        {"positions": torch.tensor([1, 2]), "ops": {"q": rows[:, [1, 2]], "fp8": False}},
+    ]
+    ops, agree = assemble_ops(parts, batch=1, total=4)
+    assert agree and torch.equal(ops["q"], rows) and ops["fp8"] is False
+    other = {"positions": torch.tensor([3]), "ops": {"q": rows[:, [3]] + 1, "fp8": False}}
+    assert not assemble_ops([*parts, other], batch=1, total=4)[1]
+
+
+def _row(config, split=1.0, identical=True, rows_identical=1.0):
+    layer = dict(split_identical=split, operands_identical=identical, rows_identical=rows_identical)
+    calls = [{"fp8": 3, "bf16": 0}] * 2
+    return dict(config=config, finite=True, calls_per_rank=calls, layers={"1": layer})
+
+
+def test_checks_do_not_require_identical_operands():
+    """The verdicts are the package's guarantees: operands that Megatron's (or the BLAS
+    library's) arithmetic changed upstream, with other picks, pass; a split that changes picks,
+    or other picks from identical operands, fail."""
+    from dsa_precision.testing.parity import checks
+
+    assert checks([_row("fp8", identical=False, rows_identical=0.9)])["ok"]
+    assert checks([_row("stock", split=float("nan"), rows_identical=0.5)])["ok"]
+    bad_split = checks([_row("fp8", split=0.99, identical=False)])
+    assert not bad_split["ok"] and not bad_split["split_everywhere"]
+    bad = checks([_row("rope_fp32+fp8", rows_identical=0.99)])
+    assert not bad["ok"] and not bad["fp8_identical_where_operands_identical"]
+    bf16_calls = _row("fp8") | {"calls_per_rank": [{"fp8": 3, "bf16": 1}, {"fp8": 3, "bf16": 0}]}
+    assert not checks([bf16_calls])["fp8_calls_every_rank"]
+
+
+def test_score_rel_and_bits_equal():
+    from dsa_precision.testing.parity import bits_equal, score_rel
+
+    ref = torch.tensor([[1.0, float("-inf")], [4.0, 2.0]])
+    assert score_rel(ref + torch.tensor([[0.0, 0.0], [0.5, 0.0]]), ref) == 0.125
+    assert score_rel(torch.zeros(2, 2), ref) == float("inf")  # finite where the reference is not
+    a = {"q": torch.ones(2), "fp8": True}
+    assert bits_equal(a, {"q": torch.ones(2), "fp8": True})
+    assert not bits_equal(a, {"q": torch.ones(2).nextafter(torch.tensor(2.0)), "fp8": True})
+    assert not bits_equal(a, {"q": torch.ones(2), "k": torch.ones(2), "fp8": True})
+
+
+def test_megatron_on_cpu_is_scoped():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from dsa_precision.testing.megatron import megatron_on_cpu
+
+    before = (torch.cuda.current_device, torch.tensor, torch.Tensor.cuda)
+    with megatron_on_cpu():
+        assert torch.cuda.current_device() == "cpu"
+        t = torch.tensor([1, 2], device="cpu", pin_memory=True)
+        assert t.cuda(non_blocking=True) is t and not t.is_pinned()
+        with mp_random.get_cuda_rng_tracker().fork():  # sequence parallelism's dropout fork
+            pass
+    assert (torch.cuda.current_device, torch.tensor, torch.Tensor.cuda) == before
+    with pytest.raises(Exception, match="not added"):  # Megatron's own tracker again
+        with mp_random.get_cuda_rng_tracker().fork():
+            pass
