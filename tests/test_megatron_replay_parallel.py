@@ -1,5 +1,6 @@
-"""Replay and verify under TP=2 with sequence parallelism and CP=2 (BSHD and packed THD): two gloo
-processes on the CPU, tiny shapes, the torch backend.
+"""Replay and verify under TP=2 with sequence parallelism and CP=2 (BSHD and packed THD): two
+processes on the CPU (gloo, tiny shapes, the torch backend), and the same on two GPUs (NCCL,
+cuDNN; ``gpu``, skipped with fewer than two).
 
 Each process first runs the single-process layer (TP = CP = 1, the world data-parallel), then the
 same layer (same seed, same weights) under the parallel layout on its shard of the same inputs,
@@ -22,6 +23,7 @@ all-gathered by Megatron. Checked against the single-process run:
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 
@@ -64,7 +66,7 @@ def _inputs(packed: bool) -> dict:
 def _engine(cu: list[int] | None, batch: int, topk: int) -> torch.Tensor:
     """``(T, topk)`` engine picks: one random causal key per token, in a random slot."""
     g = torch.Generator().manual_seed(5)
-    lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)] if cu else [SEQ] * batch
+    lengths = [b - a for a, b in itertools.pairwise(cu)] if cu else [SEQ] * batch
     position = torch.cat([torch.arange(n) for n in lengths])
     key = (torch.rand(position.shape, generator=g) * (position + 1)).long()
     picks = torch.full((position.numel(), topk), -1, dtype=torch.int64)
@@ -120,19 +122,29 @@ def _shard(inputs: dict, tp: int, cp: int, cu: list[int] | None, rank: int):
     return out, rows, heads
 
 
-def _run(attn, inputs, engine, cu, **metrics_kw):
+def _run(attn, inputs, engine, cu, device, **metrics_kw):
+    import dataclasses
+
     import dsa_precision.megatron as dsap
 
     from .megatron_utils import packed_params, run_attention
 
-    kw = dict(packed_seq_params=packed_params(cu)) if cu else {}
+    attn = attn.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    kw = {}
+    if cu:
+        psp = packed_params(cu)
+        cu_dev = psp.cu_seqlens_q.to(device)
+        kw["packed_seq_params"] = dataclasses.replace(
+            psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev
+        )
     layout = dict(cu_seqlens=torch.tensor(cu)) if cu else dict(seq_len=SEQ)
     with torch.no_grad(), dsap.engine_topk({1: engine}, **layout):
         out = run_attention(attn, inputs, **kw)
     return out, dsap.topk_metrics(torch.nn.ModuleList([attn]), **metrics_kw)
 
 
-def _case(name: str, rank: int) -> dict:
+def _case(name: str, rank: int, device: str) -> dict:
     from megatron.core import parallel_state
 
     from .megatron_utils import V_DIM
@@ -144,12 +156,12 @@ def _case(name: str, rank: int) -> dict:
     for source, fp8 in (("replay", False), ("verify", True)):
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1)
-        ref, ref_metrics = _run(_layer(source, 1, 1, fp8), inputs, engine, cu)
+        ref, ref_metrics = _run(_layer(source, 1, 1, fp8), inputs, engine, cu, device)
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
         group = parallel_state.get_context_parallel_group() if cp > 1 else None
         mine, rows, heads = _shard(inputs, tp, cp, cu, rank)
-        out, metrics = _run(_layer(source, tp, cp, fp8), mine, engine, cu, group=group)
+        out, metrics = _run(_layer(source, tp, cp, fp8), mine, engine, cu, device, group=group)
         want = ref[..., heads.start * V_DIM : heads.stop * V_DIM] if tp > 1 else ref
         result[source] = dict(
             equal=torch.equal(out, want[rows]),
@@ -160,28 +172,41 @@ def _case(name: str, rank: int) -> dict:
     return result
 
 
-def _worker(rank: int, port: int, path: str) -> None:
+def _worker(rank: int, port: int, path: str, device: str) -> None:
+    import contextlib
+
     import torch.distributed as dist
 
     from dsa_precision.testing.megatron import megatron_on_cpu
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if device == "cuda":  # two GPUs: NCCL, NVLink multicast off
+        os.environ.update(
+            NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+        )
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=WORLD)
     try:
-        with megatron_on_cpu():
-            results = {name: _case(name, rank) for name in CASES}
+        with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
+            results = {name: _case(name, rank, device) for name in CASES}
         torch.save(results, f"{path}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def parallel(tmp_path_factory):
+def _spawn(tmp_path_factory, device: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     path = str(tmp_path_factory.mktemp("replay_parallel") / "results")
-    mp.spawn(_worker, args=(_free_port(), path), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), path, device), nprocs=WORLD, join=True)
     return [torch.load(f"{path}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def parallel(request, tmp_path_factory):
+    if request.param == "cuda" and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}")
+    return _spawn(tmp_path_factory, request.param)
 
 
 @pytest.mark.parametrize("case", CASES)
