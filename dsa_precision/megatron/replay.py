@@ -140,9 +140,7 @@ class EngineTopk:
             picks = idx[tokens].to(torch.int32)
         else:
             idx = idx.to(positions.device, non_blocking=True)
-            cu = self.layout.cu_seqlens.to(
-                device=idx.device, dtype=torch.int64, non_blocking=True
-            )
+            cu = self.layout.cu_seqlens.to(device=idx.device, dtype=torch.int64, non_blocking=True)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
             start = cu[packed_sequence_of(cu, safe)]

@@ -82,7 +82,6 @@ LAYOUTS = {
 }
 
 
-
 class Dist:
     """The world, and a gloo group for gathering results (the default group on the CPU)."""
 
@@ -122,7 +121,6 @@ def sync(args) -> None:
         torch.cuda.synchronize()
 
 
-
 # ------------------------------------------------------------------------------------ model
 
 
@@ -140,8 +138,6 @@ def model_config(args, layout: Layout, name: str):
         cp_comm_type="allgather" if layout.cp > 1 else None,
         **args.model.configs[name],
     )
-
-
 
 
 def vocab_size(args) -> int:
@@ -184,7 +180,6 @@ def build_model(args, layout: Layout, name: str, weights: dict | None, seq: int)
 
 def cores(model):
     return [layer.self_attention.core_attention for layer in model.decoder.layers]
-
 
 
 # ------------------------------------------------------------------------------------- data
@@ -308,7 +303,6 @@ def run_model(model, lb: LocalBatch, labels: bool = True):
     )
 
 
-
 # ---------------------------------------------------------------------------------- training
 
 
@@ -374,7 +368,6 @@ class Trainer:
             for (_, p), m in zip(self.named, self.master, strict=True):
                 p.copy_(m)
         return float(total), norm
-
 
 
 # ---------------------------------------------------------------------------------- capture
@@ -447,7 +440,6 @@ def capture(args, layout: Layout, name: str, model, lb: LocalBatch) -> dict:
     return out
 
 
-
 # ------------------------------------------------------------------------------------- runs
 
 
@@ -476,9 +468,6 @@ def run_config(args, layout: Layout, name: str, data: list[Batch], weights: dict
     )
     del trainer, model
     return dict(layers=layers, losses=losses, grad_norms=norms, calls=calls), full
-
-
-
 
 
 def parity(args, world: Dist) -> dict:
@@ -554,8 +543,6 @@ def parity(args, world: Dist) -> dict:
     return dict(rows=results, checks=checks(results) if world.rank == 0 else {})
 
 
-
-
 HEADER = (
     f"{'layout':<9}{'config':<14}{'L':>2}{'rows ident':>11}{'member':>10}{'split':>7}"
     f"{'ops':>5}{'score rel':>10}{'loss rel':>10}{'gnorm rel':>10}{'fp8 calls/rank':>16}"
@@ -584,7 +571,6 @@ def print_row(row: dict, flush: bool = False) -> None:
             f"{tail}",
             flush=flush,
         )
-
 
 
 # ------------------------------------------------------------------------------- throughput
@@ -696,4 +682,3 @@ def print_throughput(e: dict, flush: bool = False) -> None:
         f"{e['config']:<14}{e['seq']:>7}{step:>10.1f}{index:>12.2f}{index / step:>8.1%}{peaks:>16}",
         flush=flush,
     )
-

@@ -210,12 +210,9 @@ def compare_layer(
     )
 
 
-
-
 def rel(a: float, b: float) -> float:
     """``|a - b| / |b|``."""
     return abs(a - b) / max(abs(b), 1e-30)
-
 
 
 def checks(rows: list[dict]) -> dict:
@@ -242,4 +239,3 @@ def checks(rows: list[dict]) -> dict:
                 out["fp8_identical_where_operands_identical"] &= layer["rows_identical"] == 1.0
     out["ok"] = all(out.values())
     return out
-
