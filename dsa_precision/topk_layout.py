@@ -8,10 +8,14 @@ and ``dsa-precision agree`` read the same layout: per token, ``k`` sequence-rela
 
 Two levels of checks, as everywhere in the package (docs/robustness.md):
 
-- :meth:`TokenLayout.check_indices`: host-side facts only (types, dtypes, ranks, shapes, devices
-  where known); no device work, safe on the hot path.
-- :meth:`TokenLayout.validate_indices`: the data (row count against ``cu_seqlens[-1]``, causal
-  range, duplicates, monotone ``cu_seqlens``); a few reductions and **one host synchronisation**
+- :meth:`TokenLayout.check_indices` and :meth:`TokenLayout.check_consumer`: host-side facts only
+  (types, dtypes, ranks, shapes, devices, the layout against the consumer's); no device work,
+  safe on the hot path. ``cu_seqlens`` held on the CPU are host data: their values (start at 0,
+  never decrease, end at ``T``, equal to the consumer's when both are on the CPU) are always
+  checked, at no synchronisation.
+- :meth:`TokenLayout.validate_indices` (and ``check_consumer(..., validate=True)``): the data
+  (row count against ``cu_seqlens[-1]``, causal range, duplicates, monotone ``cu_seqlens``, the
+  consumer's ``cu_seqlens`` on the device); a few reductions and **one host synchronisation**
   per call on a CUDA tensor. Errors name the source (e.g. the layer), the row, its position, the
   offending values and the fix.
 """
@@ -28,6 +32,7 @@ __all__ = ["INDEX_DTYPES", "TokenLayout"]
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 _CU_DTYPES = (torch.int32, torch.int64)
+_DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,12 @@ class TokenLayout:
                 f"cu_seqlens is {_describe(cu)}; expected a 1-D int32/int64 tensor of n + 1 >= 2 "
                 "cumulative lengths starting at 0."
             )
+        if cu.device.type not in _DEVICE_TYPES:
+            raise ValueError(
+                f"cu_seqlens is on {cu.device}; hold it on the CPU or the indices' CUDA device."
+            )
+        if cu.device.type == "cpu":  # host data: checked at no synchronisation
+            self.validate()
 
     @property
     def packed(self) -> bool:
@@ -92,12 +103,71 @@ class TokenLayout:
                 f"{name} holds {idx.shape[1]} keys per token, more than the consumer's "
                 f"topk={topk}; pass at most {topk} picks per token."
             )
+        if idx.device.type not in _DEVICE_TYPES:
+            raise ValueError(
+                f"{name} is on {idx.device}; hold the picks on the CPU or a CUDA device."
+            )
         if self.seq_len is not None and idx.shape[0] % self.seq_len:
             raise ValueError(
                 f"{name}: {idx.shape[0]} token rows are not a whole number of sequences of "
                 f"seq_len={self.seq_len}; pass batch * seq_len rows, batch-major."
             )
+        cu = self.cu_seqlens
+        if cu is not None and cu.device.type != "cpu" and cu.device != idx.device:
+            raise ValueError(
+                f"{name} is on {idx.device} but cu_seqlens on {cu.device}; hold cu_seqlens on "
+                "the CPU or on the picks' device."
+            )
+        if cu is not None and cu.device.type == "cpu" and int(cu[-1]) != idx.shape[0]:
+            raise ValueError(
+                f"{name}: {idx.shape[0]} token rows but cu_seqlens ends at {int(cu[-1])}; the "
+                "picks must hold one row per packed token of this micro-batch."
+            )
         return idx
+
+    def check_consumer(
+        self, name: str, consumer: TokenLayout, *, where: str, validate: bool = False
+    ) -> None:
+        """The picks' layout (``self``) is the consumer's own: both packed or both batch-major;
+        BSHD: the same ``seq_len``; THD: as many sequences, and the same ``cu_seqlens`` values,
+        compared when both are on the CPU (host data, free) or with ``validate`` (one host
+        synchronisation). ``where`` names the consumer in errors (e.g. ``"DSA layer 3"``)."""
+        if self.packed != consumer.packed:
+            given = "cu_seqlens (packed THD)" if self.packed else f"seq_len={self.seq_len} (BSHD)"
+            fix = (
+                "pass cu_seqlens=<the micro-batch's PackedSeqParams cu_seqlens>"
+                if consumer.packed
+                else f"pass seq_len={consumer.seq_len}"
+            )
+            own = "packed THD tokens" if consumer.packed else "BSHD sequences"
+            raise ValueError(f"{name}: gives {given}, but {where} runs {own}; {fix}.")
+        if not self.packed:
+            if self.seq_len != consumer.seq_len:
+                raise ValueError(
+                    f"{name}: seq_len={self.seq_len}, but {where} runs sequences of "
+                    f"{consumer.seq_len} tokens; the picks must be this micro-batch's (pass "
+                    f"seq_len={consumer.seq_len} and its picks)."
+                )
+            return
+        ours, theirs = self.cu_seqlens, consumer.cu_seqlens
+        if ours.numel() != theirs.numel():
+            raise ValueError(
+                f"{name}: cu_seqlens holds {ours.numel() - 1} sequences, but {where}'s "
+                f"PackedSeqParams hold {theirs.numel() - 1}; the picks must be this "
+                "micro-batch's, packed as the model sees it."
+            )
+        if not (validate or ours.device.type == theirs.device.type == "cpu"):
+            return
+        a = ours.to(device=theirs.device, dtype=torch.int64)
+        differ = a != theirs.to(torch.int64)
+        if bool(differ.any()):  # on a CUDA tensor: the one synchronisation of validate
+            at = int(differ.nonzero()[0])
+            raise ValueError(
+                f"{name}: cu_seqlens[{at}] = {int(a[at])}, but {where}'s PackedSeqParams have "
+                f"{int(theirs[at])} there (cu_seqlens {_head(a)} vs {_head(theirs)}); the "
+                "picks must be this micro-batch's, packed as the model sees it (Megatron's "
+                "padded cu_seqlens under CP, when it uses them)."
+            )
 
     def validate(self, name: str = "cu_seqlens") -> None:
         """``cu_seqlens`` starts at 0 and never decreases (one host synchronisation)."""
@@ -109,8 +179,8 @@ class TokenLayout:
         if bool(bad.any()):
             at = int(bad.nonzero()[0])
             raise ValueError(
-                f"{name} = {cu.tolist()[:16]}{'...' if cu.numel() > 16 else ''} is not "
-                f"cumulative lengths (entry {at}): it must start at 0 and never decrease."
+                f"{name} = {_head(cu)} is not cumulative lengths (entry {at} = {int(cu[at])}): "
+                "it must start at 0 and never decrease."
             )
 
     def positions(self, rows: int, device: torch.device) -> torch.Tensor:
@@ -167,6 +237,10 @@ class TokenLayout:
                 f"{name}: row {row}{where} repeats a key ({idx[row].tolist()[:8]}); a top-k row holds "
                 "distinct keys."
             )
+
+
+def _head(t: torch.Tensor) -> str:
+    return f"{t.tolist()[:16]}{'...' if t.numel() > 16 else ''}"
 
 
 def _describe(t: object) -> str:

@@ -10,6 +10,9 @@ those indices handed in (``engine_topk``). It reports, side by side:
 - ``replay`` against ``compute``: the step time saved by not scoring (the indexer is skipped);
 - the host-to-device cost of the indices (layers x tokens x top-k x 4 bytes), pinned memory.
 
+The step hands the indices in with ``engine_topk``'s default: host checks only, no host
+synchronisation; ``DSA_PRECISION_VALIDATE=1`` also checks their data in every layer (a debug run).
+
 GPU:  python examples/replay_verify.py --out replay.json        (S=8192, top-k 2048)
 CPU:  python examples/replay_verify.py --tiny --device cpu --steps 3
 """
@@ -76,7 +79,7 @@ def run(args, source: str, engine_fields: dict | None) -> dict:
     times, metrics, losses = [], [], []
     for tokens, labels in data:
         picks = capture(model, config, engine_fields or ENGINE, tokens)
-        with dsap.engine_topk(picks, seq_len=tokens.shape[1], validate=False):
+        with dsap.engine_topk(picks, seq_len=tokens.shape[1]):
             loss, ms = toy.timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
         losses.append(loss)
         times.append(ms)

@@ -68,8 +68,9 @@ def make_indexer(config, indexer_cls=None):
     return indexer
 
 
-def make_attention(config, *, stock=False, layer_number=1, seed=1):
-    """The DSA core attention of ``config`` (the swapped spec, or Megatron's with ``stock``)."""
+def make_attention(config, *, stock=False, layer_number=1, seed=1, backend=None):
+    """The DSA core attention of ``config`` (the swapped spec, or Megatron's with ``stock``);
+    ``backend``: the spec provider (default the package's ``LocalDSASpecProvider``)."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_dsa_module_spec_for_backend,
     )
@@ -79,7 +80,7 @@ def make_attention(config, *, stock=False, layer_number=1, seed=1):
     from dsa_precision.megatron import LocalDSASpecProvider, get_dsa_precision_module_spec
 
     build = get_dsa_module_spec_for_backend if stock else get_dsa_precision_module_spec
-    spec = build(config, backend=LocalDSASpecProvider()).submodules.core_attention
+    spec = build(config, backend=backend or LocalDSASpecProvider()).submodules.core_attention
     torch.manual_seed(seed)
     attn = build_module(
         spec,
@@ -87,6 +88,7 @@ def make_attention(config, *, stock=False, layer_number=1, seed=1):
         layer_number=layer_number,
         attn_mask_type=AttnMaskType.causal,
         attention_type="self",
+        cp_comm_type=getattr(config, "cp_comm_type", None),
     )
     if attn.indexer is not None:
         with torch.no_grad():

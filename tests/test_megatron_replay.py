@@ -183,23 +183,113 @@ def test_bf16_verify_keeps_megatrons_path_and_measures_the_package_selection():
     assert m["dsa_topk/layer_01/rows_identical"] == pytest.approx((2 * SEQ - 1) / (2 * SEQ))
 
 
+I64 = dict(dtype=torch.int64)
+
+
 @pytest.mark.parametrize(
     "indices, layout, err, match",
     [
         ({1: torch.zeros(32, 4)}, dict(seq_len=SEQ), TypeError, r"layer 1: expected a \(T, k\) int"),
         ({1: torch.zeros(30, 4, dtype=torch.int32)}, dict(seq_len=SEQ), ValueError, "whole number"),
-        ({1: torch.full((32, 2), 5)}, dict(seq_len=SEQ), ValueError, r"row 0 \(position 0\).*causal"),
-        ({1: torch.full((32, 2), -2)}, dict(seq_len=SEQ), ValueError, "-1 for padding"),
-        ({1: torch.zeros(32, 2, dtype=torch.int64)}, dict(seq_len=SEQ), ValueError, "row 0 repeats"),
-        ({0: torch.zeros(32, 1, dtype=torch.int64)}, dict(seq_len=SEQ), ValueError, "1-based layer"),
-        ({1: torch.zeros(16, 1, dtype=torch.int64)}, dict(cu_seqlens=torch.tensor([0, 9])), ValueError, "cu_seqlens ends at 9"),
-        ({1: torch.zeros(16, 1, dtype=torch.int64)}, {}, ValueError, "cu_seqlens .* or seq_len"),
+        ({0: torch.zeros(32, 1, **I64)}, dict(seq_len=SEQ), ValueError, "1-based layer"),
+        ([torch.zeros(32, 1, **I64)], dict(seq_len=SEQ), TypeError, r"layer_number: \(T, k\)"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(cu_seqlens=torch.tensor([0, 9])), ValueError, "cu_seqlens ends at 9"),
+        ({1: torch.zeros(16, 1, **I64)}, {}, ValueError, "cu_seqlens .* or seq_len"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(seq_len=0), ValueError, "seq_len=0 must be positive"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(seq_len=16.0), TypeError, r"seq_len=16\.0 \(float\) must be an int"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(cu_seqlens=[0, 16]), TypeError, "cu_seqlens must be a 1-D"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(cu_seqlens=torch.tensor([[0, 16]])), ValueError, r"shape \(1, 2\); expected a 1-D"),
+        ({1: torch.zeros(16, 1, **I64)}, dict(cu_seqlens=torch.tensor([0, 9, 5, 16])), ValueError, r"entry 2 = 5\): it must start at 0 and never decrease"),
+        ({1: torch.zeros(16, 1, **I64, device="meta")}, dict(seq_len=SEQ), ValueError, "layer 1 is on meta; hold the picks on the CPU"),
     ],
 )  # fmt: skip
-def test_bad_engine_indices_name_the_layer_and_row(indices, layout, err, match):
+def test_bad_engine_indices_are_named_without_validation(indices, layout, err, match):
+    """Host facts: checked by default (no synchronisation), named, never a raw torch error."""
     with pytest.raises(err, match=match):
-        with dsap.engine_topk(indices, **layout):
+        with dsap.engine_topk(indices, validate=False, **layout):
             pass
+
+
+DATA_ERRORS = [
+    (torch.full((32, 2), 5), r"layer 1: row 0 \(position 0 in its sequence\).*causal"),
+    (torch.full((32, 2), -2), "-1 for padding"),
+    (torch.zeros(32, 2, **I64), "layer 1: row 0 repeats a key"),
+]
+
+
+@pytest.fixture
+def validation_switch(monkeypatch):
+    monkeypatch.delenv(dsap.replay.VALIDATE_ENV, raising=False)
+    yield monkeypatch
+    dsap.set_replay_validation(None)
+
+
+@pytest.mark.parametrize("picks, match", DATA_ERRORS)
+def test_data_checks_are_a_debug_opt_in(validation_switch, picks, match):
+    with dsap.engine_topk({1: picks}, seq_len=SEQ) as engine:  # the step: no data check
+        assert not engine.validate
+    for switch_on in (
+        lambda: None,  # validate=True below
+        lambda: dsap.set_replay_validation(True),
+        lambda: validation_switch.setenv(dsap.replay.VALIDATE_ENV, "1"),
+    ):
+        dsap.set_replay_validation(None)
+        switch_on()
+        explicit = {} if dsap.replay.replay_validation_enabled() else dict(validate=True)
+        with pytest.raises(ValueError, match=match):
+            with dsap.engine_topk({1: picks}, seq_len=SEQ, **explicit):
+                pass
+    dsap.set_replay_validation(False)  # beats the environment
+    with dsap.engine_topk({1: picks}, seq_len=SEQ) as engine:
+        assert not engine.validate
+    with pytest.raises(TypeError, match=r"set_replay_validation\(enabled='yes'\)"):
+        dsap.set_replay_validation("yes")
+
+
+def _run_replay(engine, layout, *, packed_layer=None, b=2, validate=False):
+    attn = make_attention(make_config(dsa_indexer_topk_source="replay"))
+    kw = dict(packed_seq_params=packed_params(packed_layer)) if packed_layer else {}
+    with dsap.engine_topk({1: engine}, validate=validate, **layout):
+        return run_attention(attn, attention_inputs(b=b, packed=bool(packed_layer)), **kw)
+
+
+def _own_position_picks(rows_per_seq):
+    return torch.cat([torch.arange(n) for n in rows_per_seq]).view(-1, 1)
+
+
+@pytest.mark.parametrize(
+    "picks, layout, packed_layer, match",
+    [
+        # BSHD, batch 2 x 16 tokens: 4 engine sequences of 8 tokens are another layout.
+        (_own_position_picks([8] * 4), dict(seq_len=8), None, r"layer 1: seq_len=8, but DSA layer 1 runs sequences of 16 tokens"),
+        (_own_position_picks([16]), dict(seq_len=SEQ), None, r"layer 1: 16 token rows, but DSA layer 1 runs 2 sequences of 16 tokens \(32 rows\)"),
+        (_own_position_picks([5, 11]), dict(cu_seqlens=torch.tensor([0, 5, 16])), None, r"gives cu_seqlens \(packed THD\), but DSA layer 1 runs BSHD sequences; pass seq_len=16"),
+        # THD, the layer packs [0, 5, 16].
+        (_own_position_picks([16]), dict(seq_len=SEQ), [0, 5, 16], r"gives seq_len=16 \(BSHD\), but DSA layer 1 runs packed THD tokens; pass cu_seqlens="),
+        (_own_position_picks([8, 8]), dict(cu_seqlens=torch.tensor([0, 8, 16])), [0, 5, 16], r"cu_seqlens\[1\] = 8, but DSA layer 1's PackedSeqParams have 5 there"),
+        (_own_position_picks([16]), dict(cu_seqlens=torch.tensor([0, 16])), [0, 5, 16], r"cu_seqlens holds 1 sequences, but DSA layer 1's PackedSeqParams hold 2"),
+    ],
+)  # fmt: skip
+def test_replay_checks_the_picks_against_the_layers_own_layout(picks, layout, packed_layer, match):
+    """Valid picks of another layout are refused where the layer reads them (host facts; CPU
+    cu_seqlens values), with validation off: they would attend to other tokens' keys."""
+    b = 1 if packed_layer else 2
+    with pytest.raises(ValueError, match=match):
+        _run_replay(picks, layout, packed_layer=packed_layer, b=b)
+
+
+def test_the_layers_own_layout_replays():
+    """The same checks pass on the micro-batch's own layout (BSHD and THD)."""
+    assert _run_replay(_own_position_picks([16, 16]), dict(seq_len=SEQ)).isfinite().all()
+    thd = dict(cu_seqlens=torch.tensor([0, 5, 16]))
+    out = _run_replay(_own_position_picks([5, 11]), thd, packed_layer=[0, 5, 16], b=1)
+    assert out.isfinite().all()
+
+
+def test_more_picks_than_the_layers_topk_are_named():
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 9).clamp(max=0)  # 9 > dsa_indexer_topk=8
+    with pytest.raises(ValueError, match=r"layer 1 holds 9 keys per token, .*topk=8"):
+        _run_replay(picks, dict(seq_len=SEQ))
 
 
 def test_a_missing_layer_is_named_when_the_layer_runs():

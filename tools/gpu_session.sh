@@ -95,11 +95,14 @@ for step in "$@"; do
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;
-    parity)  # two GPUs
+    parity)  # two GPUs (nvidia-h200-x2); S = 32768 may report OOM (Megatron's unfused attention)
       TAIL=40 run parity 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
         --json "$LOGS/parity.json"
+      TAIL=20 run replay_parity 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/test_megatron_replay_parallel.py
       TAIL=20 run parity_throughput 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
-        --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384} --json "$LOGS/throughput.json" ;;
+        --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384,32768} \
+        --json "$LOGS/throughput.json" ;;
     megatron-tests)
       # MEGATRON_LM: the Megatron-LM tests export (tools/megatron_tests/slim.sh makes one small
       # enough to carry)

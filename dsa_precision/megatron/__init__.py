@@ -26,7 +26,14 @@ check_megatron_core()
 from .config import DSAPrecisionTransformerConfig, add_dsa_precision_args, config_from_args
 from .indexer import PrecisionDSAIndexer
 from .attention import PrecisionDSAttention
-from .replay import capture_topk, engine_topk, load_topk, save_topk, topk_metrics
+from .replay import (
+    capture_topk,
+    engine_topk,
+    load_topk,
+    save_topk,
+    set_replay_validation,
+    topk_metrics,
+)
 from .specs import (
     LocalDSASpecProvider,
     get_dsa_precision_module_spec,
@@ -48,6 +55,7 @@ __all__ = [
     "get_gpt_dsa_precision_block_spec",
     "load_topk",
     "save_topk",
+    "set_replay_validation",
     "topk_metrics",
     "with_dsa_precision",
 ]

@@ -42,6 +42,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from .. import audit
 from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
+from ..topk_layout import TokenLayout
 from . import compat, replay
 from .config import layer_decisions
 from .indexer import PrecisionDSAIndexer
@@ -208,10 +209,16 @@ class PrecisionDSAttention(DSAttention):
     def _engine_picks(
         self, engine: replay.EngineTopk, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
-        """The engine's picks of this rank's query rows, in the layout Megatron consumes."""
-        positions = query_positions(layout, self._indexer_rows(x), query.device)
-        batch = 1 if layout.cu_seqlens is not None else x.size(1)
-        return engine.rows(self.layer_number, positions, batch, self.index_topk)
+        """The engine's picks of this rank's query rows, in the layout Megatron consumes, checked
+        against this layer's own layout: its global sequence length (BSHD) or the ``cu_seqlens``
+        of its ``PackedSeqParams`` (THD)."""
+        rows = self._indexer_rows(x)
+        positions = query_positions(layout, rows, query.device)
+        if layout.cu_seqlens is None:
+            own, batch = TokenLayout(seq_len=rows * layout.cp_size), x.size(1)
+        else:
+            own, batch = TokenLayout(cu_seqlens=layout.cu_seqlens), 1
+        return engine.rows(self.layer_number, positions, batch, self.index_topk, own)
 
     def _captured(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor

@@ -15,6 +15,17 @@ Each rank takes its own rows (sequence and context parallelism: the global rows 
 Layers that reuse another layer's top-k (index sharing) follow Megatron's rule and reuse the
 source layer's picks, replayed or computed.
 
+Checks (one :class:`~dsa_precision.topk_layout.TokenLayout`, the package's shared check of picks
+that enter from outside): :func:`engine_topk` always checks host facts (the layout's types, each
+layer's ``(T, k)`` integer picks, their device; ``cu_seqlens`` held on the CPU, its values), and
+each layer, when it reads its picks, that they are in its own layout (BSHD: the model's sequence
+length and batch; THD: its ``PackedSeqParams``' number of sequences, and their ``cu_seqlens``
+values when both are on the CPU) -- no host synchronisation. The data (causal range, duplicate
+keys, device ``cu_seqlens`` values against the layer's) is checked only with validation on, one
+host synchronisation per layer: ``engine_topk(validate=True)``, or for every call that does not
+say, ``DSA_PRECISION_VALIDATE=1`` / :func:`set_replay_validation` (a debug run). It is off by
+default, so that a training step does not wait for the host.
+
 Monitoring: in ``verify`` (and in ``compute`` when indices are handed in and the layer's picks are
 the package's, i.e. FP8 scoring), every layer accumulates on the device, without host
 synchronisation, its member agreement, identical rows and flipped picks, and (``verify``) the
@@ -28,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
@@ -36,6 +48,7 @@ import torch
 
 from ..agreement import _agreement_and_identical_rows
 from ..scoring import packed_sequence_of
+from ..topk_layout import TokenLayout
 
 __all__ = [
     "TOPK_SOURCES",
@@ -45,24 +58,37 @@ __all__ = [
     "capture_topk",
     "engine_topk",
     "load_topk",
+    "replay_validation_enabled",
     "save_topk",
+    "set_replay_validation",
     "topk_metrics",
 ]
 
 TopkSource = Literal["compute", "replay", "verify"]
 TOPK_SOURCES = ("compute", "replay", "verify")
-_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 # Metric names: dsa_topk/layer_07/member_agreement, ...; dsa_topk/all/... over every layer.
 METRIC_PREFIX = "dsa_topk"
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineTopk:
-    """One micro-batch's engine top-k (see the module docstring for the layout)."""
+    """One micro-batch's engine top-k (see the module docstring for the layout), as checked by
+    :func:`engine_topk`; ``validate``: whether the layers also check the data against their own
+    layout (one host synchronisation per layer)."""
 
     indices: Mapping[int, torch.Tensor]  # layer number -> (T, k) integer
-    cu_seqlens: torch.Tensor | None = None  # THD: (n + 1,) cumulative lengths of the T tokens
-    seq_len: int | None = None  # BSHD: tokens per sequence (T = batch * seq_len)
+    layout: TokenLayout
+    validate: bool = False
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        """THD: ``(n + 1,)`` cumulative lengths of the ``T`` tokens."""
+        return self.layout.cu_seqlens
+
+    @property
+    def seq_len(self) -> int | None:
+        """BSHD: tokens per sequence (``T = batch * seq_len``)."""
+        return self.layout.seq_len
 
     def layer(self, layer_number: int) -> torch.Tensor:
         if layer_number not in self.indices:
@@ -73,22 +99,48 @@ class EngineTopk:
         return self.indices[layer_number]
 
     def rows(
-        self, layer_number: int, positions: torch.Tensor, batch: int, topk: int
+        self,
+        layer_number: int,
+        positions: torch.Tensor,
+        batch: int,
+        topk: int,
+        consumer: TokenLayout,
     ) -> torch.Tensor:
         """The engine's picks of a rank's query rows, in ``DSAttention``'s key coordinates:
-        ``(batch, rows, topk)`` int32 (BSHD: key positions; THD: global packed key rows)."""
-        idx = self.layer(layer_number).to(positions.device)
+        ``(batch, rows, topk)`` int32 (BSHD: key positions; THD: global packed key rows).
+
+        ``positions``: Megatron's global position (BSHD) or packed row (THD) of each query row;
+        ``consumer``: the layer's own layout (its global sequence length, or the ``cu_seqlens``
+        of its ``PackedSeqParams``), which the picks must match (host facts always; the values of
+        device ``cu_seqlens`` only with ``validate``)."""
+        name = f"engine_topk layer {layer_number}"
+        where = f"DSA layer {layer_number}"
+        idx = self.layer(layer_number)
+        self.layout.check_consumer(name, consumer, where=where, validate=self.validate)
         if idx.shape[1] > topk:
             raise ValueError(
-                f"engine_topk layer {layer_number} holds {idx.shape[1]} keys per token, more "
-                f"than the layer's dsa_indexer_topk={topk}."
+                f"{name} holds {idx.shape[1]} keys per token, more than the layer's "
+                f"dsa_indexer_topk={topk}; pass at most {topk} picks per token."
+            )
+        if idx.device != positions.device and idx.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on {idx.device}, {where} on {positions.device}; hand in the picks "
+                f"on {positions.device} or the CPU (pinned memory copies without a sync)."
             )
         total = idx.shape[0]
-        if self.cu_seqlens is None:
+        if self.layout.seq_len is not None:
+            if total != batch * self.layout.seq_len:
+                raise ValueError(
+                    f"{name}: {total} token rows, but {where} runs {batch} sequences of "
+                    f"{self.layout.seq_len} tokens ({batch * self.layout.seq_len} rows); pass "
+                    "this micro-batch's picks, batch-major."
+                )
+            idx = idx.to(positions.device, non_blocking=True)
             tokens = torch.arange(batch, device=idx.device).view(-1, 1) * self.seq_len + positions
             picks = idx[tokens].to(torch.int32)
         else:
-            cu = self.cu_seqlens.to(device=idx.device, dtype=torch.int64)
+            idx = idx.to(positions.device, non_blocking=True)
+            cu = self.layout.cu_seqlens.to(device=idx.device, dtype=torch.int64, non_blocking=True)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
             start = cu[packed_sequence_of(cu, safe)]
@@ -105,58 +157,59 @@ _CAPTURE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "dsa_precision_capture_topk", default=None
 )
 
+# The debug switch of replay-index validation (see replay_validation_enabled).
+VALIDATE_ENV = "DSA_PRECISION_VALIDATE"
+_VALIDATION: bool | None = None
 
-def _validate(indices: Mapping[int, torch.Tensor], cu_seqlens, seq_len) -> None:
-    """Shape, dtype, range (-1 or 0 <= key <= position) and duplicates; errors name the layer and
-    the offending row. One host synchronisation per layer."""
-    if (cu_seqlens is None) == (seq_len is None):
-        raise ValueError("engine_topk needs cu_seqlens (packed THD tokens) or seq_len (BSHD).")
+
+def set_replay_validation(enabled: bool | None) -> None:
+    """Turn the data checks of :func:`engine_topk` on or off for every later call that does not
+    pass ``validate``; ``None`` returns to the environment (``DSA_PRECISION_VALIDATE``)."""
+    global _VALIDATION
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_replay_validation(enabled={enabled!r}): pass True, False or None (the "
+            f"environment, {VALIDATE_ENV})."
+        )
+    _VALIDATION = enabled
+
+
+def replay_validation_enabled() -> bool:
+    """Whether :func:`engine_topk` checks the data when not told: :func:`set_replay_validation`
+    when it was called, else ``DSA_PRECISION_VALIDATE`` (``1``/``true``/``yes``/``on``); off by
+    default (the step does not synchronise)."""
+    if _VALIDATION is not None:
+        return _VALIDATION
+    return os.environ.get(VALIDATE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _checked(
+    indices: Mapping[int, torch.Tensor], layout: TokenLayout, validate: bool
+) -> dict[int, torch.Tensor]:
+    """The layers' picks, checked against ``layout``: host facts always (types, dtypes, shapes,
+    devices; CPU ``cu_seqlens`` values), the data with ``validate`` (one synchronisation per
+    layer). Errors name the layer."""
+    if not isinstance(indices, Mapping):
+        raise TypeError(
+            f"engine_topk takes {{layer_number: (T, k) indices}}, got {type(indices).__name__}."
+        )
     if not indices:
         raise ValueError("engine_topk got no layers; pass {layer_number: (T, k) indices}.")
+    devices = {}
     for layer, idx in indices.items():
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
             raise ValueError(f"engine_topk keys are 1-based layer numbers, got {layer!r}.")
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in _INDEX_DTYPES or idx.ndim != 2:
-            raise TypeError(
-                f"engine_topk layer {layer}: expected a (T, k) int16/int32/int64 tensor, got "
-                f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}."
-            )
-        total = idx.shape[0]
-        rows = torch.arange(total, device=idx.device)
-        if cu_seqlens is not None:
-            cu = cu_seqlens.to(device=idx.device, dtype=torch.int64)
-            if int(cu[-1]) != total:
-                raise ValueError(
-                    f"engine_topk layer {layer}: {total} token rows but cu_seqlens ends at "
-                    f"{int(cu[-1])}."
-                )
-            position = rows - cu[packed_sequence_of(cu, rows)]
+        name = f"engine_topk layer {layer}"
+        if validate:
+            layout.validate_indices(name, idx)
         else:
-            if total % seq_len:
-                raise ValueError(
-                    f"engine_topk layer {layer}: {total} token rows are not a whole number of "
-                    f"sequences of seq_len={seq_len}."
-                )
-            position = rows % seq_len
-        low = idx < -1
-        high = idx > position[:, None]
-        bad = (low | high).any(-1)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0])
-            raise ValueError(
-                f"engine_topk layer {layer}: row {row} (position {int(position[row])}) holds "
-                f"{idx[row].tolist()[:8]}...; keys must satisfy 0 <= key <= position (causal), "
-                "-1 for padding."
-            )
-        slots = torch.arange(idx.shape[1], device=idx.device)
-        ordered = (
-            torch.where(idx < 0, -1 - slots, idx.to(torch.int64)).sort(-1).values
-        )  # pads differ
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
-        if bool(repeated.any()):
-            row = int(repeated.nonzero()[0])
-            raise ValueError(f"engine_topk layer {layer}: row {row} repeats a key; rows hold "
-                             "distinct keys.")  # fmt: skip
+            layout.check_indices(name, idx)
+        devices.setdefault(idx.device, layer)
+    if len(devices) > 1:
+        where = ", ".join(f"layer {n} on {d}" for d, n in devices.items())
+        raise ValueError(f"engine_topk: the layers' picks are on different devices ({where}); "
+                         "hand them in on one device.")  # fmt: skip
+    return dict(indices)
 
 
 @contextlib.contextmanager
@@ -165,21 +218,37 @@ def engine_topk(
     *,
     cu_seqlens: torch.Tensor | None = None,
     seq_len: int | None = None,
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> Iterator[EngineTopk]:
     """Hand one micro-batch's engine top-k to the model for the forward inside the block.
 
+    Always checked, on the host (no synchronisation): the layout (``seq_len`` a positive int,
+    ``cu_seqlens`` a 1-D int32/int64 tensor; held on the CPU, its values too), each layer's
+    ``(T, k)`` integer picks and their device; and, when a layer reads them, that the layout is
+    the layer's own (BSHD: ``seq_len`` is the model's sequence length and ``T`` its batch of
+    sequences; THD: as many sequences as its ``PackedSeqParams``, equal ``cu_seqlens`` when both
+    are on the CPU) and ``k <= dsa_indexer_topk``.
+
     Args:
         indices: layer number (1-based, Megatron's) -> ``(T, k)`` engine picks (see the module
-            docstring); on any device (moved to the layer's when it reads them).
-        cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed tokens (THD micro-batches).
+            docstring); all on one device, the CPU or the layers' (copied to the layer's when it
+            reads them; from pinned memory without a synchronisation).
+        cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed tokens (THD micro-batches), as
+            the model's ``PackedSeqParams`` hold them.
         seq_len: tokens per sequence of a BSHD micro-batch (``T = batch * seq_len``).
-        validate: check shapes, dtypes, the causal range and duplicates first (one host
-            synchronisation per layer).
+        validate: also check the data: the causal range, duplicate keys, ``T`` against
+            ``cu_seqlens[-1]``, and at each layer the ``cu_seqlens`` values against its
+            ``PackedSeqParams``: one host synchronisation per layer here and per layer
+            forward. ``None`` (default): :func:`replay_validation_enabled`, i.e. on when
+            ``DSA_PRECISION_VALIDATE=1`` or :func:`set_replay_validation` (a debug run), off
+            in a training step.
     """
-    if validate:
-        _validate(indices, cu_seqlens, seq_len)
-    engine = EngineTopk(dict(indices), cu_seqlens, seq_len)
+    if validate is None:
+        validate = replay_validation_enabled()
+    elif not isinstance(validate, bool):
+        raise TypeError(f"engine_topk(validate={validate!r}): pass True, False or None.")
+    layout = TokenLayout(cu_seqlens=cu_seqlens, seq_len=seq_len)
+    engine = EngineTopk(_checked(indices, layout, validate), layout, validate)
     token = _ENGINE.set(engine)
     try:
         yield engine

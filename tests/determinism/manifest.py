@@ -23,7 +23,7 @@ A module *dispatches kernels* when it
   Questions asked of a kernel module (``*_reason``, ``*_available``, ``entry_point``,
   ``device_scope``) launch nothing.
 
-Commands (``cli/``) time or compare kernels and never feed training; ``testing.py`` is the replay
+Commands (``cli/``) time or compare kernels and never feed training; ``testing/`` is the replay
 helper itself. :data:`REGISTERED_BEYOND_THE_SCAN` lists hot-path modules registered although they
 only compose torch operations.
 
@@ -45,8 +45,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "dsa_precision"
 
 KERNEL_LIBRARIES = ("triton", "cudnn", "deep_gemm", "flash_mla", "fast_hadamard_transform")
-# Commands time or compare kernels; they never feed training. testing.py is the replay helper.
-EXCLUDED = ("dsa_precision/cli/", "dsa_precision/testing.py")
+# Commands time or compare kernels; they never feed training. testing/ holds the replay helper and the test utilities.
+EXCLUDED = ("dsa_precision/cli/", "dsa_precision/testing/")
 # Functions of a kernel module that answer a question and launch nothing.
 QUERY = re.compile(r"(_reason|_available|^entry_point|^device_scope)$")
 ACCUMULATING = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce_"}
