@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
@@ -104,7 +105,9 @@ def fake(request, monkeypatch):
 def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0):
     q, k = torch.randn(b, sq, h, 128), torch.randn(b, sk, 128)
     w = (torch.randn(b, sq, h) * 0.02).to(torch.bfloat16)
-    return prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
+    return prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), sm_scale=sm_scale
+    )
 
 
 def _check_launch(call, ops, b, ends, starts=None, columns=None, compressed=False):
@@ -239,9 +242,13 @@ def test_explicit_deepgemm_raises_with_the_reason():
     q, k = torch.randn(1, 4, 32, 128), torch.randn(1, 4, 128)
     w = torch.randn(1, 4, 32)
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*FP8 operands only.*'fp8'"):
-        indexer_scores(q, k, w, scoring_precision="bf16", backend="deepgemm")
+        indexer_scores(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="bf16"), backend="deepgemm"
+        )
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
-        indexer_scores(q, k, w, scoring_precision="fp8", backend="deepgemm")
+        indexer_scores(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm"
+        )
 
 
 def test_unsupported_reasons(monkeypatch):

@@ -7,6 +7,7 @@ import torch
 
 from dsa_precision import (
     FusedIndexerSparseAttnFunc,
+    IndexerPrecisionConfig,
     fused_indexer_sparse_attention,
     indexer_select,
     reset_scoring_calls,
@@ -44,7 +45,15 @@ def test_backward_returns_one_slot_per_forward_input():
     FusedIndexerSparseAttnFunc.backward = staticmethod(spy)
     try:
         out, _, _ = fused_indexer_sparse_attention(
-            query, kv, q_i, k_i, w, topk=K, softmax_scale=0.1, d_v=DV, scoring_precision="fp8"
+            query,
+            kv,
+            q_i,
+            k_i,
+            w,
+            topk=K,
+            softmax_scale=0.1,
+            d_v=DV,
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
         )
         out.float().sum().backward()
     finally:
@@ -59,7 +68,15 @@ def test_matches_select_then_dense_attention(precision):
     query.requires_grad_()
     kv.requires_grad_()
     out, loss, picks = fused_indexer_sparse_attention(
-        query, kv, q_i, k_i, w, topk=K, softmax_scale=0.1, d_v=DV, scoring_precision=precision
+        query,
+        kv,
+        q_i,
+        k_i,
+        w,
+        topk=K,
+        softmax_scale=0.1,
+        d_v=DV,
+        config=IndexerPrecisionConfig(scoring_precision=precision),
     )
     assert scoring_calls(precision) == 1 and scoring_calls() == 1
     want_picks = indexer_select(
@@ -67,7 +84,7 @@ def test_matches_select_then_dense_attention(precision):
         k_i.transpose(0, 1),
         w.transpose(0, 1),
         topk=K,
-        scoring_precision=precision,
+        config=IndexerPrecisionConfig(scoring_precision=precision),
     )
     assert torch.equal(picks, want_picks) and loss.item() == 0.0
     for b in range(B):
@@ -101,7 +118,7 @@ def test_bf16_indexer_loss_gradients_are_precomputed_and_scaled():
         topk=K,
         softmax_scale=0.1,
         d_v=DV,
-        scoring_precision="bf16",
+        config=IndexerPrecisionConfig(scoring_precision="bf16"),
         loss_coeff=1.0,
         indexer_loss_fn=loss_fn,
     )
@@ -118,7 +135,7 @@ def test_fp8_with_loss_is_refused():
             topk=K,
             softmax_scale=0.1,
             d_v=DV,
-            scoring_precision="fp8",
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
             loss_coeff=0.5,
             indexer_loss_fn=lambda *a: a[0].sum(),
         )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
@@ -70,7 +71,9 @@ def member_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_cudnn_matches_torch_reference(record, h, precision, carrier):
     b, s, topk = 1, 4096, 2048
     q, k, w = _inputs(b, s, h, carrier)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
+    )
     reset_scoring_calls()
     got = indexer_scores(ops, backend="cudnn")
     ref = indexer_scores(ops, backend="torch")
@@ -98,7 +101,9 @@ def test_cudnn_matches_torch_reference(record, h, precision, carrier):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cudnn_offsets_ratio_and_sm_scale_match_the_reference(record, precision):
     q, k, w = _inputs(2, 1024, 64, sk=1300)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.37)
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision), sm_scale=0.37
+    )
     kw = dict(ratio=4, q_causal_offsets=torch.tensor([0, 4000], device=DEV))
     got = indexer_scores(ops, backend="cudnn", **kw)
     ref = indexer_scores(ops, backend="torch", **kw)
@@ -117,7 +122,7 @@ def test_thd_varlen_on_cudnn(record, precision):
         cu_seqlens_k=cu,
         max_seqlen_q=2500,
         max_seqlen_k=2600,  # padding columns past the longest sequence
-        scoring_precision=precision,
+        config=IndexerPrecisionConfig(scoring_precision=precision),
         q_causal_offsets=offsets,
     )
     thd = indexer_scores_varlen(q, k, w, backend="cudnn", **kw)
@@ -126,7 +131,7 @@ def test_thd_varlen_on_cudnn(record, precision):
     for i, n in enumerate(lens):
         a, z = int(cu[i]), int(cu[i + 1])
         one = indexer_scores(
-            q[None, a:z], k[None, a:z], w[None, a:z], scoring_precision=precision,
+            q[None, a:z], k[None, a:z], w[None, a:z], config=IndexerPrecisionConfig(scoring_precision=precision),
             q_causal_offsets=offsets[i : i + 1], backend="cudnn",
         )[0]  # fmt: skip
         per_seq_equal &= bool(torch.equal(thd[a:z, :n], one))
@@ -143,7 +148,9 @@ def test_thd_varlen_on_cudnn(record, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_row_chunks_are_the_rows_of_one_launch(precision):
     q, k, w = _inputs(2, 2048, 64)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
+    )
     offsets = torch.tensor([0, 77], device=DEV)
     full = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
     for r0, r1 in ((0, 512), (512, 1037), (1037, 2048)):
@@ -154,7 +161,9 @@ def test_row_chunks_are_the_rows_of_one_launch(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_chunked_select_equals_scores_then_topk_on_cudnn(record, precision):
     q, k, w = _inputs(1, 4096, 64)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
+    )
     scores = indexer_scores(ops, backend="cudnn")
     lens = causal_key_counts(torch.zeros(1, dtype=torch.int32, device=DEV), 0, 4096, 1, 4096)
     want = indexer_topk(scores, 2048, seq_lens=lens, backend="cudnn")
@@ -172,7 +181,7 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     q, k, w, cu, _ = _packed(lens, lens)
     kw = dict(
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
-        scoring_precision=precision, backend="cudnn",
+        config=IndexerPrecisionConfig(scoring_precision=precision), backend="cudnn",
     )  # fmt: skip
     scores = indexer_scores_varlen(q, k, w, **kw)
     offsets = torch.zeros(4, dtype=torch.int32, device=DEV)
@@ -237,7 +246,7 @@ def _deepgemm_module():
 @pytest.mark.parametrize("h", [32, 64])
 def test_deepgemm_backend_is_the_direct_kernel_call(h):
     q, k, w = _inputs(1, 2048, h)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
     got = indexer_scores(ops, backend="deepgemm")
     module = _deepgemm_module()
     rows = torch.arange(2048, device=DEV, dtype=torch.int32)
@@ -265,7 +274,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     if not (hasattr(module, "fp8_mqa_logits") and hasattr(module, "fp8_fp4_mqa_logits")):
         pytest.skip(f"{module.__name__} does not have both entry points")
     q, k, w = _inputs(2, 2048, h, seed=5)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
     lens = [700, 33, 1500, 301]
     pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
@@ -273,7 +282,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     def run():
         bshd = indexer_scores(ops, q_causal_offsets=torch.tensor([0, 64], device=DEV),
                               backend="deepgemm")  # fmt: skip
-        packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8",
+        packed = indexer_scores_varlen(pq, pk, pw, config=IndexerPrecisionConfig(scoring_precision="fp8"),
                                        backend="deepgemm", **varlen)  # fmt: skip
         return bshd, packed
 
@@ -294,7 +303,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
 @pytest.mark.parametrize("h", [32, 64])
 def test_cudnn_fp8_vs_deepgemm_on_identical_operands(record, h):
     q, k, w = _inputs(1, 4096, h, seed=7)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
     a = indexer_scores(ops, backend="cudnn")
     b = indexer_scores(ops, backend="deepgemm")
     fin = torch.isfinite(b)
@@ -330,7 +339,9 @@ def test_device_path_never_waits_for_the_host():
     offsets = torch.tensor([0, 128], device=DEV)
 
     def run():
-        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+        ops = prepare_scoring_operands(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), impl="triton"
+        )
         scores = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
         seq_lens = causal_key_counts(offsets, 0, 1024, 1, 1024)
         picks = indexer_topk(scores, 256, seq_lens=seq_lens, backend="cudnn")
@@ -342,7 +353,11 @@ def test_device_path_never_waits_for_the_host():
             chunk_bytes=256 * 2 * 1024 * 12,
         )
         packed = prepare_scoring_operands(
-            pq[None], pk[None], pw[None], scoring_precision="fp8", impl="triton"
+            pq[None],
+            pk[None],
+            pw[None],
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
+            impl="triton",
         )
         sel_v = indexer_select_varlen(
             packed, topk=256, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1047,
@@ -371,7 +386,9 @@ def test_prepare_and_select_capture_in_a_cuda_graph(precision):
     offsets = torch.tensor([64], device=DEV)
 
     def step():
-        ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+        ops = prepare_scoring_operands(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
+        )
         return indexer_select(
             ops, topk=512, q_causal_offsets=offsets, backend="cudnn", chunk_bytes=512 * 2048 * 12
         )
