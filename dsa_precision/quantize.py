@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_tensor
 from .config import QUANT_BLOCK
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
@@ -88,6 +89,7 @@ def fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> t
     Non-finite ``amax`` (Inf or NaN) gives a NaN descale: such a vector has no finite scale.
     See the module docstring for the rules.
     """
+    check_tensor("amax", amax)
     a = amax.to(torch.float32).clamp_min(rule.amax_floor)  # the floor is rounded to float32
     if rule.scale_ratio == "exact":
         descale = _next_pow2_exact(a)
@@ -174,4 +176,10 @@ def quantize_e4m3_ue8m0(
 
 def dequantize_fp8(x_fp8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """``x_fp8.float() * descale[..., None]`` as float32 (exact for power-of-two descales)."""
+    check_tensor("x_fp8", x_fp8)
+    if check_tensor("descale", descale).shape != x_fp8.shape[:-1]:
+        raise ValueError(
+            f"descale has shape {tuple(descale.shape)}; expected one descale per vector of x_fp8 "
+            f"{tuple(x_fp8.shape)}, {tuple(x_fp8.shape[:-1])}."
+        )
     return x_fp8.to(torch.float32) * descale.unsqueeze(-1)
