@@ -27,7 +27,13 @@ from typing import Any
 import torch
 
 from . import _cudnn
-from ._checks import check_positive_int, check_real, check_tensor
+from ._checks import (
+    check_int_tensor,
+    check_positive_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["SparseMLAAttentionFunc", "sparse_backward", "sparse_forward", "sparse_mla_attention"]
 
@@ -263,6 +269,8 @@ def sparse_mla_attention(
             "expected q (T, H, D), kv (T_k, D) and idx (T, K); got "
             f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, idx {tuple(idx.shape)}."
         )
+    check_int_tensor("idx", idx, ndim=2)
+    check_same_device(q=q, kv=kv, idx=idx)
     d_v = check_positive_int("d_v", d_v)
     softmax_scale = check_real("softmax_scale", softmax_scale)
     if kv.shape[-1] != q.shape[-1] or not 0 < d_v <= kv.shape[-1]:

@@ -139,3 +139,26 @@ def test_fp8_with_loss_is_refused():
             loss_coeff=0.5,
             indexer_loss_fn=lambda *a: a[0].sum(),
         )
+
+
+def test_fp8_quantizes_under_the_configs_engine():
+    """The engine travels in the config (it used to be no input at all: FP8 always followed
+    vllm-exact). SGLang's plain float32 scales pick differently from UE8M0 on these inputs, and
+    the fused picks are indexer_select's under the same config."""
+    inputs = _inputs()
+    picks = {}
+    for engine in ("vllm-exact", "sglang-fused"):
+        config = IndexerPrecisionConfig(scoring_precision="fp8", engine=engine)
+        _, _, picks[engine] = fused_indexer_sparse_attention(
+            *inputs, topk=K, softmax_scale=0.1, d_v=DV, config=config
+        )
+        q_i, k_i, w = (t.transpose(0, 1) for t in inputs[2:])
+        assert torch.equal(picks[engine], indexer_select(q_i, k_i, w, topk=K, config=config))
+    assert not torch.equal(picks["vllm-exact"], picks["sglang-fused"])
+
+
+def test_the_old_precision_keyword_says_what_to_pass():
+    with pytest.raises(TypeError, match=r"pass config=IndexerPrecisionConfig\(scoring_precision="):
+        fused_indexer_sparse_attention(
+            *_inputs(), topk=K, softmax_scale=0.1, d_v=DV, scoring_precision="fp8"
+        )

@@ -185,3 +185,11 @@ def test_non_finite_query_stays_non_finite_on_the_gpu_kernels():
     out.backward(torch.ones_like(out))
     assert torch.isnan(out[7, 2]).all() and torch.isnan(q.grad[7, 2]).all()
     assert torch.isfinite(out[8]).all()
+
+
+def test_indices_must_be_integers_on_the_same_device():
+    q, kv, idx, d_v = _case()
+    with pytest.raises(TypeError, match=r"idx has dtype torch\.float32; expected int32 or int64"):
+        sa.sparse_mla_attention(q, kv, idx.float(), 0.1, d_v)
+    with pytest.raises(ValueError, match=r"different devices \(q on cpu, kv on cpu, idx on meta"):
+        sa.sparse_mla_attention(q, kv, idx.to("meta"), 0.1, d_v)
