@@ -95,11 +95,11 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/_deepgemm.py": (
         "593812e02e82c6358f4a79f54b00ae088fadd7d66281c52e6a6794144613f949",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
     "dsa_precision/fused.py": (
-        "e8f7bf8031345e78010e104acc003c35030c057d1336e39cdcfda868abad7cbb",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "b1690fa7ab068c067e172444e32589f2e22b91b496c85aa66d2e9420a6f116fb",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
@@ -107,7 +107,7 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
     "dsa_precision/megatron/attention.py": (
         "5570d9d5a3e94a50192445ecf0816b33a66237a5d46cbf5e962eb2b274c5cfdf",
@@ -118,24 +118,24 @@ HASHES: dict[str, tuple[str, str]] = {
         "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/operands.py": (
-        "a45a6dc3ab1cadaa3577bef8a08e615e7e1becbf22f7924440e36bf015c438bc",
-        "cc6cef4b8162873e2364daf2b34bbbb942990d9871b2e4ca715299dc015731ac",
+        "1cd7d7bbf59228eacfccb9ebb2bd0d6cdc523219af2ca87a35b9bc78ecbab0e3",
+        "73b23ec72d5733689ea36076ed2f4c1ac4e069daa2a1d5291fc051e4f87af1f8",
     ),
     "dsa_precision/scoring.py": (
-        "ef47dac473b76c5f5f272cb27e7e2c1a0d4d333367692ab59b3f8f4bb3646e3f",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "595326d9aee75b1219ff826c3761b1fcaad23f5a990f52e0734a7f0f0cad8865",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
     "dsa_precision/select.py": (
-        "60d2398853c0a0d4719a0a139d68c30d085416a16e17f29129cf56c62fbee3e4",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "3531f05e6bcd68fa7a24d6b5af4292e1c5603f1b26a2382f50e022e974c71eac",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
     "dsa_precision/sparse_attention.py": (
-        "9825a780ff8c6eefd5f372e9d01a3a1d157e76dd84637e30ab4860dbdd1af4d4",
-        "1a3ae5d44d8ba8063581d83077636bf642bf46f9b63cd51d638cbd46d0eadebd",
+        "4280e612ce6324799bc8bcd3ceb2c3d4deb91a3e1a6d0af3c770aadd8c223af7",
+        "d9afc5624f565bd33156f28f6aa7fdcf25ceb5c0ae5afe16cc01c936a7729885",
     ),
     "dsa_precision/topk.py": (
-        "08e44d63b6fdaeed61e47a5ded5558b5ffb0002376d60f101bc63814b733c208",
-        "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
+        "e5dd254ff9872a56aba1d5e21bf1b5ec4f9ed7a2a56018402da62f5b8e1ca19f",
+        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
     ),
 }
 # END HASHES
