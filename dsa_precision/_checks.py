@@ -101,6 +101,19 @@ def as_int32_tensor(
     return t.to(device=device, dtype=torch.int32)
 
 
+def check_freqs_cover(name: str, freqs: object, tokens: int) -> torch.Tensor:
+    """RoPE angles ``freqs`` ``[s', ...]`` with a row for each of ``tokens`` positions: a single
+    row is never broadcast to every token (the reference and the fused kernel alike)."""
+    check_tensor(name, freqs)
+    if freqs.ndim == 0 or freqs.shape[0] < tokens:
+        rows = freqs.shape[0] if freqs.ndim else 0
+        raise ValueError(
+            f"{name} has {rows} rows of angles for {tokens} tokens; RoPE takes one row per "
+            "position: build it for the whole sequence."
+        )
+    return freqs
+
+
 def check_real(
     name: str, value: object, *, positive: bool = False, nonnegative: bool = False
 ) -> float:

@@ -33,6 +33,7 @@ import torch
 
 from ._checks import (
     check_float_dtype,
+    check_freqs_cover,
     check_real,
     check_same_device,
     check_tensor,
@@ -392,13 +393,13 @@ def prepare_indexer_operands(
         :class:`ScoringOperands` in BSHD (packed input: batch 1), the same bytes whichever path
         built them.
     """
+    config = check_precision_config(config)
     if preprocess.rope_fp32 != config.rope_fp32 or preprocess.engine != config.engine:
         raise ValueError(
             f"preprocess (rope_fp32={preprocess.rope_fp32}, engine={preprocess.engine.name!r}) "
             f"does not match config (rope_fp32={config.rope_fp32}, engine="
             f"{config.engine.name!r}); build the IndexerPreprocess from the same config."
         )
-    config = check_precision_config(config)
     sm_scale, mscale = check_real("sm_scale", sm_scale), check_real("mscale", mscale)
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
@@ -596,8 +597,7 @@ def _fused(
         raise ValueError(
             f"freqs has rope width {freqs.shape[-1]}, expected rope_dim={preprocess.rope_dim}."
         )
-    if freqs.shape[0] < s:
-        raise ValueError(f"freqs covers {freqs.shape[0]} positions, fewer than the {s} tokens.")
+    check_freqs_cover("freqs", freqs, s)
     if preprocess.rope_fp32:
         # The engine's rules: tables rounded to its cache dtype, RoPE in its arithmetic dtype,
         # outputs rounded where it rounds.

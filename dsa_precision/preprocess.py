@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._checks import check_positive_int, check_real, check_tensor
+from ._checks import check_freqs_cover, check_positive_int, check_real, check_tensor
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
 
@@ -328,15 +328,11 @@ class IndexerPreprocess(nn.Module):
         # Host checks, the fused kernel's too: numbers are numbers, and the angles cover every
         # token (a single row is never broadcast; packed tables are checked by thd_token_freqs).
         mscale = check_real("mscale", mscale)
-        tables = {"freqs": check_tensor("freqs", freqs)} if cu_seqlens is None else {}
+        check_tensor("freqs", freqs)
         if token_freqs is not None:
-            tables = {"token_freqs": check_tensor("token_freqs", token_freqs)}
-        for name, table in tables.items():
-            if table.shape[0] < q.shape[0]:
-                raise ValueError(
-                    f"{name} has {table.shape[0]} rows of angles for {q.shape[0]} tokens; RoPE "
-                    "takes one row per position: build it for the whole sequence."
-                )
+            check_freqs_cover("token_freqs", token_freqs, q.shape[0])
+        elif cu_seqlens is None:
+            check_freqs_cover("freqs", freqs, q.shape[0])
         s, b, _, d = q.shape
         if k.shape != (s, b, d) or d != self.head_dim:
             raise ValueError(

@@ -16,6 +16,7 @@ from dsa_precision import (
     indexer_select,
     indexer_select_varlen,
     indexer_topk,
+    prepare_indexer_operands,
     prepare_scoring_operands,
     quantize_e4m3_ue8m0,
     quantize_fp8,
@@ -304,6 +305,9 @@ OTHER_MODULES = [
     ("fused: zero indexer heads", fused(q_indexer=torch.randn(8, 1, 0, 128), weights=torch.randn(8, 1, 0)), ValueError, "0 heads of width 128 score nothing"),
     # ------------------------------------------- preprocess: freqs must cover the tokens (item 4)
     ("preprocess: one row of freqs", preprocess(s=4, freqs_rows=1), ValueError, r"freqs has 1 rows of angles for 4 tokens"),
+    ("prepare_indexer_operands: one row of freqs", lambda: prepare_indexer_operands(IndexerPreprocess(128, 64), torch.randn(4, 1, 32, 128), torch.randn(4, 1, 128), torch.randn(4, 1, 32), torch.rand(1, 1, 1, 64), config=FP8, impl="torch"), ValueError, r"freqs has 1 rows of angles for 4 tokens"),
+    ("prepare_indexer_operands: sm_scale string", lambda: prepare_indexer_operands(IndexerPreprocess(128, 64), torch.randn(4, 1, 32, 128), torch.randn(4, 1, 128), torch.randn(4, 1, 32), torch.rand(4, 1, 1, 64), config=FP8, sm_scale="1"), TypeError, r"sm_scale='1' \(str\)"),
+    ("prepare_indexer_operands: config string", lambda: prepare_indexer_operands(IndexerPreprocess(128, 64), torch.randn(4, 1, 32, 128), torch.randn(4, 1, 128), torch.randn(4, 1, 32), torch.rand(4, 1, 1, 64), config="fp8"), TypeError, "config must be an IndexerPrecisionConfig, got 'fp8'"),
     ("preprocess: token_freqs short", preprocess(s=4, token_freqs=torch.rand(3, 1, 1, 64)), ValueError, r"token_freqs has 3 rows of angles for 4 tokens"),
     ("preprocess: mscale string", preprocess(mscale="1.0"), TypeError, r"mscale='1.0' \(str\) must be a real number"),
     ("preprocess: freqs list", preprocess(freqs=[0.0]), TypeError, "freqs must be a torch.Tensor, got list"),

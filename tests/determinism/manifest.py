@@ -103,7 +103,7 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
-        "d9eb81b9a9100eaa58e9164b3e0de50bebb365b8790b1fce211b2df374f01617",
+        "1b6185706d4cff3d3f20d2c02239ddc04e175606f045e699bf39e8a37f45d19a",
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
@@ -118,8 +118,8 @@ HASHES: dict[str, tuple[str, str]] = {
         "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/operands.py": (
-        "1cd7d7bbf59228eacfccb9ebb2bd0d6cdc523219af2ca87a35b9bc78ecbab0e3",
-        "73b23ec72d5733689ea36076ed2f4c1ac4e069daa2a1d5291fc051e4f87af1f8",
+        "3c9f30739b4e3c472c703ed98123fcf8998912efb209e2c3f9086e379aa43fa6",
+        "f3d4960a717111eb540f7bf36a24eee53a022b887a1ef3708f053f419850c332",
     ),
     "dsa_precision/scoring.py": (
         "595326d9aee75b1219ff826c3761b1fcaad23f5a990f52e0734a7f0f0cad8865",
