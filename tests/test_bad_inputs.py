@@ -241,7 +241,7 @@ ERRORS = [
     # ---------------------------------------- ints past int32 (issue 17, item 3): never wrapped
     ("offsets: int past int32", scores(q_causal_offsets=2**31), ValueError, r"q_causal_offsets=2147483648 is outside \[0, 2147483639\]; pass the global index of each batch row's first query row"),
     ("offsets: int near int32 plus rows", scores(q_causal_offsets=2**31 - 5), ValueError, r"q_causal_offsets=2147483643 is outside \[0, 2147483639\].*with its 8 rows added"),
-    ("offsets: numpy-free float", scores(q_causal_offsets=3.0), TypeError, "q_causal_offsets must be a torch.Tensor, got float"),
+    ("offsets: float", scores(q_causal_offsets=3.0), TypeError, "q_causal_offsets must be a torch.Tensor, got float"),
     ("validate: int64 offsets past int32", scores(q_causal_offsets=torch.tensor([2**32 + 3]), validate=True), ValueError, r"q_causal_offsets\[0\]=4294967299 is outside \[0, 2147483639\]"),
     ("validate: select int64 offsets", select(q_causal_offsets=torch.tensor([2**32]), validate=True), ValueError, r"q_causal_offsets\[0\]=4294967296 is outside"),
     ("validate: varlen int64 offsets", varlen(q_causal_offsets=torch.tensor([0, 2**33 + 1]), validate=True), ValueError, r"q_causal_offsets\[1\]=8589934593 is outside \[0, 2147483642\].*packed sequence"),
