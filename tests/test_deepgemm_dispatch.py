@@ -28,6 +28,8 @@ from dsa_precision.config import ScoringPrecision
 from .fake_cudnn import stand_in_scores
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+
 # What the compressed entry point leaves past each row's window (DeepGEMM does not write it).
 _UNWRITTEN = float("nan")
 
@@ -105,9 +107,7 @@ def fake(request, monkeypatch):
 def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0):
     q, k = torch.randn(b, sq, h, 128), torch.randn(b, sk, 128)
     w = (torch.randn(b, sq, h) * 0.02).to(torch.bfloat16)
-    return prepare_scoring_operands(
-        q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), sm_scale=sm_scale
-    )
+    return prepare_scoring_operands(q, k, w, config=FP8, sm_scale=sm_scale)
 
 
 def _check_launch(call, ops, b, ends, starts=None, columns=None, compressed=False):
@@ -242,13 +242,9 @@ def test_explicit_deepgemm_raises_with_the_reason():
     q, k = torch.randn(1, 4, 32, 128), torch.randn(1, 4, 128)
     w = torch.randn(1, 4, 32)
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*FP8 operands only.*'fp8'"):
-        indexer_scores(
-            q, k, w, config=IndexerPrecisionConfig(scoring_precision="bf16"), backend="deepgemm"
-        )
+        indexer_scores(q, k, w, config=BF16, backend="deepgemm")
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
-        indexer_scores(
-            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm"
-        )
+        indexer_scores(q, k, w, config=FP8, backend="deepgemm")
 
 
 def test_unsupported_reasons(monkeypatch):

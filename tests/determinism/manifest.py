@@ -95,11 +95,11 @@ REGISTRY: dict[str, tuple[str, ...]] = {
 HASHES: dict[str, tuple[str, str]] = {
     "dsa_precision/_deepgemm.py": (
         "593812e02e82c6358f4a79f54b00ae088fadd7d66281c52e6a6794144613f949",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
     "dsa_precision/fused.py": (
         "b1690fa7ab068c067e172444e32589f2e22b91b496c85aa66d2e9420a6f116fb",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
         "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
@@ -107,7 +107,7 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
     "dsa_precision/megatron/attention.py": (
         "5570d9d5a3e94a50192445ecf0816b33a66237a5d46cbf5e962eb2b274c5cfdf",
@@ -119,23 +119,23 @@ HASHES: dict[str, tuple[str, str]] = {
     ),
     "dsa_precision/operands.py": (
         "3c9f30739b4e3c472c703ed98123fcf8998912efb209e2c3f9086e379aa43fa6",
-        "f3d4960a717111eb540f7bf36a24eee53a022b887a1ef3708f053f419850c332",
+        "c4a9b4893294acde811258fe1367bbe1ef51a352fb4ec751ca855fb626868d01",
     ),
     "dsa_precision/scoring.py": (
         "595326d9aee75b1219ff826c3761b1fcaad23f5a990f52e0734a7f0f0cad8865",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
     "dsa_precision/select.py": (
         "3531f05e6bcd68fa7a24d6b5af4292e1c5603f1b26a2382f50e022e974c71eac",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
     "dsa_precision/sparse_attention.py": (
         "4280e612ce6324799bc8bcd3ceb2c3d4deb91a3e1a6d0af3c770aadd8c223af7",
-        "d9afc5624f565bd33156f28f6aa7fdcf25ceb5c0ae5afe16cc01c936a7729885",
+        "fbdebe8e5a69cfb5d4215d8a163f786f1ebdbcd87419a4d7ed4895d3468b769c",
     ),
     "dsa_precision/topk.py": (
         "e5dd254ff9872a56aba1d5e21bf1b5ec4f9ed7a2a56018402da62f5b8e1ca19f",
-        "26ed98451ca98be0394a31b4fdedb04bfc6638d6f26c45cad05bce16f8064ce1",
+        "518a490b2d2fd76139feef7f7d7a8ba4f985425470a603732f0cff2b9eb77c6e",
     ),
 }
 # END HASHES

@@ -33,6 +33,9 @@ from ..helpers import (
     ulp_distance,
 )
 
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
+
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
@@ -71,9 +74,7 @@ def member_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_cudnn_matches_torch_reference(record, h, precision, carrier):
     b, s, topk = 1, 4096, 2048
     q, k, w = _inputs(b, s, h, carrier)
-    ops = prepare_scoring_operands(
-        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
-    )
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     reset_scoring_calls()
     got = indexer_scores(ops, backend="cudnn")
     ref = indexer_scores(ops, backend="torch")
@@ -101,9 +102,7 @@ def test_cudnn_matches_torch_reference(record, h, precision, carrier):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cudnn_offsets_ratio_and_sm_scale_match_the_reference(record, precision):
     q, k, w = _inputs(2, 1024, 64, sk=1300)
-    ops = prepare_scoring_operands(
-        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision), sm_scale=0.37
-    )
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision], sm_scale=0.37)
     kw = dict(ratio=4, q_causal_offsets=torch.tensor([0, 4000], device=DEV))
     got = indexer_scores(ops, backend="cudnn", **kw)
     ref = indexer_scores(ops, backend="torch", **kw)
@@ -122,7 +121,7 @@ def test_thd_varlen_on_cudnn(record, precision):
         cu_seqlens_k=cu,
         max_seqlen_q=2500,
         max_seqlen_k=2600,  # padding columns past the longest sequence
-        config=IndexerPrecisionConfig(scoring_precision=precision),
+        config=CONFIGS[precision],
         q_causal_offsets=offsets,
     )
     thd = indexer_scores_varlen(q, k, w, backend="cudnn", **kw)
@@ -131,7 +130,7 @@ def test_thd_varlen_on_cudnn(record, precision):
     for i, n in enumerate(lens):
         a, z = int(cu[i]), int(cu[i + 1])
         one = indexer_scores(
-            q[None, a:z], k[None, a:z], w[None, a:z], config=IndexerPrecisionConfig(scoring_precision=precision),
+            q[None, a:z], k[None, a:z], w[None, a:z], config=CONFIGS[precision],
             q_causal_offsets=offsets[i : i + 1], backend="cudnn",
         )[0]  # fmt: skip
         per_seq_equal &= bool(torch.equal(thd[a:z, :n], one))
@@ -148,9 +147,7 @@ def test_thd_varlen_on_cudnn(record, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_row_chunks_are_the_rows_of_one_launch(precision):
     q, k, w = _inputs(2, 2048, 64)
-    ops = prepare_scoring_operands(
-        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
-    )
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     offsets = torch.tensor([0, 77], device=DEV)
     full = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
     for r0, r1 in ((0, 512), (512, 1037), (1037, 2048)):
@@ -161,9 +158,7 @@ def test_row_chunks_are_the_rows_of_one_launch(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_chunked_select_equals_scores_then_topk_on_cudnn(record, precision):
     q, k, w = _inputs(1, 4096, 64)
-    ops = prepare_scoring_operands(
-        q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
-    )
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     scores = indexer_scores(ops, backend="cudnn")
     lens = causal_key_counts(torch.zeros(1, dtype=torch.int32, device=DEV), 0, 4096, 1, 4096)
     want = indexer_topk(scores, 2048, seq_lens=lens, backend="cudnn")
@@ -181,7 +176,7 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     q, k, w, cu, _ = _packed(lens, lens)
     kw = dict(
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
-        config=IndexerPrecisionConfig(scoring_precision=precision), backend="cudnn",
+        config=CONFIGS[precision], backend="cudnn",
     )  # fmt: skip
     scores = indexer_scores_varlen(q, k, w, **kw)
     offsets = torch.zeros(4, dtype=torch.int32, device=DEV)
@@ -246,7 +241,7 @@ def _deepgemm_module():
 @pytest.mark.parametrize("h", [32, 64])
 def test_deepgemm_backend_is_the_direct_kernel_call(h):
     q, k, w = _inputs(1, 2048, h)
-    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     got = indexer_scores(ops, backend="deepgemm")
     module = _deepgemm_module()
     rows = torch.arange(2048, device=DEV, dtype=torch.int32)
@@ -274,7 +269,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     if not (hasattr(module, "fp8_mqa_logits") and hasattr(module, "fp8_fp4_mqa_logits")):
         pytest.skip(f"{module.__name__} does not have both entry points")
     q, k, w = _inputs(2, 2048, h, seed=5)
-    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     lens = [700, 33, 1500, 301]
     pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
@@ -282,7 +277,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     def run():
         bshd = indexer_scores(ops, q_causal_offsets=torch.tensor([0, 64], device=DEV),
                               backend="deepgemm")  # fmt: skip
-        packed = indexer_scores_varlen(pq, pk, pw, config=IndexerPrecisionConfig(scoring_precision="fp8"),
+        packed = indexer_scores_varlen(pq, pk, pw, config=FP8,
                                        backend="deepgemm", **varlen)  # fmt: skip
         return bshd, packed
 
@@ -303,7 +298,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
 @pytest.mark.parametrize("h", [32, 64])
 def test_cudnn_fp8_vs_deepgemm_on_identical_operands(record, h):
     q, k, w = _inputs(1, 4096, h, seed=7)
-    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     a = indexer_scores(ops, backend="cudnn")
     b = indexer_scores(ops, backend="deepgemm")
     fin = torch.isfinite(b)
@@ -339,9 +334,7 @@ def test_device_path_never_waits_for_the_host():
     offsets = torch.tensor([0, 128], device=DEV)
 
     def run():
-        ops = prepare_scoring_operands(
-            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), impl="triton"
-        )
+        ops = prepare_scoring_operands(q, k, w, config=FP8, impl="triton")
         scores = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
         seq_lens = causal_key_counts(offsets, 0, 1024, 1, 1024)
         picks = indexer_topk(scores, 256, seq_lens=seq_lens, backend="cudnn")
@@ -352,13 +345,7 @@ def test_device_path_never_waits_for_the_host():
             backend="cudnn",
             chunk_bytes=256 * 2 * 1024 * 12,
         )
-        packed = prepare_scoring_operands(
-            pq[None],
-            pk[None],
-            pw[None],
-            config=IndexerPrecisionConfig(scoring_precision="fp8"),
-            impl="triton",
-        )
+        packed = prepare_scoring_operands(pq[None], pk[None], pw[None], config=FP8, impl="triton")
         sel_v = indexer_select_varlen(
             packed, topk=256, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1047,
             max_seqlen_k=1047, backend="cudnn", chunk_bytes=512 * 1047 * 12,
@@ -386,9 +373,7 @@ def test_prepare_and_select_capture_in_a_cuda_graph(precision):
     offsets = torch.tensor([64], device=DEV)
 
     def step():
-        ops = prepare_scoring_operands(
-            q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision)
-        )
+        ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
         return indexer_select(
             ops, topk=512, q_causal_offsets=offsets, backend="cudnn", chunk_bytes=512 * 2048 * 12
         )
