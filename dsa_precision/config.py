@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_positive_int
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "TOPK_BACKENDS",
     "IndexerPrecisionConfig",
     "ScoringPrecision",
+    "check_precision_config",
     "fp8_indexer_loss_error",
 ]
 
@@ -155,6 +157,11 @@ class IndexerPrecisionConfig:
                 and the fix.
         """
         problems = []
+        for name, value in (("dsa_indexer_n_heads", n_heads), ("dsa_indexer_head_dim", head_dim)):
+            try:
+                check_positive_int(name, value)
+            except ValueError as exc:
+                problems.append(f"{str(exc).removesuffix('.')}: zero heads or width score nothing")
         if self.rope_fp32 or self.fp8:
             problems += self.engine.model_mismatch(
                 rotate_activation=rotate_activation, rope_interleaved=rope_interleaved
@@ -198,6 +205,20 @@ class IndexerPrecisionConfig:
             scoring_precision=getattr(config, "dsa_indexer_scoring_precision", "bf16"),
             engine=getattr(config, "dsa_indexer_engine", DEFAULT_ENGINE.name),
         )
+
+
+def check_precision_config(value: object, name: str = "config") -> IndexerPrecisionConfig:
+    """``value`` if it is an :class:`IndexerPrecisionConfig`: the one precision object every
+    entry point that quantizes takes (strings and loose fields raise ``TypeError``)."""
+    if not isinstance(value, IndexerPrecisionConfig):
+        hint = (
+            f"scoring_precision={value!r}" if isinstance(value, str | ScoringPrecision) else "..."
+        )
+        raise TypeError(
+            f"{name} must be an IndexerPrecisionConfig, got {value!r} ({type(value).__name__}); "
+            f"pass {name}=IndexerPrecisionConfig({hint}, engine=...)."
+        )
+    return value
 
 
 def _device_capability(device: torch.device | str | None) -> tuple[int, int] | None:

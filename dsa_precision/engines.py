@@ -65,6 +65,12 @@ class Fp8Rule:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {get_args(kind)}.")
         if self.scale_format == "fp32" and self.scale_ratio == "exact":
             raise ValueError("scale_format='fp32' is the float32 ratio itself; set scale_ratio.")
+        floor = self.amax_floor  # check_real's rule (this module imports nothing of the package)
+        if isinstance(floor, bool) or not isinstance(floor, int | float):
+            raise TypeError(
+                f"amax_floor={floor!r} ({type(floor).__name__}) must be a real number; pass a "
+                "Python float."
+            )
         if not (0.0 < float(self.amax_floor) < float("inf")):
             raise ValueError(f"amax_floor={self.amax_floor!r} must be a positive finite number.")
 

@@ -16,7 +16,15 @@ from collections.abc import Callable
 
 import torch
 
-from .config import ScoringPrecision
+from ._checks import (
+    INT32_MAX,
+    check_positive_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+    takes_precision_config,
+)
+from .config import IndexerPrecisionConfig, check_precision_config, fp8_indexer_loss_error
 from .select import indexer_select
 from .sparse_attention import sparse_backward, sparse_forward
 
@@ -40,8 +48,10 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
 
     Forward inputs, in order (backward returns one slot for each, ``None`` for non-tensors):
     ``query``, ``kv``, ``q_indexer``, ``k_indexer``, ``weights``, ``topk`` (int),
-    ``softmax_scale`` (float), ``d_v`` (int), ``scoring_precision`` (str), ``loss_coeff``
-    (float), ``indexer_loss_fn`` (:data:`IndexerLossFn` or ``None``).
+    ``softmax_scale`` (float), ``d_v`` (int), ``config`` (:class:`IndexerPrecisionConfig`: the
+    scoring precision and the engine whose FP8 rules apply), ``loss_coeff`` (float),
+    ``indexer_loss_fn`` (:data:`IndexerLossFn` or ``None``). Call it through
+    :func:`fused_indexer_sparse_attention`, which checks them.
 
     Outputs: attention ``(S_q, B, N, d_v)``, indexer loss (float32 scalar, 0 without loss) and
     top-k indices ``(B, S_q, K)`` int32 (non-differentiable).
@@ -58,7 +68,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
         topk: int,
         softmax_scale: float,
         d_v: int,
-        scoring_precision: str,
+        config: IndexerPrecisionConfig,
         loss_coeff: float,
         indexer_loss_fn: IndexerLossFn | None,
     ):
@@ -70,7 +80,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
                 k_indexer.transpose(0, 1),
                 weights.transpose(0, 1),
                 topk=topk,
-                scoring_precision=scoring_precision,
+                config=config,
             )
         idx = _flat_topk(picks)
         q_flat = query.reshape(sq * b, n, d)
@@ -104,8 +114,8 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
             dq_i, dk_i, dw = (g * grad_loss for g in indexer_grads)
         else:
             dq_i = dk_i = dw = None
-        # Slots: query, kv, q_indexer, k_indexer, weights, topk, softmax_scale, d_v,
-        # scoring_precision, loss_coeff, indexer_loss_fn.
+        # Slots: query, kv, q_indexer, k_indexer, weights, topk, softmax_scale, d_v, config,
+        # loss_coeff, indexer_loss_fn.
         return (
             dq.view(query_shape),
             dkv.view(kv_shape),
@@ -121,6 +131,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
         )
 
 
+@takes_precision_config
 def fused_indexer_sparse_attention(
     query: torch.Tensor,
     kv: torch.Tensor,
@@ -131,27 +142,52 @@ def fused_indexer_sparse_attention(
     topk: int,
     softmax_scale: float,
     d_v: int,
-    scoring_precision: ScoringPrecision | str,
+    config: IndexerPrecisionConfig,
     loss_coeff: float = 0.0,
     indexer_loss_fn: IndexerLossFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate, then run :class:`FusedIndexerSparseAttnFunc`.
 
+    ``config`` gives the scoring precision and the engine profile whose FP8 quantization rules
+    apply (the indexer tensors are preprocessed carriers: its ``rope_fp32`` has been applied
+    upstream). Every argument is checked here (host facts only: types, shapes, devices).
+
     Returns ``(out (S_q, B, N, d_v), indexer_loss (), topk_indices (B, S_q, K) int32)``.
     The indexer KL loss needs BF16 scoring: FP8 with ``loss_coeff > 0`` raises.
     """
-    precision = ScoringPrecision.parse(scoring_precision)
+    config = check_precision_config(config)
+    tensors = dict(query=query, kv=kv, q_indexer=q_indexer, k_indexer=k_indexer, weights=weights)
+    check_same_device(**{name: check_tensor(name, t) for name, t in tensors.items()})
+    topk = check_positive_int("topk", topk, high=INT32_MAX)
+    d_v = check_positive_int("d_v", d_v)
+    softmax_scale = check_real("softmax_scale", softmax_scale)
+    loss_coeff = check_real("loss_coeff", loss_coeff, nonnegative=True)
     if query.ndim != 4 or kv.ndim != 3 or q_indexer.ndim != 4 or k_indexer.ndim != 3:
         raise ValueError(
             "expected query (S_q, B, N, D), kv (S_k, B, D), q_indexer (S_q, B, H, 128) and "
             f"k_indexer (S_k, B, 128); got {tuple(query.shape)}, {tuple(kv.shape)}, "
             f"{tuple(q_indexer.shape)}, {tuple(k_indexer.shape)}."
         )
-    if loss_coeff > 0 and precision is ScoringPrecision.FP8:
+    sq, b = query.shape[:2]
+    if (
+        tuple(q_indexer.shape[:2]) != (sq, b)
+        or tuple(weights.shape) != (sq, b, q_indexer.shape[2])
+        or tuple(kv.shape[:2]) != tuple(k_indexer.shape[:2])
+        or kv.shape[1] != b
+    ):
         raise ValueError(
-            f"loss_coeff={loss_coeff}: the indexer KL loss needs BF16 scores; set it to 0 or use "
-            "scoring_precision='bf16'."
+            f"the tensors disagree: query {tuple(query.shape)} and q_indexer "
+            f"{tuple(q_indexer.shape)} need the same (S_q, B), weights {tuple(weights.shape)} "
+            f"must be (S_q, B, H), kv {tuple(kv.shape)} and k_indexer {tuple(k_indexer.shape)} "
+            "the same (S_k, B): the picks index kv's rows."
         )
+    if kv.shape[-1] != query.shape[-1] or d_v > kv.shape[-1]:
+        raise ValueError(
+            f"query and kv widths must match ({query.shape[-1]} vs {kv.shape[-1]}) and d_v={d_v} "
+            "must not exceed it (values are kv's first d_v channels)."
+        )
+    if loss_coeff > 0 and config.fp8:
+        raise ValueError(fp8_indexer_loss_error("loss_coeff", loss_coeff) + ".")
     if loss_coeff > 0 and indexer_loss_fn is None:
         raise ValueError(f"loss_coeff={loss_coeff} needs an indexer_loss_fn.")
     if not torch.is_grad_enabled():
@@ -162,10 +198,10 @@ def fused_indexer_sparse_attention(
         q_indexer,
         k_indexer,
         weights,
-        int(topk),
-        float(softmax_scale),
-        int(d_v),
-        precision.value,
-        float(loss_coeff),
+        topk,
+        softmax_scale,
+        d_v,
+        config,
+        loss_coeff,
         indexer_loss_fn,
     )

@@ -31,9 +31,16 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_float_dtype, check_same_device, check_tensor
-from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision
-from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
+from ._checks import (
+    check_float_dtype,
+    check_freqs_cover,
+    check_real,
+    check_same_device,
+    check_tensor,
+    takes_precision_config,
+)
+from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, check_precision_config
+from .engines import EngineProfile
 from .hadamard import HAVE_FAST_HADAMARD
 from .preprocess import (
     IndexerPreprocess,
@@ -95,6 +102,11 @@ class ScoringOperands:
                 f"q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(w.shape)}."
             )
         b, sq, h, d = q.shape
+        if h == 0 or d == 0:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}: {h} heads of width {d} score nothing (every score "
+                "would be 0); the indexer needs at least one head of nonzero width."
+            )
         if k.shape[0] != b or k.shape[2] != d or tuple(w.shape) != (b, sq, h):
             raise ValueError(
                 f"ScoringOperands shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)} "
@@ -121,8 +133,7 @@ class ScoringOperands:
                 raise TypeError(f"bf16 operands take bf16 or float32 weights, got {w.dtype}.")
             if self.q_descale is not None or self.k_descale is not None:
                 raise ValueError("bf16 operands carry no descales.")
-        if not abs(float(self.sm_scale)) < float("inf"):
-            raise ValueError(f"sm_scale={self.sm_scale!r} must be finite.")
+        check_real("sm_scale", self.sm_scale)
         check_same_device(q=q, k=k, weights=w, q_descale=self.q_descale, k_descale=self.k_descale)
 
     @property
@@ -243,13 +254,13 @@ def _quantize_reference(
     )
 
 
+@takes_precision_config
 def prepare_scoring_operands(
     q: torch.Tensor,
     k: torch.Tensor,
     weights: torch.Tensor,
     *,
-    scoring_precision: ScoringPrecision | str,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig,
     sm_scale: float = 1.0,
     impl: Impl = "auto",
 ) -> ScoringOperands:
@@ -260,12 +271,12 @@ def prepare_scoring_operands(
         k: ``(B, S_k, 128)`` (or ``(B, S_k, 1, 128)``) preprocessed keys, same dtypes.
         weights: ``(B, S_q, H)`` head weights as Megatron computes them (already scaled by
             ``H**-0.5 * D**-0.5``), bfloat16 or float32.
-        scoring_precision: ``"bf16"`` rounds the carriers to BF16; ``"fp8"`` quantizes them under
-            ``engine``'s rules (``q_quant``, ``k_quant``) and folds the q descale and
-            ``sm_scale`` into float32 weights, ``((fp32(w) * q_descale) * sm_scale)`` (the
-            engine's head-weight order applies from the projections:
-            :func:`prepare_indexer_operands`).
-        engine: the engine profile whose quantization rules apply (fp8).
+        config: the precision. ``scoring_precision="bf16"`` rounds the carriers to BF16;
+            ``"fp8"`` quantizes them under the ``engine``'s rules (``q_quant``, ``k_quant``) and
+            folds the q descale and ``sm_scale`` into float32 weights,
+            ``((fp32(w) * q_descale) * sm_scale)`` (the engine's head-weight order applies from
+            the projections: :func:`prepare_indexer_operands`). Its ``rope_fp32`` is the
+            carriers' business (they are already preprocessed).
         sm_scale: score scale (1.0 for Megatron, whose weights carry the scaling).
         impl: ``"triton"`` (the fused kernel, FP8 on CUDA; raises with the reason when it cannot
             reproduce the reference), ``"torch"`` (the reference) or ``"auto"``.
@@ -273,11 +284,10 @@ def prepare_scoring_operands(
     Returns:
         :class:`ScoringOperands`; the same bytes whichever implementation built them.
     """
-    precision = ScoringPrecision.parse(scoring_precision)
-    engine = engine_profile(engine)
+    config = check_precision_config(config)
+    precision, engine = config.scoring_precision, config.engine
     q, k, weights = _carriers(q, k, weights)
-    if not abs(float(sm_scale)) < float("inf"):
-        raise ValueError(f"sm_scale={sm_scale!r} must be finite.")
+    sm_scale = check_real("sm_scale", sm_scale)
     if precision is ScoringPrecision.BF16:
         _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
         return _round_bf16(q, k, weights, sm_scale)
@@ -313,34 +323,32 @@ def as_scoring_operands(
     k: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     *,
-    scoring_precision: ScoringPrecision | str | None = None,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
 ) -> ScoringOperands:
-    """``q`` if it is :class:`ScoringOperands` (then nothing else may be given), else the
-    carriers prepared by :func:`prepare_scoring_operands`: what every scoring entry point takes."""
+    """``q`` if it is :class:`ScoringOperands` (then no carriers may be given, and ``config``,
+    if given, must name their precision), else the carriers prepared by
+    :func:`prepare_scoring_operands` under ``config``: what every scoring entry point takes."""
+    if config is not None:
+        config = check_precision_config(config)
     if isinstance(q, ScoringOperands):
         if k is not None or weights is not None:
             raise ValueError("pass either ScoringOperands or q, k, weights carriers, not both.")
-        if (
-            scoring_precision is not None
-            and ScoringPrecision.parse(scoring_precision) is not q.precision
-        ):
+        if config is not None and config.scoring_precision is not q.precision:
             raise ValueError(
-                f"the operands are {q.precision.value} but scoring_precision="
-                f"{scoring_precision!r} was requested; prepare them in the requested precision."
+                f"the operands are {q.precision.value} but config asks for "
+                f"scoring_precision='{config.scoring_precision.value}'; prepare them in the "
+                "requested precision."
             )
-        if sm_scale != 1.0:
+        if check_real("sm_scale", sm_scale) != 1.0:
             raise ValueError("sm_scale is part of ScoringOperands; prepare them with it.")
         return q
-    if k is None or weights is None or scoring_precision is None:
+    if k is None or weights is None or config is None:
         raise ValueError(
-            "carriers need q, k, weights and scoring_precision ('bf16' or 'fp8'); or pass "
-            "ScoringOperands."
+            "carriers need q, k, weights and config=IndexerPrecisionConfig(scoring_precision="
+            "'bf16' or 'fp8', engine=...); or pass ScoringOperands."
         )
-    return prepare_scoring_operands(
-        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
-    )
+    return prepare_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
 
 
 # ---------------------------------------------------------------------------- from projections
@@ -385,12 +393,14 @@ def prepare_indexer_operands(
         :class:`ScoringOperands` in BSHD (packed input: batch 1), the same bytes whichever path
         built them.
     """
+    config = check_precision_config(config)
     if preprocess.rope_fp32 != config.rope_fp32 or preprocess.engine != config.engine:
         raise ValueError(
             f"preprocess (rope_fp32={preprocess.rope_fp32}, engine={preprocess.engine.name!r}) "
             f"does not match config (rope_fp32={config.rope_fp32}, engine="
             f"{config.engine.name!r}); build the IndexerPreprocess from the same config."
         )
+    sm_scale, mscale = check_real("sm_scale", sm_scale), check_real("mscale", mscale)
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
     if token_freqs is None:
@@ -587,8 +597,7 @@ def _fused(
         raise ValueError(
             f"freqs has rope width {freqs.shape[-1]}, expected rope_dim={preprocess.rope_dim}."
         )
-    if freqs.shape[0] < s:
-        raise ValueError(f"freqs covers {freqs.shape[0]} positions, fewer than the {s} tokens.")
+    check_freqs_cover("freqs", freqs, s)
     if preprocess.rope_fp32:
         # The engine's rules: tables rounded to its cache dtype, RoPE in its arithmetic dtype,
         # outputs rounded where it rounds.

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._checks import check_freqs_cover, check_positive_int, check_real, check_tensor
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
 
@@ -248,6 +249,10 @@ class IndexerPreprocess(nn.Module):
         exact_bf16_rope: bool = True,
     ) -> None:
         super().__init__()
+        head_dim, rope_dim = (
+            check_positive_int("head_dim", head_dim),
+            check_positive_int("rope_dim", rope_dim),
+        )
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
             raise ValueError(
                 f"rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]; it is "
@@ -320,6 +325,14 @@ class IndexerPreprocess(nn.Module):
             raise ValueError(
                 f"q must be [s, b, h, d] and k [s, b, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}."
             )
+        # Host checks, the fused kernel's too: numbers are numbers, and the angles cover every
+        # token (a single row is never broadcast; packed tables are checked by thd_token_freqs).
+        mscale = check_real("mscale", mscale)
+        check_tensor("freqs", freqs)
+        if token_freqs is not None:
+            check_freqs_cover("token_freqs", token_freqs, q.shape[0])
+        elif cu_seqlens is None:
+            check_freqs_cover("freqs", freqs, q.shape[0])
         s, b, _, d = q.shape
         if k.shape != (s, b, d) or d != self.head_dim:
             raise ValueError(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_tensor
 from .config import QUANT_BLOCK
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
@@ -88,6 +89,7 @@ def fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> t
     Non-finite ``amax`` (Inf or NaN) gives a NaN descale: such a vector has no finite scale.
     See the module docstring for the rules.
     """
+    check_tensor("amax", amax)
     a = amax.to(torch.float32).clamp_min(rule.amax_floor)  # the floor is rounded to float32
     if rule.scale_ratio == "exact":
         descale = _next_pow2_exact(a)
@@ -109,7 +111,7 @@ def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) ->
     return fp8_descale(amax, Fp8Rule(amax_floor=amax_floor))
 
 
-def _check_vectors(x: object, amax_floor: float) -> None:
+def _check_vectors(x: object) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}.")
     if x.dtype not in _FLOAT_DTYPES:
@@ -121,11 +123,6 @@ def _check_vectors(x: object, amax_floor: float) -> None:
         raise ValueError(
             f"x has shape {tuple(x.shape)}; the last dimension must be {QUANT_BLOCK} "
             "(one descale per 128-vector)."
-        )
-    amax_floor = float(amax_floor)
-    if not (0.0 < amax_floor < float("inf")):
-        raise ValueError(
-            f"amax_floor={amax_floor!r} must be a positive finite number (e.g. 1e-4 or 1e-10)."
         )
 
 
@@ -147,7 +144,12 @@ def quantize_fp8(
         an Inf or NaN gets a NaN descale and all-NaN values, so it can never turn into finite
         scores.
     """
-    _check_vectors(x, rule.amax_floor)
+    if not isinstance(rule, Fp8Rule):
+        raise TypeError(
+            f"rule must be an Fp8Rule, got {type(rule).__name__}; pass an engine's "
+            "EngineProfile.q_quant / k_quant or Fp8Rule(...)."
+        )
+    _check_vectors(x)
     if rule.scale_ratio != "exact" and rule.amax_floor < MIN_RATIO_FLOOR:
         raise ValueError(
             f"amax_floor={rule.amax_floor!r} is below 2**-100: the float32 ratio rules need a "
@@ -174,4 +176,10 @@ def quantize_e4m3_ue8m0(
 
 def dequantize_fp8(x_fp8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """``x_fp8.float() * descale[..., None]`` as float32 (exact for power-of-two descales)."""
+    check_tensor("x_fp8", x_fp8)
+    if check_tensor("descale", descale).shape != x_fp8.shape[:-1]:
+        raise ValueError(
+            f"descale has shape {tuple(descale.shape)}; expected one descale per vector of x_fp8 "
+            f"{tuple(x_fp8.shape)}, {tuple(x_fp8.shape[:-1])}."
+        )
     return x_fp8.to(torch.float32) * descale.unsqueeze(-1)

@@ -22,15 +22,29 @@ data-dependent checks run only with ``validate=True``.
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal
 
 import torch
 
 from . import _cudnn, _deepgemm
-from ._checks import check_int_tensor, check_positive_int, check_tensor
+from ._checks import (
+    INT32_MAX,
+    as_int32_tensor,
+    check_int_fits,
+    check_int_tensor,
+    check_positive_int,
+    check_tensor,
+    takes_precision_config,
+)
 from .audit import record_scoring_call
-from .config import FP8_HEAD_DIM, FP8_N_HEADS, SCORING_BACKENDS, ScoringPrecision
-from .engines import DEFAULT_ENGINE, EngineProfile
+from .config import (
+    FP8_HEAD_DIM,
+    FP8_N_HEADS,
+    SCORING_BACKENDS,
+    IndexerPrecisionConfig,
+    ScoringPrecision,
+)
 from .operands import ScoringOperands, as_scoring_operands
 
 __all__ = [
@@ -119,25 +133,40 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _offsets(
-    q_causal_offsets: torch.Tensor | int | None, n: int, device: torch.device, what: str
+    q_causal_offsets: torch.Tensor | int | None,
+    n: int,
+    device: torch.device,
+    what: str,
+    *,
+    rows: int,
+    validate: bool,
 ) -> torch.Tensor:
-    """``(n,)`` int32 offsets on ``device`` (no host sync)."""
+    """``(n,)`` int32 offsets on ``device``. Each offset plus the ``rows`` query rows after it
+    must fit int32: always checked for a Python int, with ``validate=True`` for a tensor (before
+    its cast to int32, one host sync)."""
     if q_causal_offsets is None:
         return torch.zeros(n, dtype=torch.int32, device=device)
-    if isinstance(q_causal_offsets, int) and not isinstance(q_causal_offsets, bool):
-        if q_causal_offsets < 0:
-            raise ValueError(
-                f"q_causal_offsets={q_causal_offsets} must be non-negative (the global index of "
-                "the first query row)."
-            )
-        return torch.full((n,), q_causal_offsets, dtype=torch.int32, device=device)
+    fix = (
+        f"pass the global index of each {what}'s first query row: non-negative, and with its "
+        f"{rows} rows added still within int32"
+    )
+    if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
+        value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
+        return torch.full((n,), value, dtype=torch.int32, device=device)
     check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
     if q_causal_offsets.shape[0] != n:
         raise ValueError(
             f"q_causal_offsets has {q_causal_offsets.shape[0]} entries; expected one per {what} "
             f"({n})."
         )
-    return q_causal_offsets.to(device=device, dtype=torch.int32)
+    return as_int32_tensor(
+        "q_causal_offsets",
+        q_causal_offsets,
+        device=device,
+        validate=validate,
+        high=INT32_MAX - rows,
+        fix=fix,
+    )
 
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
@@ -165,14 +194,6 @@ def _empty_scores(
     if out is not None:
         return out.fill_(float("-inf"))
     return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
-
-
-def _validate_offsets(offsets: torch.Tensor) -> None:
-    if bool((offsets < 0).any()):
-        raise ValueError(
-            "q_causal_offsets must be non-negative (global index of each first query row), got "
-            f"{offsets.tolist()}."
-        )
 
 
 def _validate_finite(ops: ScoringOperands) -> None:
@@ -328,8 +349,7 @@ def deepgemm_select_input(
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`): DeepGEMM's
     uncleaned logits of ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM."""
-    if validate:
-        _validate_offsets(offsets)
+    if validate:  # the offsets were range-checked where they entered (indexer_select's _offsets)
         _validate_finite(ops)
     record_scoring_call(ops.precision.value, "deepgemm")
     if varlen is None:
@@ -380,13 +400,13 @@ def _reference_scores(
 # ------------------------------------------------------------------------------------- BSHD
 
 
+@takes_precision_config
 def indexer_scores(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     *,
-    scoring_precision: ScoringPrecision | str | None = None,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
@@ -398,14 +418,15 @@ def indexer_scores(
 
     Arguments:
         q: :class:`~dsa_precision.ScoringOperands`, or ``(B, S_q, H, 128)`` preprocessed queries
-            (bfloat16 or an FP32 carrier), prepared with ``k``, ``weights``,
-            ``scoring_precision``, ``engine`` and ``sm_scale`` by
-            :func:`~dsa_precision.prepare_scoring_operands`.
+            (bfloat16 or an FP32 carrier), prepared with ``k``, ``weights``, ``config`` and
+            ``sm_scale`` by :func:`~dsa_precision.prepare_scoring_operands`.
         k: ``(B, S_k, 128)`` keys (carriers only).
         weights: ``(B, S_q, H)`` head weights, already scaled by ``H**-0.5 * D**-0.5``
             (carriers only).
-        scoring_precision: ``"bf16"`` or ``"fp8"`` (carriers only; operands carry theirs).
-        engine: the engine profile whose FP8 quantization rules apply (carriers only).
+        config: the :class:`~dsa_precision.IndexerPrecisionConfig` whose scoring precision and
+            engine (FP8 quantization rules) prepare the carriers; with operands, optional (they
+            carry their precision; a different one raises). The removed ``scoring_precision=``
+            / ``engine=`` keywords raise ``TypeError``.
         sm_scale: extra score scale (carriers only; 1.0 for Megatron).
         ratio: key compression ratio of the causal mask (1: one key per token).
         q_causal_offsets: global index of each batch row's query 0: an int or a ``(B,)`` integer
@@ -414,8 +435,8 @@ def indexer_scores(
             ``"torch"`` (exact reference, any device) or ``"auto"`` (cuDNN when it can serve the
             call, else torch). An explicit kernel backend that cannot run raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
-        validate: check the data too (non-negative offsets, finite operands); this synchronises
-            with the host, so it is off by default.
+        validate: check the data too (offsets in range before their int32 cast, finite
+            operands); this synchronises with the host, so it is off by default.
 
     Returns:
         float32 ``(B, S_q, S_k)`` with ``-inf`` at every key ``t >= limit(b, s)``: cuDNN's own
@@ -423,15 +444,12 @@ def indexer_scores(
         (a strided view; one launch for all batch rows, ``-inf`` written by DeepGEMM's cleaning
         at ``B = 1`` and by one mask of the unwritten tails otherwise).
     """
-    ops = as_scoring_operands(
-        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
-    )
-    ratio = check_positive_int("ratio", ratio)
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
+    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row")
+    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
     if validate:
-        _validate_offsets(offsets)
         _validate_finite(ops)
     _check_out(out, (b, sq, sk), ops.device)
     backend = resolve_scoring_backend(backend, ops)
@@ -490,10 +508,11 @@ def _check_varlen_args(
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative Python int.")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+            raise ValueError(f"{name}={value!r} must be a non-negative Python int within int32.")
 
 
+@takes_precision_config
 def indexer_scores_varlen(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -503,8 +522,7 @@ def indexer_scores_varlen(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    scoring_precision: ScoringPrecision | str | None = None,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
@@ -538,20 +556,19 @@ def indexer_scores_varlen(
             )
         q, weights = q.unsqueeze(0), weights.unsqueeze(0)
         k = k.reshape(1, k.shape[0], k.shape[-1])  # (T_k, D) or (T_k, 1, D); T_k may be 0
-    ops = as_scoring_operands(
-        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
-    )
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
-    ratio = check_positive_int("ratio", ratio)
+    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
-    offsets = _offsets(q_causal_offsets, n_seq, ops.device, "packed sequence")
+    offsets = _offsets(
+        q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
+    )
     if validate:
         _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
         _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
-        _validate_offsets(offsets)
         _validate_finite(ops)
     _check_out(out, (tq, max_seqlen_k), ops.device)
     backend = resolve_scoring_backend(backend, ops)

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import INT32_MAX, check_positive_int, takes_precision_config
 from ._deepgemm import WindowLogits
-from .config import ScoringPrecision
-from .engines import DEFAULT_ENGINE, EngineProfile
+from .config import IndexerPrecisionConfig
 from .operands import ScoringOperands, as_scoring_operands
 from .scoring import (
     Backend,
@@ -90,14 +89,14 @@ def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch
     return torch.empty(shape, dtype=torch.int32, device=device) if chunked else None
 
 
+@takes_precision_config
 def indexer_select(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     *,
     topk: int,
-    scoring_precision: ScoringPrecision | str | None = None,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
@@ -109,7 +108,7 @@ def indexer_select(
     """Top-``topk`` keys of every query row, scored and selected chunk by chunk.
 
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
-    precision), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
+    ``config``), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
     :data:`UNCHUNKED_MAX_BYTES`, else 1 GiB chunks; see the module docstring) and
     ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
     kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
@@ -119,16 +118,14 @@ def indexer_select(
     Returns:
         int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots.
     """
-    topk = check_positive_int("topk", topk)
-    ratio = check_positive_int("ratio", ratio)
+    topk = check_positive_int("topk", topk, high=INT32_MAX)
+    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
-    ops = as_scoring_operands(
-        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
-    )
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row")
+    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
     backend = resolve_scoring_backend(backend, ops)
     if sq == 0 or sk == 0:
         return torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
@@ -166,6 +163,7 @@ def indexer_select(
     return out
 
 
+@takes_precision_config
 def indexer_select_varlen(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -176,8 +174,7 @@ def indexer_select_varlen(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    scoring_precision: ScoringPrecision | str | None = None,
-    engine: EngineProfile | str = DEFAULT_ENGINE,
+    config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
@@ -196,24 +193,24 @@ def indexer_select_varlen(
         int32 ``(T_q, topk)``: sequence-local key indices (the engines' layout), ascending,
         ``-1`` in unused slots.
     """
-    topk = check_positive_int("topk", topk)
-    ratio = check_positive_int("ratio", ratio)
+    topk = check_positive_int("topk", topk, high=INT32_MAX)
+    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     if not isinstance(q, ScoringOperands) and isinstance(q, torch.Tensor) and q.ndim == 3:
         q = q.unsqueeze(0)
         k = None if k is None else k.reshape(1, k.shape[0], k.shape[-1])
         weights = None if weights is None else weights.unsqueeze(0)
-    ops = as_scoring_operands(
-        q, k, weights, scoring_precision=scoring_precision, engine=engine, sm_scale=sm_scale
-    )
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     tq, tk = ops.q.shape[1], ops.k.shape[1]
     _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if validate:  # the caller's lengths (each chunk's launch then validates its own)
         _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
         _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
     n_seq = cu_seqlens_q.numel() - 1
-    offsets = _offsets(q_causal_offsets, n_seq, ops.device, "packed sequence").to(torch.int64)
+    offsets = _offsets(
+        q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
+    ).to(torch.int64)
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
     backend = resolve_scoring_backend(backend, ops)

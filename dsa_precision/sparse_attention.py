@@ -27,6 +27,13 @@ from typing import Any
 import torch
 
 from . import _cudnn
+from ._checks import (
+    check_int_tensor,
+    check_positive_int,
+    check_real,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["SparseMLAAttentionFunc", "sparse_backward", "sparse_forward", "sparse_mla_attention"]
 
@@ -64,6 +71,24 @@ def _aligned(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def _gather_keys(kv: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """float32 ``kv`` rows of the picks ``sel`` ``(r, K)``, zero at padding (``-1``): a padding
+    slot reads no key, so a non-finite key reaches only the rows that selected it."""
+    rows = kv[sel.clamp_min(0)].float()
+    return rows.masked_fill_(~valid.unsqueeze(-1), 0.0)
+
+
+def _probabilities(s: torch.Tensor, lse: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Softmax probabilities ``exp(s - lse)`` ``(r, H, K)``, exactly 0 at padding.
+
+    Only padding is zeroed: a row with no valid key (``lse = -inf``) has probability 0
+    everywhere, but a NaN score (a NaN query or selected key) stays NaN, so NaN in gives NaN
+    out and NaN gradients, never a finite zero (docs/robustness.md, "Non-finite data").
+    """
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.where(valid.unsqueeze(1), p, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
 def _builtin_forward(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +100,11 @@ def _builtin_forward(
         rows = slice(r0, min(r0 + step, t))
         sel = idx[rows].long()
         valid = sel >= 0
-        kv_sel = kv[sel.clamp_min(0)].float()  # (r, K, D)
+        kv_sel = _gather_keys(kv, sel, valid)  # (r, K, D)
         s = torch.einsum("rhd,rkd->rhk", q[rows].float(), kv_sel) * scale
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)  # -inf for a row without valid keys
-        p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num_(0.0)
+        p = _probabilities(s, row_lse, valid)
         out[rows] = torch.einsum("rhk,rkv->rhv", p, kv_sel[..., :d_v]).to(q.dtype)
         lse[rows] = row_lse
     return out, lse
@@ -106,11 +131,10 @@ def _builtin_backward(
         sel = idx[rows].long()
         valid = sel >= 0
         safe = sel.clamp_min(0)
-        kv_sel = kv[safe].float()
+        kv_sel = _gather_keys(kv, sel, valid)
         qf, do = q[rows].float(), dout[rows].float()
         s = torch.einsum("rhd,rkd->rhk", qf, kv_sel) * scale
-        p = torch.exp(s - lse[rows].unsqueeze(-1)).masked_fill_(~valid.unsqueeze(1), 0.0)
-        p = p.nan_to_num_(0.0)
+        p = _probabilities(s, lse[rows], valid)
         dp = torch.einsum("rhv,rkv->rhk", do, kv_sel[..., :d_v])
         delta = (do * out[rows].float()).sum(-1, keepdim=True)
         ds = p * (dp - delta) * scale
@@ -233,16 +257,26 @@ class SparseMLAAttentionFunc(torch.autograd.Function):
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, softmax_scale: float, d_v: int
 ) -> torch.Tensor:
-    """Sparse MLA attention (see the module docstring); returns ``(T, H, d_v)``."""
+    """Sparse MLA attention (see the module docstring); returns ``(T, H, d_v)``.
+
+    A NaN or Inf in a query head gives that row and head a NaN output (and NaN gradients); one in
+    a selected key gives every row that selected it NaN; a padding slot reads no key.
+    """
+    for name, t in (("q", q), ("kv", kv), ("idx", idx)):
+        check_tensor(name, t)
     if q.ndim != 3 or kv.ndim != 2 or idx.ndim != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(
             "expected q (T, H, D), kv (T_k, D) and idx (T, K); got "
             f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, idx {tuple(idx.shape)}."
         )
+    check_int_tensor("idx", idx, ndim=2)
+    check_same_device(q=q, kv=kv, idx=idx)
+    d_v = check_positive_int("d_v", d_v)
+    softmax_scale = check_real("softmax_scale", softmax_scale)
     if kv.shape[-1] != q.shape[-1] or not 0 < d_v <= kv.shape[-1]:
         raise ValueError(
             f"q and kv widths must match ({q.shape[-1]} vs {kv.shape[-1]}) and 0 < d_v <= width; "
             f"got d_v={d_v}."
         )
-    out, _ = SparseMLAAttentionFunc.apply(q, kv, idx, float(softmax_scale), int(d_v))
+    out, _ = SparseMLAAttentionFunc.apply(q, kv, idx, softmax_scale, d_v)
     return out

@@ -21,7 +21,14 @@ from typing import Literal
 import torch
 
 from . import _cudnn
-from ._checks import check_float_dtype, check_int_tensor, check_positive_int, check_tensor
+from ._checks import (
+    INT32_MAX,
+    as_int32_tensor,
+    check_float_dtype,
+    check_int_tensor,
+    check_positive_int,
+    check_tensor,
+)
 from .config import TOPK_BACKENDS
 from .operands import triton_unavailable_reason
 
@@ -123,7 +130,8 @@ def indexer_topk(
             resolve arbitrarily (cuDNN's faster mode; the order within a row is then arbitrary).
         backend: ``"cudnn"`` (SM90 radix top-k, ``k <= 2048``), ``"torch"`` or ``"auto"``.
             Both select exactly the same set in deterministic mode.
-        validate: check that ``seq_lens`` lies in ``[0, S_k]`` (a host synchronisation).
+        validate: check that ``seq_lens`` lies in ``[0, S_k]``, in its own dtype before the
+            int32 cast (a host synchronisation).
 
     Returns:
         int32 ``(..., k)``: each row's selected key indices in ascending order, ``-1`` in the
@@ -133,7 +141,7 @@ def indexer_topk(
     check_float_dtype("scores", scores, _SCORE_DTYPES)
     if scores.ndim < 1:
         raise ValueError("scores must have a key dimension, got a 0-d tensor.")
-    k = check_positive_int("k", k)
+    k = check_positive_int("k", k, high=INT32_MAX)
     lead, sk = scores.shape[:-1], scores.shape[-1]
     flat = scores if scores.ndim == 2 else scores.reshape(lead.numel(), sk)  # rows of keys
     if seq_lens is None:
@@ -149,13 +157,14 @@ def indexer_topk(
             raise ValueError(
                 f"seq_lens is on {seq_lens.device} but scores on {scores.device}; move it."
             )
-        lens = seq_lens if seq_lens.ndim == 1 else seq_lens.reshape(-1)
-        lens = lens if lens.dtype == torch.int32 else lens.to(torch.int32)
-        if validate and lens.numel() and bool(((lens < 0) | (lens > sk)).any()):
-            raise ValueError(
-                f"seq_lens must lie in [0, S_k={sk}]; got values in "
-                f"[{int(lens.min())}, {int(lens.max())}]."
-            )
+        lens = as_int32_tensor(
+            "seq_lens",
+            seq_lens,
+            device=scores.device,
+            validate=validate,
+            high=sk,
+            fix=f"each row's valid keys lie in [0, S_k={sk}]",
+        ).reshape(-1)
     backend = resolve_topk_backend(
         backend, device=scores.device, k=min(k, max(sk, 1)), dtype=scores.dtype
     )

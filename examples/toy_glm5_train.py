@@ -376,7 +376,7 @@ def train(args, names: list[str]) -> list[dict]:
 
 def topk_on_identical_inputs(args) -> dict:
     """Layer-1 top-k of every configuration on the same weights and batch."""
-    from dsa_precision import indexer_select, topk_agreement
+    from dsa_precision import IndexerPrecisionConfig, indexer_select, topk_agreement
 
     picks = {}
     names = args.configs.split(",")
@@ -405,7 +405,7 @@ def topk_on_identical_inputs(args) -> dict:
                     k.transpose(0, 1),
                     w.transpose(0, 1),
                     topk=config.dsa_indexer_topk,
-                    scoring_precision="bf16",
+                    config=IndexerPrecisionConfig(scoring_precision="bf16"),
                 )
         handle.remove()
         del model

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     _cudnn,
     indexer_scores,
     indexer_scores_varlen,
@@ -24,6 +25,9 @@ from dsa_precision.config import ScoringPrecision
 
 from . import fake_cudnn
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
+
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 
 @pytest.fixture
@@ -46,9 +50,7 @@ def _inputs(b=2, sq=20, sk=23, h=64, w_dtype=torch.bfloat16):
 @pytest.mark.parametrize("h", [32, 64])
 def test_fp8_launch_gets_e4m3_operands_descales_and_folded_weights(fake, sm_scale, h):
     q, k, w = _inputs(h=h)
-    got = indexer_scores(
-        q, k, w, scoring_precision="fp8", sm_scale=sm_scale, ratio=4, backend="cudnn"
-    )
+    got = indexer_scores(q, k, w, config=FP8, sm_scale=sm_scale, ratio=4, backend="cudnn")
     (call,) = fake.forward_calls
     assert call["precision"] == "fp8" and call["ratio"] == 4 and not call["thd"]
     q8, qs = quantize_e4m3_ue8m0(q)
@@ -68,7 +70,7 @@ def test_fp8_launch_gets_e4m3_operands_descales_and_folded_weights(fake, sm_scal
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_launch_gets_bf16_operands_and_sm_scale(fake, w_dtype):
     q, k, w = _inputs(h=16, w_dtype=w_dtype)
-    indexer_scores(q, k, w, scoring_precision="bf16", sm_scale=0.5, backend="cudnn")
+    indexer_scores(q, k, w, config=BF16, sm_scale=0.5, backend="cudnn")
     (call,) = fake.forward_calls
     assert call["precision"] == "bf16" and call["sm_scale"] == 0.5
     assert_bitwise_equal(call["q"], q.to(torch.bfloat16), "q")
@@ -79,7 +81,7 @@ def test_bf16_launch_gets_bf16_operands_and_sm_scale(fake, w_dtype):
 
 def test_prepared_operands_reach_the_kernel_unchanged(fake):
     q, k, w = _inputs()
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=0.25)
+    ops = prepare_scoring_operands(q, k, w, config=FP8, sm_scale=0.25)
     indexer_scores(ops, backend="cudnn")
     (call,) = fake.forward_calls
     assert_bitwise_equal(call["q"], ops.q, "q")
@@ -90,7 +92,7 @@ def test_prepared_operands_reach_the_kernel_unchanged(fake):
 @pytest.mark.parametrize("offsets", [7, torch.tensor([3, 11]), torch.tensor([3, 11]).int()])
 def test_offsets_reach_the_kernel_as_int32(fake, offsets):
     q, k, w = _inputs()
-    indexer_scores(q, k, w, scoring_precision="fp8", q_causal_offsets=offsets, backend="cudnn")
+    indexer_scores(q, k, w, config=FP8, q_causal_offsets=offsets, backend="cudnn")
     want = [7, 7] if isinstance(offsets, int) else [3, 11]
     assert fake.forward_calls[0]["offsets"] == want
 
@@ -99,7 +101,7 @@ def test_offsets_reach_the_kernel_as_int32(fake, offsets):
 def test_out_is_passed_through_and_returned(fake, precision):
     q, k, w = _inputs()
     out = torch.empty(2, 20, 23)
-    got = indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="cudnn")
+    got = indexer_scores(q, k, w, config=CONFIGS[precision], out=out, backend="cudnn")
     (call,) = fake.forward_calls
     assert call["out"] is out and got is out
 
@@ -107,7 +109,7 @@ def test_out_is_passed_through_and_returned(fake, precision):
 def test_row_slices_reach_the_kernel_contiguous_and_aligned(fake):
     """Batch-2 row slices are strided views; the kernel gets contiguous aligned copies of them."""
     q, k, w = _inputs()
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8").rows(3, 9)
+    ops = prepare_scoring_operands(q, k, w, config=FP8).rows(3, 9)
     assert not ops.q.is_contiguous()
     indexer_scores(ops, q_causal_offsets=torch.tensor([3, 3]), backend="cudnn")
     (call,) = fake.forward_calls  # the fake asserts contiguity and 16-byte alignment
@@ -120,20 +122,20 @@ def test_auto_takes_cudnn_when_it_can(fake):
     package's decision from the call's shapes: FP8 64 heads and BF16 16 heads yes, BF16 with 8
     heads or 64-wide heads no (the torch reference then)."""
     reset_scoring_calls()
-    indexer_scores(*_inputs(h=64), scoring_precision="fp8")
-    indexer_scores(*_inputs(h=16), scoring_precision="bf16")
+    indexer_scores(*_inputs(h=64), config=FP8)
+    indexer_scores(*_inputs(h=16), config=BF16)
     assert len(fake.forward_calls) == 2 and scoring_calls(backend="cudnn") == 2
     q, k, w = _inputs(h=8)
-    indexer_scores(q, k, w, scoring_precision="bf16")
-    indexer_scores(q[..., :64], k[..., :64], w, scoring_precision="bf16")
+    indexer_scores(q, k, w, config=BF16)
+    indexer_scores(q[..., :64], k[..., :64], w, config=BF16)
     assert len(fake.forward_calls) == 2 and scoring_calls("bf16", "torch") == 2
     with pytest.raises(RuntimeError, match="n_heads=8"):
-        indexer_scores(q, k, w, scoring_precision="bf16", backend="cudnn")
+        indexer_scores(q, k, w, config=BF16, backend="cudnn")
 
 
 def test_empty_calls_launch_nothing(fake):
     q, k, w = _inputs(sq=0)
-    assert indexer_scores(q, k, w, scoring_precision="fp8", backend="cudnn").shape == (2, 0, 23)
+    assert indexer_scores(q, k, w, config=FP8, backend="cudnn").shape == (2, 0, 23)
     assert not fake.forward_calls
 
 
@@ -154,7 +156,7 @@ def test_thd_is_one_launch_with_int32_cu_seqlens_and_the_callers_max_lengths(fak
         cu_seqlens_k=cu_k,
         max_seqlen_q=13,  # looser than the data: passed as given
         max_seqlen_k=15,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         ratio=2,
         q_causal_offsets=torch.tensor([0, 4, 2]),
         out=out,
@@ -235,7 +237,7 @@ def test_select_launches_one_scoring_and_one_topk_call_per_chunk(fake, precision
         k,
         w,
         topk=4,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         ratio=2,
         q_causal_offsets=offsets,
         backend="cudnn",
@@ -256,7 +258,7 @@ def test_select_launches_one_scoring_and_one_topk_call_per_chunk(fake, precision
     assert picks.shape == (2, 20, 4) and picks.dtype == torch.int32
     # The chunks are stitched in place: one chunk through the same fake gives the same picks.
     whole = indexer_select(
-        q, k, w, topk=4, scoring_precision=precision, ratio=2, q_causal_offsets=offsets,
+        q, k, w, topk=4, config=CONFIGS[precision], ratio=2, q_causal_offsets=offsets,
         backend="cudnn",
     )  # fmt: skip
     assert torch.equal(picks, whole)
@@ -273,7 +275,7 @@ def test_select_varlen_chunks_cut_sequences_on_the_device(fake, precision):
         cu_seqlens_k=cu_k,
         max_seqlen_q=17,
         max_seqlen_k=17,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         q_causal_offsets=offsets,
         backend="cudnn",
     )

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
@@ -38,6 +39,8 @@ from .fake_cudnn import stand_in_scores
 from .fake_deepgemm import FP8_FP4_DOC, LEGACY_DOC, UNCLEANED, FakeMqaLogits, install
 from .helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+
 
 @pytest.fixture(params=["fp8_fp4_mqa_logits", "fp8_mqa_logits", "2.8"])
 def fake(request, monkeypatch):
@@ -52,7 +55,7 @@ def _ops(b=2, sq=9, sk=13, h=32, sm_scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(b, sq, h, 128, generator=g), torch.randn(b, sk, 128, generator=g)
     w = (torch.randn(b, sq, h, generator=g) * 0.02).to(torch.bfloat16)
-    return prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
+    return prepare_scoring_operands(q, k, w, config=FP8, sm_scale=sm_scale)
 
 
 def _check_operands(call, ops):
@@ -344,11 +347,11 @@ def test_explicit_deepgemm_raises_with_the_reason():
     q, k = torch.randn(1, 4, 32, 128), torch.randn(1, 4, 128)
     w = torch.randn(1, 4, 32)
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*FP8 operands only.*'fp8'"):
-        indexer_scores(q, k, w, scoring_precision="bf16", backend="deepgemm")
+        indexer_scores(q, k, w, config=BF16, backend="deepgemm")
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
-        indexer_scores(q, k, w, scoring_precision="fp8", backend="deepgemm")
+        indexer_scores(q, k, w, config=FP8, backend="deepgemm")
     with pytest.raises(RuntimeError, match=r"backend='deepgemm'.*on cpu.*CUDA"):
-        indexer_select(q, k, w, topk=2, scoring_precision="fp8", backend="deepgemm")
+        indexer_select(q, k, w, topk=2, config=FP8, backend="deepgemm")
 
 
 def test_unsupported_reasons(monkeypatch):

@@ -13,7 +13,6 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
-    _deepgemm,
     fused_indexer_sparse_attention,
     indexer_scores,
     indexer_scores_varlen,
@@ -50,12 +49,12 @@ def test_torch_scoring_replays_bit_exact(precision):
 
     def score(q, k, w):
         bshd = indexer_scores(
-            q, k, w, scoring_precision=precision, ratio=2, q_causal_offsets=torch.tensor([0, 5]),
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision=precision), ratio=2, q_causal_offsets=torch.tensor([0, 5]),
             backend="torch",
         )  # fmt: skip
         thd = indexer_scores_varlen(
             q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=27,
-            max_seqlen_k=27, scoring_precision=precision, backend="torch",
+            max_seqlen_k=27, config=IndexerPrecisionConfig(scoring_precision=precision), backend="torch",
         )  # fmt: skip
         return bshd, thd
 
@@ -83,11 +82,17 @@ def test_chunked_select_replays_bit_exact(precision):
 
     def select(q, k, w):
         bshd = indexer_select(
-            q, k, w, topk=6, scoring_precision=precision, chunk_bytes=1, backend="torch"
+            q,
+            k,
+            w,
+            topk=6,
+            config=IndexerPrecisionConfig(scoring_precision=precision),
+            chunk_bytes=1,
+            backend="torch",
         )
         thd = indexer_select_varlen(
             q[0], k[0], w[0], topk=6, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20,
-            max_seqlen_k=20, scoring_precision=precision, chunk_bytes=1, backend="torch",
+            max_seqlen_k=20, config=IndexerPrecisionConfig(scoring_precision=precision), chunk_bytes=1, backend="torch",
         )  # fmt: skip
         return bshd, thd
 
@@ -147,7 +152,11 @@ def test_fused_attention_replays_bit_exact():
 
     def run(*x):
         out, _, picks = fused_indexer_sparse_attention(
-            *x, topk=6, softmax_scale=0.1, d_v=64, scoring_precision="fp8"
+            *x,
+            topk=6,
+            softmax_scale=0.1,
+            d_v=64,
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
         )
         return out, picks
 
@@ -165,10 +174,23 @@ def test_cudnn_launches_replay_through_the_recording_fake(monkeypatch):
     q, k, w = _qkw(s=20)
 
     def launch(q, k, w):
-        scores = indexer_scores(q, k, w, scoring_precision="fp8", ratio=2, backend="cudnn")
+        scores = indexer_scores(
+            q,
+            k,
+            w,
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
+            ratio=2,
+            backend="cudnn",
+        )
         picks = indexer_topk(scores, 4, backend="cudnn")
         chunked = indexer_select(
-            q, k, w, topk=4, scoring_precision="bf16", chunk_bytes=1, backend="cudnn"
+            q,
+            k,
+            w,
+            topk=4,
+            config=IndexerPrecisionConfig(scoring_precision="bf16"),
+            chunk_bytes=1,
+            backend="cudnn",
         )
         return scores.clone(), picks, chunked
 
@@ -187,7 +209,9 @@ def test_deepgemm_launches_replay_through_a_recording_fake(monkeypatch):
     cu = cu_seqlens([4, 0, 13])
 
     def launch(q, k, w):
-        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+        ops = prepare_scoring_operands(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8")
+        )
         bshd = indexer_scores(ops, q_causal_offsets=3, backend="deepgemm")
         thd = indexer_scores_varlen(
             ops.rows(0, 17), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13,

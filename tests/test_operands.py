@@ -32,6 +32,9 @@ from dsa_precision.preprocess import indexer_head_weights
 from .fused_cases import make_case
 from .helpers import assert_bitwise_equal
 
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,7 +59,7 @@ def _carriers(b=2, sq=5, sk=7, h=32, dtype=torch.float32, w_dtype=torch.bfloat16
 )  # fmt: skip
 def test_bf16_operands_are_the_rounded_carriers(carrier, w_dtype, kept):
     q, k, w = _carriers(dtype=carrier, w_dtype=w_dtype)
-    ops = prepare_scoring_operands(q, k.unsqueeze(2), w, scoring_precision="bf16", sm_scale=0.7)
+    ops = prepare_scoring_operands(q, k.unsqueeze(2), w, config=BF16, sm_scale=0.7)
     assert ops.precision is ScoringPrecision.BF16 and ops.sm_scale == 0.7
     assert_bitwise_equal(ops.q, q.to(torch.bfloat16), "q")
     assert_bitwise_equal(ops.k, k.to(torch.bfloat16), "k (the 4-D key squeezed)")
@@ -69,7 +72,7 @@ def test_bf16_operands_are_the_rounded_carriers(carrier, w_dtype, kept):
 def test_bf16_non_finite_query_vector_gets_a_nan_weight():
     q, k, w = _carriers()
     q[1, 3, 7, 100] = float("inf")
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="bf16")
+    ops = prepare_scoring_operands(q, k, w, config=BF16)
     nan = torch.isnan(ops.weights)
     assert nan[1, 3, 7] and nan.sum() == 1  # only that (row, head)
 
@@ -82,7 +85,7 @@ def test_bf16_non_finite_query_vector_gets_a_nan_weight():
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_operands_quantize_and_fold_bit_for_bit(carrier, sm_scale, w_dtype):
     q, k, w = _carriers(dtype=carrier, w_dtype=w_dtype)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=sm_scale)
+    ops = prepare_scoring_operands(q, k, w, config=FP8, sm_scale=sm_scale)
     q8, qs = quantize_e4m3_ue8m0(q)  # the default engine: exact UE8M0, floor 1e-4
     k8, ks = quantize_e4m3_ue8m0(k)
     assert ops.precision is ScoringPrecision.FP8 and ops.sm_scale == 1.0
@@ -99,7 +102,7 @@ def test_fp8_non_finite_vector_becomes_nan_not_a_saturated_value():
     q, k, w = _carriers()
     q[0, 1, 2, 3] = float("inf")
     k[1, 4, 5] = float("-inf")
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     assert torch.isnan(ops.q_descale[0, 1, 2]) and torch.isnan(ops.weights[0, 1, 2])
     assert torch.isnan(ops.k_descale[1, 4]) and torch.isnan(ops.k[1, 4].float()).all()
     assert torch.isfinite(ops.weights).sum() == ops.weights.numel() - 1
@@ -108,8 +111,15 @@ def test_fp8_non_finite_vector_becomes_nan_not_a_saturated_value():
 @pytest.mark.parametrize("name", sorted(ENGINE_PROFILES))
 def test_every_engine_profile_builds_valid_operands(name):
     q, k, w = _carriers(dtype=torch.float32)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=name)
-    again = prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=ENGINE_PROFILES[name])
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8", engine=name)
+    )
+    again = prepare_scoring_operands(
+        q,
+        k,
+        w,
+        config=IndexerPrecisionConfig(scoring_precision="fp8", engine=ENGINE_PROFILES[name]),
+    )
     assert_bitwise_equal(ops.q, again.q, f"{name}: name and profile")
     for x, x8, s in ((q, ops.q, ops.q_descale), (k, ops.k, ops.k_descale)):
         assert (s > 0).all()
@@ -125,7 +135,9 @@ def test_every_engine_profile_builds_valid_operands(name):
 def test_engine_profiles_really_differ():
     q, k, w = _carriers(dtype=torch.float32)
     built = {
-        name: prepare_scoring_operands(q, k, w, scoring_precision="fp8", engine=name)
+        name: prepare_scoring_operands(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8", engine=name)
+        )
         for name in ENGINE_PROFILES
     }
     distinct = {bytes(o.k_descale.numpy().tobytes()) for o in built.values()}
@@ -135,8 +147,8 @@ def test_engine_profiles_really_differ():
 
 def test_precisions_really_differ():
     q, k, w = _carriers()
-    bf16 = prepare_scoring_operands(q, k, w, scoring_precision="bf16")
-    fp8 = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    bf16 = prepare_scoring_operands(q, k, w, config=BF16)
+    fp8 = prepare_scoring_operands(q, k, w, config=FP8)
     assert bf16.q.dtype == torch.bfloat16 and fp8.q.dtype == torch.float8_e4m3fn
     err = (fp8.q.float() * fp8.q_descale.unsqueeze(-1) - bf16.q.float()).abs().max()
     assert err > 0
@@ -152,14 +164,14 @@ def test_operands_from_engine_tensors_score_like_prepared_ones():
     q8, qs = quantize_e4m3_ue8m0(q)
     k8, ks = quantize_e4m3_ue8m0(k)
     direct = ScoringOperands(q8, k8, (w.float() * qs) * 0.5, qs, ks)
-    prepared = prepare_scoring_operands(q, k, w, scoring_precision="fp8", sm_scale=0.5)
+    prepared = prepare_scoring_operands(q, k, w, config=FP8, sm_scale=0.5)
     a = indexer_scores(direct, backend="torch")
     assert_bitwise_equal(a, indexer_scores(prepared, backend="torch"), "direct vs prepared")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_rows_are_views_of_the_query_side(precision):
-    ops = prepare_scoring_operands(*_carriers(), scoring_precision=precision)
+    ops = prepare_scoring_operands(*_carriers(), config=CONFIGS[precision])
     part = ops.rows(1, 4)
     assert part.q.shape[1] == part.weights.shape[1] == 3
     assert part.q.data_ptr() == ops.q[:, 1:].data_ptr()  # a view, not a copy
@@ -173,10 +185,10 @@ def test_rows_are_views_of_the_query_side(precision):
 
 def test_as_scoring_operands_passes_operands_through_and_prepares_carriers():
     q, k, w = _carriers()
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     assert as_scoring_operands(ops) is ops
-    assert as_scoring_operands(ops, scoring_precision="fp8") is ops
-    again = as_scoring_operands(q, k, w, scoring_precision="fp8")
+    assert as_scoring_operands(ops, config=FP8) is ops
+    again = as_scoring_operands(q, k, w, config=FP8)
     assert_bitwise_equal(again.weights, ops.weights, "carriers prepared")
 
 
@@ -192,20 +204,20 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
     monkeypatch.setattr(operands_module, "_quantize_triton", lambda *a: launches.append(a) or "k")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, w = _carriers()
-    auto = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="auto")
+    auto = prepare_scoring_operands(q, k, w, config=FP8, impl="auto")
     assert not launches
     q8, qs = quantize_e4m3_ue8m0(q)  # the reference's bytes (default engine)
     assert_bitwise_equal(auto.q, q8, "q")
     assert_bitwise_equal(auto.weights, w.float() * qs, "weights")
     if triton_unavailable_reason() is None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="auto") == "k"
+        assert prepare_scoring_operands(q, k, w, config=FP8, impl="auto") == "k"
         assert len(launches) == 1
 
 
 _INTERPRETER_CHECK = """
 import torch
-from dsa_precision import ENGINE_PROFILES, prepare_scoring_operands
+from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig, prepare_scoring_operands
 g = torch.Generator().manual_seed(3)
 lanes = torch.logspace(-8, 6, 128, base=2.0)
 q = torch.randn(2, 3, 32, 128, generator=g) * lanes
@@ -221,7 +233,8 @@ cases += [
 checked = 0
 for name, carrier, sm_scale in cases:
     args = (q.to(carrier), k.to(carrier), w)
-    kw = dict(scoring_precision="fp8", engine=ENGINE_PROFILES[name], sm_scale=sm_scale)
+    config = IndexerPrecisionConfig(scoring_precision="fp8", engine=ENGINE_PROFILES[name])
+    kw = dict(config=config, sm_scale=sm_scale)
     try:
         got = prepare_scoring_operands(*args, impl="triton", **kw)
     except RuntimeError as exc:  # an engine the kernel does not reproduce: named
@@ -260,9 +273,10 @@ def test_deciding_and_preparing_on_cpu_need_no_triton():
         "import sys\n"
         "sys.modules['triton'] = None\n"
         "import torch\n"
-        "from dsa_precision import prepare_scoring_operands, indexer_select\n"
+        "from dsa_precision import IndexerPrecisionConfig, prepare_scoring_operands, indexer_select\n"
         "q, k, w = torch.randn(1, 4, 32, 128), torch.randn(1, 4, 128), torch.randn(1, 4, 32)\n"
-        "ops = prepare_scoring_operands(q, k, w, scoring_precision='fp8')\n"
+        "fp8 = IndexerPrecisionConfig(scoring_precision='fp8')\n"
+        "ops = prepare_scoring_operands(q, k, w, config=fp8)\n"
         "print(indexer_select(ops, topk=2).tolist())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -291,7 +305,7 @@ def test_indexer_operands_bf16_are_preprocess_then_rounding(rope_fp32):
     qq, kk = pre(q, k, freqs)
     ww = indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
     want = prepare_scoring_operands(
-        qq.transpose(0, 1), kk.transpose(0, 1), ww.transpose(0, 1), scoring_precision="bf16",
+        qq.transpose(0, 1), kk.transpose(0, 1), ww.transpose(0, 1), config=BF16,
         sm_scale=0.5,
     )  # fmt: skip
     for name in ("q", "k", "weights"):

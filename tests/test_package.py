@@ -45,17 +45,18 @@ before = set(sys.modules)
 sys.meta_path.insert(0, Block())
 
 import dsa_precision
+from dsa_precision import IndexerPrecisionConfig as C
 from dsa_precision import indexer_scores_varlen, indexer_select, prepare_scoring_operands
 
 q, k, w = torch.randn(1, 6, 32, 128), torch.randn(1, 6, 128), torch.randn(1, 6, 32)
 for precision in ("bf16", "fp8"):
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(q, k, w, config=C(scoring_precision=precision))
     picks = indexer_select(ops, topk=3)
     assert picks.shape == (1, 6, 3), picks.shape
 cu = torch.tensor([0, 2, 6], dtype=torch.int32)
 s = indexer_scores_varlen(
     q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
-    scoring_precision="fp8",
+    config=C(scoring_precision="fp8"),
 )
 assert s.shape == (6, 4)
 loaded = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in OPTIONAL)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     ScoringOperands,
     indexer_scores,
     indexer_scores_varlen,
@@ -24,6 +25,9 @@ from .helpers import (
     reference_topk_rows,
     rel_err,
 )
+
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 # The torch backend rounds one exact float64 sum per score to float32; the contract is float64.
 TORCH_REL_ERR = 1e-6
@@ -46,7 +50,7 @@ def _inputs(b=2, sq=33, sk=33, h=32, d=128, dtype=torch.float32, w_dtype=torch.b
 def test_torch_backend_matches_float64_contract(carrier, precision, ratio, sk, sm_scale):
     q, k, w = _inputs(sq=33, sk=sk, dtype=carrier)
     got = indexer_scores(
-        q, k, w, scoring_precision=precision, ratio=ratio, sm_scale=sm_scale, backend="torch"
+        q, k, w, config=CONFIGS[precision], ratio=ratio, sm_scale=sm_scale, backend="torch"
     )
     want = CONTRACTS[precision](q, k, w, sm_scale=sm_scale, ratio=ratio)
     assert got.dtype == torch.float32 and got.shape == want.shape == (2, 33, sk)
@@ -57,14 +61,14 @@ def test_torch_backend_matches_float64_contract(carrier, precision, ratio, sk, s
 @pytest.mark.parametrize("h, d", [(3, 64), (16, 128)])
 def test_bf16_scoring_takes_any_head_count_and_width(h, d):
     q, k, w = _inputs(b=1, sq=9, sk=9, h=h, d=d)
-    got = indexer_scores(q, k, w.float(), scoring_precision="bf16", backend="torch")
+    got = indexer_scores(q, k, w.float(), config=BF16, backend="torch")
     assert rel_err(got, CONTRACTS["bf16"](q, k, w.float())) <= TORCH_REL_ERR
 
 
 def test_precisions_really_differ():
     q, k, w = _inputs()
-    bf16 = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
-    fp8 = indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
+    bf16 = indexer_scores(q, k, w, config=BF16, backend="torch")
+    fp8 = indexer_scores(q, k, w, config=FP8, backend="torch")
     assert rel_err(fp8, bf16) > 1e-3  # E4M3 keeps 3 mantissa bits, BF16 8
     assert rel_err(fp8, CONTRACTS["fp8"](q, k, w)) <= TORCH_REL_ERR
     assert rel_err(bf16, CONTRACTS["bf16"](q, k, w)) <= TORCH_REL_ERR
@@ -76,32 +80,32 @@ def test_bf16_scoring_rounds_fp32_carriers_first():
     k = torch.zeros(1, 1, 128)
     w = torch.zeros(1, 1, 4)
     q[0, 0, 0, 0], k[0, 0, 0], w[0, 0, 0] = 1.001, 1.001, 1.0
-    got = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
+    got = indexer_scores(q, k, w, config=BF16, backend="torch")
     assert got.item() == 1.0
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_4d_keys_and_float32_weights_are_accepted(precision):
     q, k, w = _inputs(sq=9, sk=9)
-    a = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
-    b = indexer_scores(q, k.unsqueeze(2), w, scoring_precision=precision, backend="torch")
+    a = indexer_scores(q, k, w, config=CONFIGS[precision], backend="torch")
+    b = indexer_scores(q, k.unsqueeze(2), w, config=CONFIGS[precision], backend="torch")
     assert_bitwise_equal(a, b, "4-D keys")
     # FP8 folds the weights in float32 either way; BF16 weights promote exactly to float32.
-    c = indexer_scores(q, k, w.float(), scoring_precision=precision, backend="torch")
+    c = indexer_scores(q, k, w.float(), config=CONFIGS[precision], backend="torch")
     assert_bitwise_equal(a, c, "float32 weights")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_prepared_operands_score_exactly_like_carriers(precision):
     q, k, w = _inputs(sq=17, sk=23)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.5)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision], sm_scale=0.5)
     assert isinstance(ops, ScoringOperands) and ops.precision.value == precision
     a = indexer_scores(ops, ratio=2, q_causal_offsets=5, backend="torch")
     b = indexer_scores(
         q,
         k,
         w,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         sm_scale=0.5,
         ratio=2,
         q_causal_offsets=5,
@@ -124,7 +128,7 @@ def test_per_batch_causal_offsets(precision, ratio):
             q,
             k,
             w,
-            scoring_precision=precision,
+            config=CONFIGS[precision],
             ratio=ratio,
             q_causal_offsets=form,
             backend="torch",
@@ -141,12 +145,10 @@ def test_per_batch_causal_offsets(precision, ratio):
 
 def test_int_offset_is_the_same_offset_for_every_batch_row():
     q, k, w = _inputs(sq=7, sk=20)
-    a = indexer_scores(q, k, w, scoring_precision="bf16", q_causal_offsets=9, backend="torch")
-    b = indexer_scores(
-        q, k, w, scoring_precision="bf16", q_causal_offsets=torch.tensor([9, 9]), backend="torch"
-    )
+    a = indexer_scores(q, k, w, config=BF16, q_causal_offsets=9, backend="torch")
+    b = indexer_scores(q, k, w, config=BF16, q_causal_offsets=torch.tensor([9, 9]), backend="torch")
     assert_bitwise_equal(a, b, "int vs tensor offsets")
-    zero = indexer_scores(q, k, w, scoring_precision="bf16", backend="torch")
+    zero = indexer_scores(q, k, w, config=BF16, backend="torch")
     assert not torch.equal(a, zero)  # the offset shows: more keys are visible
 
 
@@ -155,7 +157,7 @@ def test_int_offset_is_the_same_offset_for_every_batch_row():
 def test_row_slice_with_shifted_offsets_equals_the_rows_of_the_full_call(precision, r0, r1):
     """What chunked selection relies on: rows [r0, r1) scored with offset + r0 are those rows."""
     q, k, w = _inputs(sq=33, sk=33)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     offsets = torch.tensor([0, 3])
     full = indexer_scores(ops, ratio=2, q_causal_offsets=offsets, backend="torch")
     part = indexer_scores(ops.rows(r0, r1), ratio=2, q_causal_offsets=offsets + r0, backend="torch")
@@ -192,9 +194,9 @@ def test_varlen_key_counts_and_row_slices_follow_the_formula():
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_out_is_written_and_returned(precision):
     q, k, w = _inputs(sq=9, sk=13)
-    want = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    want = indexer_scores(q, k, w, config=CONFIGS[precision], backend="torch")
     out = torch.full((2, 9, 13), 7.0)
-    got = indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="torch")
+    got = indexer_scores(q, k, w, config=CONFIGS[precision], out=out, backend="torch")
     assert got is out
     assert_bitwise_equal(out, want, "out=")
 
@@ -226,7 +228,7 @@ def test_varlen_equals_per_sequence_bshd_bit_for_bit(precision, ratio, offsets):
         cu_seqlens_k=cu_k.long(),
         max_seqlen_q=17,
         max_seqlen_k=max_k,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         ratio=ratio,
         q_causal_offsets=offsets,
         backend="torch",
@@ -241,7 +243,7 @@ def test_varlen_equals_per_sequence_bshd_bit_for_bit(precision, ratio, offsets):
             q[None, q0:q1],
             k[None, k0:k1],
             w[None, q0:q1],
-            scoring_precision=precision,
+            config=CONFIGS[precision],
             ratio=ratio,
             q_causal_offsets=off,
             backend="torch",
@@ -255,8 +257,8 @@ def test_varlen_operands_and_out(precision):
     lens = [6, 11]
     q, k, w, cu, _ = _packed(lens, lens)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11, backend="torch")
-    carriers = indexer_scores_varlen(q, k, w, scoring_precision=precision, **kw)
-    ops = prepare_scoring_operands(q[None], k[None], w[None], scoring_precision=precision)
+    carriers = indexer_scores_varlen(q, k, w, config=CONFIGS[precision], **kw)
+    ops = prepare_scoring_operands(q[None], k[None], w[None], config=CONFIGS[precision])
     out = torch.empty(17, 11)
     got = indexer_scores_varlen(ops, out=out, **kw)
     assert got is out
@@ -265,7 +267,7 @@ def test_varlen_operands_and_out(precision):
 
 def test_varlen_without_sequences_or_keys():
     q, k, w, cu, _ = _packed([4], [4])
-    kw = dict(scoring_precision="bf16", backend="torch")
+    kw = dict(config=BF16, backend="torch")
     got = indexer_scores_varlen(
         q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=0, **kw
     )
@@ -285,10 +287,10 @@ def test_varlen_without_sequences_or_keys():
 @pytest.mark.parametrize("sq, sk", [(0, 5), (5, 0), (0, 0)])
 def test_empty_bshd(precision, sq, sk):
     q, k, w = _inputs(b=2, sq=sq, sk=sk)
-    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    got = indexer_scores(q, k, w, config=CONFIGS[precision], backend="torch")
     assert got.shape == (2, sq, sk) and got.dtype == torch.float32
     out = torch.empty(2, sq, sk)
-    assert indexer_scores(q, k, w, scoring_precision=precision, out=out, backend="torch") is out
+    assert indexer_scores(q, k, w, config=CONFIGS[precision], out=out, backend="torch") is out
 
 
 # -------------------------------------------------------------------- non-finite operands
@@ -308,7 +310,7 @@ def _adversarial():
 @pytest.mark.parametrize("where", ["q", "k", "weights"])
 def test_non_finite_operands_score_nan_and_are_never_selected(precision, bad, where):
     q, k, w = _adversarial()
-    clean = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    clean = indexer_scores(q, k, w, config=CONFIGS[precision], backend="torch")
     row, key = 5, 3
     if where == "q":
         q[0, row, 7, 0] = bad
@@ -316,7 +318,7 @@ def test_non_finite_operands_score_nan_and_are_never_selected(precision, bad, wh
         k[0, key, 0] = bad
     else:
         w[0, row, 2] = bad
-    got = indexer_scores(q, k, w, scoring_precision=precision, backend="torch")
+    got = indexer_scores(q, k, w, config=CONFIGS[precision], backend="torch")
     touched = torch.zeros_like(got, dtype=torch.bool)
     if where == "k":
         touched[0, key:, key] = True  # the rows that see the key
@@ -342,12 +344,12 @@ def test_non_finite_operands_score_nan_and_are_never_selected(precision, bad, wh
 def test_every_call_is_counted_with_its_precision_and_backend():
     q, k, w = _inputs(sq=4, sk=4)
     reset_scoring_calls()
-    indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
-    indexer_scores(q, k, w, scoring_precision="bf16", backend="auto")  # CPU: the reference
+    indexer_scores(q, k, w, config=FP8, backend="torch")
+    indexer_scores(q, k, w, config=BF16, backend="auto")  # CPU: the reference
     cu = cu_seqlens([4])
     indexer_scores_varlen(
         q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
-        scoring_precision="fp8", backend="torch",
+        config=FP8, backend="torch",
     )  # fmt: skip
     assert scoring_calls("fp8", "torch") == 2
     assert scoring_calls("bf16", "torch") == 1

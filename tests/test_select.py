@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -18,6 +19,9 @@ from dsa_precision import (
 from dsa_precision.scoring import causal_key_counts
 
 from .helpers import causal_counts, cu_seqlens, reference_topk_rows
+
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 # 8-row chunks (the smallest), a few 8-row tiles, and one chunk.
 CHUNK_BYTES = [1, 40 * 2 * 41 * 12, 1 << 30]
@@ -41,7 +45,7 @@ def test_select_equals_scores_then_topk(precision, chunk_bytes, ratio, offsets):
     q, k, w = _inputs(sk=41 if ratio == 1 else 13)
     if offsets == "tensor":
         offsets = torch.tensor([0, 9])
-    kw = dict(scoring_precision=precision, ratio=ratio, q_causal_offsets=offsets, backend="torch")
+    kw = dict(config=CONFIGS[precision], ratio=ratio, q_causal_offsets=offsets, backend="torch")
     scores = indexer_scores(q, k, w, **kw)
     want = indexer_topk(scores, 6, backend="torch")
     got = indexer_select(q, k, w, topk=6, chunk_bytes=chunk_bytes, **kw)
@@ -53,13 +57,13 @@ def test_select_equals_scores_then_topk(precision, chunk_bytes, ratio, offsets):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_causal_seq_lens_select_what_the_masked_scores_select(precision):
     q, k, w = _inputs(sq=21, sk=29)
-    scores = indexer_scores(q, k, w, scoring_precision=precision, q_causal_offsets=3)
+    scores = indexer_scores(q, k, w, config=CONFIGS[precision], q_causal_offsets=3)
     lens = causal_key_counts(torch.tensor([3, 3]), 0, 21, 1, 29)
     assert lens.tolist() == [causal_counts(3, range(21), 1, 29)] * 2
     a = indexer_topk(scores, 5, seq_lens=lens, backend="torch")
     assert torch.equal(a, indexer_topk(scores, 5, backend="torch"))
     got = indexer_select(
-        q, k, w, topk=5, scoring_precision=precision, q_causal_offsets=3, chunk_bytes=1
+        q, k, w, topk=5, config=CONFIGS[precision], q_causal_offsets=3, chunk_bytes=1
     )
     assert torch.equal(got, a)
 
@@ -67,10 +71,10 @@ def test_causal_seq_lens_select_what_the_masked_scores_select(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_prepared_operands_select_exactly_like_carriers(precision):
     q, k, w = _inputs(sq=19, sk=19)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.5)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision], sm_scale=0.5)
     a = indexer_select(ops, topk=4, chunk_bytes=1, backend="torch")
     b = indexer_select(
-        q, k, w, topk=4, scoring_precision=precision, sm_scale=0.5, chunk_bytes=1, backend="torch"
+        q, k, w, topk=4, config=CONFIGS[precision], sm_scale=0.5, chunk_bytes=1, backend="torch"
     )
     assert torch.equal(a, b)
 
@@ -78,24 +82,22 @@ def test_prepared_operands_select_exactly_like_carriers(precision):
 def test_select_counts_one_scoring_call_per_chunk():
     q, k, w = _inputs(sq=37, sk=41)
     reset_scoring_calls()
-    indexer_select(q, k, w, topk=3, scoring_precision="fp8", chunk_bytes=1, backend="torch")
+    indexer_select(q, k, w, topk=3, config=FP8, chunk_bytes=1, backend="torch")
     assert scoring_calls("fp8", "torch") == 5  # ceil(37 / 8) chunks of 8 rows
 
 
 def test_topk_above_the_key_count_pads_with_minus_one():
     q, k, w = _inputs(b=1, sq=5, sk=5)
-    got = indexer_select(q, k, w, topk=8, scoring_precision="bf16", backend="torch")
+    got = indexer_select(q, k, w, topk=8, config=BF16, backend="torch")
     for row in range(5):
         assert got[0, row].tolist() == list(range(row + 1)) + [-1] * (7 - row)
 
 
 def test_deterministic_false_selects_a_valid_set():
     q, k, w = _inputs(sq=17, sk=17)
-    scores = indexer_scores(q, k, w, scoring_precision="fp8", backend="torch")
-    exact = indexer_select(q, k, w, topk=5, scoring_precision="fp8", chunk_bytes=1)
-    loose = indexer_select(
-        q, k, w, topk=5, scoring_precision="fp8", chunk_bytes=1, deterministic=False
-    )
+    scores = indexer_scores(q, k, w, config=FP8, backend="torch")
+    exact = indexer_select(q, k, w, topk=5, config=FP8, chunk_bytes=1)
+    loose = indexer_select(q, k, w, topk=5, config=FP8, chunk_bytes=1, deterministic=False)
     for b in range(2):
         for r in range(17):
             picks = [i for i in loose[b, r].tolist() if i != -1]
@@ -110,7 +112,7 @@ def test_deterministic_false_selects_a_valid_set():
 @pytest.mark.parametrize("sq, sk", [(0, 5), (5, 0), (0, 0)])
 def test_empty_bshd(sq, sk):
     q, k, w = _inputs(b=2, sq=sq, sk=sk)
-    got = indexer_select(q, k, w, topk=4, scoring_precision="fp8", backend="torch")
+    got = indexer_select(q, k, w, topk=4, config=FP8, backend="torch")
     assert got.shape == (2, sq, 4) and (got == -1).all()
 
 
@@ -140,7 +142,7 @@ def test_select_varlen_equals_scores_then_topk(precision, chunk_bytes, ratio, of
         cu_seqlens_k=cu_k,
         max_seqlen_q=17,
         max_seqlen_k=19,
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         ratio=ratio,
         q_causal_offsets=offsets,
         backend="torch",
@@ -162,10 +164,10 @@ def test_select_varlen_operands_and_carriers_agree(precision):
     lens = [11, 4, 9]
     q, k, w, cu, _ = _packed(lens, lens)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11, topk=3)
-    ops = prepare_scoring_operands(q[None], k[None], w[None], scoring_precision=precision)
+    ops = prepare_scoring_operands(q[None], k[None], w[None], config=CONFIGS[precision])
     a = indexer_select_varlen(ops, chunk_bytes=1, backend="torch", **kw)
     b = indexer_select_varlen(
-        q, k, w, scoring_precision=precision, chunk_bytes=1, backend="torch", **kw
+        q, k, w, config=CONFIGS[precision], chunk_bytes=1, backend="torch", **kw
     )
     assert torch.equal(a, b)
 
@@ -175,13 +177,13 @@ def test_select_varlen_empty():
     q, k, w, _, _ = _packed([0], [0])
     got = indexer_select_varlen(
         q, k, w, topk=4, cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0, max_seqlen_k=0,
-        scoring_precision="bf16", backend="torch",
+        config=BF16, backend="torch",
     )  # fmt: skip
     assert got.shape == (0, 4)
     q, k, w, cu_q, cu_k = _packed([3], [0])
     got = indexer_select_varlen(
         q, k, w, topk=2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=0,
-        scoring_precision="fp8", backend="torch",
+        config=FP8, backend="torch",
     )  # fmt: skip
     assert got.tolist() == [[-1, -1]] * 3
 
@@ -194,7 +196,7 @@ def test_non_finite_keys_and_queries_are_never_selected(precision):
     k[9 + 4, 1] = float("inf")  # sequence 1, key 4
     got = indexer_select_varlen(
         q, k, w, topk=20, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=14, max_seqlen_k=14,
-        scoring_precision=precision, chunk_bytes=1, backend="torch",
+        config=CONFIGS[precision], chunk_bytes=1, backend="torch",
     )  # fmt: skip
     assert (got[3] == -1).all()
     assert not (got[9:] == 4).any()

@@ -418,9 +418,9 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
         del scores
         q32, k32 = work.pre8(work.q, work.k, work.freqs)
         car = (q32.transpose(0, 1), k32.transpose(0, 1), work.w8.transpose(0, 1))
-        for p in ("bf16", "fp8"):
+        for p, config in (("bf16", work.cfg16), ("fp8", work.cfg8)):
             t[f"api_{p}"] = timer(
-                lambda p=p: indexer_topk(indexer_scores(*car, scoring_precision=p), cfg.topk)
+                lambda config=config: indexer_topk(indexer_scores(*car, config=config), cfg.topk)
             )
         del q32, k32, car
     sel = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
@@ -31,6 +32,9 @@ from ..helpers import (
     rel_err,
     ulp_distance,
 )
+
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +74,7 @@ def member_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_cudnn_matches_torch_reference(record, h, precision, carrier):
     b, s, topk = 1, 4096, 2048
     q, k, w = _inputs(b, s, h, carrier)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     reset_scoring_calls()
     got = indexer_scores(ops, backend="cudnn")
     ref = indexer_scores(ops, backend="torch")
@@ -98,7 +102,7 @@ def test_cudnn_matches_torch_reference(record, h, precision, carrier):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cudnn_offsets_ratio_and_sm_scale_match_the_reference(record, precision):
     q, k, w = _inputs(2, 1024, 64, sk=1300)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision, sm_scale=0.37)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision], sm_scale=0.37)
     kw = dict(ratio=4, q_causal_offsets=torch.tensor([0, 4000], device=DEV))
     got = indexer_scores(ops, backend="cudnn", **kw)
     ref = indexer_scores(ops, backend="torch", **kw)
@@ -117,7 +121,7 @@ def test_thd_varlen_on_cudnn(record, precision):
         cu_seqlens_k=cu,
         max_seqlen_q=2500,
         max_seqlen_k=2600,  # padding columns past the longest sequence
-        scoring_precision=precision,
+        config=CONFIGS[precision],
         q_causal_offsets=offsets,
     )
     thd = indexer_scores_varlen(q, k, w, backend="cudnn", **kw)
@@ -126,7 +130,7 @@ def test_thd_varlen_on_cudnn(record, precision):
     for i, n in enumerate(lens):
         a, z = int(cu[i]), int(cu[i + 1])
         one = indexer_scores(
-            q[None, a:z], k[None, a:z], w[None, a:z], scoring_precision=precision,
+            q[None, a:z], k[None, a:z], w[None, a:z], config=CONFIGS[precision],
             q_causal_offsets=offsets[i : i + 1], backend="cudnn",
         )[0]  # fmt: skip
         per_seq_equal &= bool(torch.equal(thd[a:z, :n], one))
@@ -143,7 +147,7 @@ def test_thd_varlen_on_cudnn(record, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_row_chunks_are_the_rows_of_one_launch(precision):
     q, k, w = _inputs(2, 2048, 64)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     offsets = torch.tensor([0, 77], device=DEV)
     full = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
     for r0, r1 in ((0, 512), (512, 1037), (1037, 2048)):
@@ -154,7 +158,7 @@ def test_row_chunks_are_the_rows_of_one_launch(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_chunked_select_equals_scores_then_topk_on_cudnn(record, precision):
     q, k, w = _inputs(1, 4096, 64)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
     scores = indexer_scores(ops, backend="cudnn")
     lens = causal_key_counts(torch.zeros(1, dtype=torch.int32, device=DEV), 0, 4096, 1, 4096)
     want = indexer_topk(scores, 2048, seq_lens=lens, backend="cudnn")
@@ -172,7 +176,7 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     q, k, w, cu, _ = _packed(lens, lens)
     kw = dict(
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
-        scoring_precision=precision, backend="cudnn",
+        config=CONFIGS[precision], backend="cudnn",
     )  # fmt: skip
     scores = indexer_scores_varlen(q, k, w, **kw)
     offsets = torch.zeros(4, dtype=torch.int32, device=DEV)
@@ -247,7 +251,7 @@ def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
 @pytest.mark.parametrize("h", [32, 64])
 def test_deepgemm_backend_is_the_direct_kernel_call(h):
     q, k, w = _inputs(1, 2048, h)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     got = indexer_scores(ops, backend="deepgemm")
     rows = torch.arange(2048, device=DEV, dtype=torch.int32)
     direct = _direct_logits(ops, 0, torch.zeros_like(rows), rows + 1, 0, True)
@@ -261,7 +265,7 @@ def test_deepgemm_packed_launch_gives_each_batch_rows_own_logits(h):
     """Batch rows flattened into one launch (row b's keys at b * S_k) give the logits of each row
     launched alone, bit for bit, inside every causal window."""
     q, k, w = _inputs(3, 2048, h, seed=11)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
     offsets = torch.tensor([0, 64, 1000], device=DEV)
     got = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
     counts = causal_key_counts(offsets, 0, 2048, 1, 2048)
@@ -279,7 +283,7 @@ def test_deepgemm_select_is_the_top_k_of_its_scores(h):
     are the deterministic top-k of the masked scores, bit for bit (cuDNN's radix top-k and the
     torch reference), chunked or not, BSHD and packed."""
     q, k, w = _inputs(2, 4096, h, seed=12)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"))
     offsets = torch.tensor([0, 96], device=DEV)
     scores = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
     lens = causal_key_counts(offsets, 0, 4096, 1, 4096)
@@ -292,13 +296,13 @@ def test_deepgemm_select_is_the_top_k_of_its_scores(h):
     lens_q = [1700, 33, 2900, 301]
     pq, pk, pw, cu, _ = _packed(lens_q, lens_q, h=h)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2900, max_seqlen_k=2900)
-    packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8", backend="deepgemm",
+    packed = indexer_scores_varlen(pq, pk, pw, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm",
                                    **varlen)  # fmt: skip
     counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 4934)
     want = indexer_topk(packed, 2048, seq_lens=counts, backend="cudnn")
     for chunk_bytes in (None, 32 << 20):
         got = indexer_select_varlen(
-            pq, pk, pw, topk=2048, scoring_precision="fp8", backend="deepgemm",
+            pq, pk, pw, topk=2048, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm",
             chunk_bytes=chunk_bytes, **varlen,
         )  # fmt: skip
         assert torch.equal(got, want), chunk_bytes
@@ -314,7 +318,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     if not (hasattr(module, "fp8_mqa_logits") and hasattr(module, "fp8_fp4_mqa_logits")):
         pytest.skip(f"{module.__name__} does not have both entry points")
     q, k, w = _inputs(2, 2048, h, seed=5)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     lens = [700, 33, 1500, 301]
     pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
@@ -322,7 +326,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
 
     def run():
         bshd = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
-        packed = indexer_scores_varlen(pq, pk, pw, scoring_precision="fp8",
+        packed = indexer_scores_varlen(pq, pk, pw, config=FP8,
                                        backend="deepgemm", **varlen)  # fmt: skip
         picks = indexer_select(ops, topk=512, q_causal_offsets=offsets, backend="deepgemm")
         return bshd, packed, picks
@@ -344,7 +348,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
 @pytest.mark.parametrize("h", [32, 64])
 def test_cudnn_fp8_vs_deepgemm_on_identical_operands(record, h):
     q, k, w = _inputs(1, 4096, h, seed=7)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
     a = indexer_scores(ops, backend="cudnn")
     b = indexer_scores(ops, backend="deepgemm")
     fin = torch.isfinite(b)
@@ -395,7 +399,7 @@ def test_device_path_never_waits_for_the_host():
     offsets = torch.tensor([0, 128], device=DEV)
 
     def run():
-        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+        ops = prepare_scoring_operands(q, k, w, config=FP8, impl="triton")
         scores = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
         seq_lens = causal_key_counts(offsets, 0, 1024, 1, 1024)
         picks = indexer_topk(scores, 256, seq_lens=seq_lens, backend="cudnn")
@@ -406,9 +410,7 @@ def test_device_path_never_waits_for_the_host():
             backend="cudnn",
             chunk_bytes=256 * 2 * 1024 * 12,
         )
-        packed = prepare_scoring_operands(
-            pq[None], pk[None], pw[None], scoring_precision="fp8", impl="triton"
-        )
+        packed = prepare_scoring_operands(pq[None], pk[None], pw[None], config=FP8, impl="triton")
         sel_v = indexer_select_varlen(
             packed, topk=256, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1047,
             max_seqlen_k=1047, backend="cudnn", chunk_bytes=512 * 1047 * 12,
@@ -425,9 +427,15 @@ def test_deepgemm_select_never_waits_for_the_host():
     lens = [300, 1, 700, 1047]
     pq, pk, pw, cu, _ = _packed(lens, lens, h=64)
     offsets = torch.tensor([0, 128], device=DEV)
-    ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+    ops = prepare_scoring_operands(
+        q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8"), impl="triton"
+    )
     packed = prepare_scoring_operands(
-        pq[None], pk[None], pw[None], scoring_precision="fp8", impl="triton"
+        pq[None],
+        pk[None],
+        pw[None],
+        config=IndexerPrecisionConfig(scoring_precision="fp8"),
+        impl="triton",
     )
 
     def run():
@@ -451,7 +459,7 @@ def test_prepare_and_select_capture_in_a_cuda_graph(precision):
     offsets = torch.tensor([64], device=DEV)
 
     def step():
-        ops = prepare_scoring_operands(q, k, w, scoring_precision=precision)
+        ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
         return indexer_select(
             ops, topk=512, q_causal_offsets=offsets, backend="cudnn", chunk_bytes=512 * 2048 * 12
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsa_precision import (
+    IndexerPrecisionConfig,
     IndexerPreprocess,
     _deepgemm,
     fused_indexer_sparse_attention,
@@ -19,6 +20,9 @@ from dsa_precision import (
 )
 from dsa_precision.preprocess import indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
+
+BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
+CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -55,7 +59,7 @@ def test_scoring_replays_bit_exact(precision, contention):
 
     def score(q, k, w):
         return indexer_scores(
-            q, k, w, scoring_precision=precision, ratio=2, q_causal_offsets=7, backend="cudnn"
+            q, k, w, config=CONFIGS[precision], ratio=2, q_causal_offsets=7, backend="cudnn"
         )
 
     assert_replays_bit_exact(score, (q, k, w), contention=contention, what=f"{precision} scoring")
@@ -68,7 +72,7 @@ def test_varlen_scoring_replays_bit_exact(precision):
     def score(q, k, w):
         return indexer_scores_varlen(
             q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2500, max_seqlen_k=2500,
-            scoring_precision=precision, backend="cudnn",
+            config=CONFIGS[precision], backend="cudnn",
         )  # fmt: skip
 
     assert_replays_bit_exact(score, (q, k, w), contention=True, what=f"THD {precision}")
@@ -81,7 +85,7 @@ def test_non_finite_inputs_replay_and_stay_non_finite(precision):
     k[0, 200, 0, 5] = float("inf")
 
     def score_and_pick(q, k, w):
-        s = indexer_scores(q, k, w, scoring_precision=precision, backend="cudnn")
+        s = indexer_scores(q, k, w, config=CONFIGS[precision], backend="cudnn")
         return s, indexer_topk(s, 64, backend="cudnn")
 
     scores, picks = assert_replays_bit_exact(
@@ -129,7 +133,7 @@ def test_chunked_select_replays_bit_exact(precision):
 
     def select(q, k, w):  # 512-row chunks (float32 scores + top-k scratch, 12 bytes a score)
         return indexer_select(
-            q, k, w, topk=2048, scoring_precision=precision, backend="cudnn",
+            q, k, w, topk=2048, config=CONFIGS[precision], backend="cudnn",
             chunk_bytes=512 * 4096 * 12,
         )  # fmt: skip
 
@@ -142,7 +146,7 @@ def test_chunked_select_varlen_replays_bit_exact():
     def select(q, k, w):  # 256-row chunks cut three of the four sequences
         return indexer_select_varlen(
             q, k, w, topk=512, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500,
-            max_seqlen_k=1500, scoring_precision="fp8", backend="cudnn",
+            max_seqlen_k=1500, config=FP8, backend="cudnn",
             chunk_bytes=256 * 1500 * 12,
         )  # fmt: skip
 
@@ -164,7 +168,7 @@ def test_deepgemm_replays_bit_exact():
     q, k, w = _qkw(2, 2048, 64)
 
     def score(q, k, w):
-        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+        ops = prepare_scoring_operands(q, k, w, config=FP8)
         return indexer_scores(ops, q_causal_offsets=5, backend="deepgemm")
 
     assert_replays_bit_exact(score, (q, k, w), contention=True, what="DeepGEMM")
@@ -195,7 +199,7 @@ def test_deepgemm_varlen_replays_bit_exact(monkeypatch, entry_point):
     def score(q, k, w):
         return indexer_scores_varlen(
             q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500,
-            scoring_precision="fp8", backend="deepgemm",
+            config=FP8, backend="deepgemm",
         )  # fmt: skip
 
     assert_replays_bit_exact(
@@ -217,14 +221,16 @@ def test_deepgemm_select_replays_bit_exact(monkeypatch, chunk_bytes, entry_point
     pq, pk, pw, cu = _packed([1700, 33, 2900, 301], seed=8)
 
     def select(q, k, w, pq, pk, pw):
-        ops = prepare_scoring_operands(q, k, w, scoring_precision="fp8")
+        ops = prepare_scoring_operands(
+            q, k, w, config=IndexerPrecisionConfig(scoring_precision="fp8")
+        )
         bshd = indexer_select(
             ops, topk=2048, q_causal_offsets=torch.tensor([0, 96], device=DEV),
             backend="deepgemm", chunk_bytes=chunk_bytes,
         )  # fmt: skip
         thd = indexer_select_varlen(
             pq, pk, pw, topk=2048, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2900,
-            max_seqlen_k=2900, scoring_precision="fp8", backend="deepgemm",
+            max_seqlen_k=2900, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm",
             chunk_bytes=chunk_bytes,
         )  # fmt: skip
         return bshd, thd
@@ -242,10 +248,10 @@ def test_prepare_scoring_operands_replays_bit_exact():
     q, k, w = _qkw(2, 2048, 64)
 
     def prepare(q, k, w):
-        return prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="triton")
+        return prepare_scoring_operands(q, k, w, config=FP8, impl="triton")
 
     ops = assert_replays_bit_exact(prepare, (q, k, w), contention=True, what="fused prepare")
-    ref = prepare_scoring_operands(q, k, w, scoring_precision="fp8", impl="torch")
+    ref = prepare_scoring_operands(q, k, w, config=FP8, impl="torch")
     for name in ("q", "k", "weights", "q_descale", "k_descale"):
         a, b = getattr(ops, name), getattr(ref, name)
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
@@ -287,7 +293,7 @@ def _fused_inputs(seed=5, s=2048):
 def test_fused_forward_replays_bit_exact(precision):
     def run(*x):
         return fused_indexer_sparse_attention(
-            *x, topk=256, softmax_scale=576**-0.5, d_v=512, scoring_precision=precision
+            *x, topk=256, softmax_scale=576**-0.5, d_v=512, config=CONFIGS[precision]
         )
 
     assert_replays_bit_exact(run, _fused_inputs(), contention=True, what=f"fused {precision}")
@@ -299,7 +305,7 @@ def test_fused_backward_replays_bit_exact_when_deterministic():
 
     def run(*x):
         out, _, _ = fused_indexer_sparse_attention(
-            *x, topk=256, softmax_scale=576**-0.5, d_v=512, scoring_precision="fp8"
+            *x, topk=256, softmax_scale=576**-0.5, d_v=512, config=FP8
         )
         return out
 

@@ -224,3 +224,17 @@ def test_interleaved_operands_never_wait_for_the_host(rope_fp32):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_bit_identical(again, warm)
+
+
+def test_freqs_must_cover_the_tokens_on_both_paths():
+    """One row of angles for many tokens is refused by the kernel path and by the reference with
+    the same error (the reference used to broadcast it to every token)."""
+    from dsa_precision import prepare_indexer_operands
+
+    case = make_case(seq=64, batch=1, heads=32, rope_fp32=True, device=DEV)
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=case.pre.engine)
+    for impl in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"freqs has 1 rows of angles for 64 tokens"):
+            prepare_indexer_operands(
+                case.pre, case.q, case.k, case.w, case.freqs[:1], config=config, impl=impl
+            )

@@ -84,7 +84,7 @@ def test_carriers_quantize_like_the_reference(name):
     case = hard_case(engine=engine, **model_fields(engine))
     q, k = case.q.transpose(0, 1), case.q[:, :, 0].transpose(0, 1)
     w = case.w.transpose(0, 1)
-    kw = dict(scoring_precision="fp8", engine=engine, sm_scale=0.3)
+    kw = dict(config=IndexerPrecisionConfig(scoring_precision="fp8", engine=engine), sm_scale=0.3)
     assert_bit_identical(
         prepare_scoring_operands(q, k, w, impl="triton", **kw),
         prepare_scoring_operands(q, k, w, impl="torch", **kw),

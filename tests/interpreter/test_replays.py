@@ -3,7 +3,7 @@ compiled on the H200: tests/gpu/test_determinism.py)."""
 
 import torch
 
-from dsa_precision import prepare_scoring_operands
+from dsa_precision import IndexerPrecisionConfig, prepare_scoring_operands
 from dsa_precision.kernels.topk_picks import drop_invalid_picks
 from dsa_precision.testing import assert_replays_bit_exact
 
@@ -27,7 +27,12 @@ def test_fused_preprocess_quantize_replays_bit_exact():
 
     def prepare(q, k, w):
         return prepare_scoring_operands(
-            q, k, w, scoring_precision="fp8", sm_scale=0.3, impl="triton"
+            q,
+            k,
+            w,
+            config=IndexerPrecisionConfig(scoring_precision="fp8"),
+            sm_scale=0.3,
+            impl="triton",
         )
 
     ops = assert_replays_bit_exact(prepare, (q, k, w), what="fused quantize")
