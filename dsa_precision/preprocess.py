@@ -92,9 +92,7 @@ def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return odd.view(torch.float64).to(torch.float32)
 
 
-def _rotate(
-    x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool
-) -> torch.Tensor:
+def _rotate(x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool) -> torch.Tensor:
     """``x_pe * cos + rotate_half(x_pe) * sin`` in ``x_pe``'s dtype; ``fma``: float32 with the
     first product fused, ``fma(x, cos, fl(rotate_half(x) * sin))`` (vLLM's kernels on Hopper)."""
     if fma and x_pe.dtype == torch.float32:

@@ -90,7 +90,9 @@ def _roots(root: str | os.PathLike | None = None) -> list[Path]:
 def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Path, ...] | None:
     """The engine's kernel files under the first root holding all of them, or ``None``."""
     if engine not in ENGINE_FILES:
-        raise ValueError(f"engine={engine!r} has no kernel oracle; use one of {sorted(ENGINE_FILES)}.")
+        raise ValueError(
+            f"engine={engine!r} has no kernel oracle; use one of {sorted(ENGINE_FILES)}."
+        )
     for r in _roots(root):
         paths = tuple(r / f for f in ENGINE_FILES[engine])
         if all(p.is_file() for p in paths):

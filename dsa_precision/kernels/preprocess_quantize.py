@@ -199,7 +199,9 @@ def _layer_norm_ops_lanes(
     last multiply-add fused under ``FMA`` (weights and bias read as float32)."""
     y = (x - mean) * rstd
     if HAS_W and HAS_B and FMA:
-        return _fma(y, tl.load(w_ptr + lanes).to(tl.float32), tl.load(b_ptr + lanes).to(tl.float32), HW)
+        return _fma(
+            y, tl.load(w_ptr + lanes).to(tl.float32), tl.load(b_ptr + lanes).to(tl.float32), HW
+        )
     if HAS_W:
         y = y * tl.load(w_ptr + lanes).to(tl.float32)
     if HAS_B:
