@@ -72,24 +72,41 @@ def rope_tables(
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
+class _Fma32(torch.autograd.Function):
+    """Exact float32 fused multiply-add; the gradient of ``a * b + c``."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.shapes = (a.shape, b.shape, c.shape)
+        a64, b64, c64 = a.double(), b.double(), c.double()
+        p = a64 * b64  # exact
+        s = p + c64
+        bp = s - p
+        err = (p - (s - bp)) + (c64 - bp)  # TwoSum: s + err is exact
+        bits = s.view(torch.int64)
+        # Round to odd: inexact with an even last bit -> one ulp toward the exact value.
+        step = torch.where((err > 0) == (s > 0), 1, -1)
+        odd = torch.where((err != 0) & (bits & 1 == 0), bits + step, bits)
+        return odd.view(torch.float64).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        sa, sb, sc = ctx.shapes
+        return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
+
+
 def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``a * b + c`` of float32 tensors with one rounding (a fused multiply-add, ``fma.rn.f32``).
 
     Computed in float64, where ``a * b`` is exact, with the sum rounded to odd (the float64 sum,
     its error recovered by TwoSum, the last bit forced odd when inexact); rounding that to float32
-    is then the correctly rounded result. The same bits on every device; broadcasts.
+    is then the correctly rounded result. The same bits on every device; broadcasts;
+    differentiable (the gradient of ``a * b + c``).
     """
-    a64, b64, c64 = a.double(), b.double(), c.double()
-    p = a64 * b64
-    s = p + c64
-    bp = s - p
-    err = (p - (s - bp)) + (c64 - bp)
-    bits = s.view(torch.int64)
-    # Inexact with an even last bit: step one ulp toward the exact value (away from zero when
-    # err has s's sign, i.e. bits + 1 for positive s).
-    step = torch.where((err > 0) == (s > 0), 1, -1)
-    odd = torch.where((err != 0) & (bits & 1 == 0), bits + step, bits)
-    return odd.view(torch.float64).to(torch.float32)
+    a, b, c = torch.broadcast_tensors(a, b, c)
+    return _Fma32.apply(a, b, c)
 
 
 def _rotate(x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool) -> torch.Tensor:
@@ -297,7 +314,7 @@ def layer_norm_fp32_ops(
         y = fl(fl(fl(d * rstd) * w) + b)      (fma: fma(fl(d * rstd), w, b))
 
     ``tree_sum`` is :func:`triton_block_sum` (the first step of the variance contracted under
-    ``fma``); ``rsqrt`` as :func:`_rsqrt_fp32`. Not differentiable (FP8 operands only).
+    ``fma``); ``rsqrt`` as :func:`_rsqrt_fp32`. Differentiable.
     """
     x = x.to(torch.float32)
     mean = triton_block_sum(x) / 128.0
@@ -305,8 +322,8 @@ def layer_norm_fp32_ops(
     var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
     eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
     y = d * _rsqrt_fp32(var + eps32)
-    w = None if weight is None else weight.detach().to(torch.float32)
-    b = None if bias is None else bias.detach().to(torch.float32)
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
     if w is not None and b is not None and fma:
         return fma_fp32(y, w, b)
     if w is not None:

@@ -145,8 +145,8 @@ def load_module(
 ) -> types.ModuleType:
     """Execute the file ``path`` as module ``name`` with ``stubs`` importable meanwhile.
 
-    The module keeps its own globals (its kernels see the stand-ins they imported); the stand-ins
-    leave ``sys.modules`` afterwards. ``name`` may be dotted: its parents must be among ``stubs``
+    The module keeps its own globals (its kernels see the stand-ins they imported); neither it nor
+    the stand-ins stay in ``sys.modules``. ``name`` may be dotted: its parents must be among ``stubs``
     (packages, so that the file's relative imports resolve against them).
     """
     spec = importlib.util.spec_from_file_location(name, path)
@@ -155,7 +155,10 @@ def load_module(
     module = importlib.util.module_from_spec(spec)
     with _scoped_modules(dict(stubs or {})):
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.modules.pop(name, None)
     return module
 
 
