@@ -276,6 +276,13 @@ def test_a_model_whose_k_norm_eps_is_not_the_engines_is_a_configuration_error(na
     )
 
 
+def test_validate_for_model_checks_the_k_norm_eps_with_rope_fp32_only():
+    fields = dict(indexer_loss_coeff=0.0, n_heads=32, head_dim=128, k_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"epsilon 1e-06 .* eps=1e-05"):
+        IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8").validate_for_model(**fields)
+    IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(**fields)  # Megatron's LN
+
+
 def test_profiles_are_facts_only():
     """engines.py imports nothing of the package (the facts stand alone)."""
     import ast
