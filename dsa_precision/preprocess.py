@@ -14,8 +14,11 @@ Dtype at every step (``p`` = projection dtype, BF16 in training)::
     k LayerNorm          k_norm(k) in p, or                  float32: statistics and affine in
                          k_norm(k.float()).to(p) when        float64 from the exact values of k
                          k_norm_fp32                         and the LayerNorm weight and bias,
-                                                             rounded to float32 once
-    k RoPE               p                                   float32
+                                                             rounded to float32 once; or float32
+                                                             operation by operation (an engine's
+                                                             layernorm="fp32-ops")
+    k RoPE               p                                   float32 (an engine's fma: the
+                                                             x * cos product fused)
     Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
                          float32 butterfly rounded to p
     q, k out             p                                   float32

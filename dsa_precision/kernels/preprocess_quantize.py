@@ -6,13 +6,17 @@ one float32 descale per 128-vector and, for the queries, the head weights with t
 folded in. Per 128-vector (one row of a ``[BLOCK_R, 128]`` tile)::
 
     (key, rope_fp32) LayerNorm   float64 statistics in the fixed pairwise order, affine in
-                                 float64, one rounding to float32 (then to BF16 if the engine
+                                 float64, one rounding to float32; or (layer_norm_ops) float32
+                                 operation by operation in Triton's tl.sum tree, tl.rsqrt, the
+                                 engine's fused multiply-adds (then to BF16 if the engine
                                  rounds its LayerNorm output)
-    RoPE                         float32 products and sum; with BF16 math each of
+    RoPE                         float32 products and sum (fma: x*cos fused into the sum);
+                                 with BF16 math each of
                                  x*cos, rotate_half(x)*sin and their sum rounded to BF16;
                                  then rounded to BF16 if the engine rounds q / k
     Hadamard (optional)          float64 butterfly in the reference's stage order, float64
-                                 scale, float64 -> float32 (-> BF16 with BF16 math or rounding)
+                                 scale (or the sums in float32 times fl32(128**-0.5)),
+                                 float64 -> float32 (-> BF16 with BF16 math or rounding)
     quantize                     descale from the float32 bits of max(amax, floor) under the
                                  rule (exact UE8M0; or the float32 ratio, its UE8M0 ceiling by
                                  bits or by log2; or the ratio itself), the value scaled by the
