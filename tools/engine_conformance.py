@@ -29,18 +29,13 @@ from pathlib import Path
 
 import torch
 
-from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
+from dsa_precision import ENGINE_PROFILES
 from dsa_precision.cli import engine_kernels as ek
-from dsa_precision.cli.demo import Model, training_operands
-from dsa_precision.cli.engine_model import EngineOperands, engine_scores, engine_topk
+from dsa_precision.cli.engine_model import engine_scores, engine_topk
 from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 from dsa_precision.preprocess import _layer_norm_params, apply_rope, layer_norm_fp32_ops
 
 MODELS = ((32, True), (64, False), (32, False), (64, True))  # (heads, interleaved RoPE)
-
-
-def _ops(ops) -> EngineOperands:
-    return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
 
 
 def _rows_identical(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
@@ -201,18 +196,16 @@ def main(argv: list[str] | None = None) -> int:
 def _record(inputs, heads: int, interleaved: bool, name: str, args) -> dict:
     """One model and profile: the engine kernel against the package (fused and reference)."""
     layout = "interleaved" if interleaved else "NeoX"
-    model = Model(hadamard=False, rope_interleaved=interleaved)
     t0 = time.perf_counter()
     oracle_profile = ENGINE_PROFILES["vllm" if name == "vllm-exact" else name]
     run = ek.engine_kernel_operands(inputs, oracle_profile, interleaved=interleaved)
     eng_top = engine_topk(engine_scores(run.operands, kernel=args.scores), args.topk)
     profile = ENGINE_PROFILES[name]
-    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
     rec = {"heads": heads, "layout": layout, "profile": name,
            "engine_kernel": f"{oracle_profile.name}: {run.source}"}  # fmt: skip
     built = {}
     for impl in ("triton", "torch"):
-        ops = built[impl] = _ops(training_operands(inputs, config, model, impl=impl))
+        ops = built[impl] = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
         diff = ek.operand_diff(ops, run.operands)
         top = engine_topk(engine_scores(ops, kernel=args.scores), args.topk)
         frac, n_bad = _rows_identical(top, eng_top)

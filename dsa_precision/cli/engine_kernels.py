@@ -51,6 +51,7 @@ __all__ = [
     "missing_reason",
     "operand_diff",
     "oracle_for",
+    "package_operands",
 ]
 
 ENV_VAR = "DSA_ENGINE_KERNELS"
@@ -370,6 +371,24 @@ def _run_lmdeploy(module, source, inputs, profile, interleaved) -> EngineKernelR
     k8 = k_cache.reshape(-1, d)[:s].contiguous()
     ops = EngineOperands(q8, k8, k_s_cache.reshape(-1)[:s].contiguous(), q_scale)
     return EngineKernelRun(ops, "lmdeploy", source)
+
+
+def package_operands(
+    inputs: SyntheticIndexerInputs,
+    profile: EngineProfile,
+    *,
+    interleaved: bool,
+    impl: str = "auto",
+) -> EngineOperands:
+    """The package's ``rope_fp32+fp8`` operands of ``inputs`` under ``profile`` (batch 1), as the
+    Megatron integration builds them, in the layout of the engines' (what :func:`operand_diff`
+    compares with :func:`engine_kernel_operands`)."""
+    from ..config import IndexerPrecisionConfig
+    from .demo import Model, training_operands
+
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
+    ops = training_operands(inputs, config, Model(rope_interleaved=interleaved), impl=impl)
+    return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
 
 
 def operand_diff(a: EngineOperands, b: EngineOperands) -> dict[str, int]:

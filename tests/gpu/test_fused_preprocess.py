@@ -243,8 +243,7 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     profile: every q / k byte, k descale and folded weight (tools/engine_conformance.py adds the
     top-k rows at S=8192)."""
     from dsa_precision.cli import engine_kernels as ek
-    from dsa_precision.cli.demo import Model, training_operands
-    from dsa_precision.cli.engine_model import EngineOperands, inference_operands
+    from dsa_precision.cli.engine_model import inference_operands
     from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     profile = ENGINE_PROFILES[name]
@@ -253,10 +252,8 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
         pytest.skip(reason)
     inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=2).to(DEV)
     run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved)
-    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
     for impl in ("triton", "torch"):
-        ops = training_operands(inputs, config, Model(rope_interleaved=interleaved), impl=impl)
-        ours = EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
+        ours = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
         diff = ek.operand_diff(ours, run.operands)
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
     _, source = inference_operands(inputs, profile, hadamard=False, interleaved=interleaved)

@@ -16,9 +16,8 @@ import dataclasses
 import pytest
 import torch
 
-from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig, quantize_fp8
+from dsa_precision import ENGINE_PROFILES, quantize_fp8
 from dsa_precision.cli import engine_kernels as ek
-from dsa_precision.cli.demo import Model, training_operands
 from dsa_precision.cli.engine_model import EngineOperands
 from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
@@ -111,9 +110,7 @@ def test_the_engine_kernel_builds_the_profiles_operands(name, heads, interleaved
         run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved)
     assert run.source.startswith(("vllm 0.33.0", "lmdeploy 0.18.0")), run.source
     uncontracted = dataclasses.replace(profile, fma=False)  # the interpreter does not contract
-    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=uncontracted)
     for impl in ("torch", "triton"):
-        ops = training_operands(inputs, config, Model(rope_interleaved=interleaved), impl=impl)
-        ours = EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
+        ours = ek.package_operands(inputs, uncontracted, interleaved=interleaved, impl=impl)
         diff = ek.operand_diff(ours, run.operands)
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
