@@ -102,8 +102,8 @@ HASHES: dict[str, tuple[str, str]] = {
         "735aec4bfbfd2a86b852426f87ffc06e5df543a3d81851e4cb8da9aed5a72946",
     ),
     "dsa_precision/kernels/preprocess_quantize.py": (
-        "c3d5c0aac297fcca2fb9aac367e3bfea776a31a2362c0a9460ffb58243c25b16",
-        "d9eb81b9a9100eaa58e9164b3e0de50bebb365b8790b1fce211b2df374f01617",
+        "df44a292c4308499526101a2eed539222f46169d444fa72b26ec46dd1408e534",
+        "ed745299a3d18f991adf574ff93acb4808b78faf848fc17aacea14b5875da508",
     ),
     "dsa_precision/kernels/topk_picks.py": (
         "1abd393692f20f8d8e85e95e021c88cf608e6cda27048527738439ddb847d6e0",
@@ -118,8 +118,8 @@ HASHES: dict[str, tuple[str, str]] = {
         "5b11592dd3c1558008137e2de6d0404f45172713c6e9d6a502ef54879a9e99a1",
     ),
     "dsa_precision/operands.py": (
-        "a45a6dc3ab1cadaa3577bef8a08e615e7e1becbf22f7924440e36bf015c438bc",
-        "cc6cef4b8162873e2364daf2b34bbbb942990d9871b2e4ca715299dc015731ac",
+        "914150ec381f388b7351dde7f2974542b906a233236563fd8e18ca03e065948e",
+        "cb17b2016c5dc4f46f0e5b2deac8a133356a55e1195b9666624eaae23cfc7f77",
     ),
     "dsa_precision/scoring.py": (
         "ef47dac473b76c5f5f272cb27e7e2c1a0d4d333367692ab59b3f8f4bb3646e3f",
