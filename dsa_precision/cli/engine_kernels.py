@@ -77,12 +77,6 @@ KNOWN_SHA256: dict[str, str] = {
 # SGLang's are JIT CUDA).
 ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
 
-# vLLM builds the indexer key LayerNorm with a hard-coded epsilon (deepseek_v32/attention.py:
-# ``LayerNorm(self.head_dim, eps=1e-6, dtype=torch.float32)``); so does LMDeploy (its
-# ``nn.LayerNorm`` default). The oracles use the engine's, whatever the model says.
-ENGINE_K_NORM_EPS = 1e-6
-
-
 def _roots(root: str | os.PathLike | None = None) -> list[Path]:
     value = os.fspath(root) if root is not None else os.environ.get(ENV_VAR, "")
     return [Path(p) for p in value.split(os.pathsep) if p]
@@ -287,8 +281,8 @@ def engine_kernel_operands(
 
     ``profile`` picks the engine (:data:`ORACLE_ENGINES`) and its cos/sin cache dtype; the key
     LayerNorm takes the model's weight and bias (vLLM holds them in float32, exact) and the
-    engine's epsilon, :data:`ENGINE_K_NORM_EPS`. Runs where the tensors are (CUDA; the CPU under
-    ``TRITON_INTERPRET=1``).
+    engine's own epsilon (``profile.k_norm_eps``: vLLM and LMDeploy hard-code 1e-6, whatever the
+    model says). Runs where the tensors are (CUDA; the CPU under ``TRITON_INTERPRET=1``).
     """
     engine = oracle_for(profile)
     if engine is None:
@@ -298,10 +292,11 @@ def engine_kernel_operands(
         )
     module, source = _load(engine, root)
     run = _run_vllm if engine == "vllm" else _run_lmdeploy
-    return run(module, source, inputs, profile, interleaved)
+    eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
+    return run(module, source, inputs, profile, interleaved, eps)
 
 
-def _run_vllm(module, source, inputs, profile, interleaved) -> EngineKernelRun:
+def _run_vllm(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
     s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
     device = inputs.q.device
     cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
@@ -326,7 +321,7 @@ def _run_vllm(module, source, inputs, profile, interleaved) -> EngineKernelRun:
     k_float = torch.empty(s, d, dtype=torch.float32, device=device)
     module.fused_norm_rope(
         positions, q_c, ones, 1e-6, kv_c, ones, 1e-6, k_pe, mla_cache,
-        index_k, ln_w, ln_b, ENGINE_K_NORM_EPS, cache,
+        index_k, ln_w, ln_b, eps, cache,
         torch.zeros(s, 1, dtype=torch.int32, device=device),
         slot_mapping=positions, indexer_k_cache=k_cache,
         index_rope_interleave=interleaved, index_k_out=k_float,
@@ -345,7 +340,7 @@ def _run_vllm(module, source, inputs, profile, interleaved) -> EngineKernelRun:
     return EngineKernelRun(ops, "vllm", source, k_float)
 
 
-def _run_lmdeploy(module, source, inputs, profile, interleaved) -> EngineKernelRun:
+def _run_lmdeploy(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
     s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
     device = inputs.q.device
     cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
@@ -366,7 +361,7 @@ def _run_lmdeploy(module, source, inputs, profile, interleaved) -> EngineKernelR
         inputs.k[:, 0].contiguous(), norm.weight.detach(), norm.bias.detach(),
         cos.contiguous(), sin.contiguous(), k_cache, k_s_cache,
         torch.tensor([0, s], **i32), torch.tensor([s], **i32),
-        torch.arange(n_blocks, **i32)[None], s, ENGINE_K_NORM_EPS, interleaved,
+        torch.arange(n_blocks, **i32)[None], s, eps, interleaved,
     )  # fmt: skip
     k8 = k_cache.reshape(-1, d)[:s].contiguous()
     ops = EngineOperands(q8, k8, k_s_cache.reshape(-1)[:s].contiguous(), q_scale)
