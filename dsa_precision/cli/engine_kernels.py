@@ -77,6 +77,7 @@ KNOWN_SHA256: dict[str, str] = {
 # SGLang's are JIT CUDA).
 ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
 
+
 def _roots(root: str | os.PathLike | None = None) -> list[Path]:
     value = os.fspath(root) if root is not None else os.environ.get(ENV_VAR, "")
     return [Path(p) for p in value.split(os.pathsep) if p]
