@@ -7,8 +7,9 @@ integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their 
 The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`: on CUDA
 the engine's own kernels when ``DSA_ENGINE_KERNELS`` holds them (vLLM 0.33, LMDeploy 0.18), else
 an independent model of the chosen engine profile (the report says which); on the CPU its scores
-are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when importable. The training side is
-the package, as the Megatron integration runs it (torch reference on the CPU, cuDNN on CUDA). On
+are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when importable. The
+training side is the package, as the Megatron integration runs it (torch reference on the CPU,
+cuDNN on CUDA). On
 the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures the contract (the
 profile's rules, reproduced), not a kernel. Metric definitions: ``docs/numerics.md``.
 """
