@@ -9,9 +9,9 @@ the engine's own kernels when ``DSA_ENGINE_KERNELS`` holds them (vLLM 0.33, LMDe
 an independent model of the chosen engine profile (the report says which); on the CPU its scores
 are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when importable. The
 training side is the package, as the Megatron integration runs it (torch reference on the CPU,
-cuDNN on CUDA). On
-the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures the contract (the
-profile's rules, reproduced), not a kernel. Metric definitions: ``docs/numerics.md``.
+cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures
+the contract (the profile's rules, reproduced), not a kernel. Metric definitions:
+``docs/numerics.md``.
 """
 
 from __future__ import annotations
