@@ -137,6 +137,7 @@ class IndexerPrecisionConfig:
         rotate_activation: bool = False,
         rope_interleaved: bool = False,
         device: torch.device | str | None = None,
+        k_norm_eps: float | None = None,
     ) -> None:
         """Check the cross-field rules once, before the model is built.
 
@@ -148,6 +149,9 @@ class IndexerPrecisionConfig:
                 the engine profile must agree with it when its rules are in use.
             rope_interleaved: ``dsa_indexer_rope_interleaved``; an engine profile of a path that
                 only serves one RoPE layout must agree with it.
+            k_norm_eps: the epsilon of the indexer key LayerNorm (Megatron's
+                ``layernorm_epsilon``); with ``rope_fp32`` it must be the engine's own
+                (:attr:`EngineProfile.k_norm_eps`). ``None`` skips that check.
             device: the device the model runs on; on a CUDA device its compute capability must be
                 9.0 for FP8. ``None`` uses the current CUDA device when CUDA is available and
                 skips the check otherwise (CPU-only processes, e.g. config tooling).
@@ -164,7 +168,9 @@ class IndexerPrecisionConfig:
                 problems.append(f"{str(exc).removesuffix('.')}: zero heads or width score nothing")
         if self.rope_fp32 or self.fp8:
             problems += self.engine.model_mismatch(
-                rotate_activation=rotate_activation, rope_interleaved=rope_interleaved
+                rotate_activation=rotate_activation,
+                rope_interleaved=rope_interleaved,
+                k_norm_eps=k_norm_eps if self.rope_fp32 else None,
             )
         if self.fp8:
             if indexer_loss_coeff not in (None, 0, 0.0):

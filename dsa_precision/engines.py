@@ -37,6 +37,15 @@ Ue8m0Ceil = Literal["bits", "log2"]
 ScaleApply = Literal["divide", "reciprocal"]
 # Head weights: the linear_weights_proj output rounded to BF16 (a BF16 GEMM) or kept in FP32.
 WeightsDtype = Literal["bf16", "fp32"]
+# How the key LayerNorm (rope_fp32) is evaluated: "float64" (statistics and affine map in float64
+# from the exact inputs, one rounding to float32) or "fp32-ops" (float32, operation by operation,
+# as the engines' Triton kernels run it: the sums in the reduction tree of Triton's tl.sum over
+# one 128-vector on 4 warps, mean = sum / 128, var = sum(d * d) / 128, rstd = rsqrt(var + eps),
+# ((x - mean) * rstd) * w + b; docs/numerics.md, "The engines' float32 arithmetic").
+LayerNormArith = Literal["float64", "fp32-ops"]
+# The constant of the Hadamard rotation: float64 n**-0.5 on the float64 butterfly, or
+# fl32(n**-0.5) multiplied in float32 (fast_hadamard_transform's float32 kernel).
+HadamardScale = Literal["float64", "float32"]
 # One float32 multiplication of the running head weight: by the q descale ("qs"), by
 # fp32(D**-0.5) ("Ds"), by fp32(H**-0.5) ("Hs") or by fp32(D**-0.5 * H**-0.5) ("DsHs").
 FoldStep = Literal["qs", "Ds", "Hs", "DsHs"]
@@ -111,6 +120,18 @@ class EngineProfile:
     weights_dtype: WeightsDtype = "bf16"
     # The multiplications that turn the projection output into the scoring weight, in order.
     weights_fold: tuple[FoldStep, ...] = ("Ds", "Hs", "qs")
+    # Key LayerNorm arithmetic (rope_fp32).
+    layernorm: LayerNormArith = "float64"
+    # Whether the engine's compiler contracts its float32 multiply-adds into fused multiply-adds
+    # (Triton's default enable_fp_fusion=True): the float32 RoPE x * cos + rot(x) * sin becomes
+    # fma(x, cos, fl(rot(x) * sin)); with layernorm="fp32-ops" the affine map becomes
+    # fma(fl((x - mean) * rstd), w, b) and the first step of the variance sum fma(d, d, fl(d' d')).
+    fma: bool = False
+    # The key LayerNorm epsilon the engine uses (vLLM and LMDeploy hard-code 1e-6, whatever the
+    # checkpoint says); None: the model's. A model whose k_norm has another epsilon cannot
+    # reproduce the profile (rope_fp32: a configuration error).
+    k_norm_eps: float | None = None
+    hadamard_scale: HadamardScale = "float64"
 
     def __post_init__(self) -> None:
         for name in ("cos_sin_dtype", "k_norm_dtype", "rope_dtype", "q_dtype", "k_dtype"):
@@ -119,6 +140,22 @@ class EngineProfile:
                     f"EngineProfile {self.name!r}: {name}={getattr(self, name)} must be "
                     "torch.float32 or torch.bfloat16."
                 )
+        for name, kind in (
+            ("layernorm", LayerNormArith),
+            ("hadamard_scale", HadamardScale),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"EngineProfile {self.name!r}: {name}={getattr(self, name)!r} is not one of "
+                    f"{get_args(kind)}."
+                )
+        if not isinstance(self.fma, bool):
+            raise TypeError(f"EngineProfile {self.name!r}: fma={self.fma!r} must be a bool.")
+        if self.k_norm_eps is not None and not 0.0 < float(self.k_norm_eps) < float("inf"):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: k_norm_eps={self.k_norm_eps!r} must be a positive "
+                "finite number or None."
+            )
         if self.weights_dtype not in get_args(WeightsDtype):
             raise ValueError(
                 f"EngineProfile {self.name!r}: weights_dtype={self.weights_dtype!r} is not one of "
@@ -136,9 +173,21 @@ class EngineProfile:
                 "by 'qs' once and by 'Ds' and 'Hs' (or their product 'DsHs') once each."
             )
 
-    def model_mismatch(self, *, rotate_activation: bool, rope_interleaved: bool) -> list[str]:
-        """What keeps a model with these fields from reproducing this profile (empty: nothing)."""
+    def model_mismatch(
+        self,
+        *,
+        rotate_activation: bool,
+        rope_interleaved: bool,
+        k_norm_eps: float | None = None,
+    ) -> list[str]:
+        """What keeps a model with these fields from reproducing this profile (empty: nothing).
+
+        ``k_norm_eps``: the epsilon of the model's key LayerNorm (Megatron's
+        ``layernorm_epsilon``); ``None`` skips that check.
+        """
         problems = []
+        if k_norm_eps is not None and (msg := self.k_norm_eps_mismatch(k_norm_eps)):
+            problems.append(msg)
         if self.hadamard is not None and self.hadamard != rotate_activation:
             does = "applies" if self.hadamard else "does not apply"
             problems.append(
@@ -155,6 +204,18 @@ class EngineProfile:
             )
         return problems
 
+    def k_norm_eps_mismatch(self, k_norm_eps: float) -> str | None:
+        """Why a key LayerNorm with epsilon ``k_norm_eps`` cannot reproduce this profile (the
+        engine's own epsilon differs), or ``None``."""
+        if self.k_norm_eps is None or float(k_norm_eps) == float(self.k_norm_eps):
+            return None
+        return (
+            f"dsa_indexer_engine={self.name!r} normalises the indexer keys with epsilon "
+            f"{self.k_norm_eps!r} (the engine hard-codes it), but the model's k_norm has eps="
+            f"{k_norm_eps!r} (Megatron: layernorm_epsilon); set layernorm_epsilon={self.k_norm_eps!r} "
+            "for the indexer or pick the profile of the engine that serves this model"
+        )
+
 
 def _registry(*profiles: EngineProfile) -> dict[str, EngineProfile]:
     return {p.name: p for p in profiles}
@@ -170,30 +231,36 @@ _SGLANG_FP32_RULE = Fp8Rule(
 )
 
 # LMDeploy: x * fp32(1 / 448) rounded up to a power of two by its bits, values multiplied by the
-# reciprocal; the floor is compared with a BF16 amax: bf16(1e-6) = 9.98377799987793e-07.
-_LMDEPLOY_RULE = Fp8Rule(
-    amax_floor=9.98377799987793e-07, scale_ratio="reciprocal", scale_apply="reciprocal"
-)
+# reciprocal; tl.max promotes the BF16 amax to float32 first, so the floor is fl32(1e-6) against a
+# float32 amax (PTX: max.f32 with 0f358637BD).
+_LMDEPLOY_RULE = Fp8Rule(amax_floor=1e-6, scale_ratio="reciprocal", scale_apply="reciprocal")
+# vLLM 0.33 and LMDeploy 0.18 build the indexer key LayerNorm with eps=1e-6 whatever the model.
+_ENGINE_K_NORM_EPS = 1e-6
+# vLLM 0.33's Triton kernels as Triton compiles them for Hopper (enable_fp_fusion left on).
+_VLLM_TRITON = dict(layernorm="fp32-ops", fma=True, k_norm_eps=_ENGINE_K_NORM_EPS)
 
 ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm-exact",
         summary=(
-            "the package's original contract (the default): vLLM's DeepSeek-V3.2 / GLM-5 indexer "
-            "rules with an FP32 cos/sin cache, its UE8M0 scales decided exactly"
+            "the package's original all-FP32 contract (no engine's path): vLLM's DeepSeek-V3.2 / "
+            "GLM-5 indexer rules with an FP32 cos/sin cache, float64 LayerNorm, no contraction, "
+            "its UE8M0 scales decided exactly"
         ),
     ),
     EngineProfile(
         name="vllm",
         summary=(
-            "vLLM 0.29+ on Hopper (read: 0.33.0), the default compiled run: BF16 cos/sin cache "
-            "(GLM-5 in every run mode); FP32 LayerNorm and RoPE; UE8M0 by float32 log2"
+            "vLLM 0.29+ on Hopper (run: 0.33.0's Triton kernels), the default compiled run: BF16 "
+            "cos/sin cache (GLM-5 in every run mode); float32 LayerNorm operation by operation "
+            "(eps 1e-6), contracted RoPE; UE8M0 by float32 log2"
         ),
         cos_sin_dtype=_BF16,
         hadamard=False,
         q_quant=_VLLM_RULE,
         k_quant=_VLLM_RULE,
         weights_fold=("qs", "Ds", "Hs"),
+        **_VLLM_TRITON,
     ),
     EngineProfile(
         name="vllm-eager",
@@ -205,6 +272,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         q_quant=_VLLM_RULE,
         k_quant=_VLLM_RULE,
         weights_fold=("qs", "Ds", "Hs"),
+        **_VLLM_TRITON,
     ),
     EngineProfile(
         name="vllm-legacy",
@@ -250,13 +318,14 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         k_quant=_SGLANG_FP32_RULE,
         weights_dtype="fp32",
         weights_fold=("Hs", "qs", "Ds"),
+        hadamard_scale="float32",
     ),
     EngineProfile(
         name="lmdeploy",
         summary=(
-            "LMDeploy main (1263d5c) fused CUDA indexer, the path xtuner matches: BF16 cos/sin, "
-            "float32 LayerNorm rounded to BF16, RoPE in BF16 arithmetic, amax floor bf16(1e-6), "
-            "reciprocal multiply"
+            "LMDeploy 0.18.0 / main (1263d5c) fused Triton indexer, the path xtuner matches: BF16 "
+            "cos/sin, float32 LayerNorm (eps 1e-6) rounded to BF16, RoPE in BF16 arithmetic, "
+            "amax floor fl32(1e-6), reciprocal multiply"
         ),
         cos_sin_dtype=_BF16,
         k_norm_dtype=_BF16,
@@ -267,9 +336,13 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         q_quant=_LMDEPLOY_RULE,
         k_quant=_LMDEPLOY_RULE,
         weights_fold=("qs", "DsHs"),
+        layernorm="fp32-ops",
+        fma=True,
+        k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
 )
-DEFAULT_ENGINE = ENGINE_PROFILES["vllm-exact"]
+# vLLM's default compiled run on Hopper; "vllm-exact" stays the literal all-FP32 contract.
+DEFAULT_ENGINE = ENGINE_PROFILES["vllm"]
 
 
 def engine_profile(engine: EngineProfile | str, *, name: str = "engine") -> EngineProfile:

@@ -466,7 +466,7 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
 
 
 # The fused kernel multiplies the folded weight by at most this many scalars after the descale.
-_MAX_KERNEL_FOLD_SCALES = 2
+_MAX_KERNEL_FOLD_SCALES = 3
 
 
 def _split_fold(
@@ -607,6 +607,11 @@ def _fused(
         k_in, layer_norm = k_proj, _layer_norm_params(preprocess.k_norm)
         ln_out_bf16 = engine.k_norm_dtype == torch.bfloat16
         out_bf16 = {"q": engine.q_dtype == torch.bfloat16, "k": engine.k_dtype == torch.bfloat16}
+        rules = dict(
+            fma=engine.fma,
+            layer_norm_ops=engine.layernorm == "fp32-ops",
+            hadamard_scale_fp32=engine.hadamard_scale == "float32",
+        )
     else:  # Megatron's BF16 path; the model's own LayerNorm, whose reduction order only the
         # module reproduces
         math_dtype = q_proj.dtype
@@ -614,6 +619,7 @@ def _fused(
         k_in, layer_norm, ln_out_bf16 = preprocess.norm_key(k_proj), None, False
         bf16 = math_dtype == torch.bfloat16  # its outputs (the Hadamard's too) stay BF16
         out_bf16 = {"q": bf16, "k": bf16}
+        rules = {}
     common = dict(
         rope_dim=preprocess.rope_dim,
         interleaved=preprocess.rope_interleaved,
@@ -621,6 +627,7 @@ def _fused(
         bf16_math=math_dtype == torch.bfloat16,
         cos=cos.reshape(s, -1),
         sin=sin.reshape(s, -1),
+        **rules,
     )
     q8, q_descale, w = preprocess_quantize(
         q_proj, rule=engine.q_quant, weights=w_pre, fold_scales=fold_scales,

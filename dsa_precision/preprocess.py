@@ -14,8 +14,11 @@ Dtype at every step (``p`` = projection dtype, BF16 in training)::
     k LayerNorm          k_norm(k) in p, or                  float32: statistics and affine in
                          k_norm(k.float()).to(p) when        float64 from the exact values of k
                          k_norm_fp32                         and the LayerNorm weight and bias,
-                                                             rounded to float32 once
-    k RoPE               p                                   float32
+                                                             rounded to float32 once; or float32
+                                                             operation by operation (an engine's
+                                                             layernorm="fp32-ops")
+    k RoPE               p                                   float32 (an engine's fma: the
+                                                             x * cos product fused)
     Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
                          float32 butterfly rounded to p
     q, k out             p                                   float32
@@ -40,11 +43,14 @@ from .hadamard import rotate_activation
 __all__ = [
     "IndexerPreprocess",
     "apply_rope",
+    "fma_fp32",
     "indexer_head_weights",
     "layer_norm_fp32",
+    "layer_norm_fp32_ops",
     "pairwise_sum",
     "rope_tables",
     "thd_token_freqs",
+    "triton_block_sum",
 ]
 
 # (x [s, b, *, d], freqs, mscale, cu_seqlens) -> x rotated: a model's own RoPE (e.g. Megatron's
@@ -70,6 +76,51 @@ def rope_tables(
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
+class _Fma32(torch.autograd.Function):
+    """Exact float32 fused multiply-add; the gradient of ``a * b + c``."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.shapes = (a.shape, b.shape, c.shape)
+        a64, b64, c64 = a.double(), b.double(), c.double()
+        p = a64 * b64  # exact
+        s = p + c64
+        bp = s - p
+        err = (p - (s - bp)) + (c64 - bp)  # TwoSum: s + err is exact
+        bits = s.view(torch.int64)
+        # Round to odd: inexact with an even last bit -> one ulp toward the exact value.
+        step = torch.where((err > 0) == (s > 0), 1, -1)
+        odd = torch.where((err != 0) & (bits & 1 == 0), bits + step, bits)
+        return odd.view(torch.float64).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        sa, sb, sc = ctx.shapes
+        return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
+
+
+def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors with one rounding (a fused multiply-add, ``fma.rn.f32``).
+
+    Computed in float64, where ``a * b`` is exact, with the sum rounded to odd (the float64 sum,
+    its error recovered by TwoSum, the last bit forced odd when inexact); rounding that to float32
+    is then the correctly rounded result. The same bits on every device; broadcasts;
+    differentiable (the gradient of ``a * b + c``).
+    """
+    a, b, c = torch.broadcast_tensors(a, b, c)
+    return _Fma32.apply(a, b, c)
+
+
+def _rotate(x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool) -> torch.Tensor:
+    """``x_pe * cos + rotate_half(x_pe) * sin`` in ``x_pe``'s dtype; ``fma``: float32 with the
+    first product fused, ``fma(x, cos, fl(rotate_half(x) * sin))`` (vLLM's kernels on Hopper)."""
+    if fma and x_pe.dtype == torch.float32:
+        return fma_fp32(x_pe, cos, _rotate_half(x_pe) * sin)
+    return x_pe * cos + _rotate_half(x_pe) * sin
+
+
 def apply_rope(
     x: torch.Tensor,
     freqs: torch.Tensor,
@@ -77,6 +128,7 @@ def apply_rope(
     mscale: float = 1.0,
     rope_interleaved: bool = False,
     table_dtype: torch.dtype | None = None,
+    fma: bool = False,
 ) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` lanes of ``x`` in ``x.dtype``.
 
@@ -90,6 +142,8 @@ def apply_rope(
             arrive as (even, odd) pairs and are de-interleaved into halves before rotation, so the
             output RoPE slice is in rotate-half order. (Megatron forbids ``rotary_interleaved``
             with MLA, so the rotation itself is always rotate-half.)
+        fma: float32 only: ``fma(x, cos, fl(rotate_half(x) * sin))``, the multiply-add an
+            engine's compiler contracts (:attr:`EngineProfile.fma`).
 
     Returns:
         ``x``'s shape and dtype.
@@ -100,8 +154,7 @@ def apply_rope(
         x_pe = torch.cat((x_pe[..., 0::2], x_pe[..., 1::2]), dim=-1)
     cos, sin = rope_tables(freqs, mscale, table_dtype or x.dtype)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x_pe = x_pe * cos + _rotate_half(x_pe) * sin
-    return torch.cat((x_pe, x_pass), dim=-1)
+    return torch.cat((_rotate(x_pe, cos, sin, fma), x_pass), dim=-1)
 
 
 def thd_token_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -190,6 +243,98 @@ def layer_norm_fp32(
     return y.to(torch.float32)
 
 
+# Triton's tl.sum over one 128-vector laid out one element per thread on 4 warps (vLLM's
+# fused_norm_rope and LMDeploy's k-cache kernel, num_warps=4): a butterfly over the lanes
+# (shfl.bfly 16, 8, 4, 2, 1: element distances 16 ... 1), then over the 4 warp partials read back
+# from shared memory (xor 2, 1: distances 64, 32). Each step adds elements this far apart.
+TRITON_SUM_DISTANCES_128 = (16, 8, 4, 2, 1, 64, 32)
+
+
+def _pair_step(x: torch.Tensor, distance: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two operands of one tree step over the last dimension: the elements whose index has
+    the bit ``distance`` clear, and their partners ``distance`` further on."""
+    n = x.shape[-1]
+    y = x.reshape(*x.shape[:-1], n // (2 * distance), 2, distance)
+    flat = (*x.shape[:-1], n // 2)
+    return y[..., 0, :].reshape(flat), y[..., 1, :].reshape(flat)
+
+
+def _tree_distances(distances: tuple[int, ...]) -> list[int]:
+    """The distances of the same tree after each step removed its index bit (what a reshape of
+    the shrinking tensor needs)."""
+    out, removed = [], []
+    for d in distances:
+        bit = d.bit_length() - 1
+        out.append(1 << (bit - sum(r < bit for r in removed)))
+        removed.append(bit)
+    return out
+
+
+def triton_block_sum(
+    x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
+) -> torch.Tensor:
+    """float32 sum over the last dimension (128) in the order of :data:`TRITON_SUM_DISTANCES_128`.
+
+    ``squares_of=d``: the sum of ``d * d`` (``x`` unused); with ``fma`` its first step is what a
+    contracting compiler emits, ``fma(d_i, d_i, fl(d_j * d_j))`` for the lower lane ``i`` of each
+    pair ``(i, j = i + 16)``, the value the warp's lane 0 holds. Returns ``[..., 1]``.
+    """
+    src = x if squares_of is None else squares_of
+    if src.shape[-1] != 128:
+        raise ValueError(f"triton_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    distances = _tree_distances(TRITON_SUM_DISTANCES_128)
+    if squares_of is not None:
+        lo, hi = _pair_step(squares_of, distances[0])
+        x = fma_fp32(lo, lo, hi * hi) if fma else lo * lo + hi * hi
+        distances = distances[1:]
+    for d in distances:
+        lo, hi = _pair_step(x, d)
+        x = lo + hi
+    return x
+
+
+def _rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 / sqrt(x)`` as the engines' Triton kernels get it: on CUDA ``torch.rsqrt``
+    (the hardware's ``rsqrt.approx``, as Triton's ``tl.rsqrt``); elsewhere the IEEE square
+    root and the IEEE division (what Triton's interpreter computes)."""
+    if x.is_cuda:
+        return torch.rsqrt(x)
+    return 1.0 / torch.sqrt(x)
+
+
+def layer_norm_fp32_ops(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    fma: bool,
+) -> torch.Tensor:
+    """The key LayerNorm float32 operation by operation, as vLLM 0.33's ``fused_norm_rope`` and
+    LMDeploy 0.18's k-cache kernel evaluate it (``x``: ``[..., 128]``; float32 out)::
+
+        mean = fl(tree_sum(x) / 128);  d = fl(x - mean)
+        var = fl(tree_sum(d * d) / 128);  rstd = rsqrt(fl(var + fl32(eps)))
+        y = fl(fl(fl(d * rstd) * w) + b)      (fma: fma(fl(d * rstd), w, b))
+
+    ``tree_sum`` is :func:`triton_block_sum` (the first step of the variance contracted under
+    ``fma``); ``rsqrt`` as :func:`_rsqrt_fp32`. Differentiable.
+    """
+    x = x.to(torch.float32)
+    mean = triton_block_sum(x) / 128.0
+    d = x - mean
+    var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
+    y = d * _rsqrt_fp32(var + eps32)
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    if w is not None and b is not None and fma:
+        return fma_fp32(y, w, b)
+    if w is not None:
+        y = y * w
+    return y if b is None else y + b
+
+
 def indexer_head_weights(
     w_proj: torch.Tensor, *, n_heads: int, head_dim: int, fp32: bool
 ) -> torch.Tensor:
@@ -224,7 +369,9 @@ class IndexerPreprocess(nn.Module):
         rope_fp32: the inference engine's preprocessing after the projections, FP32 unless the
             engine rounds (see the module docstring).
         engine: the engine profile whose preprocessing rules ``rope_fp32`` follows (cos/sin
-            cache dtype, LayerNorm output, RoPE arithmetic, q and k rounding).
+            cache dtype, LayerNorm arithmetic and output, RoPE arithmetic and contraction, q and
+            k rounding). With ``rope_fp32``, a ``k_norm`` whose epsilon is not the engine's
+            (:attr:`EngineProfile.k_norm_eps`) raises ``ValueError`` naming both.
         rope_fn: the model's own RoPE for the ``rope_fp32=False`` path (called as
             ``rope_fn(x, freqs, mscale, cu_seqlens)`` on ``[s, b, *, d]``), so that path stays the
             model's bit for bit whatever RoPE kernel the model uses; default :func:`apply_rope`.
@@ -275,6 +422,11 @@ class IndexerPreprocess(nn.Module):
         self.rope_fp32 = rope_fp32
         self.engine = engine_profile(engine)
         self.exact_bf16_rope = exact_bf16_rope
+        if rope_fp32:
+            eps = getattr(self.k_norm, "eps", None)
+            problem = None if eps is None else self.engine.k_norm_eps_mismatch(eps)
+            if problem:
+                raise ValueError(f"IndexerPreprocess(rope_fp32=True): {problem}.")
 
     @property
     def k_norm(self) -> nn.Module:
@@ -380,13 +532,21 @@ class IndexerPreprocess(nn.Module):
             mscale=mscale,
             rope_interleaved=self.rope_interleaved,
             table_dtype=e.cos_sin_dtype,
+            fma=e.fma,
         )
-        # Exact upcasts; LayerNorm statistics in float64, one rounding to float32 (then to the
-        # engine's LayerNorm output dtype); RoPE in the engine's arithmetic dtype.
-        k = layer_norm_fp32(k, *_layer_norm_params(self.k_norm)).to(e.k_norm_dtype)
+        # Exact upcasts; the LayerNorm in the engine's arithmetic (float64 rounded once, or
+        # float32 operation by operation), then its output dtype; RoPE in the engine's arithmetic
+        # dtype, its multiply-add contracted where the engine's compiler contracts it.
+        if e.layernorm == "fp32-ops":
+            k = layer_norm_fp32_ops(k, *_layer_norm_params(self.k_norm), fma=e.fma)
+        else:
+            k = layer_norm_fp32(k, *_layer_norm_params(self.k_norm))
+        k = k.to(e.k_norm_dtype)
         q = rope(q.to(e.rope_dtype)).to(e.q_dtype)
         k = rope(k.to(e.rope_dtype).unsqueeze(2)).squeeze(2).to(e.k_dtype)
         if self.rotate_activation:
-            q = rotate_activation(q.to(torch.float32), fp32=True).to(e.q_dtype)
-            k = rotate_activation(k.to(torch.float32), fp32=True).to(e.k_dtype)
+            scale32 = e.hadamard_scale == "float32"
+            q = rotate_activation(q.to(torch.float32), fp32=True, scale_fp32=scale32)
+            k = rotate_activation(k.to(torch.float32), fp32=True, scale_fp32=scale32)
+            q, k = q.to(e.q_dtype), k.to(e.k_dtype)
         return q.to(torch.float32), k.to(torch.float32)

@@ -47,6 +47,7 @@ def make_config(cls=None, **overrides):
         dsa_indexer_loss_coeff=0.0,
         dsa_indexer_rotate_activation=False,
         rope_type="rope",
+        layernorm_epsilon=1e-6,  # the indexer k_norm epsilon vLLM and LMDeploy hard-code
     )
     fields.update(overrides)
     return cls(**fields)

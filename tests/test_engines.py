@@ -133,7 +133,7 @@ def test_the_rules_really_differ_at_the_boundaries():
     assert bool((descales["vllm"] <= exact).all())
     fp32 = descales["sglang-fused"]
     assert not bool((torch.frexp(fp32)[0] == 0.5).all())  # plain float32 scales
-    assert not torch.equal(descales["lmdeploy"], exact)  # floor bf16(1e-6) on tiny vectors
+    assert not torch.equal(descales["lmdeploy"], exact)  # floor fl32(1e-6) on tiny vectors
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -174,7 +174,7 @@ def test_fold_orders_differ_where_h_is_not_a_power_of_four():
 # ------------------------------------------------------------------------- validation
 
 
-def test_default_profile_is_the_original_contract():
+def test_default_quantization_is_the_original_contract():
     """A default config quantizes q and k as the package's original contract, computed here
     without any rule field: the descale is the smallest power of two ``s`` with
     ``max(amax, fp32(1e-4)) <= 448 * s``, the values ``e4m3(v / s)``."""
@@ -192,6 +192,30 @@ def test_default_profile_is_the_original_contract():
             assert got == [e4m3(Fraction(v) / Fraction(2) ** e) for v in row], i
 
 
+def test_default_profile_is_vllms_default_run():
+    assert DEFAULT_ENGINE.name == "vllm" and IndexerPrecisionConfig().engine is DEFAULT_ENGINE
+    assert DEFAULT_ENGINE.cos_sin_dtype == torch.bfloat16 and DEFAULT_ENGINE.fma
+    assert DEFAULT_ENGINE.layernorm == "fp32-ops" and DEFAULT_ENGINE.k_norm_eps == 1e-6
+    # The two switches stay stock Megatron.
+    config = IndexerPrecisionConfig()
+    assert not config.rope_fp32 and not config.fp8
+
+
+def test_vllm_exact_stays_the_literal_all_fp32_contract():
+    exact = ENGINE_PROFILES["vllm-exact"]
+    assert exact.q_quant == exact.k_quant == Fp8Rule()
+    assert exact.cos_sin_dtype == exact.k_norm_dtype == exact.q_dtype == torch.float32
+    assert (exact.layernorm, exact.fma, exact.k_norm_eps) == ("float64", False, None)
+    assert exact.hadamard_scale == "float64"
+
+
+def test_lmdeploy_floor_is_float32():
+    """LMDeploy's tl.max promotes the BF16 amax to float32: the floor is fl32(1e-6)."""
+    rule = ENGINE_PROFILES["lmdeploy"].q_quant
+    assert struct.pack("<f", rule.amax_floor) == struct.pack("<f", 1e-6)
+    assert ENGINE_PROFILES["lmdeploy"].k_quant == rule
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -199,6 +223,10 @@ def test_default_profile_is_the_original_contract():
         (dict(weights_fold=("Ds", "qs")), "weights_fold=.*'Hs'"),
         (dict(weights_fold=("Ds", "Hs", "qs", "qs")), "weights_fold="),
         (dict(weights_dtype="fp16"), "weights_dtype='fp16'"),
+        (dict(layernorm="fp16-ops"), "layernorm='fp16-ops'"),
+        (dict(hadamard_scale="fp16"), "hadamard_scale='fp16'"),
+        (dict(k_norm_eps=0.0), "k_norm_eps=0.0"),
+        (dict(k_norm_eps=float("nan")), "k_norm_eps=nan"),
     ],
 )
 def test_profile_construction_names_the_field(change, match):
@@ -241,6 +269,36 @@ def test_a_model_that_cannot_reproduce_the_engine_is_a_configuration_error(name,
     fields = dict(rotate_activation=False, rope_interleaved=False) | model
     with pytest.raises(ValueError, match=match):
         config.validate_for_model(indexer_loss_coeff=0.0, n_heads=32, head_dim=128, **fields)
+
+
+def test_profile_fma_must_be_a_bool():
+    with pytest.raises(TypeError, match="fma=1 must be a bool"):
+        dataclasses.replace(DEFAULT_ENGINE, name="custom", fma=1)
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-eager", "lmdeploy"])
+def test_a_model_whose_k_norm_eps_is_not_the_engines_is_a_configuration_error(name):
+    """vLLM and LMDeploy hard-code the indexer k_norm epsilon (1e-6); Megatron's k_norm takes
+    layernorm_epsilon (1e-5 by default): the message names both values."""
+    engine = ENGINE_PROFILES[name]
+    problems = engine.model_mismatch(
+        rotate_activation=False, rope_interleaved=False, k_norm_eps=1e-5
+    )
+    assert len(problems) == 1 and "epsilon 1e-06" in problems[0] and "eps=1e-05" in problems[0]
+    assert not engine.model_mismatch(
+        rotate_activation=False, rope_interleaved=False, k_norm_eps=1e-6
+    )
+    # vllm-exact is the package's contract, not an engine: any epsilon.
+    assert not ENGINE_PROFILES["vllm-exact"].model_mismatch(
+        rotate_activation=False, rope_interleaved=False, k_norm_eps=1e-5
+    )
+
+
+def test_validate_for_model_checks_the_k_norm_eps_with_rope_fp32_only():
+    fields = dict(indexer_loss_coeff=0.0, n_heads=32, head_dim=128, k_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"epsilon 1e-06 .* eps=1e-05"):
+        IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8").validate_for_model(**fields)
+    IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(**fields)  # Megatron's LN
 
 
 def test_profiles_are_facts_only():

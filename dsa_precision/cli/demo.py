@@ -4,13 +4,14 @@ From one set of structured BF16 projection outputs (:mod:`dsa_precision.cli.synt
 computes the inference engine's top-k and the training top-k of the four configurations the
 Megatron integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
 
-The two sides share nothing but the inputs. The inference side is
-:mod:`dsa_precision.cli.engine_model`, an independent model of the chosen engine profile: on the
-CPU its scores are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when they
-are importable. The training side is the package, as the Megatron integration runs it (torch
-reference on the CPU, cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the
-``rope_fp32+fp8`` row measures the contract (the profile's rules, reproduced), not a kernel.
-Metric definitions: ``docs/numerics.md``.
+The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`: on CUDA
+the engine's own kernels when ``DSA_ENGINE_KERNELS`` holds them (vLLM 0.33, LMDeploy 0.18), else
+an independent model of the chosen engine profile (the report says which); on the CPU its scores
+are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when importable. The
+training side is the package, as the Megatron integration runs it (torch reference on the CPU,
+cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures
+the contract (the profile's rules, reproduced), not a kernel. Metric definitions:
+``docs/numerics.md``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..preprocess import IndexerPreprocess
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
 from . import CliError, print_json, progress, seed
-from .engine_model import engine_operands, engine_scores, engine_topk
+from .engine_model import MODEL_SOURCE, engine_scores, engine_topk, inference_operands
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
@@ -130,6 +131,7 @@ class DemoRun:
     inference_indices: torch.Tensor  # int32 [rows, topk], compared rows only
     configs: list[ConfigResult]
     seconds: float
+    inference_source: str = MODEL_SOURCE  # what built the inference operands
 
     @property
     def first_row(self) -> int:
@@ -146,7 +148,11 @@ class DemoRun:
             "seed": self.seed,
             "device": self.device,
             "training_backend": self.backend,
-            "inference": {"engine": self.engine.name, "scores": self.inference_kernel},
+            "inference": {
+                "engine": self.engine.name,
+                "scores": self.inference_kernel,
+                "operands": self.inference_source,
+            },
             "model": dataclasses.asdict(self.model),
             "first_row": self.first_row,
             "inference_boundary_margin": _finite_or_none(self.inference_margin),
@@ -181,12 +187,10 @@ def run_demo(
     ).to(device)
     rows = slice(topk, None)
     with torch.no_grad():
-        ref_scores = engine_scores(
-            engine_operands(
-                inputs, engine, hadamard=model.hadamard, interleaved=model.rope_interleaved
-            ),
-            kernel=kernel,
-        )[rows]
+        ref_ops, source = inference_operands(
+            inputs, engine, hadamard=model.hadamard, interleaved=model.rope_interleaved
+        )
+        ref_scores = engine_scores(ref_ops, kernel=kernel)[rows]
         ref_indices = engine_topk(ref_scores, topk)
         scale = row_scale(ref_scores)
         results = []
@@ -221,6 +225,7 @@ def run_demo(
         inference_indices=ref_indices.cpu(),
         configs=results,
         seconds=time.monotonic() - start,
+        inference_source=source,
     )
 
 
@@ -247,8 +252,7 @@ def format_run(run: DemoRun) -> str:
         f"  indexer {run.n_heads} heads x {HEAD_DIM}, rope {ROPE_DIM}; sequence {run.seq_len}, "
         f"top-{run.topk}; seed {run.seed}; {run.device}",
         f"  inference: engine profile '{e.name}' ({e.summary}),",
-        "             an independent model of its operands (dsa_precision.cli.engine_model); "
-        f"scores {scores}",
+        f"             operands: {run.inference_source}; scores {scores}",
         f"  training:  dsa-precision, as the Megatron integration runs it, scored by {training}",
         f"  model: Hadamard {'on' if m.hadamard else 'off'}, RoPE "
         f"{'interleaved' if m.rope_interleaved else 'rotate-half'}",

@@ -6,13 +6,17 @@ one float32 descale per 128-vector and, for the queries, the head weights with t
 folded in. Per 128-vector (one row of a ``[BLOCK_R, 128]`` tile)::
 
     (key, rope_fp32) LayerNorm   float64 statistics in the fixed pairwise order, affine in
-                                 float64, one rounding to float32 (then to BF16 if the engine
+                                 float64, one rounding to float32; or (layer_norm_ops) float32
+                                 operation by operation in Triton's tl.sum tree, tl.rsqrt, the
+                                 engine's fused multiply-adds (then to BF16 if the engine
                                  rounds its LayerNorm output)
-    RoPE                         float32 products and sum; with BF16 math each of
+    RoPE                         float32 products and sum (fma: x*cos fused into the sum);
+                                 with BF16 math each of
                                  x*cos, rotate_half(x)*sin and their sum rounded to BF16;
                                  then rounded to BF16 if the engine rounds q / k
     Hadamard (optional)          float64 butterfly in the reference's stage order, float64
-                                 scale, float64 -> float32 (-> BF16 with BF16 math or rounding)
+                                 scale (or the sums in float32 times fl32(128**-0.5)),
+                                 float64 -> float32 (-> BF16 with BF16 math or rounding)
     quantize                     descale from the float32 bits of max(amax, floor) under the
                                  rule (exact UE8M0; or the float32 ratio, its UE8M0 ceiling by
                                  bits or by log2; or the ratio itself), the value scaled by the
@@ -26,7 +30,12 @@ reference performs, on the same values, in the same order, with the same roundin
 
 - the caller passes the RoPE tables torch computed (no trigonometry here);
 - launches disable FMA contraction (``enable_fp_fusion=False``), so ``a*b + c*d`` rounds after
-  each product as torch's separate elementwise kernels do;
+  each product as torch's separate elementwise kernels do; where an engine's compiler contracts
+  (``fma``), the kernel calls ``tl.fma`` at exactly those places (the reference:
+  :func:`dsa_precision.preprocess.fma_fp32`);
+- an engine's float32 LayerNorm (``layer_norm_ops``) sums in the reduction tree of Triton's
+  ``tl.sum`` over a 128-vector on 4 warps, spelled out as size-2 sums, and takes ``tl.rsqrt``,
+  the instruction the engines' kernels take (``torch.rsqrt`` in the CUDA reference);
 - float32 and float64 division and square root are IEEE (``div_rn``, ``div.rn.f64``,
   ``sqrt.rn.f64``);
 - the UE8M0 ceilings are integer functions of the float32 bits (``log2`` emulated as a correctly
@@ -123,6 +132,44 @@ def _pairwise_sum(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 
 @triton.jit
+def _fma(a, b, c, HW: tl.constexpr):
+    """float32 ``a * b + c`` rounded once: ``fma.rn.f32`` on the GPU; in the interpreter (whose
+    fma rounds twice) ``dsa_precision.preprocess.fma_fp32``'s float64 sum rounded to odd."""
+    if HW:
+        return tl.fma(a, b, c)
+    p = a.to(tl.float64) * b.to(tl.float64)
+    c64 = c.to(tl.float64)
+    s = p + c64
+    bp = s - p
+    err = (p - (s - bp)) + (c64 - bp)
+    bits = s.to(tl.int64, bitcast=True)
+    step = tl.where((err > 0) == (s > 0), 1, -1).to(tl.int64)
+    odd = tl.where((err != 0) & ((bits & 1) == 0), bits + step, bits)
+    return odd.to(tl.float64, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
+    """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
+    ``dsa_precision.preprocess.triton_block_sum``: pairs 16 apart (the squares' first step
+    contracted under ``FMA``, the lower lane's multiply fused), then 8, 4, 2, 1 apart, then the
+    four 32-lane partials 64 and 32 apart. A sum over a size-2 axis is one addition."""
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 4, 2, 16)), (0, 1, 3, 2)))  # [R, 4, 16]
+    if SQUARES:
+        if FMA:
+            v = _fma(lo, lo, hi * hi, HW)
+        else:
+            v = lo * lo + hi * hi
+    else:
+        v = lo + hi
+    for i in tl.static_range(4):  # 8, 4, 2, 1 apart within each 16-lane half
+        v = tl.sum(tl.reshape(v, (R, 4, 2, 8 >> i)), axis=2)
+    v = tl.reshape(v, (R, 4))
+    v = tl.sum(tl.reshape(v, (R, 2, 2)), axis=1)  # warps 2 apart: (w0 + w2), (w1 + w3)
+    return tl.sum(v, axis=1)
+
+
+@triton.jit
 def _hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Unscaled Sylvester butterfly of ``[R, D]`` rows, stage by stage as
     ``dsa_precision.hadamard.hadamard_transform``: stage ``h = 1, 2, ..., D/2`` maps each block
@@ -146,6 +193,24 @@ def _layer_norm_lanes(
     if HAS_B:
         y = y + tl.load(b_ptr + lanes)
     return y.to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_ops_lanes(
+    x, mean, rstd, w_ptr, b_ptr, lanes, HAS_W: tl.constexpr, HAS_B: tl.constexpr, FMA, HW
+):
+    """``layer_norm_fp32_ops`` at the given lanes: float32 ``((x - mean) * rstd) * w + b``, the
+    last multiply-add fused under ``FMA`` (weights and bias read as float32)."""
+    y = (x - mean) * rstd
+    if HAS_W and HAS_B and FMA:
+        return _fma(
+            y, tl.load(w_ptr + lanes).to(tl.float32), tl.load(b_ptr + lanes).to(tl.float32), HW
+        )
+    if HAS_W:
+        y = y * tl.load(w_ptr + lanes).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + lanes).to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -173,6 +238,9 @@ def _preprocess_quantize_kernel(
     rcp_448,  # float32 1 / 448 (RATIO == 2)
     fold_c1,  # float32 scalars multiplied into the folded weights after the q descale
     fold_c2,
+    fold_c3,
+    eps32,  # float32 LayerNorm epsilon (LN_OPS)
+    had32,  # float32 Hadamard scale (HAD_SCALE_F32)
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -191,6 +259,9 @@ def _preprocess_quantize_kernel(
     APPLY_RECIPROCAL: tl.constexpr,
     FOLD_W: tl.constexpr,
     W_BF16: tl.constexpr,
+    LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation (layernorm="fp32-ops")
+    FMA: tl.constexpr,  # the engine's contracted multiply-adds
+    HAD_SCALE_F32: tl.constexpr,
     HW_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -225,7 +296,21 @@ def _preprocess_quantize_kernel(
     if ROPE_DIM > 0:
         xb = _load_f32(row + lane_b, mask, X_BF16)
 
-    if LAYER_NORM:  # the rope_fp32 key LayerNorm (float32 out), at both lane maps
+    if LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
+        x32 = _load_f32(row + lanes, mask, X_BF16)
+        mean = _engine_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) / 128.0  # exact: 2**-7
+        centered = x32 - mean[:, None]
+        var = _engine_block_sum(centered, BLOCK_R, True, FMA, HW_CAST) / 128.0
+        rstd = tl.rsqrt(var + eps32)[:, None]  # rsqrt.approx on the GPU, as the engines
+        mean = mean[:, None]
+        xa = _layer_norm_ops_lanes(
+            xa, mean, rstd, ln_w_ptr, ln_b_ptr, lane_a, LN_W, LN_B, FMA, HW_CAST
+        )
+        if ROPE_DIM > 0:
+            xb = _layer_norm_ops_lanes(
+                xb, mean, rstd, ln_w_ptr, ln_b_ptr, lane_b, LN_W, LN_B, FMA, HW_CAST
+            )
+    elif LAYER_NORM:  # the rope_fp32 key LayerNorm (float32 out), at both lane maps
         x64 = _load_f32(row + lanes, mask, X_BF16).to(tl.float64)
         mean = _pairwise_sum(x64, BLOCK_R, D, LOG2_D) / D
         centered = x64 - mean[:, None]
@@ -235,6 +320,7 @@ def _preprocess_quantize_kernel(
         xa = _layer_norm_lanes(xa, mean, denom, ln_w_ptr, ln_b_ptr, lane_a, LN_W, LN_B)
         if ROPE_DIM > 0:
             xb = _layer_norm_lanes(xb, mean, denom, ln_w_ptr, ln_b_ptr, lane_b, LN_W, LN_B)
+    if LAYER_NORM:
         if LN_OUT_BF16:  # an engine that rounds the LayerNorm output to BF16
             xa = _round_bf16(xa, HW_CAST)
             if ROPE_DIM > 0:
@@ -250,6 +336,8 @@ def _preprocess_quantize_kernel(
             y = _round_bf16(
                 _round_bf16(xa * cos, HW_CAST) + _round_bf16(rot * sin, HW_CAST), HW_CAST
             )
+        elif FMA:  # float32, the engine's contraction: fma(x, cos, fl(rot * sin))
+            y = _fma(xa, cos, rot * sin, HW_CAST)
         else:  # float32; the launch disables FMA contraction
             y = xa * cos + rot * sin
         y = tl.where(rope_lane, y, xa)
@@ -259,9 +347,11 @@ def _preprocess_quantize_kernel(
         y = _round_bf16(y, HW_CAST)
 
     if HADAMARD:
-        y64 = _hadamard(y.to(tl.float64), BLOCK_R, D, LOG2_D) * tl.load(f64_ptr + 1)
-        # float64 -> float32 (-> BF16): torch converts float64 to BF16 through float32 too.
-        y = y64.to(tl.float32)
+        y64 = _hadamard(y.to(tl.float64), BLOCK_R, D, LOG2_D)
+        if HAD_SCALE_F32:  # the sums rounded to float32, times fl32(D**-0.5) in float32
+            y = y64.to(tl.float32) * had32
+        else:  # float64 -> float32 (-> BF16): torch converts float64 to BF16 through float32 too
+            y = (y64 * tl.load(f64_ptr + 1)).to(tl.float32)
         if OUT_BF16:
             y = _round_bf16(y, HW_CAST)
 
@@ -320,9 +410,9 @@ def _preprocess_quantize_kernel(
     out_row = (b * seq + s) * n_heads + h  # BSHD
     tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
     tl.store(scale_ptr + out_row, descale, r_ok)
-    if FOLD_W:  # w' = ((fp32(w) * q_descale) * c1) * c2, float32
+    if FOLD_W:  # w' = (((fp32(w) * q_descale) * c1) * c2) * c3, float32
         w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
-        tl.store(w_out_ptr + out_row, ((w * descale) * fold_c1) * fold_c2, r_ok)
+        tl.store(w_out_ptr + out_row, (((w * descale) * fold_c1) * fold_c2) * fold_c3, r_ok)
 
 
 # Default launch shape: 8 vectors per program over 2 warps, the fastest shape of
@@ -370,6 +460,9 @@ def preprocess_quantize(
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
     ln_out_bf16: bool = False,
     out_bf16: bool = False,
+    layer_norm_ops: bool = False,
+    fma: bool = False,
+    hadamard_scale_fp32: bool = False,
     weights: torch.Tensor | None = None,
     fold_scales: tuple[float, ...] = (),
     block_rows: int = BLOCK_ROWS,
@@ -395,9 +488,15 @@ def preprocess_quantize(
             already ``zero_centered_gamma``-adjusted; either may be ``None``), applied first.
         ln_out_bf16: round the LayerNorm output to BF16 (an engine's rule).
         out_bf16: round the vector to BF16 after RoPE and after the Hadamard rotation.
+        layer_norm_ops: the LayerNorm float32 operation by operation
+            (:func:`dsa_precision.preprocess.layer_norm_fp32_ops`), not float64 rounded once.
+        fma: the engine's contracted multiply-adds (:attr:`EngineProfile.fma`): the float32
+            RoPE and, with ``layer_norm_ops``, the LayerNorm's variance step and affine map.
+        hadamard_scale_fp32: the Hadamard sums rounded to float32 and scaled by
+            ``fl32(128**-0.5)`` in float32.
         weights: ``[S, B, H]`` head weights (BF16 or float32) to fold the q descale into.
-        fold_scales: up to two float32 scalars multiplied into the folded weights, in order,
-            after the descale.
+        fold_scales: up to three float32 scalars multiplied into the folded weights, in order,
+            after the descale (a multiplication by 1.0 is exact).
         block_rows, num_warps: launch shape (vectors per program, warps per program); every
             shape gives the same bits (tools/tune_prepare.py picks the fastest).
 
@@ -418,9 +517,9 @@ def preprocess_quantize(
     floor32 = float(torch.tensor(rule.amax_floor, dtype=torch.float32))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
         raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
-    if len(fold_scales) > 2:
-        raise ValueError(f"fold_scales takes at most two scalars, got {fold_scales}.")
-    c1, c2 = (*fold_scales, 1.0, 1.0)[:2]
+    if len(fold_scales) > 3:
+        raise ValueError(f"fold_scales takes at most three scalars, got {fold_scales}.")
+    c1, c2, c3 = (*fold_scales, 1.0, 1.0, 1.0)[:3]
     device = x.device
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)
@@ -464,6 +563,9 @@ def preprocess_quantize(
         _f32(1.0 / 448.0),
         _f32(c1),  # torch multiplies float32 tensors by float32 scalars too
         _f32(c2),
+        _f32(c3),
+        _f32(float(eps)),
+        _f32(d**-0.5),
         D=d,
         LOG2_D=_LOG2_HEAD_DIM,
         ROPE_DIM=rope_dim,
@@ -482,6 +584,9 @@ def preprocess_quantize(
         APPLY_RECIPROCAL=rule.scale_apply == "reciprocal",
         FOLD_W=weights is not None,
         W_BF16=w_arg.dtype == torch.bfloat16,
+        LN_OPS=layer_norm_ops,
+        FMA=fma,
+        HAD_SCALE_F32=hadamard_scale_fp32,
         HW_CAST=not _interpreted(),
         BLOCK_R=block_rows,
         num_warps=num_warps,

@@ -238,3 +238,38 @@ def test_freqs_must_cover_the_tokens_on_both_paths():
             prepare_indexer_operands(
                 case.pre, case.q, case.k, case.w, case.freqs[:1], config=config, impl=impl
             )
+
+
+# ------------------------------------------- against the engines' own kernels (DSA_ENGINE_KERNELS)
+
+
+def _engine_kernels_reason(engine: str) -> str | None:
+    from dsa_precision.cli import engine_kernels
+
+    return engine_kernels.missing_reason(engine)
+
+
+@pytest.mark.parametrize("heads, interleaved", [(32, True), (64, False)])
+@pytest.mark.parametrize("name", ["vllm", "vllm-eager", "lmdeploy"])
+def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, interleaved):
+    """vLLM 0.33.0's fused_norm_rope / fused_q and LMDeploy 0.18.0's preprocess kernels, compiled
+    by this host's Triton, against the package's fused kernel and torch reference with the
+    profile: every q / k byte, k descale and folded weight (tools/engine_conformance.py adds the
+    top-k rows at S=8192)."""
+    from dsa_precision.cli import engine_kernels as ek
+    from dsa_precision.cli.engine_model import inference_operands
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+
+    profile = ENGINE_PROFILES[name]
+    reason = _engine_kernels_reason(ek.oracle_for(profile))
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=2).to(DEV)
+    run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved)
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
+        diff = ek.operand_diff(ours, run.operands)
+        assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
+    _, source = inference_operands(inputs, profile, hadamard=False, interleaved=interleaved)
+    assert source.startswith("the engine's own kernels"), source
+    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diff)

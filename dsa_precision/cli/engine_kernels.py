@@ -1,0 +1,406 @@
+"""The engines' own indexer kernels as oracles, loaded unmodified from an ignored folder.
+
+vLLM 0.33.0's DeepSeek-V3.2 / GLM-5 indexer preparation (``vllm/models/deepseek_v32/common/
+kernels.py``: ``fused_norm_rope`` for the key LayerNorm + RoPE + UE8M0 quantization into the K
+cache, ``fused_q`` for the query RoPE + quantization + head-weight fold) and LMDeploy 0.18.0's
+(``lmdeploy/pytorch/kernels/cuda/dsa_indexer_preprocess.py``, with the ``fast_round_scale`` of
+``blocked_gemm_fp8.py`` beside it) are Triton. This module runs those files as their wheels ship
+them: only the few engine imports they make (``vllm.platforms``, ``vllm.triton_utils``, ...,
+``lmdeploy.utils``) are replaced, for the duration of the import, by stand-ins stating Hopper's
+answers (E4M3 is ``float8_e4m3fn``, no MX scales, no Blackwell CuTe DSL kernel). The code of the
+kernels is never copied or edited: nothing of it is in this repository.
+
+The folder is :data:`ENV_VAR` (``DSA_ENGINE_KERNELS``): one or more roots (``os.pathsep``
+separated) holding the wheels' relative paths; ``docs/gpu-validation.md`` has the recipe. Every
+oracle reports the SHA-256 of the file it ran, so a result names the engine release it checked.
+
+Entry points build the engine's FP8 operands from the same BF16 projections as the training side
+(:class:`~dsa_precision.cli.synthetic.SyntheticIndexerInputs`) in the layout of
+:class:`~dsa_precision.cli.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
+differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until an oracle runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from ..engines import EngineProfile
+from .engine_model import EngineOperands
+from .synthetic import SyntheticIndexerInputs
+
+__all__ = [
+    "ENGINE_FILES",
+    "ENV_VAR",
+    "KNOWN_SHA256",
+    "ORACLE_ENGINES",
+    "EngineKernelRun",
+    "engine_kernel_operands",
+    "kernel_files",
+    "load_module",
+    "missing_reason",
+    "operand_diff",
+    "oracle_for",
+    "package_operands",
+]
+
+ENV_VAR = "DSA_ENGINE_KERNELS"
+
+# The files each oracle runs, relative to a root of ENV_VAR (the first one is the entry module).
+ENGINE_FILES: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm/models/deepseek_v32/common/kernels.py",),
+    "lmdeploy": (
+        "lmdeploy/pytorch/kernels/cuda/dsa_indexer_preprocess.py",
+        "lmdeploy/pytorch/kernels/cuda/blocked_gemm_fp8.py",
+    ),
+}
+
+# SHA-256 of the files as the wheels vllm-0.33.0 and lmdeploy-0.18.0 ship them.
+KNOWN_SHA256: dict[str, str] = {
+    "23be4ed95ae476fcb4193c4e253c19fdf4b5ae951c50fedf6a3299f4c25ba25a": "vllm 0.33.0",
+    "d69da20cc7fabc39c3c2a63fe63d1d6fb7e133010dacde3dc03fe607af80b258": "lmdeploy 0.18.0",
+    "4c95787790c4554f903078b74805d03ca540bcce618bc73822b996c819e564ba": "lmdeploy 0.18.0",
+}
+
+# Engine profile -> the engine whose kernels serve it. Profiles absent here have no kernel that
+# runs on this setup (vllm-exact is no engine's path; vllm-legacy's kernels are vLLM 0.26-0.28;
+# SGLang's are JIT CUDA).
+ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
+
+
+def _roots(root: str | os.PathLike | None = None) -> list[Path]:
+    value = os.fspath(root) if root is not None else os.environ.get(ENV_VAR, "")
+    return [Path(p) for p in value.split(os.pathsep) if p]
+
+
+def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Path, ...] | None:
+    """The engine's kernel files under the first root holding all of them, or ``None``."""
+    if engine not in ENGINE_FILES:
+        raise ValueError(
+            f"engine={engine!r} has no kernel oracle; use one of {sorted(ENGINE_FILES)}."
+        )
+    for r in _roots(root):
+        paths = tuple(r / f for f in ENGINE_FILES[engine])
+        if all(p.is_file() for p in paths):
+            return paths
+    return None
+
+
+def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | None:
+    """Why the engine's kernels cannot run here, or ``None`` when they can."""
+    if kernel_files(engine, root) is None:
+        where = os.fspath(root) if root is not None else os.environ.get(ENV_VAR)
+        if not where:
+            return f"{ENV_VAR} is not set (docs/gpu-validation.md: the engine-kernel recipe)"
+        return f"{where} holds no {' + '.join(ENGINE_FILES[engine])}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return None
+
+
+def oracle_for(profile: EngineProfile) -> str | None:
+    """The engine whose own kernels build ``profile``'s operands, or ``None`` if none does."""
+    return ORACLE_ENGINES.get(profile.name)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def _scoped_modules(stubs: Mapping[str, types.ModuleType]) -> Iterator[None]:
+    """``sys.modules`` with ``stubs`` in place for the duration; everything restored after."""
+    saved = {name: sys.modules.get(name) for name in stubs}
+    added_before = set(sys.modules)
+    sys.modules.update(stubs)
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - added_before:
+            if name.split(".")[0] in {n.split(".")[0] for n in stubs}:
+                del sys.modules[name]
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def load_module(
+    path: Path, name: str, stubs: Mapping[str, types.ModuleType] | None = None
+) -> types.ModuleType:
+    """Execute the file ``path`` as module ``name`` with ``stubs`` importable meanwhile.
+
+    The module keeps its own globals (its kernels see the stand-ins they imported); neither it nor
+    the stand-ins stay in ``sys.modules``. ``name`` may be dotted: its parents must be among ``stubs``
+    (packages, so that the file's relative imports resolve against them).
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    with _scoped_modules(dict(stubs or {})):
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.modules.pop(name, None)
+    return module
+
+
+def _package(name: str, path: Path | None = None, **attrs: object) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__path__ = [os.fspath(path)] if path is not None else []
+    module.__dict__.update(attrs)
+    return module
+
+
+class _HopperPlatform:
+    """What vLLM's ``current_platform`` answers on an H200 for the indexer kernels.
+
+    ``is_cuda`` is ``False`` only to keep ``fused_q`` from importing its CuTe DSL kernel, which
+    vLLM runs on compute capability 10.0 alone (``is_fused_q_cutedsl_supported``): on Hopper it
+    takes the Triton kernel either way. Programmatic dependent launch (``is_arch_support_pdl``)
+    only orders kernel launches; it is off so that any Triton release can launch the kernels.
+    """
+
+    @staticmethod
+    def fp8_dtype() -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @staticmethod
+    def is_cuda() -> bool:
+        return False
+
+    @staticmethod
+    def is_arch_support_pdl() -> bool:
+        return False
+
+
+def _vllm_stubs() -> dict[str, types.ModuleType]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pack_ue8m0_x4(scale):  # only traced for SM100's MX scales, never on Hopper
+        tl.static_assert(False, "MX scales (SM100) are not part of the Hopper oracle")
+        return scale
+
+    return {
+        "vllm": _package("vllm"),
+        "vllm.platforms": _package("vllm.platforms", current_platform=_HopperPlatform()),
+        "vllm.triton_utils": _package("vllm.triton_utils", tl=tl, triton=triton),
+        "vllm.utils": _package("vllm.utils"),
+        "vllm.utils.deep_gemm": _package(
+            "vllm.utils.deep_gemm", mqa_logits_use_mx_scales=lambda: False
+        ),
+        "vllm.v1": _package("vllm.v1"),
+        "vllm.v1.attention": _package("vllm.v1.attention"),
+        "vllm.v1.attention.ops": _package("vllm.v1.attention.ops"),
+        "vllm.v1.attention.ops.common": _package(
+            "vllm.v1.attention.ops.common", pack_ue8m0_x4=pack_ue8m0_x4
+        ),
+        "vllm.v1.kv_cache_interface": _package(
+            "vllm.v1.kv_cache_interface", is_quantized_kv_cache=lambda dtype: dtype != "auto"
+        ),
+    }
+
+
+def _lmdeploy_stubs(cuda_dir: Path) -> dict[str, types.ModuleType]:
+    pkg = "lmdeploy.pytorch.kernels.cuda"
+    return {
+        "lmdeploy": _package("lmdeploy"),
+        "lmdeploy.utils": _package("lmdeploy.utils", get_logger=logging.getLogger),
+        "lmdeploy.pytorch": _package("lmdeploy.pytorch"),
+        "lmdeploy.pytorch.kernels": _package("lmdeploy.pytorch.kernels"),
+        # The real folder: ``from .blocked_gemm_fp8 import fast_round_scale`` loads that file.
+        pkg: _package(pkg, cuda_dir),
+        f"{pkg}.utils": _package(
+            f"{pkg}.utils", get_device_props=lambda *a, **k: {}, supports_pdl=lambda *a, **k: False
+        ),
+    }
+
+
+_LOADED: dict[tuple[str, tuple[Path, ...]], types.ModuleType] = {}
+
+
+def _load(engine: str, root: str | os.PathLike | None) -> tuple[types.ModuleType, str]:
+    reason = missing_reason(engine, root)
+    if reason is not None:
+        raise RuntimeError(f"the {engine} kernel oracle cannot run: {reason}.")
+    files = kernel_files(engine, root)
+    assert files is not None
+    key = (engine, files)
+    if key not in _LOADED:
+        if engine == "vllm":
+            module = load_module(files[0], "_dsa_oracle_vllm_kernels", _vllm_stubs())
+        else:
+            pkg = "lmdeploy.pytorch.kernels.cuda"
+            module = load_module(
+                files[0], f"{pkg}.dsa_indexer_preprocess", _lmdeploy_stubs(files[0].parent)
+            )
+        _LOADED[key] = module
+    digest = _sha256(files[0])
+    return _LOADED[key], f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKernelRun:
+    """The operands one engine kernel built, and what ran."""
+
+    operands: EngineOperands
+    engine: str  # "vllm" | "lmdeploy"
+    source: str  # release and file hash, e.g. "vllm 0.33.0 (sha256 23be4ed95ae4)"
+    # float32 keys before quantization, when the kernel writes them (vLLM's index_k_out).
+    k_float: torch.Tensor | None = None
+
+
+def _cos_sin(inputs: SyntheticIndexerInputs, dtype: torch.dtype, mscale: float = 1.0):
+    """float32 cos / sin of the first half of the angles (``[S, rope_dim / 2]``), in ``dtype``."""
+    angles = inputs.freqs[:, 0, 0, : inputs.rope_dim // 2].float()
+    return (torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype)
+
+
+def engine_kernel_operands(
+    inputs: SyntheticIndexerInputs,
+    profile: EngineProfile,
+    *,
+    interleaved: bool,
+    root: str | os.PathLike | None = None,
+) -> EngineKernelRun:
+    """The FP8 operands the engine kernel of ``profile`` builds from ``inputs`` (batch 1).
+
+    ``profile`` picks the engine (:data:`ORACLE_ENGINES`) and its cos/sin cache dtype; the key
+    LayerNorm takes the model's weight and bias (vLLM holds them in float32, exact) and the
+    engine's own epsilon (``profile.k_norm_eps``: vLLM and LMDeploy hard-code 1e-6, whatever the
+    model says). Runs where the tensors are (CUDA; the CPU under ``TRITON_INTERPRET=1``).
+    """
+    engine = oracle_for(profile)
+    if engine is None:
+        raise ValueError(
+            f"engine profile {profile.name!r} has no kernel oracle here; the profiles with one: "
+            f"{sorted(ORACLE_ENGINES)}."
+        )
+    module, source = _load(engine, root)
+    run = _run_vllm if engine == "vllm" else _run_lmdeploy
+    eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
+    return run(module, source, inputs, profile, interleaved, eps)
+
+
+def _run_vllm(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
+    s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
+    device = inputs.q.device
+    cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
+    cache = torch.cat((cos, sin), dim=-1).contiguous()  # vLLM's cos_sin_cache [max_pos, rope_dim]
+    positions = torch.arange(s, dtype=torch.int64, device=device)
+    # The index K and the head weights are one GEMM's output in vLLM (wk_weights_proj): a BF16
+    # [S, D + H] buffer, the weights a strided slice of it.
+    kw = torch.cat((inputs.k[:, 0], inputs.w[:, 0]), dim=-1)
+    index_k, index_w = kw[:, :d], kw[:, d:]
+    norm = inputs.k_norm
+    ln_w = norm.weight.detach().float().contiguous()
+    ln_b = norm.bias.detach().float().contiguous()
+    # The MLA half of the fused kernels runs on small stand-ins (its outputs are not compared).
+    mla = 16
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    q_c, kv_c = torch.zeros(s, mla, **bf16), torch.zeros(s, mla, **bf16)
+    k_pe, ones = torch.zeros(s, 8, **bf16), torch.ones(mla, **bf16)
+    mla_cache = torch.zeros(s, 8, dtype=torch.float32, device=device)
+    block = 64
+    n_blocks = -(-s // block)
+    k_cache = torch.zeros(n_blocks, block, d + 4, dtype=torch.uint8, device=device)
+    k_float = torch.empty(s, d, dtype=torch.float32, device=device)
+    module.fused_norm_rope(
+        positions, q_c, ones, 1e-6, kv_c, ones, 1e-6, k_pe, mla_cache,
+        index_k, ln_w, ln_b, eps, cache,
+        torch.zeros(s, 1, dtype=torch.int32, device=device),
+        slot_mapping=positions, indexer_k_cache=k_cache,
+        index_rope_interleave=interleaved, index_k_out=k_float,
+    )  # fmt: skip
+    flat = k_cache.view(n_blocks, block * (d + 4))
+    k8 = flat[:, : block * d].reshape(n_blocks * block, d)[:s].view(torch.float8_e4m3fn)
+    k_descale = flat[:, block * d :].contiguous().view(torch.float32).reshape(-1)[:s]
+    q_pe = torch.zeros(s, 2, 8, **bf16)
+    q8, w, _ = module.fused_q(
+        positions, q_pe, mla_cache, inputs.q[:, 0].contiguous(), cache,
+        torch.zeros(s, 2, mla, **bf16), torch.ones(1, dtype=torch.float32, device=device),
+        index_w, d**-0.5, h**-0.5,
+        index_rope_interleave=interleaved, quantize_mqa=False,
+    )  # fmt: skip
+    ops = EngineOperands(q8, k8.contiguous(), k_descale.contiguous(), w)
+    return EngineKernelRun(ops, "vllm", source, k_float)
+
+
+def _run_lmdeploy(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
+    s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
+    device = inputs.q.device
+    cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
+    # LMDeploy's tables are [tokens, rope_dim], the half repeated (its rotary embedding's
+    # cat((freqs, freqs))): NeoX reads lane j, the interleaved layout lane j // 2.
+    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    norm = inputs.k_norm
+    q8, q_scale = module.prepare_dsa_indexer_q(
+        inputs.q[:, 0].contiguous(), inputs.w[:, 0].contiguous(), cos.contiguous(),
+        sin.contiguous(), d**-0.5 * h**-0.5, torch.float8_e4m3fn, interleaved,
+    )  # fmt: skip
+    block = 64
+    n_blocks = -(-s // block)
+    k_cache = torch.zeros(n_blocks, block, d, dtype=torch.float8_e4m3fn, device=device)
+    k_s_cache = torch.zeros(n_blocks, block, dtype=torch.float32, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    module.prepare_dsa_indexer_k_cache(
+        inputs.k[:, 0].contiguous(), norm.weight.detach(), norm.bias.detach(),
+        cos.contiguous(), sin.contiguous(), k_cache, k_s_cache,
+        torch.tensor([0, s], **i32), torch.tensor([s], **i32),
+        torch.arange(n_blocks, **i32)[None], s, eps, interleaved,
+    )  # fmt: skip
+    k8 = k_cache.reshape(-1, d)[:s].contiguous()
+    ops = EngineOperands(q8, k8, k_s_cache.reshape(-1)[:s].contiguous(), q_scale)
+    return EngineKernelRun(ops, "lmdeploy", source)
+
+
+def package_operands(
+    inputs: SyntheticIndexerInputs,
+    profile: EngineProfile,
+    *,
+    interleaved: bool,
+    impl: str = "auto",
+) -> EngineOperands:
+    """The package's ``rope_fp32+fp8`` operands of ``inputs`` under ``profile`` (batch 1), as the
+    Megatron integration builds them, in the layout of the engines' (what :func:`operand_diff`
+    compares with :func:`engine_kernel_operands`)."""
+    from ..config import IndexerPrecisionConfig
+    from .demo import Model, training_operands
+
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
+    ops = training_operands(inputs, config, Model(rope_interleaved=interleaved), impl=impl)
+    return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
+
+
+def operand_diff(a: EngineOperands, b: EngineOperands) -> dict[str, int]:
+    """How many E4M3 bytes of q and k, k descales and folded weights differ (bitwise; a NaN
+    equals the same NaN bits), with the totals."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+    out = {}
+    for name in ("q", "k", "k_descale", "weights"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(
+                f"operand {name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}."
+            )
+        out[f"{name}_differ"] = int((bits(x) != bits(y)).sum())
+        out[f"{name}_total"] = x.numel()
+    return out
