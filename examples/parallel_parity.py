@@ -141,7 +141,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="training steps per run")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--engine", default="vllm-exact", help="dsa_indexer_engine of every config")
+    p.add_argument("--engine", default="vllm", help="dsa_indexer_engine of every config")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--layouts", default=",".join(runs.LAYOUTS))
     p.add_argument("--json", default=None, help="write the results (rank 0) as JSON here")

@@ -41,7 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--engine", default="vllm-exact")
+    p.add_argument("--engine", default="vllm")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args()

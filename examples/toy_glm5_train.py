@@ -44,7 +44,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--share-steps", type=int, default=3, help="steps of the top-k-sharing variant")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--topk", type=int, default=256)
-    p.add_argument("--engine", default="vllm-exact", help="dsa_indexer_engine of the FP8 runs")
+    p.add_argument("--engine", default="vllm", help="dsa_indexer_engine of the FP8 runs (default vllm)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
@@ -76,6 +76,7 @@ def model_config(args, **overrides):
         qk_pos_emb_head_dim=64,
         v_head_dim=64 if tiny else 128,
         normalization="RMSNorm",
+        layernorm_epsilon=1e-6,  # DeepSeek-V3.2 / GLM-5's; the indexer k_norm eps vLLM hard-codes
         add_bias_linear=False,
         bf16=True,
         params_dtype=torch.bfloat16,

@@ -174,11 +174,11 @@ def test_fold_orders_differ_where_h_is_not_a_power_of_four():
 # ------------------------------------------------------------------------- validation
 
 
-def test_default_quantization_is_the_original_contract():
-    """A default config quantizes q and k as the package's original contract, computed here
-    without any rule field: the descale is the smallest power of two ``s`` with
-    ``max(amax, fp32(1e-4)) <= 448 * s``, the values ``e4m3(v / s)``."""
-    engine = IndexerPrecisionConfig().engine
+def test_vllm_exact_quantizes_as_the_original_contract():
+    """``vllm-exact`` (the default before ``vllm``) quantizes q and k as the package's original
+    contract, computed here without any rule field: the descale is the smallest power of two
+    ``s`` with ``max(amax, fp32(1e-4)) <= 448 * s``, the values ``e4m3(v / s)``."""
+    engine = ENGINE_PROFILES["vllm-exact"]
     x = edge_rows()
     floor = f32(Fraction(1e-4))
     for rule in (engine.q_quant, engine.k_quant):

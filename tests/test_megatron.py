@@ -231,8 +231,9 @@ def test_fp32_weights_engine_folds_the_float32_weights_projection():
 def test_indexer_follows_megatrons_preprocessing_fields_per_call():
     """Megatron reads dsa_indexer_rotate_activation per forward (Megatron's own test
     test_dsa_indexer_rotate_activation_follows_config); so does the drop-in, on its one
-    preprocessing module, rebuilt only when such a field changed."""
-    config = make_config(dsa_indexer_rope_fp32=True)
+    preprocessing module, rebuilt only when such a field changed (vllm-exact: the profile that
+    serves either rotation setting)."""
+    config = make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-exact")
     indexer = make_attention(config).indexer
     built = indexer.preprocess()
     assert indexer.preprocess() is built  # decided once: the forward builds nothing

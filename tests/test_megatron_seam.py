@@ -249,8 +249,12 @@ def test_megatron_fields_behind_the_precision_are_revalidated():
     with pytest.raises(ValueError, match=r"dsa_indexer_scoring_relu=False rejected"):
         config.dsa_indexer_scoring_relu = False
     assert config.dsa_indexer_scoring_relu is True
-    config.dsa_indexer_rotate_activation = True  # still honoured: accepted
-    assert config.dsa_indexer_rotate_activation
+    with pytest.raises(ValueError, match=r"'vllm' does not apply the Hadamard rotation"):
+        config.dsa_indexer_rotate_activation = True  # the default profile's engine path has none
+    assert not config.dsa_indexer_rotate_activation
+    exact = make_config(**FP8, dsa_indexer_engine="vllm-exact")
+    exact.dsa_indexer_rotate_activation = True  # still honoured there: accepted
+    assert exact.dsa_indexer_rotate_activation
     plain = make_config()  # Megatron's behaviour: the indexer loss stays Megatron's to set
     plain.dsa_indexer_loss_coeff = 0.1
     assert plain.dsa_indexer_loss_coeff == 0.1
