@@ -300,3 +300,27 @@ def test_margins_of_an_empty_call_are_nan():
     assert picks.tolist() == [[[-1, -1]] * 3] and margins.isnan().all()
     with pytest.raises(TypeError, match=r"margins=1: pass True or False"):
         indexer_select(q, k, w, topk=2, config=BF16, backend="torch", margins=1)
+
+
+def test_deepgemm_margins_read_the_logits_in_place_within_each_row(monkeypatch):
+    """DeepGEMM's fake leaves a huge finite value past each row's window: the margins must not
+    see it (the reference: the stand-in logits under the causal windows, sorted)."""
+    from .fake_cudnn import stand_in_scores
+    from .fake_deepgemm import FakeMqaLogits, install
+
+    fn = FakeMqaLogits(q_pair=True)
+    install(monkeypatch, fn, "deep_gemm.fp8_fp4_mqa_logits", clean=True)
+    fn.mode = "operands"
+    q, k, w = _inputs(b=2, sq=20, sk=20)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    for chunk_bytes in (1, None):
+        kw = dict(topk=5, q_causal_offsets=torch.tensor([0, 3]), backend="deepgemm")
+        picks, margins = indexer_select(ops, margins=True, chunk_bytes=chunk_bytes, **kw)
+        assert torch.equal(picks, indexer_select(ops, chunk_bytes=chunk_bytes, **kw))
+        scores = stand_in_scores(ops.q, ops.k.unsqueeze(2))  # (B, S_q, S_k)
+        keys = torch.arange(20)
+        for i, off in enumerate([0, 3]):
+            scores[i].masked_fill_(keys > torch.arange(20).unsqueeze(1) + off, float("-inf"))
+        want = _reference_margins(scores.reshape(-1, 20), 5).view(2, 20)
+        torch.testing.assert_close(margins, want, rtol=0, atol=0, equal_nan=True)
+        assert not margins[:, 5:].isnan().any()
