@@ -167,7 +167,6 @@ class EngineTopk:
             picks = picks.to(torch.int32).unsqueeze(0)
         return torch.nn.functional.pad(picks, (0, topk - picks.shape[-1]), value=-1)
 
-
     def digest_rows(
         self, layer_number: int, tokens: torch.Tensor, batch: int, consumer: TokenLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
