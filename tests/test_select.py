@@ -324,3 +324,53 @@ def test_deepgemm_margins_read_the_logits_in_place_within_each_row(monkeypatch):
         want = _reference_margins(scores.reshape(-1, 20), 5).view(2, 20)
         torch.testing.assert_close(margins, want, rtol=0, atol=0, equal_nan=True)
         assert not margins[:, 5:].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
+def test_margins_on_the_gpu_keep_the_picks_without_a_sync(backend, record):
+    """On the H200: the picks with margins are the plain picks bit for bit (cuDNN's radix top-k,
+    k = 2048, or DeepGEMM's logits read in place), the margins are the sorted scores' gap
+    exactly, and the call never waits for the host; the cost of the margins is recorded."""
+    from dsa_precision._deepgemm import mqa_logits_unsupported_reason
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, h, topk = 1, 4096, 64, 2048
+    q = torch.randn(b, s, h, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, s, 128, device="cuda", generator=g).bfloat16()
+    k[:, 100:110] = k[:, 99:100]  # ties
+    w = (torch.randn(b, s, h, device="cuda", generator=g) * 0.02).bfloat16()
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    if backend == "deepgemm":
+        reason = mqa_logits_unsupported_reason(
+            device=ops.device, precision=FP8.scoring_precision, n_heads=h, head_dim=128
+        )
+        if reason is not None:
+            pytest.skip(reason)
+    plain = indexer_select(ops, topk=topk, backend=backend)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        picks, margins = indexer_select(ops, topk=topk, backend=backend, margins=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(picks, plain)
+    scores = indexer_scores(ops, backend="torch" if backend == "deepgemm" else backend)[0]
+    want = _reference_margins(scores, topk)
+    defined = ~want.isnan()
+    assert torch.equal(defined, ~margins[0].isnan()) and bool(defined[topk:].all())
+    assert bool((margins[0][defined] >= 0).all())
+    if backend == "cudnn":  # the same scores: the same gap, bit for bit
+        torch.testing.assert_close(margins[0], want, rtol=0, atol=0, equal_nan=True)
+    times = {}
+    for name, kw in (("plain", {}), ("margins", {"margins": True})):
+        for _ in range(3):
+            indexer_select(ops, topk=topk, backend=backend, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            indexer_select(ops, topk=topk, backend=backend, **kw)
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 20
+    record(f"select_margins_{backend}", s=s, topk=topk, ms=times)
