@@ -15,6 +15,13 @@ no mask, no copy. A chunk's logits take ``align(S_k, 256)`` floats per row.
 
 - :func:`indexer_select`: BSHD, ``(B, S_q, topk)``.
 - :func:`indexer_select_varlen`: packed THD, ``(T_q, topk)`` with sequence-local key indices.
+
+``margins=True`` also returns each row's margin, its ``topk``-th minus its ``(topk + 1)``-th
+largest score (how close the row's boundary is to a tie), read from the same chunk of scores
+after its one selection: the smallest score among the picks minus the largest score among the
+row's other valid keys (one reduction; no second top-k, no rescoring). The picks are those of the
+call without ``margins``, bit for bit; the margin is NaN for a row with fewer than ``topk + 1``
+valid keys (or fewer than ``topk`` picks).
 """
 
 from __future__ import annotations
@@ -89,6 +96,43 @@ def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch
     return torch.empty(shape, dtype=torch.int32, device=device) if chunked else None
 
 
+def _margins(scores: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """float32 ``(rows,)``: each row's ``k``-th minus ``(k + 1)``-th score, from the scores
+    ``(rows, >= S_k)`` the picks ``(rows, k)`` were selected from (valid: column ``< lens``, not
+    ``-inf``, not NaN). NaN where a row has fewer than ``k`` picks or no further valid key. The
+    scores are read, never written (DeepGEMM's logits included)."""
+    nan, inf = float("nan"), float("inf")
+    picked = picks >= 0
+    safe = picks.clamp(min=0).long()
+    kth = scores.gather(-1, safe).float().masked_fill_(~picked, nan).amin(-1)  # NaN propagates
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    rest = scores.float().masked_fill(cols >= lens.view(-1, 1), -inf)  # a copy: 4 bytes a score
+    rest.masked_fill_(rest.isnan(), -inf).scatter_(-1, safe, -inf)
+    following = rest.amax(-1)
+    return torch.where(following > -inf, kth - following, nan)
+
+
+def _margin_rows(shape: tuple[int, ...], chunked: bool, device: torch.device):
+    """The margins of a chunked call with ``margins`` (``None`` otherwise)."""
+    return torch.empty(shape, dtype=torch.float32, device=device) if chunked else None
+
+
+def _nan_margins(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: pass True or False.")
+    return value
+
+
+def _with_margins(
+    picks: torch.Tensor, margins: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return picks if margins is None else (picks, margins)
+
+
 @takes_precision_config
 def indexer_select(
     q: torch.Tensor | ScoringOperands,
@@ -103,8 +147,9 @@ def indexer_select(
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
     deterministic: bool = True,
+    margins: bool = False,
     validate: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Top-``topk`` keys of every query row, scored and selected chunk by chunk.
 
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
@@ -114,9 +159,11 @@ def indexer_select(
     kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
     can, reading DeepGEMM's logits in place; ``"auto"`` takes cuDNN for each when it can.
+    ``margins``: also return each row's margin (see the module docstring).
 
     Returns:
-        int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots.
+        int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots; with
+        ``margins``, ``(picks, margins)``, margins float32 ``(B, S_q)``.
     """
     topk = check_positive_int("topk", topk, high=INT32_MAX)
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
@@ -127,10 +174,13 @@ def indexer_select(
     sk = ops.k.shape[1]
     offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
     backend = resolve_scoring_backend(backend, ops)
+    margins = _check_bool("margins", margins)
     if sq == 0 or sk == 0:
-        return torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
+        empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
+        return _with_margins(empty, _nan_margins((b, sq), ops.device) if margins else None)
     step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
     out = _picks((b, sq, topk), step < sq, ops.device)
+    out_margins = _margin_rows((b, sq), margins and step < sq, ops.device)
     buf = _buffer(b * min(step, sq) * sk, backend, ops.device)
     for r0 in range(0, sq, step):
         r1 = min(r0 + step, sq)
@@ -156,11 +206,14 @@ def indexer_select(
             deterministic=deterministic,
             backend=_topk_backend(backend),
         ).view(b, r1 - r0, topk)
+        gaps = _margins(scores, lens, picks.view(-1, topk)).view(b, -1) if margins else None
         if out is None:
-            return picks
+            return _with_margins(picks, gaps)
         out[:, r0:r1] = picks
-        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
-    return out
+        if margins:
+            out_margins[:, r0:r1] = gaps
+        del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+    return _with_margins(out, out_margins)
 
 
 @takes_precision_config
@@ -181,17 +234,18 @@ def indexer_select_varlen(
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
     deterministic: bool = True,
+    margins: bool = False,
     validate: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_select` for packed (THD) sequences.
 
-    Arguments as for :func:`dsa_precision.indexer_scores_varlen` plus ``topk``, ``chunk_bytes``
-    and ``deterministic``. A chunk of packed rows is scored as a THD launch of its own: the
+    Arguments as for :func:`dsa_precision.indexer_scores_varlen` plus ``topk``, ``chunk_bytes``,
+    ``deterministic`` and ``margins``. A chunk of packed rows is scored as a THD launch of its own: the
     sequences it cuts get adjusted ``cu_seqlens_q`` and causal offsets, computed on the device.
 
     Returns:
         int32 ``(T_q, topk)``: sequence-local key indices (the engines' layout), ascending,
-        ``-1`` in unused slots.
+        ``-1`` in unused slots; with ``margins``, ``(picks, margins)``, margins float32 ``(T_q,)``.
     """
     topk = check_positive_int("topk", topk, high=INT32_MAX)
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
@@ -214,10 +268,13 @@ def indexer_select_varlen(
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
     backend = resolve_scoring_backend(backend, ops)
+    margins = _check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
-        return torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
+        empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
+        return _with_margins(empty, _nan_margins((tq,), ops.device) if margins else None)
     step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
     out = _picks((tq, topk), step < tq, ops.device)
+    out_margins = _margin_rows((tq,), margins and step < tq, ops.device)
     buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
     for r0 in range(0, tq, step):
         r1 = min(r0 + step, tq)
@@ -245,8 +302,11 @@ def indexer_select_varlen(
         picks = indexer_topk(
             scores, topk, seq_lens=lens, deterministic=deterministic, backend=_topk_backend(backend)
         )
+        gaps = _margins(scores, lens, picks) if margins else None
         if out is None:
-            return picks
+            return _with_margins(picks, gaps)
         out[r0:r1] = picks
-        del scores, lens, picks  # DeepGEMM: free this chunk's logits before the next launch
-    return out
+        if margins:
+            out_margins[r0:r1] = gaps
+        del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+    return _with_margins(out, out_margins)

@@ -321,3 +321,27 @@ def test_replay_files_round_trip(tmp_path):
         layers, layout = dsap.load_topk(tmp_path / name)
         assert sorted(layers) == [1, 3] and torch.equal(layers[3], picks[3])
         assert torch.equal(layout["cu_seqlens"], torch.tensor([0, 3, 8]))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+def test_verify_scores_once_per_chunk(packed):
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    kw = dict(packed_seq_params=packed_params([0, 5, 16])) if packed else {}
+    batch = 1 if packed else 2
+    layout = dict(cu_seqlens=torch.tensor([0, 5, 16])) if packed else dict(seq_len=SEQ)
+    calls = {}
+    for source in ("compute", "verify"):
+        config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk_source=source)
+        attn = make_attention(config)
+        inp = attention_inputs(b=batch, packed=packed)
+        engine = _captured(attn, attention_inputs(b=batch, packed=packed), **kw)
+        indices = engine.indices[engine.tokens.argsort()]
+        reset_scoring_calls()
+        with dsap.engine_topk({1: indices}, **layout):
+            run_attention(attn, inp, **kw)
+        calls[source] = scoring_calls(precision="fp8")
+        m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+        assert m["dsa_topk/layer_01/member_agreement"] == 1.0
+    # One chunk here: verify, margins included, scores exactly as often as compute.
+    assert calls == {"compute": 1, "verify": 1}

@@ -214,3 +214,163 @@ def test_default_chunking_is_one_launch_up_to_4_gib_then_1_gib_chunks():
     rows = _chunk_rows(None, 65536, big)  # S = 65536: 1 GiB chunks of whole 512-row tiles
     assert rows * big <= DEFAULT_CHUNK_BYTES < (rows + 512) * big and rows % 512 == 0
     assert _chunk_rows(DEFAULT_CHUNK_BYTES, 16384, per_row) == 5120  # an explicit budget binds
+
+
+# ---------------------------------------------------------------- margins from the one selection
+
+
+def _reference_margins(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 ``(rows,)``: the ``k``-th minus ``(k + 1)``-th largest valid score of each row of
+    ``scores`` ``(rows, S_k)`` (valid: not ``-inf``, not NaN), by sorting; NaN with fewer than
+    ``k + 1`` valid keys."""
+    valid = scores.masked_fill(scores.isnan(), float("-inf"))
+    top = valid.sort(dim=-1, descending=True).values
+    if top.shape[-1] <= k:
+        return torch.full(scores.shape[:-1], float("nan"))
+    gap = top[:, k - 1] - top[:, k]
+    return torch.where(top[:, k] > float("-inf"), gap, float("nan"))
+
+
+def _tricky(q, k):
+    """Ties (key 3 duplicated at 5 and 7; all keys of the last sequence equal: every score of a
+    row ties) and a NaN query row (row 2: no valid key at all)."""
+    k[..., [5, 7], :] = k[..., [3], :] if k.ndim == 3 else k[[3]]
+    q[..., 2, :, :] = float("nan")
+    return q, k
+
+
+@pytest.fixture(params=["torch", "cudnn"], ids=["torch", "fake_cudnn"])
+def select_backend(request, monkeypatch):
+    if request.param == "cudnn":
+        from . import fake_cudnn
+
+        fake_cudnn.install(monkeypatch)
+    return request.param
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["8rows", "one"])
+def test_margins_keep_the_plain_picks_and_are_the_exact_gap(select_backend, chunk_bytes):
+    q, k, w = _inputs(b=2, sq=21, sk=21)
+    q, k = _tricky(q, k)
+    k[1] = k[1, :1]  # batch row 1: every key the same, every row one tie
+    reset_scoring_calls()
+    kw = dict(config=FP8, topk=6, backend=select_backend, chunk_bytes=chunk_bytes)
+    picks, margins = indexer_select(q, k, w, margins=True, **kw)
+    calls = scoring_calls()
+    plain = indexer_select(q, k, w, **kw)
+    assert calls == scoring_calls() - calls  # one scoring call per chunk, margins or not
+    assert torch.equal(picks, plain)
+    assert margins.dtype == torch.float32 and margins.shape == (2, 21)
+    scores = indexer_scores(q, k, w, config=FP8, backend=select_backend)
+    want = _reference_margins(scores.reshape(-1, 21), 6).view(2, 21)
+    torch.testing.assert_close(margins, want, rtol=0, atol=0, equal_nan=True)
+    # Rows 0-5 see at most 6 keys, row 2 none: no margin; every row of batch row 1 ties.
+    assert margins[:, :6].isnan().all() and margins[:, 2].isnan().all()
+    assert (margins[1, 6:] == 0).all() and not margins[0, 6:].isnan().any()
+    assert picks[1, 10].tolist() == list(range(6))  # the tie goes to the lower keys
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["8rows", "one"])
+def test_varlen_margins_keep_the_plain_picks_and_are_the_exact_gap(select_backend, chunk_bytes):
+    lens_q, lens_k = [5, 0, 17, 9], [5, 2, 17, 12]
+    q, k, w, cu_q, cu_k = _packed(lens_q, lens_k)
+    q, k = _tricky(q, k)
+    k[24:] = k[24]  # sequence 3: every key the same
+    kw = dict(
+        topk=4, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=17, max_seqlen_k=17,
+        q_causal_offsets=torch.tensor([0, 1, 0, 3]), config=BF16, backend=select_backend,
+        chunk_bytes=chunk_bytes,
+    )  # fmt: skip
+    picks, margins = indexer_select_varlen(q, k, w, margins=True, **kw)
+    assert torch.equal(picks, indexer_select_varlen(q, k, w, **kw))
+    score_kw = {n: kw[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
+    scores = indexer_scores_varlen(
+        q, k, w, q_causal_offsets=kw["q_causal_offsets"], config=BF16, backend=select_backend,
+        **score_kw,
+    )  # fmt: skip
+    want = _reference_margins(scores, 4)
+    torch.testing.assert_close(margins, want, rtol=0, atol=0, equal_nan=True)
+    assert margins[:4].isnan().all() and margins[2].isnan()  # <= 4 keys; NaN query row
+    assert (margins[22 + 1 :] == 0).all()  # sequence 3 (offset 3: >= 5 keys a row) ties
+
+
+def test_margins_of_an_empty_call_are_nan():
+    q, k, w = _inputs(b=1, sq=3, sk=0)
+    picks, margins = indexer_select(q, k, w, topk=2, config=BF16, backend="torch", margins=True)
+    assert picks.tolist() == [[[-1, -1]] * 3] and margins.isnan().all()
+    with pytest.raises(TypeError, match=r"margins=1: pass True or False"):
+        indexer_select(q, k, w, topk=2, config=BF16, backend="torch", margins=1)
+
+
+def test_deepgemm_margins_read_the_logits_in_place_within_each_row(monkeypatch):
+    """DeepGEMM's fake leaves a huge finite value past each row's window: the margins must not
+    see it (the reference: the stand-in logits under the causal windows, sorted)."""
+    from .fake_cudnn import stand_in_scores
+    from .fake_deepgemm import FakeMqaLogits, install
+
+    fn = FakeMqaLogits(q_pair=True)
+    install(monkeypatch, fn, "deep_gemm.fp8_fp4_mqa_logits", clean=True)
+    fn.mode = "operands"
+    q, k, w = _inputs(b=2, sq=20, sk=20)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    for chunk_bytes in (1, None):
+        kw = dict(topk=5, q_causal_offsets=torch.tensor([0, 3]), backend="deepgemm")
+        picks, margins = indexer_select(ops, margins=True, chunk_bytes=chunk_bytes, **kw)
+        assert torch.equal(picks, indexer_select(ops, chunk_bytes=chunk_bytes, **kw))
+        scores = stand_in_scores(ops.q, ops.k.unsqueeze(2))  # (B, S_q, S_k)
+        keys = torch.arange(20)
+        for i, off in enumerate([0, 3]):
+            scores[i].masked_fill_(keys > torch.arange(20).unsqueeze(1) + off, float("-inf"))
+        want = _reference_margins(scores.reshape(-1, 20), 5).view(2, 20)
+        torch.testing.assert_close(margins, want, rtol=0, atol=0, equal_nan=True)
+        assert not margins[:, 5:].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
+def test_margins_on_the_gpu_keep_the_picks_without_a_sync(backend, record):
+    """On the H200: the picks with margins are the plain picks bit for bit (cuDNN's radix top-k,
+    k = 2048, or DeepGEMM's logits read in place), the margins are the sorted scores' gap
+    exactly, and the call never waits for the host; the cost of the margins is recorded."""
+    from dsa_precision._deepgemm import mqa_logits_unsupported_reason
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, h, topk = 1, 4096, 64, 2048
+    q = torch.randn(b, s, h, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, s, 128, device="cuda", generator=g).bfloat16()
+    k[:, 100:110] = k[:, 99:100]  # ties
+    w = (torch.randn(b, s, h, device="cuda", generator=g) * 0.02).bfloat16()
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    if backend == "deepgemm":
+        reason = mqa_logits_unsupported_reason(
+            device=ops.device, precision=FP8.scoring_precision, n_heads=h, head_dim=128
+        )
+        if reason is not None:
+            pytest.skip(reason)
+    plain = indexer_select(ops, topk=topk, backend=backend)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        picks, margins = indexer_select(ops, topk=topk, backend=backend, margins=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(picks, plain)
+    scores = indexer_scores(ops, backend="torch" if backend == "deepgemm" else backend)[0]
+    want = _reference_margins(scores, topk)
+    defined = ~want.isnan()
+    assert torch.equal(defined, ~margins[0].isnan()) and bool(defined[topk:].all())
+    assert bool((margins[0][defined] >= 0).all())
+    if backend == "cudnn":  # the same scores: the same gap, bit for bit
+        torch.testing.assert_close(margins[0], want, rtol=0, atol=0, equal_nan=True)
+    times = {}
+    for name, kw in (("plain", {}), ("margins", {"margins": True})):
+        for _ in range(3):
+            indexer_select(ops, topk=topk, backend=backend, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            indexer_select(ops, topk=topk, backend=backend, **kw)
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 20
+    record(f"select_margins_{backend}", s=s, topk=topk, ms=times)

@@ -40,6 +40,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
 from .. import audit
+from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
 from ..topk_layout import TokenLayout
@@ -187,8 +188,11 @@ class PrecisionDSAttention(DSAttention):
             )
             topk, margins = topk if with_margins else (topk, None)
             if engine is not None and (with_margins or owned):  # owned: FP8 here
-                picks = self._engine_picks(engine, layout, query, x)
-                self.topk_monitor.update(topk, picks, margins)
+                if engine.indices:
+                    picks = self._engine_picks(engine, layout, query, x)
+                    self.topk_monitor.update(topk, picks, margins)
+                if engine.digests is not None:
+                    self._compare_digests(engine, topk, layout, x)
         if capture is not None:
             capture[self.layer_number] = self._captured(topk, layout, x)
         if not owned:  # BF16 verify / capture: Megatron selects and attends as configured
@@ -212,13 +216,28 @@ class PrecisionDSAttention(DSAttention):
         """The engine's picks of this rank's query rows, in the layout Megatron consumes, checked
         against this layer's own layout: its global sequence length (BSHD) or the ``cu_seqlens``
         of its ``PackedSeqParams`` (THD)."""
-        rows = self._indexer_rows(x)
-        positions = query_positions(layout, rows, query.device)
-        if layout.cu_seqlens is None:
-            own, batch = TokenLayout(seq_len=rows * layout.cp_size), x.size(1)
-        else:
-            own, batch = TokenLayout(cu_seqlens=layout.cu_seqlens), 1
+        positions = query_positions(layout, self._indexer_rows(x), query.device)
+        own, batch = self._token_layout(layout, x)
         return engine.rows(self.layer_number, positions, batch, self.index_topk, own)
+
+    def _token_layout(self, layout: RankLayout, x: torch.Tensor) -> tuple[TokenLayout, int]:
+        """This layer's own token layout (its global sequence length, or the ``cu_seqlens`` of
+        its ``PackedSeqParams``) and batch, which the engine's rows must match."""
+        if layout.cu_seqlens is None:
+            return TokenLayout(seq_len=self._indexer_rows(x) * layout.cp_size), x.size(1)
+        return TokenLayout(cu_seqlens=layout.cu_seqlens), 1
+
+    def _compare_digests(
+        self, engine: replay.EngineTopk, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
+    ) -> None:
+        """Count, on the device, this rank's rows whose digest of the layer's own picks (in the
+        engines' sequence-relative layout) differs from the engine's digest of the row."""
+        mine = self._captured(topk, layout, x)
+        own, batch = self._token_layout(layout, x)
+        n = self.layer_number
+        theirs, compared = engine.digest_rows(n, mine.tokens, batch, own)
+        differs = digest_mismatches({n: mine.indices}, {n: theirs}, compared)[n]
+        self.topk_monitor.update_digests(differs, compared)
 
     def _captured(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor

@@ -114,7 +114,8 @@ def _bshd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) 
     return gather_keys(ops, gather, reorder)
 
 
-def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) -> torch.Tensor:
+def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
+    """BSHD picks ``(b, rows, topk)`` (with ``margins=True`` in ``select``: and ``(b, rows)``)."""
     rows = keys.q.shape[1]
     start, stop = layout.query_start, layout.query_stop(rows)
     if layout.cp_size == 1:
@@ -124,7 +125,9 @@ def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) -
         indexer_select(keys.rows(lo, hi), topk=topk, q_causal_offsets=pos, **select)
         for lo, hi, pos in runs
     ]
-    return torch.cat(parts, dim=1)
+    if not select.get("margins"):
+        return torch.cat(parts, dim=1)
+    return tuple(torch.cat(p, dim=1) for p in zip(*parts, strict=True))
 
 
 def _thd_pseudo_sequences(layout: RankLayout, rows: int, device: torch.device):
@@ -176,7 +179,9 @@ def _thd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -
     return gather_keys(ops, gather, reorder)
 
 
-def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) -> torch.Tensor:
+def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
+    """Packed picks ``(1, rows, topk)`` (with ``margins=True`` in ``select``: and ``(1, rows)``)."""
+    want_margins = select.pop("margins", False)
     rows = keys.q.shape[1]
     device = keys.device
     start, stop = layout.query_start, layout.query_stop(rows)
@@ -206,7 +211,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) ->
         )
     max_len = layout.max_seqlen if layout.max_seqlen is not None else total_k
     sliced_cu, sliced_offsets = varlen_row_slice(cu_q, offsets, start, stop)
-    picks = indexer_select_varlen(
+    selected = indexer_select_varlen(
         keys.rows(start, stop),
         topk=topk,
         cu_seqlens_q=sliced_cu,
@@ -214,11 +219,14 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select) ->
         max_seqlen_q=min(max_len, stop - start),
         max_seqlen_k=max_len,
         q_causal_offsets=sliced_offsets,
+        margins=want_margins,
         **select,
     )
+    picks, margins = selected if want_margins else (selected, None)
     # Sequence-local keys -> rows of the gathered packed keys.
     base = key_start[packed_sequence_of(cu_q, torch.arange(start, stop, device=device))]
-    return torch.where(picks >= 0, picks + base.unsqueeze(1).to(picks.dtype), picks).unsqueeze(0)
+    picks = torch.where(picks >= 0, picks + base.unsqueeze(1).to(picks.dtype), picks).unsqueeze(0)
+    return (picks, margins.unsqueeze(0)) if want_margins else picks
 
 
 def _keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -> ScoringOperands:
@@ -231,10 +239,11 @@ def _keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -> Sc
     return _thd_keys(ops, layout, gather)
 
 
-def _select(keys: ScoringOperands, layout: RankLayout, topk: int, backend: str) -> torch.Tensor:
+def _select(keys: ScoringOperands, layout: RankLayout, topk: int, backend: str, margins: bool):
+    """The picks (and with ``margins`` each row's margin) of one selection per scoring chunk."""
     if layout.cu_seqlens is None:
-        return _bshd_topk(keys, layout, topk, backend=backend)
-    return _thd_topk(keys, layout, topk, backend=backend)
+        return _bshd_topk(keys, layout, topk, backend=backend, margins=margins)
+    return _thd_topk(keys, layout, topk, backend=backend, margins=margins)
 
 
 def owned_topk(
@@ -259,25 +268,7 @@ def owned_topk(
         int32 ``(b, query rows, topk)``: indices into the gathered keys in global order (packed:
         global packed rows), ``-1`` in unused slots.
     """
-    return _select(_keys(ops, layout, gather), layout, topk, backend)
-
-
-def _pick_scores(queries: ScoringOperands, keys: ScoringOperands, picks: torch.Tensor, chunk: int):
-    """float32 ``(b, rows, k)`` scores of the picked keys (``-inf`` for ``-1``), recomputed from
-    the operands: ``sum_h relu(q_h . k) * w_h`` times the key's descale (or ``sm_scale``)."""
-    b, rows, _, _ = queries.q.shape
-    out = torch.full(picks.shape, float("-inf"), dtype=torch.float32, device=picks.device)
-    batch = torch.arange(b, device=picks.device).view(b, 1, 1)
-    for r0 in range(0, rows, chunk):
-        p = picks[:, r0 : r0 + chunk].long()
-        safe = p.clamp(min=0)
-        k = keys.k[batch, safe].float()  # (b, r, K, D)
-        q = queries.q[:, r0 : r0 + chunk].float()  # (b, r, H, D)
-        dots = torch.einsum("brhd,brkd->brhk", q, k).clamp_(min=0)
-        s = (dots * queries.weights[:, r0 : r0 + chunk, :, None].float()).sum(2)
-        s = s * (keys.k_descale[batch, safe] if keys.k_descale is not None else keys.sm_scale)
-        out[:, r0 : r0 + chunk] = torch.where(p >= 0, s, float("-inf"))
-    return out
+    return _select(_keys(ops, layout, gather), layout, topk, backend, margins=False)
 
 
 def owned_topk_with_margins(
@@ -287,18 +278,12 @@ def owned_topk_with_margins(
     *,
     gather: Gather | None = None,
     backend: str = "auto",
-    chunk: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`owned_topk` and each query row's margin: its ``topk``-th minus its
-    ``(topk + 1)``-th largest score (how close the row's boundary is to a tie), from a second
-    selection of ``topk + 1`` keys whose scores are recomputed in float32; NaN for a row with
-    fewer than ``topk + 1`` visible keys. Returns ``(picks (b, rows, topk), margins (b, rows))``.
+    ``(topk + 1)``-th largest score (how close the row's boundary is to a tie), read from the
+    scores of the same, single selection (``indexer_select(..., margins=True)``: the picks are
+    :func:`owned_topk`'s bit for bit, each chunk is scored once); NaN for a row with fewer than
+    ``topk + 1`` visible keys. Returns ``(picks (b, rows, topk) int32, margins (b, rows)
+    float32)``.
     """
-    keys = _keys(ops, layout, gather)
-    picks = _select(keys, layout, topk, backend)
-    wider = _select(keys, layout, topk + 1, backend)
-    start, stop = layout.query_start, layout.query_stop(keys.q.shape[1])
-    values = _pick_scores(keys.rows(start, stop), keys, wider, chunk)
-    top = values.sort(dim=-1, descending=True).values
-    margins = top[..., topk - 1] - top[..., topk]
-    return picks, torch.where(top[..., topk] > float("-inf"), margins, float("nan"))
+    return _select(_keys(ops, layout, gather), layout, topk, backend, margins=True)

@@ -32,6 +32,15 @@ synchronisation, its member agreement, identical rows and flipped picks, and (``
 margin of each row (its ``topk``-th minus its ``(topk+1)``-th score): :func:`topk_metrics` reads
 them as a dict for Megatron's TensorBoard / W&B writers. :func:`capture_topk` records each layer's
 picks in the engines' layout, e.g. to save them (:func:`save_topk`) for ``dsa-precision agree``.
+
+Digests (verify without the payload): :func:`engine_topk` also takes, instead of the picks or
+beside them, the engine's per-row digests (``engine_digests={layer: (T,) int64}``, the
+:func:`dsa_precision.capture.digest_rows` of each token's sequence-relative picks, and
+``engine_rows``, the ``(T,)`` bool rows the engine computed, both from
+:func:`dsa_precision.capture.pack_digests`). Each layer digests its own picks in the same
+sequence-relative form (:class:`CapturedTopk`'s) and counts, on the device, the rows it compares
+and those whose digest differs: ``digest_mismatch_rows`` and ``digest_compared_rows`` in
+:func:`topk_metrics`. 8 bytes per row and layer move instead of ``4 k``.
 """
 
 from __future__ import annotations
@@ -74,11 +83,15 @@ METRIC_PREFIX = "dsa_topk"
 class EngineTopk:
     """One micro-batch's engine top-k (see the module docstring for the layout), as checked by
     :func:`engine_topk`; ``validate``: whether the layers also check the data against their own
-    layout (one host synchronisation per layer)."""
+    layout (one host synchronisation per layer). ``digests``: layer number -> the engine's
+    ``(T,)`` int64 row digests, ``engine_rows`` the ``(T,)`` bool rows it computed (``None``:
+    every row)."""
 
-    indices: Mapping[int, torch.Tensor]  # layer number -> (T, k) integer
+    indices: Mapping[int, torch.Tensor]  # layer number -> (T, k) integer; empty: digests only
     layout: TokenLayout
     validate: bool = False
+    digests: Mapping[int, torch.Tensor] | None = None
+    engine_rows: torch.Tensor | None = None
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
@@ -91,6 +104,11 @@ class EngineTopk:
         return self.layout.seq_len
 
     def layer(self, layer_number: int) -> torch.Tensor:
+        if not self.indices:
+            raise ValueError(
+                f"engine_topk holds only digests, no picks, for DSA layer {layer_number}: "
+                "digests verify, replay needs the picks; pass engine_topk(indices=...)."
+            )
         if layer_number not in self.indices:
             raise KeyError(
                 f"engine_topk holds no indices for DSA layer {layer_number} (it has layers "
@@ -148,6 +166,39 @@ class EngineTopk:
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
         return torch.nn.functional.pad(picks, (0, topk - picks.shape[-1]), value=-1)
+
+    def digest_rows(
+        self, layer_number: int, tokens: torch.Tensor, batch: int, consumer: TokenLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's digests of a rank's rows and which of them to compare, on the rows'
+        device (no synchronisation): ``((rows,) int64, (rows,) bool)``.
+
+        ``tokens``: ``(rows,)`` int64 global token of each row (BSHD: ``b * seq_len + position``;
+        THD: the packed row; padding rows past the ``T`` tokens are not compared); ``consumer``:
+        the layer's own layout, checked as in :meth:`rows`."""
+        name = f"engine_topk digests of layer {layer_number}"
+        where = f"DSA layer {layer_number}"
+        if layer_number not in self.digests:
+            raise KeyError(
+                f"engine_topk holds no digests for DSA layer {layer_number} (it has layers "
+                f"{sorted(self.digests)}); verify needs every top-k-computing layer's."
+            )
+        self.layout.check_consumer(name, consumer, where=where, validate=self.validate)
+        digests = self.digests[layer_number]
+        total = digests.shape[0]
+        if self.layout.seq_len is not None and total != batch * self.layout.seq_len:
+            raise ValueError(
+                f"{name}: {total} token rows, but {where} runs {batch} sequences of "
+                f"{self.layout.seq_len} tokens ({batch * self.layout.seq_len} rows); pass "
+                "this micro-batch's digests, batch-major."
+            )
+        device = tokens.device
+        inside = tokens < total
+        safe = tokens.clamp(max=max(total - 1, 0))
+        theirs = digests.to(device, non_blocking=True)[safe]
+        if self.engine_rows is not None:
+            inside = inside & self.engine_rows.to(device, non_blocking=True)[safe]
+        return theirs, inside
 
 
 _ENGINE: contextvars.ContextVar[EngineTopk | None] = contextvars.ContextVar(
@@ -212,10 +263,84 @@ def _checked(
     return dict(indices)
 
 
+def _checked_digests(
+    digests: Mapping[int, torch.Tensor],
+    engine_rows: torch.Tensor | None,
+    layout: TokenLayout,
+    indices: Mapping[int, torch.Tensor],
+) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    """The layers' engine digests and ``engine_rows``, host facts only (types, dtypes, shapes,
+    devices, ``T`` against the layout and the picks). Errors name the layer and the fix."""
+    if not isinstance(digests, Mapping) or not digests:
+        raise TypeError(
+            "engine_topk(engine_digests=...) takes {layer_number: (T,) int64 digests} (e.g. from "
+            f"dsa_precision.capture.pack_digests), got {type(digests).__name__} {digests!r:.60}."
+        )
+    lengths = {t.shape[0] for t in indices.values()}
+    devices = {t.device for t in indices.values()}
+    for layer, d in digests.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+            raise ValueError(f"engine_digests keys are 1-based layer numbers, got {layer!r}.")
+        name = f"engine_digests layer {layer}"
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 1:
+            got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
+            hint = " (per-row picks? digest them: digest_rows(picks))" if _is_picks(d) else ""
+            raise TypeError(f"{name}: expected (T,) int64 row digests, got {got}{hint}.")
+        if d.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {d.device}; hold the digests on the CPU or a GPU.")
+        if layout.seq_len is not None and d.shape[0] % layout.seq_len:
+            raise ValueError(
+                f"{name}: {d.shape[0]} token rows are not a whole number of sequences of "
+                f"seq_len={layout.seq_len}; pass batch * seq_len rows, batch-major."
+            )
+        cu = layout.cu_seqlens
+        if cu is not None and cu.device.type == "cpu" and int(cu[-1]) != d.shape[0]:
+            raise ValueError(
+                f"{name}: {d.shape[0]} token rows but cu_seqlens ends at {int(cu[-1])}; pass one "
+                "digest per packed token of this micro-batch (pack_digests)."
+            )
+        lengths.add(d.shape[0])
+        devices.add(d.device)
+    if len(lengths) > 1:
+        raise ValueError(
+            f"engine_topk: the picks and digests hold different token counts {sorted(lengths)}; "
+            "hand in one micro-batch's rows for every layer."
+        )
+    if engine_rows is not None:
+        (total,) = lengths
+        if not (
+            isinstance(engine_rows, torch.Tensor)
+            and engine_rows.dtype == torch.bool
+            and engine_rows.shape == (total,)
+        ):
+            got = (
+                f"{engine_rows.dtype} {tuple(engine_rows.shape)}"
+                if isinstance(engine_rows, torch.Tensor)
+                else type(engine_rows).__name__
+            )
+            raise TypeError(
+                f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
+                f"from pack_digests), got {got}."
+            )
+        devices.add(engine_rows.device)
+    if len(devices) > 1:
+        raise ValueError(
+            f"engine_topk: picks, digests and engine_rows are on different devices "
+            f"({sorted(map(str, devices))}); hand them in on one device."
+        )
+    return dict(digests), engine_rows
+
+
+def _is_picks(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim == 2
+
+
 @contextlib.contextmanager
 def engine_topk(
-    indices: Mapping[int, torch.Tensor],
+    indices: Mapping[int, torch.Tensor] | None = None,
     *,
+    engine_digests: Mapping[int, torch.Tensor] | None = None,
+    engine_rows: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     seq_len: int | None = None,
     validate: bool | None = None,
@@ -232,7 +357,14 @@ def engine_topk(
     Args:
         indices: layer number (1-based, Megatron's) -> ``(T, k)`` engine picks (see the module
             docstring); all on one device, the CPU or the layers' (copied to the layer's when it
-            reads them; from pinned memory without a synchronisation).
+            reads them; from pinned memory without a synchronisation). ``None``: digests only.
+        engine_digests: layer number -> ``(T,)`` int64 digests of the engine's rows
+            (:func:`dsa_precision.capture.digest_rows` of the sequence-relative picks;
+            :func:`dsa_precision.capture.pack_digests` packs them), instead of or beside
+            ``indices``: verify (and FP8 compute) compares each layer's own picks with them by
+            digest. Replay needs ``indices``.
+        engine_rows: ``(T,)`` bool, the rows the engine computed (``pack_digests``); the other
+            rows are not compared. ``None``: every row.
         cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed tokens (THD micro-batches), as
             the model's ``PackedSeqParams`` hold them.
         seq_len: tokens per sequence of a BSHD micro-batch (``T = batch * seq_len``).
@@ -248,7 +380,23 @@ def engine_topk(
     elif not isinstance(validate, bool):
         raise TypeError(f"engine_topk(validate={validate!r}): pass True, False or None.")
     layout = TokenLayout(cu_seqlens=cu_seqlens, seq_len=seq_len)
-    engine = EngineTopk(_checked(indices, layout, validate), layout, validate)
+    if engine_rows is not None and engine_digests is None:
+        raise ValueError(
+            "engine_topk(engine_rows=...) marks the rows of engine_digests; pass engine_digests "
+            "too (pack_digests returns both)."
+        )
+    if indices is None and engine_digests is None:
+        raise ValueError(
+            "engine_topk needs the engine's picks (indices={layer: (T, k)}) or their digests "
+            "(engine_digests={layer: (T,) int64}); got neither."
+        )
+    picks = {} if indices is None else _checked(indices, layout, validate)
+    digests, rows = (
+        (None, None)
+        if engine_digests is None
+        else _checked_digests(engine_digests, engine_rows, layout, picks)
+    )
+    engine = EngineTopk(picks, layout, validate, digests, rows)
     token = _ENGINE.set(engine)
     try:
         yield engine
@@ -292,7 +440,7 @@ class TopkMonitor:
     """Per-layer agreement with the engine, accumulated on the device (no host sync)."""
 
     _SUMS = ("common", "members", "identical", "rows", "flipped", "margin", "margin_rows",
-             "margin_flipped", "flipped_rows")  # fmt: skip
+             "margin_flipped", "flipped_rows", "digest_mismatch", "digest_compared")  # fmt: skip
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -323,14 +471,29 @@ class TopkMonitor:
                 "margin_flipped": torch.where(flipped, m, 0.0).sum(),
                 "flipped_rows": flipped.sum().to(f64),
             }
-        for name, value in values.items():
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self._add(values)
         top = a.flipped_max.to(torch.int64)
         self.flipped_max = top if self.flipped_max is None else torch.maximum(self.flipped_max, top)
 
+    def update_digests(self, mismatch: torch.Tensor, compared: torch.Tensor) -> None:
+        """Add one micro-batch's digest comparison: ``mismatch`` and ``compared`` ``(rows,)``
+        bool (rows whose digest differs from the engine's; rows compared)."""
+        f64 = torch.float64
+        self._add(
+            {
+                "digest_mismatch": (mismatch & compared).sum().to(f64),
+                "digest_compared": compared.sum().to(f64),
+            }
+        )
+
+    def _add(self, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+
     def raw(self) -> torch.Tensor:
         """float64 ``[len(_SUMS) + 1]``: the sums then ``flipped_max`` (for an all-reduce)."""
-        device = self.flipped_max.device if self.flipped_max is not None else "cpu"
+        held = [*self.sums.values(), self.flipped_max]
+        device = next((t.device for t in held if t is not None), "cpu")
         zero = torch.zeros((), dtype=torch.float64, device=device)
         sums = [self.sums.get(n, zero) for n in self._SUMS]
         top = self.flipped_max.to(torch.float64) if self.flipped_max is not None else zero
@@ -354,6 +517,8 @@ def _metrics(name: str, raw: list[float]) -> dict[str, float]:
         f"{name}/margin_mean_flipped": (
             s["margin_flipped"] / s["flipped_rows"] if s["flipped_rows"] else nan
         ),
+        f"{name}/digest_mismatch_rows": s["digest_mismatch"],
+        f"{name}/digest_compared_rows": s["digest_compared"],
     }
 
 
@@ -366,7 +531,8 @@ def topk_metrics(
     """Every monitored layer's metrics since the last reset, as ``{name: value}``.
 
     Names: ``dsa_topk/layer_NN/{member_agreement, rows_identical, flipped_per_row, flipped_max,
-    rows, margin_mean, margin_mean_flipped}`` and ``dsa_topk/all/...`` over every layer. With
+    rows, margin_mean, margin_mean_flipped, digest_mismatch_rows, digest_compared_rows}`` and
+    ``dsa_topk/all/...`` over every layer (the digest counts are 0 without engine digests). With
     ``group`` (e.g. the data-parallel group) the counts are summed (``flipped_max``: max) across
     its ranks first. One host synchronisation.
     """
