@@ -43,7 +43,9 @@ def _config(dsap, stock=False, **overrides):
         params_dtype=torch.bfloat16, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=128,
         qk_pos_emb_head_dim=ROPE, v_head_dim=128, add_bias_linear=False, apply_rope_fusion=False,
         experimental_attention_variant="dsa", dsa_indexer_n_heads=32, dsa_indexer_head_dim=128,
-        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, rope_type="rope", **overrides,
+        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, rope_type="rope",
+        layernorm_epsilon=1e-6,  # the indexer k_norm eps vLLM and LMDeploy hard-code
+        **overrides,
     )  # fmt: skip
 
 
@@ -196,9 +198,9 @@ def _layer_step(dsap, name, topk_freq, packed):
 
     config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name])
     layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+    psp = _packed_params(packed)  # built before the step: a host-to-device copy of the lengths
 
     def step(inputs):
-        psp = _packed_params(packed)
         outs = []
         for layer, (query, key, x, qr, up_v) in zip(layers, inputs, strict=True):
             if packed:
