@@ -518,23 +518,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             sys.stdout.flush()
 
-    print("\npassed/failed/skipped/errors per file (! = harness problem, see summary.json)")
-    width = max(len(s.path.removeprefix("tests/unit_tests/")) for s in selections)
-    columns = max(13, *(len(m) for m in modes))
-    print(f"{'file':{width}}" + "".join(f"  {m:>{columns}}" for m in modes))
-    totals = {mode: dict.fromkeys(OUTCOMES, 0) for mode in modes}
-    for selection in selections:
-        cells = []
-        for mode in modes:
-            run = runs[(selection.path, mode)]
-            cells.append(_cell(run))
-            for key, value in run.counts().items():
-                totals[mode][key] += value
-        name = selection.path.removeprefix("tests/unit_tests/")
-        print(f"{name:{width}}" + "".join(f"  {c:>{columns}}" for c in cells))
-    total_cells = ["/".join(str(totals[m][k]) for k in OUTCOMES) for m in modes]
-    print(f"{'TOTAL':{width}}" + "".join(f"  {c:>{columns}}" for c in total_cells))
-
     differing: dict[str, list[dict]] = {}
     missing: dict[str, list[Expected]] = {}
     if "stock" in modes:
@@ -566,14 +549,32 @@ def main(argv: list[str] | None = None) -> int:
     problems = [
         f"{mode} {path}: {run.problem}" for (path, mode), run in runs.items() if run.problem
     ]
+    print()
     for mode in swapped:
         reports = sorted((out / mode).glob("*.swap.json"))
         if reports:
             report = json.loads(reports[0].read_text())
             print(
-                f"\nswap_plugin [{mode}]: fields {report.get('fields') or 'none'}, "
+                f"swap_plugin [{mode}]: fields {report.get('fields') or 'none'}, "
                 f"probe {report.get('probe', {})}"
             )
+    print("\npassed/failed/skipped/errors per file (! = harness problem, see summary.json)")
+    width = max(len(s.path.removeprefix("tests/unit_tests/")) for s in selections)
+    columns = max(13, *(len(m) for m in modes))
+    print(f"{'file':{width}}" + "".join(f"  {m:>{columns}}" for m in modes))
+    totals = {mode: dict.fromkeys(OUTCOMES, 0) for mode in modes}
+    for selection in selections:
+        cells = []
+        for mode in modes:
+            run = runs[(selection.path, mode)]
+            cells.append(_cell(run))
+            for key, value in run.counts().items():
+                totals[mode][key] += value
+        name = selection.path.removeprefix("tests/unit_tests/")
+        print(f"{name:{width}}" + "".join(f"  {c:>{columns}}" for c in cells))
+    total_cells = ["/".join(str(totals[m][k]) for k in OUTCOMES) for m in modes]
+    print(f"{'TOTAL':{width}}" + "".join(f"  {c:>{columns}}" for c in total_cells))
+
     unexpected = {
         mode: [d for d in items if not d["expected"]] for mode, items in differing.items()
     }
@@ -608,9 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("\nharness problems:\n  " + "\n  ".join(problems))
         return 1
+    print()
+    for mode, items in differing.items():
+        explained = sum(1 for d in items if d["expected"])
+        print(
+            f"{mode}: {len(items) - explained} unexpected difference(s), {explained} expected "
+            f"by design, {len(missing[mode])} expected but not seen"
+        )
     if any(unexpected.values()):
-        counts = ", ".join(f"{mode} {len(items)}" for mode, items in unexpected.items() if items)
-        print(f"\nunexpected differences: {counts}")
         return 2
     return 0
 
