@@ -81,19 +81,17 @@ def _local_mla(node: Any) -> Any:
     return node
 
 
-def _count_dsa(node: Any) -> int:
-    """How many DSA modules (stock or precision) a spec tree names."""
+def _has_dsa(node: Any) -> bool:
+    """Whether a spec tree names a DSA module (stock or precision)."""
     if isinstance(node, ModuleSpec):
-        return _count_dsa(node.module) + _count_dsa(node.submodules)
+        return _has_dsa(node.module) or _has_dsa(node.submodules)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return sum(_count_dsa(getattr(node, f.name)) for f in dataclasses.fields(node))
+        return any(_has_dsa(getattr(node, f.name)) for f in dataclasses.fields(node))
     if isinstance(node, list | tuple):
-        return sum(_count_dsa(item) for item in node)
+        return any(_has_dsa(item) for item in node)
     if isinstance(node, dict):
-        return sum(_count_dsa(value) for value in node.values())
-    if isinstance(node, type):
-        return int(node in _SWAPS or node in _SWAPS.values())
-    return 0
+        return any(_has_dsa(value) for value in node.values())
+    return isinstance(node, type) and (node in _SWAPS or node in _SWAPS.values())
 
 
 def _switched_on(config: Any) -> list[str]:
@@ -115,7 +113,7 @@ def _refuse_idle_fields(config: Any, where: str, *, has_dsa: bool) -> None:
     fields = _switched_on(config)
     if not fields or has_dsa:
         return
-    variant = getattr(config, "experimental_attention_variant", None)
+    variant = config.experimental_attention_variant
     raise ValueError(
         f"{where}: {', '.join(fields)} acts on DSA layers, and the spec has none "
         f"(experimental_attention_variant={variant!r}); set experimental_attention_variant='dsa' "
@@ -131,7 +129,7 @@ def with_dsa_precision(spec: Any, config: Any = None) -> Any:
     field on raises ``ValueError`` naming the field and ``experimental_attention_variant``: the
     field would act on nothing."""
     if config is not None:
-        _refuse_idle_fields(config, "with_dsa_precision", has_dsa=_count_dsa(spec) > 0)
+        _refuse_idle_fields(config, "with_dsa_precision", has_dsa=_has_dsa(spec))
     return _swap(copy.copy(spec))
 
 
@@ -178,10 +176,11 @@ def get_gpt_dsa_precision_block_spec(
         has_dsa=config.experimental_attention_variant == "dsa",
     )
     if backend is None and eav_specs.HAVE_TE:
-        block = eav_specs.get_transformer_block_with_experimental_attention_variant_spec(
-            config, vp_stage=vp_stage, pp_rank=pp_rank
+        return with_dsa_precision(
+            eav_specs.get_transformer_block_with_experimental_attention_variant_spec(
+                config, vp_stage=vp_stage, pp_rank=pp_rank
+            )
         )
-        return with_dsa_precision(block)
     backend = backend or default_backend()
     layers = eav_specs.get_transformer_layer_with_experimental_attention_variant_spec(
         config, backend=backend
