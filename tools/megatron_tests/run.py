@@ -153,7 +153,7 @@ EXPECTED = (
         message=r"^AssertionError: assert 0 == 2$",
         reason="the test counts the calls of Megatron's dsa.rotate_activation (patched by its "
         "module path), a BF16-only Hadamard; with rope_fp32 the indexer applies the Hadamard in "
-        "FP32 (dsa_precision.hadamard.rotate_activation, the engine's rule), so Megatron's "
+        "FP32 (dsa_precision.hadamard.rotate_activation), so Megatron's "
         "function is called 0 times, not 2. The rotation still follows the config field per "
         "forward: tests/test_megatron.py::test_indexer_follows_megatrons_preprocessing_fields_per_call",
     ),
