@@ -87,6 +87,23 @@ def test_every_problem_is_reported_at_once():
     )
 
 
+@pytest.mark.parametrize("name", ["rope_fp32", "fp8"])
+def test_directly_built_dsa_modules_take_the_fields_whatever_the_variant_says(name):
+    """Megatron's own tests build DSA modules from configs with experimental_attention_variant=None:
+    the config accepts the fields, and the module computes exactly as with the variant 'dsa'."""
+    inputs = attention_inputs()
+    outputs = []
+    for variant in (None, "dsa"):
+        config = make_config(experimental_attention_variant=variant, **CONFIGS[name])
+        assert config.dsa_indexer_precision == IndexerPrecisionConfig(**_precision_of(name))
+        outputs.append(run_attention(make_attention(config), inputs).detach())
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def _precision_of(name: str) -> dict:
+    return {"rope_fp32": dict(rope_fp32=True), "fp8": dict(scoring_precision="fp8")}[name]
+
+
 def test_engine_field_is_validated():
     with pytest.raises(ValueError, match=r"dsa_indexer_engine='tgi' is not an engine profile"):
         make_config(dsa_indexer_engine="tgi")
@@ -414,6 +431,50 @@ def test_spec_swap_replaces_only_the_dsa_modules():
     assert count(hybrid_stack_spec, DSAttention) > 0 and count(hybrid, DSAttention) == 0
     assert count(hybrid, dsap.PrecisionDSAttention) == count(hybrid_stack_spec, DSAttention)
     assert count(hybrid, dsap.PrecisionDSAIndexer) == count(hybrid_stack_spec, DSAIndexer)
+
+
+_SWITCHED_ON = {
+    "dsa_indexer_rope_fp32=True": dict(dsa_indexer_rope_fp32=True),
+    "dsa_indexer_scoring_precision='fp8'": dict(dsa_indexer_scoring_precision="fp8"),
+    "dsa_indexer_topk_source='verify'": dict(dsa_indexer_topk_source="verify"),
+    "dsa_indexer_topk_source='replay'": dict(dsa_indexer_topk_source="replay"),
+}
+
+
+@pytest.mark.parametrize("field", list(_SWITCHED_ON))
+def test_block_spec_without_dsa_layers_refuses_a_switched_on_field(field):
+    """Megatron's block builder makes no DSA layer unless experimental_attention_variant='dsa':
+    a switched-on field would act on nothing, and the spec builder says so."""
+    config = make_config(num_layers=2, experimental_attention_variant=None, **_SWITCHED_ON[field])
+    with pytest.raises(
+        ValueError,
+        match=rf"get_gpt_dsa_precision_block_spec: {field} acts on DSA layers.*"
+        r"experimental_attention_variant=None\); set experimental_attention_variant='dsa'",
+    ):
+        dsap.get_gpt_dsa_precision_block_spec(config)
+
+
+def test_swap_of_a_spec_without_dsa_refuses_a_switched_on_field():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    plain = get_gpt_layer_local_spec()
+    rope = make_config(dsa_indexer_rope_fp32=True)
+    with pytest.raises(ValueError, match=r"with_dsa_precision: dsa_indexer_rope_fp32=True acts"):
+        dsap.with_dsa_precision(plain, rope)
+    # Default fields, or no config: nothing to refuse; a spec with DSA modules: swapped.
+    kept = dsap.with_dsa_precision(plain, make_config())
+    assert kept.submodules.self_attention.module is plain.submodules.self_attention.module
+    dsa = eav_module_spec(make_config())
+    swapped = dsap.with_dsa_precision(dsa, rope).submodules.core_attention
+    assert swapped.module is dsap.PrecisionDSAttention
+
+
+def eav_module_spec(config):
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
+
+    return get_dsa_module_spec_for_backend(config, dsap.LocalDSASpecProvider())
 
 
 def test_gpt_block_spec_without_te():

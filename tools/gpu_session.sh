@@ -108,7 +108,7 @@ for step in "$@"; do
       # enough to carry)
       TAIL=30 run megatron_tests 900 python tools/megatron_tests/run.py \
         --megatron-lm "${MEGATRON_LM:-.megatron-lm}" --timeout "${MEGATRON_TIMEOUT:-600}" \
-        --out "$LOGS/megatron_tests" ;;
+        --jobs "${MEGATRON_JOBS:-1}" --out "$LOGS/megatron_tests" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

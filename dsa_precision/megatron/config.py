@@ -111,7 +111,6 @@ VALIDATED_MEGATRON_FIELDS = (
     "dsa_indexer_head_dim",
     "dsa_indexer_rotate_activation",
     "dsa_indexer_rope_interleaved",
-    "experimental_attention_variant",
 )
 _REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
 # Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
@@ -155,11 +154,9 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
         )
     if precision == IndexerPrecisionConfig(engine=precision.engine) and not problems:
         return precision  # Megatron's behaviour: nothing of ours runs
-    if config.experimental_attention_variant != "dsa":
-        problems.append(
-            f"experimental_attention_variant={config.experimental_attention_variant!r}: the "
-            "dsa-precision fields act on DSA; set experimental_attention_variant='dsa'"
-        )
+    # Not checked here: experimental_attention_variant. A DSA module built directly (as Megatron's
+    # own tests do) acts on the fields whatever it says; a spec with no DSA layer for them is
+    # refused where it is built (get_gpt_dsa_precision_block_spec, with_dsa_precision(spec, config)).
     if precision.fp8:
         if not config.dsa_indexer_scoring_relu:
             problems.append(

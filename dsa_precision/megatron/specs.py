@@ -3,6 +3,11 @@
 :func:`with_dsa_precision` walks any spec tree (GPT layer or block specs, hybrid stack specs)
 and returns a copy in which ``DSAttention`` and ``DSAIndexer`` are replaced by
 :class:`PrecisionDSAttention` and :class:`PrecisionDSAIndexer`; the input spec is not modified.
+
+The rule "the dsa-precision fields act on DSA" is checked here, where a model's layers are chosen,
+not in the config: a DSA module built directly acts on the fields whatever
+``experimental_attention_variant`` says (Megatron's own tests build them with ``None``), while a
+spec with no DSA module would leave a switched-on field with nothing to act on, and raises.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from .attention import PrecisionDSAttention
+from .config import layer_decisions
 from .indexer import PrecisionDSAIndexer
 
 __all__ = [
@@ -75,9 +81,55 @@ def _local_mla(node: Any) -> Any:
     return node
 
 
-def with_dsa_precision(spec: Any) -> Any:
+def _has_dsa(node: Any) -> bool:
+    """Whether a spec tree names a DSA module (stock or precision)."""
+    if isinstance(node, ModuleSpec):
+        return _has_dsa(node.module) or _has_dsa(node.submodules)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return any(_has_dsa(getattr(node, f.name)) for f in dataclasses.fields(node))
+    if isinstance(node, list | tuple):
+        return any(_has_dsa(item) for item in node)
+    if isinstance(node, dict):
+        return any(_has_dsa(value) for value in node.values())
+    return isinstance(node, type) and (node in _SWAPS or node in _SWAPS.values())
+
+
+def _switched_on(config: Any) -> list[str]:
+    """The dsa-precision fields of ``config`` that change Megatron's behaviour, as ``name=value``."""
+    precision, source = layer_decisions(config)
+    fields = []
+    if precision.rope_fp32:
+        fields.append("dsa_indexer_rope_fp32=True")
+    if precision.fp8:
+        fields.append("dsa_indexer_scoring_precision='fp8'")
+    if source != "compute":
+        fields.append(f"dsa_indexer_topk_source={source!r}")
+    return fields
+
+
+def _refuse_idle_fields(config: Any, where: str, *, has_dsa: bool) -> None:
+    """Raise ``ValueError`` when ``config`` switches a dsa-precision field on and the spec being
+    built has no DSA module for it to act on (host-only)."""
+    fields = _switched_on(config)
+    if not fields or has_dsa:
+        return
+    variant = config.experimental_attention_variant
+    raise ValueError(
+        f"{where}: {', '.join(fields)} acts on DSA layers, and the spec has none "
+        f"(experimental_attention_variant={variant!r}); set experimental_attention_variant='dsa' "
+        "to build DSA layers, or leave the dsa-precision fields at their defaults."
+    )
+
+
+def with_dsa_precision(spec: Any, config: Any = None) -> Any:
     """A copy of ``spec`` (``ModuleSpec``, submodules dataclass or list of them) with the DSA
-    modules replaced by the precision modules."""
+    modules replaced by the precision modules.
+
+    With ``config``, a spec that has no DSA module while ``config`` switches a dsa-precision
+    field on raises ``ValueError`` naming the field and ``experimental_attention_variant``: the
+    field would act on nothing."""
+    if config is not None:
+        _refuse_idle_fields(config, "with_dsa_precision", has_dsa=_has_dsa(spec))
     return _swap(copy.copy(spec))
 
 
@@ -113,7 +165,16 @@ def get_gpt_dsa_precision_block_spec(
     config, vp_stage: int | None = None, pp_rank: int | None = None, backend=None
 ) -> TransformerBlockSubmodules:
     """GPT decoder block spec with DSA layers (the experimental-attention-variant block) and the
-    precision modules, for the TE backend or, without TE, :class:`LocalDSASpecProvider`."""
+    precision modules, for the TE backend or, without TE, :class:`LocalDSASpecProvider`.
+
+    Megatron's builder makes DSA layers only with ``experimental_attention_variant='dsa'``; with
+    another value and a dsa-precision field switched on this raises ``ValueError`` (the field
+    would act on nothing)."""
+    _refuse_idle_fields(
+        config,
+        "get_gpt_dsa_precision_block_spec",
+        has_dsa=config.experimental_attention_variant == "dsa",
+    )
     if backend is None and eav_specs.HAVE_TE:
         return with_dsa_precision(
             eav_specs.get_transformer_block_with_experimental_attention_variant_spec(

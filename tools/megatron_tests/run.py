@@ -1,6 +1,7 @@
 """Run Megatron-LM's own DSA unit tests stock and with the dsa-precision drop-ins; compare.
 
-    python tools/megatron_tests/run.py --megatron-lm PATH [--mode stock|swapped|both] [--out DIR]
+    python tools/megatron_tests/run.py --megatron-lm PATH [--mode stock|swapped|both]
+        [--fields none] [--fields rope_fp32] [--out DIR] [--jobs N]
 
 ``PATH`` is a Megatron-LM checkout (or an export of one: only its ``tests/`` tree is used) of the
 release matching the installed megatron-core, e.g.::
@@ -11,15 +12,23 @@ release matching the installed megatron-core, e.g.::
 itself comes from the installed megatron-core, never from ``PATH``.
 
 Each selected file runs in its own ``pytest`` process (working directory ``PATH``, Megatron's
-pytest configuration with its ``addopts`` cleared), with ``-p cpu_plugin`` in both modes and
-``-p swap_plugin`` in the swapped mode (see those modules). Outcomes come from ``--junitxml``;
-the table gives passed/failed/skipped/errors per file and mode, then every test whose outcome
-differs between the modes with the first line of its failure message, then, per mode, how many
-tests that ran (passed or failed) built or used (from their class set-up) a ``DSAIndexer`` /
-``DSAttention`` of each class (``cpu_plugin``'s instrumentation; ``PrecisionDSA*`` in the swapped
-mode). Logs, JUnit files, the plugins' JSON reports and ``summary.json`` are written under
-``--out``. The exit code is 0 unless the harness broke (a
-pytest process timed out, crashed or wrote no JUnit file).
+pytest configuration with its ``addopts`` cleared), with ``-p cpu_plugin`` in every mode and
+``-p swap_plugin`` in the swapped modes (see those modules): one swapped mode per ``--fields``
+set (default both ``none``, the four fields at their defaults, and ``rope_fp32``, which
+``swap_plugin`` switches on in every config the tests build). Outcomes come from
+``--junitxml``. The table gives passed/failed/skipped/errors per file and mode; then, per swapped
+mode, every test whose outcome differs from the stock run with the first line of its failure
+message, split into the differences expected by design (:data:`EXPECTED`, each with its reason:
+``rope_fp32`` changes numerics and code paths on purpose) and the unexpected ones, and the
+expected differences that did not occur; then, per mode, how many tests that ran (passed or
+failed) built or used (from their class set-up) a ``DSAIndexer`` / ``DSAttention`` of each class
+(``cpu_plugin``'s instrumentation; ``PrecisionDSA*`` in the swapped modes). Logs, JUnit files,
+the plugins' JSON reports and ``summary.json`` are written under ``--out`` (one folder per mode).
+``--jobs N`` runs N pytest processes at a time, each with its own ``MASTER_PORT`` (Megatron's
+``Utils`` rendezvous on it on a GPU host); the outcomes do not depend on it.
+
+Exit code: 0 when every difference is expected, 1 when the harness broke (a pytest process timed
+out, crashed or wrote no JUnit file), 2 when a test's outcome differs unexpectedly.
 
 ``dsa_precision`` is the installed one (the editable checkout) unless ``--package-root DIR``
 (a tree containing ``dsa_precision/``) or ``--package-rev REV`` (``git archive REV`` of this
@@ -30,17 +39,21 @@ run do not mix in) puts another first on ``PYTHONPATH``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +63,8 @@ DEFAULT_COMMIT = (
     "f8837c04ef6cbef6cdefb8de001aad63178aebbf"  # core_r0.19.0 tip (0.19.1 + cherry-picks)
 )
 OUTCOMES = ("passed", "failed", "skipped", "error")
+# Field sets of the swapped modes (``swap_plugin``'s ``$DSA_SWAP_FIELDS``): "none" = defaults.
+FIELD_SETS = ("none", "rope_fp32")
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,93 @@ SELECTIONS = (
         ),
     ),
 )
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A test whose outcome differs by design when the drop-ins run with the field set ``fields``:
+    ``node`` (a pytest node id without parameters) with parameters matching ``params``, going from
+    ``stock`` to ``swapped`` with a swapped message that matches ``message``. Anything else that
+    differs, this test with another outcome or message included, is unexpected."""
+
+    fields: str
+    node: str
+    params: str
+    stock: str
+    swapped: str
+    message: str
+    reason: str
+
+    def matches(self, fields: str, test_id: str, stock: tuple, swapped: tuple) -> bool:
+        prefix = junit_id(self.node) + "["
+        return (
+            fields == self.fields
+            and test_id.startswith(prefix)
+            and test_id.endswith("]")
+            and re.fullmatch(self.params, test_id[len(prefix) : -1]) is not None
+            and (stock[0], swapped[0]) == (self.stock, self.swapped)
+            and re.search(self.message, swapped[1]) is not None
+        )
+
+
+EXPECTED = (
+    Expected(
+        fields="rope_fp32",
+        node=EAV + "test_attention_variant_dsa.py::TestDSAIndexer::"
+        "test_dsa_indexer_rotate_activation_follows_config",
+        params=r"True-\d+",
+        stock="passed",
+        swapped="failed",
+        message=r"^AssertionError: assert 0 == 2$",
+        reason="the test counts the calls of Megatron's dsa.rotate_activation (patched by its "
+        "module path), a BF16-only Hadamard; with rope_fp32 the indexer applies the Hadamard in "
+        "FP32 (dsa_precision.hadamard.rotate_activation), so Megatron's "
+        "function is called 0 times, not 2. The rotation still follows the config field per "
+        "forward: tests/test_megatron.py::test_indexer_follows_megatrons_preprocessing_fields_per_call",
+    ),
+)
+
+
+def normalise_fields(fields: str) -> str:
+    """``"none"`` / ``""`` -> ``"none"``; else the sorted comma-separated field names."""
+    names = sorted({n.strip() for n in fields.split(",") if n.strip() and n.strip() != "none"})
+    return ",".join(names) or "none"
+
+
+def swapped_mode(fields: str) -> str:
+    """The mode (and output folder) name of the swapped run with ``fields``."""
+    fields = normalise_fields(fields)
+    return "swapped" if fields == "none" else "swapped+" + fields.replace(",", "+")
+
+
+def compare(
+    stock: dict[str, tuple[str, str]], swapped: dict[str, tuple[str, str]], fields: str
+) -> list[dict]:
+    """Every test whose outcome differs, with ``expected``: the reason (:data:`EXPECTED`) or
+    ``None``."""
+    fields = normalise_fields(fields)
+    differing = []
+    for test_id in sorted(set(stock) | set(swapped)):
+        a = stock.get(test_id, ("absent", ""))
+        b = swapped.get(test_id, ("absent", ""))
+        if a[0] == b[0]:
+            continue
+        reasons = [e.reason for e in EXPECTED if e.matches(fields, test_id, a, b)]
+        differing.append(
+            {"test": test_id, "stock": a, "swapped": b, "expected": reasons[0] if reasons else None}
+        )
+    return differing
+
+
+def not_observed(differing: list[dict], fields: str, ran: set[str]) -> list[Expected]:
+    """The :data:`EXPECTED` entries of ``fields`` for files that ran that no difference matched."""
+    fields = normalise_fields(fields)
+    seen = {item["expected"] for item in differing}
+    return [
+        e
+        for e in EXPECTED
+        if e.fields == fields and e.node.split("::")[0] in ran and e.reason not in seen
+    ]
 
 
 @dataclass
@@ -175,7 +277,7 @@ def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, st
     root = Path(args.megatron_lm).resolve()
     cmd += ["--rootdir", str(root), "-o", "addopts=", "-rA", "-q", "-p", "no:cacheprovider"]
     cmd += ["-p", "cpu_plugin"]
-    if mode == "swapped":
+    if mode != "stock":
         cmd += ["-p", "swap_plugin"]
     cmd += [f"--junitxml={junit}", *args.pytest_arg]
     cpu_report = out / mode / f"{stem}.cpu.json"
@@ -185,6 +287,8 @@ def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, st
         DSA_SWAP_REPORT=str(out / mode / f"{stem}.swap.json"),
         DSA_CPU_REPORT=str(cpu_report),
     )
+    if args.jobs > 1:  # Megatron's Utils rendezvous on $MASTER_PORT (GPU): one per process
+        run_env["MASTER_PORT"] = str(_free_port())
     result = FileRun(selection, mode)
     start = time.monotonic()
     with open(log, "w", encoding="utf-8") as fh:
@@ -218,6 +322,12 @@ def run_file(selection: Selection, mode: str, args, out: Path, env: dict[str, st
     ):
         result.problem = f"pytest exit {result.returncode} with no test recorded; see {log}"
     return result
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _export_rev(rev: str, dest: Path) -> Path:
@@ -302,12 +412,39 @@ def _probe_versions(env: dict[str, str]) -> dict[str, str]:
         return {"error": _first_line(proc.stderr.strip().splitlines()[-1] if proc.stderr else "")}
 
 
+def _print_differences(mode: str, differing: list[dict], missing: list[Expected]) -> None:
+    expected = [d for d in differing if d["expected"]]
+    unexpected = [d for d in differing if not d["expected"]]
+    print(
+        f"\n{mode}: {len(differing)} test(s) with different outcomes (stock -> {mode}), "
+        f"{len(expected)} expected, {len(unexpected)} unexpected"
+    )
+    for title, items in (("unexpected", unexpected), ("expected by design", expected)):
+        if not items:
+            continue
+        print(f"  {title}:")
+        for item in items:
+            (sa, sm), (wa, wm) = item["stock"], item["swapped"]
+            print(f"  - {item['test']}: {sa} -> {wa}")
+            message = wm if wa in ("failed", "error") else sm
+            if message:
+                print(f"      {message}")
+    for reason in dict.fromkeys(d["expected"] for d in expected):
+        print(f"  why (expected): {reason}")
+    for entry in missing:
+        print(
+            f"  expected but not seen: {entry.node}[{entry.params}] {entry.stock} -> "
+            f"{entry.swapped} ({entry.fields})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--megatron-lm", required=True, help="Megatron-LM checkout (tests/ used)")
     parser.add_argument("--mode", choices=("stock", "swapped", "both"), default="both")
     parser.add_argument("--out", default=None, help="output folder (default PATH/_dsa_runs)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per file and mode")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
     parser.add_argument("--only", action="append", default=[], help="substring of file paths")
     parser.add_argument("--package-root", default=None, help="tree with dsa_precision/ to test")
     parser.add_argument(
@@ -319,15 +456,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="Megatron-LM commit to extract")
     parser.add_argument(
         "--fields",
-        default="",
-        help="swapped mode: dsa-precision fields switched on in every config (rope_fp32)",
+        action="append",
+        default=None,
+        help="a swapped mode with these dsa-precision fields switched on in every config: "
+        f"'none' (defaults) or a comma list of {list(FIELD_SETS[1:])}; repeatable "
+        f"(default: {' and '.join(FIELD_SETS)})",
     )
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument")
     args = parser.parse_args(argv)
+    field_sets = list(dict.fromkeys(normalise_fields(f) for f in args.fields or FIELD_SETS))
+    unknown = {n for f in field_sets for n in f.split(",")} - set(FIELD_SETS)
+    if unknown:
+        parser.error(f"--fields: unknown {sorted(unknown)}; use 'none' or {list(FIELD_SETS[1:])}")
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs}: give 1 or more")
     args.megatron_lm = str(Path(args.megatron_lm).resolve())
     _ensure_checkout(args)
     out = Path(args.out or Path(args.megatron_lm) / "_dsa_runs").resolve()
-    modes = ("stock", "swapped") if args.mode == "both" else (args.mode,)
+    swapped = {swapped_mode(f): f for f in field_sets} if args.mode != "stock" else {}
+    modes = (["stock"] if args.mode != "swapped" else []) + list(swapped)
     for mode in modes:
         (out / mode).mkdir(parents=True, exist_ok=True)
 
@@ -340,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         path.insert(0, str(Path(package_root).resolve()))
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["MEGATRON_LM_ROOT"] = args.megatron_lm
-    env["DSA_SWAP_FIELDS"] = args.fields
+    env["DSA_SWAP_FIELDS"] = ""
+    mode_env = {
+        mode: dict(env, DSA_SWAP_FIELDS="" if f == "none" else f) for mode, f in swapped.items()
+    }
+    mode_env["stock"] = env
     commit_file = Path(args.megatron_lm) / "COMMIT"
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     versions = _probe_versions(env)
@@ -348,55 +499,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"megatron-core / dsa_precision: {versions}")
     if package_root:
         print(f"dsa_precision tree sha256: {_tree_digest(package_root)}")
-    print(f"output: {out}\n")
+    print(f"modes: {', '.join(modes)}; output: {out}\n")
 
     selections = [s for s in SELECTIONS if not args.only or any(o in s.path for o in args.only)]
+    jobs = [(selection, mode) for selection in selections for mode in modes]
     runs: dict[tuple[str, str], FileRun] = {}
-    for selection in selections:
-        for mode in modes:
-            run = run_file(selection, mode, args, out, env)
-            runs[(selection.path, mode)] = run
+
+    def one(job: tuple[Selection, str]) -> FileRun:
+        selection, mode = job
+        return run_file(selection, mode, args, out, mode_env[mode])
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for run in pool.map(one, jobs):
+            runs[(run.selection.path, run.mode)] = run
             status = run.problem or f"exit {run.returncode}"
-            print(f"  [{mode:7}] {selection.path} {_cell(run)} ({run.seconds:.0f}s, {status})")
+            print(
+                f"  [{run.mode:7}] {run.selection.path} {_cell(run)} ({run.seconds:.0f}s, {status})"
+            )
             sys.stdout.flush()
 
-    print("\npassed/failed/skipped/errors per file (! = harness problem, see summary.json)")
-    width = max(len(s.path.removeprefix("tests/unit_tests/")) for s in selections)
-    print(f"{'file':{width}}  {'stock':>13}  {'swapped':>13}")
-    totals = {mode: dict.fromkeys(OUTCOMES, 0) for mode in modes}
-    for selection in selections:
-        cells = []
-        for mode in ("stock", "swapped"):
-            run = runs.get((selection.path, mode))
-            cells.append(_cell(run))
-            if run is not None:
-                for key, value in run.counts().items():
-                    totals[mode][key] += value
-        name = selection.path.removeprefix("tests/unit_tests/")
-        print(f"{name:{width}}  {cells[0]:>13}  {cells[1]:>13}")
-    total_cells = [
-        "/".join(str(totals[m][k]) for k in OUTCOMES) if m in totals else "-"
-        for m in ("stock", "swapped")
-    ]
-    print(f"{'TOTAL':{width}}  {total_cells[0]:>13}  {total_cells[1]:>13}")
-
-    differing = []
-    if len(modes) == 2:
-        for selection in selections:
-            stock = runs[(selection.path, "stock")].tests
-            swapped = runs[(selection.path, "swapped")].tests
-            for test_id in sorted(set(stock) | set(swapped)):
-                a = stock.get(test_id, ("absent", ""))
-                b = swapped.get(test_id, ("absent", ""))
-                if a[0] != b[0]:
-                    differing.append({"test": test_id, "stock": a, "swapped": b})
-        print(f"\n{len(differing)} test(s) with different outcomes (stock -> swapped):")
-        for item in differing:
-            (sa, sm), (wa, wm) = item["stock"], item["swapped"]
-            print(f"- {item['test']}: {sa} -> {wa}")
-            message = wm if wa in ("failed", "error") else sm
-            if message:
-                print(f"    {message}")
+    differing: dict[str, list[dict]] = {}
+    missing: dict[str, list[Expected]] = {}
+    if "stock" in modes:
+        ran = {s.path for s in selections}
+        for mode, fields in swapped.items():
+            differing[mode] = [
+                item
+                for selection in selections
+                for item in compare(
+                    runs[(selection.path, "stock")].tests,
+                    runs[(selection.path, mode)].tests,
+                    fields,
+                )
+            ]
+            missing[mode] = not_observed(differing[mode], fields, ran)
+            _print_differences(mode, differing[mode], missing[mode])
 
     print("\ntests that ran (passed or failed) and built or used DSA modules, per class:")
     usage_summary: dict[str, dict[str, int]] = {}
@@ -412,17 +549,43 @@ def main(argv: list[str] | None = None) -> int:
     problems = [
         f"{mode} {path}: {run.problem}" for (path, mode), run in runs.items() if run.problem
     ]
-    swap_reports = sorted((out / "swapped").glob("*.swap.json")) if "swapped" in modes else []
-    if swap_reports:
-        probe = json.loads(swap_reports[0].read_text()).get("probe", {})
-        print(f"\nswap_plugin probe: {probe}")
+    print()
+    for mode in swapped:
+        reports = sorted((out / mode).glob("*.swap.json"))
+        if reports:
+            report = json.loads(reports[0].read_text())
+            print(
+                f"swap_plugin [{mode}]: fields {report.get('fields') or 'none'}, "
+                f"probe {report.get('probe', {})}"
+            )
+    print("\npassed/failed/skipped/errors per file (! = harness problem, see summary.json)")
+    width = max(len(s.path.removeprefix("tests/unit_tests/")) for s in selections)
+    columns = max(13, *(len(m) for m in modes))
+    print(f"{'file':{width}}" + "".join(f"  {m:>{columns}}" for m in modes))
+    totals = {mode: dict.fromkeys(OUTCOMES, 0) for mode in modes}
+    for selection in selections:
+        cells = []
+        for mode in modes:
+            run = runs[(selection.path, mode)]
+            cells.append(_cell(run))
+            for key, value in run.counts().items():
+                totals[mode][key] += value
+        name = selection.path.removeprefix("tests/unit_tests/")
+        print(f"{name:{width}}" + "".join(f"  {c:>{columns}}" for c in cells))
+    total_cells = ["/".join(str(totals[m][k]) for k in OUTCOMES) for m in modes]
+    print(f"{'TOTAL':{width}}" + "".join(f"  {c:>{columns}}" for c in total_cells))
+
+    unexpected = {
+        mode: [d for d in items if not d["expected"]] for mode, items in differing.items()
+    }
     summary = {
         "megatron_lm": args.megatron_lm,
         "commit": commit,
         "versions": versions,
         "package_root": package_root,
         "package_sha256": _tree_digest(package_root),
-        "modes": list(modes),
+        "modes": modes,
+        "fields": {mode: fields for mode, fields in swapped.items()},
         "files": {
             f"{path} [{mode}]": {
                 "counts": run.counts(),
@@ -434,7 +597,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             for (path, mode), run in runs.items()
         },
+        "totals": totals,
         "differing": differing,
+        "expected_not_seen": {
+            mode: [dataclasses.asdict(e) for e in items] for mode, items in missing.items()
+        },
         "dsa_module_usage": usage_summary,
         "problems": problems,
     }
@@ -442,6 +609,15 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("\nharness problems:\n  " + "\n  ".join(problems))
         return 1
+    print()
+    for mode, items in differing.items():
+        explained = sum(1 for d in items if d["expected"])
+        print(
+            f"{mode}: {len(items) - explained} unexpected difference(s), {explained} expected "
+            f"by design, {len(missing[mode])} expected but not seen"
+        )
+    if any(unexpected.values()):
+        return 2
     return 0
 
 

@@ -25,7 +25,8 @@ original (megatron.core ...)                                  test modules see
                                                                (also via ``megatron.core.transformer``;
                                                                its four fields keep their defaults
                                                                unless ``$DSA_SWAP_FIELDS`` names
-                                                               some: ``rope_fp32``)
+                                                               a set: ``rope_fp32``, with the
+                                                               profile ``vllm-exact``)
 ``models.gpt.experimental_attention_variant_module_specs.``    wrapper: ``with_dsa_precision(
 ``get_dsa_module_spec_for_backend``,                           original(...))`` when the result
 ``get_experimental_attention_variant_module_spec``,            contains ``DSAttention`` or
@@ -85,9 +86,15 @@ _DSA_CLASSES = (DSAttention, DSAIndexer)
 _CONSTANT_COPIES: dict[int, tuple[Any, Any]] = {}
 REPORT: dict[str, Any] = {}
 
-# ``$DSA_SWAP_FIELDS``: comma-separated dsa-precision fields switched on in every config the tests
-# build (``rope_fp32``); empty: the four fields keep their defaults.
-_FIELD_SWITCHES = {"rope_fp32": ("dsa_indexer_rope_fp32", True)}
+# ``$DSA_SWAP_FIELDS``: comma-separated dsa-precision field sets switched on in every config the
+# tests build; empty: the four fields keep their defaults. ``rope_fp32`` pins the engine profile
+# "vllm-exact", whose FP32 path follows the model's Hadamard and key LayerNorm epsilon: Megatron's
+# tests build models with dsa_indexer_rotate_activation=True and layernorm_epsilon=1e-5, which the
+# engine-path profiles (vllm, sglang-fused, lmdeploy) refuse with rope_fp32, by design (their
+# engines never rotate, or hard-code eps 1e-6), whichever profile is the package's default.
+_FIELD_SWITCHES: dict[str, dict[str, Any]] = {
+    "rope_fp32": {"dsa_indexer_rope_fp32": True, "dsa_indexer_engine": "vllm-exact"},
+}
 
 
 def _config_class() -> type:
@@ -95,10 +102,10 @@ def _config_class() -> type:
     unknown = sorted(set(names) - set(_FIELD_SWITCHES))
     if unknown:
         raise ValueError(f"DSA_SWAP_FIELDS: unknown {unknown}; use {sorted(_FIELD_SWITCHES)}")
-    REPORT["fields"] = names
+    defaults = {k: v for n in names for k, v in _FIELD_SWITCHES[n].items()}
+    REPORT["fields"] = defaults
     if not names:
         return dsap.DSAPrecisionTransformerConfig
-    defaults = dict(_FIELD_SWITCHES[n] for n in names)
     cls = type(
         "DSAPrecisionTransformerConfig",
         (dsap.DSAPrecisionTransformerConfig,),

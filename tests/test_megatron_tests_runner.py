@@ -1,0 +1,69 @@
+"""tools/megatron_tests/run.py: how a difference between the stock and a swapped run is judged.
+
+A difference is expected only for the field set, test, outcomes and failure message its
+``EXPECTED`` entry names; anything else is reported as unexpected (exit code 2). Pure logic: no
+Megatron-LM test runs here (docs/megatron.md gives the measured runs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "megatron_tests" / "run.py"
+_SPEC = importlib.util.spec_from_file_location("megatron_tests_run", _PATH)
+run = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = run  # its dataclasses look their module up
+_SPEC.loader.exec_module(run)
+
+_NODE = (
+    run.EAV + "test_attention_variant_dsa.py::TestDSAIndexer::"
+    "test_dsa_indexer_rotate_activation_follows_config"
+)
+_FAILED = ("failed", "AssertionError: assert 0 == 2")
+
+
+def _rotate(params: str) -> str:
+    return run.junit_id(f"{_NODE}[{params}]")
+
+
+def test_the_rope_fp32_hadamard_difference_is_expected_with_its_reason():
+    stock = {_rotate("True-16"): ("passed", ""), _rotate("False-16"): ("passed", "")}
+    swapped = {_rotate("True-16"): _FAILED, _rotate("False-16"): ("passed", "")}
+    (item,) = run.compare(stock, swapped, "rope_fp32")
+    assert item["test"] == _rotate("True-16")
+    assert "dsa_precision.hadamard.rotate_activation" in item["expected"]
+    assert run.not_observed([item], "rope_fp32", {_NODE.split("::")[0]}) == []
+
+
+@pytest.mark.parametrize(
+    "fields, test, swapped",
+    [
+        ("none", _rotate("True-16"), _FAILED),  # default fields: Megatron's own path
+        ("rope_fp32", _rotate("False-16"), _FAILED),  # no Hadamard asked: nothing to explain
+        ("rope_fp32", _rotate("True-16"), ("failed", "RuntimeError: shapes differ")),
+        ("rope_fp32", _rotate("True-16"), ("error", "AssertionError: assert 0 == 2")),
+    ],
+)
+def test_any_other_difference_is_unexpected(fields, test, swapped):
+    (item,) = run.compare({test: ("passed", "")}, {test: swapped}, fields)
+    assert item["expected"] is None
+
+
+def test_an_expected_difference_that_does_not_occur_is_reported():
+    same = {_rotate("True-16"): ("passed", "")}
+    assert run.compare(same, same, "rope_fp32") == []
+    (entry,) = run.not_observed([], "rope_fp32", {_NODE.split("::")[0]})
+    assert entry.node == _NODE
+    assert run.not_observed([], "rope_fp32", {"tests/unit_tests/other.py"}) == []
+    assert run.not_observed([], "none", {_NODE.split("::")[0]}) == []
+
+
+def test_field_sets_name_the_modes():
+    assert run.swapped_mode("") == run.swapped_mode("none") == "swapped"
+    assert run.swapped_mode(" rope_fp32 ") == "swapped+rope_fp32"
+    with pytest.raises(SystemExit):
+        run.main(["--megatron-lm", str(_PATH.parent), "--fields", "fp8"])
