@@ -51,21 +51,16 @@ ENGINE = dict(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
 BASELINE = dict(dsa_indexer_rope_fp32=False, dsa_indexer_scoring_precision="bf16")
 
 
-def capture(model, config, fields, tokens) -> dict[int, torch.Tensor]:
-    """Every layer's picks of a no-grad forward under ``fields`` (the same weights), as engine
-    indices ``(batch * S, k)``."""
+def capture(engine_model, model, tokens) -> dict[int, torch.Tensor]:
+    """Every layer's picks of a no-grad forward of ``engine_model`` (built with the engine's
+    fields; the precision fields of a built model are frozen) on ``model``'s current weights, as
+    engine indices ``(batch * S, k)``."""
     import dsa_precision.megatron as dsap
 
-    saved = {k: getattr(config, k) for k in (*fields, "dsa_indexer_topk_source")}
-    for k, v in {**fields, "dsa_indexer_topk_source": "compute"}.items():
-        setattr(config, k, v)  # the drop-ins read their config at every call
-    try:
-        with torch.no_grad(), dsap.capture_topk() as captured:
-            pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            model(tokens, pos, None)
-    finally:
-        for k, v in saved.items():
-            setattr(config, k, v)
+    engine_model.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad(), dsap.capture_topk() as captured:
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        engine_model(tokens, pos, None)
     return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
 
 
@@ -74,11 +69,13 @@ def run(args, source: str, engine_fields: dict | None) -> dict:
 
     config = toy.model_config(args, **ENGINE, dsa_indexer_topk_source=source)
     model, vocab = toy.build_model(args, config)
+    engine_config = toy.model_config(args, **(engine_fields or ENGINE))
+    engine_model, _ = toy.build_model(args, engine_config)
     trainer = toy.Trainer(model, args.lr)
     data = toy.copy_task(args, vocab, args.steps)
     times, metrics, losses = [], [], []
     for tokens, labels in data:
-        picks = capture(model, config, engine_fields or ENGINE, tokens)
+        picks = capture(engine_model, model, tokens)
         with dsap.engine_topk(picks, seq_len=tokens.shape[1]):
             loss, ms = toy.timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
         losses.append(loss)

@@ -44,7 +44,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--share-steps", type=int, default=3, help="steps of the top-k-sharing variant")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--topk", type=int, default=256)
-    p.add_argument("--engine", default="vllm", help="dsa_indexer_engine of the FP8 runs (default vllm)")
+    p.add_argument(
+        "--engine", default="vllm", help="dsa_indexer_engine of the FP8 runs (default vllm)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
