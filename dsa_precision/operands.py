@@ -228,8 +228,10 @@ def fold_head_weights(
     return w if sm_scale == 1.0 else w * _f32(sm_scale)
 
 
+@functools.lru_cache(maxsize=256)
 def _f32(value: float) -> float:
-    """``value`` rounded to float32 (as a float32 scalar argument of a kernel)."""
+    """``value`` rounded to float32 (as a float32 scalar argument of a kernel); cached, the
+    same few constants recur every call."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 

@@ -434,7 +434,10 @@ def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor
     return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
 
 
+@functools.lru_cache(maxsize=256)
 def _f32(value: float) -> float:
+    """``value`` rounded to float32; cached: the launch's constants repeat every call, and a
+    tensor built per constant was a measurable share of the launch's host time."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 
