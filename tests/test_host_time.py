@@ -19,9 +19,7 @@ def _function_in(path: str, name: str, body: str, env: dict):
 
 
 def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    time.sleep(seconds)  # one traced call: a busy loop's calls would spend it in the tracer
 
 
 def test_counts_package_frames_and_not_the_megatron_frames_they_call():
@@ -45,7 +43,7 @@ def test_counts_package_frames_and_not_the_megatron_frames_they_call():
     )
     result, seconds = package_host_seconds(outer)
     assert result is None
-    assert 0.028 <= seconds <= 0.045, seconds  # 0.02 + 0.01 of the package, not 0.03 / 0.04
+    assert 0.03 <= seconds <= 0.045, seconds  # 0.02 + 0.01 of the package, not 0.03 / 0.04
 
 
 def test_fp8_layer_forward_host_time_is_nonzero_and_bounded(megatron_parallel, cpu_rotary):
