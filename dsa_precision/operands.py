@@ -147,7 +147,10 @@ class ScoringOperands:
         return self.q.device
 
     def rows(self, start: int, stop: int) -> ScoringOperands:
-        """The operands of query rows ``[start, stop)`` (views; keys unchanged)."""
+        """The operands of query rows ``[start, stop)`` (views; keys unchanged); all of them:
+        these operands (checked when they were built; nothing to rebuild)."""
+        if start == 0 and stop == self.q.shape[1]:
+            return self
         qs = None if self.q_descale is None else self.q_descale[:, start:stop]
         return dataclasses.replace(
             self, q=self.q[:, start:stop], weights=self.weights[:, start:stop], q_descale=qs
