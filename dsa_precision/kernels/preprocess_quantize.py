@@ -517,7 +517,7 @@ def preprocess_quantize(
         x4 = x4.contiguous()
     if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
         raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
-    floor32 = float(torch.tensor(rule.amax_floor, dtype=torch.float32))
+    floor32 = _f32(float(rule.amax_floor))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
         raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
     if len(fold_scales) > 3:
