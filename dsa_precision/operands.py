@@ -147,7 +147,10 @@ class ScoringOperands:
         return self.q.device
 
     def rows(self, start: int, stop: int) -> ScoringOperands:
-        """The operands of query rows ``[start, stop)`` (views; keys unchanged)."""
+        """The operands of query rows ``[start, stop)`` (views; keys unchanged); all of them:
+        these operands (checked when they were built; nothing to rebuild)."""
+        if start == 0 and stop == self.q.shape[1]:
+            return self
         qs = None if self.q_descale is None else self.q_descale[:, start:stop]
         return dataclasses.replace(
             self, q=self.q[:, start:stop], weights=self.weights[:, start:stop], q_descale=qs
@@ -228,8 +231,10 @@ def fold_head_weights(
     return w if sm_scale == 1.0 else w * _f32(sm_scale)
 
 
+@functools.lru_cache(maxsize=256)
 def _f32(value: float) -> float:
-    """``value`` rounded to float32 (as a float32 scalar argument of a kernel)."""
+    """``value`` rounded to float32 (as a float32 scalar argument of a kernel); cached, the
+    same few constants recur every call."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 

@@ -255,54 +255,22 @@ def gpu_busy_ms(trainer, batch, steps: int) -> float:
     return sum(e.device_time for e in kernels) / 1e3 / steps
 
 
-def _frame_owner(event) -> str | None:
-    """``"dsa_precision"`` / ``"megatron"`` for a Python frame of that package, else ``None``."""
-    name = event.name
-    if "): " not in name:  # a Python frame reads "path(line): function"
-        return None
-    path = name.split("(", 1)[0]
-    for owner in ("dsa_precision", "megatron"):
-        if f"/{owner}/" in path or path.startswith(f"{owner}/"):
-            return owner
-    return None
-
-
-def _owning_parent(event) -> str | None:
-    """The owner of the nearest enclosing frame of either package (torch's frames between, e.g.
-    ``Module.__call__``, are skipped)."""
-    parent = event.cpu_parent
-    while parent is not None:
-        owner = _frame_owner(parent)
-        if owner is not None:
-            return owner
-        parent = parent.cpu_parent
-    return None
-
-
 def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
-    """The package's own host time per DSA layer forward, in ms: profiler CPU time in
-    ``dsa_precision`` frames (``with_stack=True``) -- from entering a package frame called by
-    other code until it returns, less the time inside the megatron frames it calls (Megatron's
-    ``DSAttention.forward`` behind the seam, its layout helpers and linear layers) -- over
-    ``steps`` steps of ``forwards`` DSA layer forwards each. The profiler's Python tracing
-    inflates every frame a little, so this is an upper bound of the unprofiled cost."""
-    from torch.profiler import ProfilerActivity, profile
+    """The package's own host time per DSA layer forward, in ms: the time on the host in
+    ``dsa_precision`` frames (``dsa_precision.testing.host_time``: its Python, checks and kernel
+    launches; Megatron's frames behind the seam not counted) over ``steps`` forwards of the
+    training step (autograd on, no backward) of ``forwards`` DSA layer forwards each. The
+    tracer's calls add a little to every frame, so this is an upper bound of the untraced cost."""
+    from dsa_precision.testing.host_time import package_host_seconds
 
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        for _ in range(steps):
-            trainer.step(*batch)
-    total_us = 0.0
-    for event in prof.events():
-        owner = _frame_owner(event)
-        if owner is None:
-            continue
-        parent_owner = _owning_parent(event)
-        duration = event.time_range.elapsed_us()
-        if owner == "dsa_precision" and parent_owner != "dsa_precision":
-            total_us += duration  # entering the package
-        elif owner == "megatron" and parent_owner == "dsa_precision":
-            total_us -= duration  # the package calling into Megatron
-    return total_us / 1e3 / (steps * forwards)
+    tokens, labels = batch
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).expand(b, s)
+    total = 0.0
+    for _ in range(steps):
+        _, seconds = package_host_seconds(lambda: trainer.model(tokens, pos, None, labels=labels))
+        total += seconds
+    return total * 1e3 / (steps * forwards)
 
 
 def train(args, names: list[str]) -> list[dict]:
@@ -469,7 +437,7 @@ def main() -> int:
           f"engine {args.engine}; median step of {args.steps} (first 3 skipped), configurations "
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
-          f"per forward (profiler CPU time in dsa_precision frames; target <= 0.3 ms)")  # fmt: skip
+          f"per forward (host time in dsa_precision frames, traced; target <= 0.3 ms)")  # fmt: skip
     print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
           f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}"
           f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip

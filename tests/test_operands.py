@@ -424,3 +424,17 @@ def test_with_the_hadamard_rotation_lanes_stay_in_megatrons_order():
         qq, _ = pre(q, k, freqs)
     q8, _ = quantize_fp8(qq.transpose(0, 1), config.engine.q_quant)
     assert_bitwise_equal(got.q, q8, "q")
+
+
+def test_rows_of_every_row_are_the_operands_themselves():
+    """A full-range ``rows`` returns the checked operands as they are (no rebuild per call);
+    a part is still a new, checked view."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 4, 8, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 6, 8, generator=g).to(torch.bfloat16)
+    w = torch.randn(1, 6, 4, generator=g).to(torch.bfloat16)
+    ops = ScoringOperands(q, k, w)
+    assert ops.rows(0, 6) is ops
+    part = ops.rows(2, 5)
+    assert part is not ops and part.q.shape[1] == 3 and torch.equal(part.q, ops.q[:, 2:5])
+    assert part.k is ops.k

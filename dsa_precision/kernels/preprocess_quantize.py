@@ -434,7 +434,10 @@ def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor
     return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
 
 
+@functools.lru_cache(maxsize=256)
 def _f32(value: float) -> float:
+    """``value`` rounded to float32; cached: the launch's constants repeat every call, and a
+    tensor built per constant was a measurable share of the launch's host time."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 
@@ -514,7 +517,7 @@ def preprocess_quantize(
         x4 = x4.contiguous()
     if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
         raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
-    floor32 = float(torch.tensor(rule.amax_floor, dtype=torch.float32))
+    floor32 = _f32(float(rule.amax_floor))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
         raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
     if len(fold_scales) > 3:
