@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import torch
 
@@ -146,3 +147,10 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
 
     return (ordered(a) - ordered(b)).abs()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 
 import pytest
 import torch
+
+from .helpers import free_port
 
 pytest.importorskip("megatron.core")
 
@@ -39,12 +40,6 @@ CASES = {  # name: (tp, cp, packed cu_seqlens or None)
     "cp2-bshd": (1, 2, None),
     "cp2-thd": (1, 2, [0, 4, 16]),  # each length divisible by 2 * CP
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exact_(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -198,7 +193,7 @@ def _spawn(tmp_path_factory, device: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     path = str(tmp_path_factory.mktemp("replay_parallel") / "results")
-    mp.spawn(_worker, args=(_free_port(), path, device), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), path, device), nprocs=WORLD, join=True)
     return [torch.load(f"{path}.{r}", weights_only=False) for r in range(WORLD)]
 
 

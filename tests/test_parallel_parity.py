@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,17 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from .helpers import free_port
+
 pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8 = ("fp8", "rope_fp32+fp8")
 PARALLEL = ("tp2-sp", "cp2-bshd", "cp2-thd", "tp2-thd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +47,7 @@ def parity(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(_free_port()), "examples/parallel_parity.py",
+        "--master-port", str(free_port()), "examples/parallel_parity.py",
         "--tiny", "--device", "cpu", "--steps", "2", "--batch", "2",
         "--configs", "fp8,rope_fp32+fp8,stock", "--json", str(out),
     ]  # fmt: skip

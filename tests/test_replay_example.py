@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_replay_verify_example_runs_and_agrees_on_the_cpu(tmp_path):
     pytest.importorskip("megatron.core")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]))
+    paths = os.pathsep.join([str(ROOT), str(ROOT / "examples")])
+    env = dict(os.environ, PYTHONPATH=paths, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = tmp_path / "replay.json"
     args = ["--tiny", "--device", "cpu", "--steps", "2", "--seq", "64", "--topk", "32"]
     run = subprocess.run(
