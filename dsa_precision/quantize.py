@@ -136,7 +136,8 @@ def quantize_fp8(
         x: ``[..., 128]`` bfloat16, float16 or float32 (an FP32 carrier is quantized from its
             FP32 values, never via BF16).
         rule: an engine's rule (:attr:`dsa_precision.EngineProfile.q_quant` / ``k_quant``); the
-            default is the package's original contract (exact UE8M0, floor 1e-4).
+            default is the default profile's (``vllm``) q rule; ``Fp8Rule()`` is the package's
+            original contract (exact UE8M0, floor 1e-4), ``vllm-exact``'s.
 
     Returns:
         ``(x_fp8, descale)``: ``x_fp8`` float8_e4m3fn of ``x``'s shape; ``descale`` float32 of

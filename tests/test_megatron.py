@@ -492,3 +492,16 @@ def test_import_fails_loudly_without_the_surface(monkeypatch):
     monkeypatch.setitem(sys.modules, package.__name__ + ".dsa", None)
     with pytest.raises(ImportError, match=r"(?s)dsa.DSAIndexer is missing.*megatron-core==0\.19"):
         compat.check_megatron_core()
+
+
+def test_the_engines_k_norm_epsilon_is_checked_where_the_config_is_built():
+    """vLLM hard-codes the indexer k_norm eps 1e-6; with rope_fp32 a model of Megatron's default
+    1e-5 is refused by the config itself (naming both values), and so is a later assignment."""
+    with pytest.raises(ValueError, match=r"epsilon 1e-06.*eps=1e-05"):
+        make_config(dsa_indexer_rope_fp32=True, layernorm_epsilon=1e-5)
+    config = make_config(dsa_indexer_rope_fp32=True)  # megatron_utils: 1e-6
+    with pytest.raises(ValueError, match=r"layernorm_epsilon=1e-05 rejected"):
+        config.layernorm_epsilon = 1e-5
+    assert config.layernorm_epsilon == 1e-6
+    make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-exact", layernorm_epsilon=1e-5)
+    make_config(layernorm_epsilon=1e-5)  # Megatron's behaviour: nothing of ours runs

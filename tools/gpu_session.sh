@@ -52,13 +52,13 @@ for step in "$@"; do
       fi ;;
     tests)
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
-    tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
-      TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
-        -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
       TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         tests/gpu/test_cudnn_scoring.py tests/gpu/test_determinism.py \
         -k "deepgemm or entry_points or select or topk or never_waits or cuda_graph" ;;
+    tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
+      TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
+        -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
     bench)  # S 8192 16384, H 32 64: package beside the raw kernels, both backends
       bench_step bench 600 ${BENCH_ARGS:-} ;;
     bench-long)  # S 32768 65536 131072, chunked select (about 2-3 minutes on an H200)

@@ -193,7 +193,7 @@ CONFIG_FIELDS = (
     "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_fp32",
     "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved",
     "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
-    "normalization", "qk_layernorm", "rope_type", "sequence_parallel",
+    "layernorm_epsilon", "normalization", "qk_layernorm", "rope_type", "sequence_parallel",
 )  # fmt: skip
 
 

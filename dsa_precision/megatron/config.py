@@ -49,7 +49,8 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
 
     dsa_indexer_engine: str = DEFAULT_ENGINE.name
     """The inference engine profile whose numerics the two fields above reproduce (a name of
-    dsa_precision.ENGINE_PROFILES). The default keeps dsa-precision's original contract."""
+    dsa_precision.ENGINE_PROFILES). Default "vllm": vLLM's default compiled run on Hopper
+    ("vllm-exact" is the literal all-FP32 contract of earlier releases)."""
 
     dsa_indexer_topk_source: Literal["compute", "replay", "verify"] = "compute"
     """Where each DSA layer's top-k comes from: "compute" (as configured), "replay" (the keys the
@@ -111,6 +112,7 @@ VALIDATED_MEGATRON_FIELDS = (
     "dsa_indexer_head_dim",
     "dsa_indexer_rotate_activation",
     "dsa_indexer_rope_interleaved",
+    "layernorm_epsilon",
 )
 _REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
 # Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
@@ -174,6 +176,7 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             head_dim=config.dsa_indexer_head_dim,
             rotate_activation=config.dsa_indexer_rotate_activation,
             rope_interleaved=config.dsa_indexer_rope_interleaved,
+            k_norm_eps=config.layernorm_epsilon,  # Megatron builds the indexer's k_norm with it
         )
     except ValueError as exc:
         problems.extend(
