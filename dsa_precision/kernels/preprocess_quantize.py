@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._device import device_constant
 from ..engines import Fp8Rule
 
 __all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
@@ -427,11 +428,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=64)
 def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
-    """``[eps, d**-0.5]`` on ``device``, built once: a host-to-device copy per call would
-    synchronise the stream."""
-    return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
+    """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`device_constant`)."""
+    return device_constant((eps, d**-0.5), torch.float64, device)
 
 
 @functools.lru_cache(maxsize=256)
