@@ -94,7 +94,8 @@ class IndexerPrecisionConfig:
         engine: the inference engine profile (a name of :data:`dsa_precision.ENGINE_PROFILES`
             or an :class:`~dsa_precision.EngineProfile`) whose preprocessing (with
             ``rope_fp32``), quantization and head-weight folding (with ``"fp8"``) training
-            reproduces. The default keeps the package's original contract byte for byte.
+            reproduces. The default, ``"vllm"``, is vLLM's default compiled run on Hopper
+            (``"vllm-exact"``, the package's original all-FP32 contract, is no engine's path).
     """
 
     # FP32 preprocessing after the projections (LayerNorm, RoPE, Hadamard); default: BF16 as Megatron.

@@ -137,7 +137,8 @@ def quantize_fp8(
         x: ``[..., 128]`` bfloat16, float16 or float32 (an FP32 carrier is quantized from its
             FP32 values, never via BF16).
         rule: an engine's rule (:attr:`dsa_precision.EngineProfile.q_quant` / ``k_quant``); the
-            default is the package's original contract (exact UE8M0, floor 1e-4).
+            default is :data:`dsa_precision.engines.DEFAULT_ENGINE`'s (``"vllm"``: the float32 ratio
+            ``amax / 448``, its UE8M0 power by float32 log2, floor 1e-4).
 
     Returns:
         ``(x_fp8, descale)``: ``x_fp8`` float8_e4m3fn of ``x``'s shape; ``descale`` float32 of

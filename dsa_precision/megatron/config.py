@@ -49,7 +49,7 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
 
     dsa_indexer_engine: str = DEFAULT_ENGINE.name
     """The inference engine profile whose numerics the two fields above reproduce (a name of
-    dsa_precision.ENGINE_PROFILES). The default keeps dsa-precision's original contract."""
+    dsa_precision.ENGINE_PROFILES). Default "vllm": vLLM's default compiled run on Hopper."""
 
     dsa_indexer_topk_source: Literal["compute", "replay", "verify"] = "compute"
     """Where each DSA layer's top-k comes from: "compute" (as configured), "replay" (the keys the
