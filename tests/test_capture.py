@@ -295,6 +295,14 @@ def test_encode_rejects_bad_keys():
         encode_picks(torch.zeros(3, 2), "delta")
 
 
+def test_delta_encode_rejects_a_repeated_key_instead_of_shifting_the_row():
+    """A repeated key is a -1 gap: encoded, it decoded as other keys ([3, 3, 5] -> [3, 7, 8])."""
+    idx = causal_picks(40, k=6)
+    idx[37, 1] = idx[37, 0]
+    with pytest.raises(ValueError, match=r"indices: row 37 repeats a key"):
+        encode_picks(idx, "delta", rows_per_chunk=16)
+
+
 # --- digest -------------------------------------------------------------------------------------
 
 
