@@ -113,8 +113,7 @@ def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) ->
 
 
 def _check_vectors(x: object) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}.")
+    check_tensor("x", x)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 vectors "
