@@ -1,5 +1,6 @@
-"""Device constants built once: ``torch.tensor(value, device=cuda)`` is a blocking host-to-device
-copy (a host synchronisation), so the hot path must not build one per call."""
+"""Constants of the hot path, built once: ``torch.tensor(value, device=cuda)`` is a blocking
+host-to-device copy (a host synchronisation), and even a CPU scalar tensor per constant is a
+measurable share of a kernel launch's host time."""
 
 from __future__ import annotations
 
@@ -17,3 +18,10 @@ def device_constant(
     under ``torch.inference_mode()`` can still be saved for backward later."""
     with torch.inference_mode(False):
         return torch.tensor(value, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def f32(value: float) -> float:
+    """``value`` rounded to float32 (as a float32 scalar argument of a kernel), as a Python
+    float; cached, the same few constants recur every call."""
+    return float(torch.tensor(value, dtype=torch.float32))

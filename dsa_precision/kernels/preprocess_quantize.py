@@ -49,7 +49,6 @@ reference performs, on the same values, in the same order, with the same roundin
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 
@@ -58,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .._device import device_constant
+from .._device import f32 as _f32
 from ..engines import Fp8Rule
 
 __all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
@@ -431,13 +431,6 @@ def _interpreted() -> bool:
 def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
     """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`device_constant`)."""
     return device_constant((eps, d**-0.5), torch.float64, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _f32(value: float) -> float:
-    """``value`` rounded to float32; cached: the launch's constants repeat every call, and a
-    tensor built per constant was a measurable share of the launch's host time."""
-    return float(torch.tensor(value, dtype=torch.float32))
 
 
 def _float32_bits(value: float) -> int:
