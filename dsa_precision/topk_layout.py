@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from .agreement import _repeated_keys, _sorted_keys
+
 __all__ = ["INDEX_DTYPES", "TokenLayout"]
 
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
@@ -229,10 +231,7 @@ class TokenLayout:
                 )
         position = self.positions(total, idx.device)
         bad = ((idx < -1) | (idx > position[:, None])).any(-1)
-        slots = torch.arange(idx.shape[1], device=idx.device)
-        # Pads become distinct negatives, so only a repeated key compares equal.
-        ordered = torch.where(idx < 0, -1 - slots, idx.to(torch.int64)).sort(-1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        repeated = _repeated_keys(_sorted_keys(idx.to(torch.int64)))
         flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
         if flags[0]:
             row = int(bad.nonzero()[0])
