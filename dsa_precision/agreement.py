@@ -109,11 +109,16 @@ def _sorted_keys(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < 0, _PAD, rows).sort(dim=-1).values
 
 
+def _repeated_keys(ordered: torch.Tensor) -> torch.Tensor:
+    """bool ``[rows]``: the row holds a key twice; ``ordered`` is :func:`_sorted_keys` of the
+    rows (padding never counts). The duplicate rule of every index check of the package."""
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != _PAD)).any(-1)
+
+
 def _broken_rows(rows: torch.Tensor, ordered: torch.Tensor) -> torch.Tensor:
     """bool ``[rows]``: the row breaks the index rule (a negative other than -1, or a key twice);
     ``ordered`` is :func:`_sorted_keys` of ``rows``."""
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != _PAD)
-    return (rows < -1).any(-1) | repeated.any(-1)
+    return (rows < -1).any(-1) | _repeated_keys(ordered)
 
 
 def validate_index_rows(name: str, idx: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ._device import device_constant
+
 __all__ = ["HAVE_FAST_HADAMARD", "hadamard_transform", "rotate_activation"]
 
 try:  # Optional CUDA extension; Megatron's own rotate_activation calls it.
@@ -46,7 +48,7 @@ def hadamard_transform(
         h *= 2
     y = y.reshape(*lead, n)
     if scale_fp32:
-        scale = torch.tensor(n**-0.5, dtype=torch.float32, device=y.device)
+        scale = device_constant(n**-0.5, torch.float32, y.device)
         return (y.to(torch.float32) * scale).to(out_dtype)
     return (y * (n**-0.5)).to(out_dtype)
 

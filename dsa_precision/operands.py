@@ -39,6 +39,7 @@ from ._checks import (
     check_tensor,
     takes_precision_config,
 )
+from ._device import f32 as _f32
 from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, check_precision_config
 from .engines import EngineProfile
 from .hadamard import HAVE_FAST_HADAMARD
@@ -229,13 +230,6 @@ def fold_head_weights(
     for step in steps:
         w = w * (q_descale if step == "qs" else constants[step])  # (no "qs": q_descale unused)
     return w if sm_scale == 1.0 else w * _f32(sm_scale)
-
-
-@functools.lru_cache(maxsize=256)
-def _f32(value: float) -> float:
-    """``value`` rounded to float32 (as a float32 scalar argument of a kernel); cached, the
-    same few constants recur every call."""
-    return float(torch.tensor(value, dtype=torch.float32))
 
 
 def _fold_constants(n_heads: int, head_dim: int) -> dict[str, float]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ._checks import check_freqs_cover, check_positive_int, check_real, check_tensor
+from ._device import device_constant
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
 
@@ -324,7 +325,7 @@ def layer_norm_fp32_ops(
     mean = triton_block_sum(x) / 128.0
     d = x - mean
     var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
-    eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
+    eps32 = device_constant(float(eps), torch.float32, x.device)
     y = d * _rsqrt_fp32(var + eps32)
     w = None if weight is None else weight.to(torch.float32)
     b = None if bias is None else bias.to(torch.float32)

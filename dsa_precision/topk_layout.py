@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from .agreement import _repeated_keys, _sorted_keys
+
 __all__ = ["INDEX_DTYPES", "TokenLayout"]
 
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
@@ -107,23 +109,35 @@ class TokenLayout:
             raise ValueError(
                 f"{name} is on {idx.device}; hold the picks on the CPU or a CUDA device."
             )
-        if self.seq_len is not None and idx.shape[0] % self.seq_len:
-            raise ValueError(
-                f"{name}: {idx.shape[0]} token rows are not a whole number of sequences of "
-                f"seq_len={self.seq_len}; pass batch * seq_len rows, batch-major."
-            )
         cu = self.cu_seqlens
         if cu is not None and cu.device.type != "cpu" and cu.device != idx.device:
             raise ValueError(
                 f"{name} is on {idx.device} but cu_seqlens on {cu.device}; hold cu_seqlens on "
                 "the CPU or on the picks' device."
             )
-        if cu is not None and cu.device.type == "cpu" and int(cu[-1]) != idx.shape[0]:
-            raise ValueError(
-                f"{name}: {idx.shape[0]} token rows but cu_seqlens ends at {int(cu[-1])}; the "
-                "picks must hold one row per packed token of this micro-batch."
-            )
+        self.check_rows(name, idx.shape[0])
         return idx
+
+    def check_rows(
+        self,
+        name: str,
+        rows: int,
+        *,
+        fix: str = "the picks must hold one row per packed token of this micro-batch",
+    ) -> None:
+        """``rows`` token rows fit the layout, host facts only: BSHD a whole number of sequences;
+        THD with ``cu_seqlens`` on the CPU, ``cu_seqlens[-1]`` of them (free; on a device, that is
+        :meth:`validate_indices`'s). ``fix`` ends the THD error."""
+        if self.seq_len is not None and rows % self.seq_len:
+            raise ValueError(
+                f"{name}: {rows} token rows are not a whole number of sequences of "
+                f"seq_len={self.seq_len}; pass batch * seq_len rows, batch-major."
+            )
+        cu = self.cu_seqlens
+        if cu is not None and cu.device.type == "cpu" and int(cu[-1]) != rows:
+            raise ValueError(
+                f"{name}: {rows} token rows but cu_seqlens ends at {int(cu[-1])}; {fix}."
+            )
 
     def check_consumer(
         self, name: str, consumer: TokenLayout, *, where: str, validate: bool = False
@@ -217,10 +231,7 @@ class TokenLayout:
                 )
         position = self.positions(total, idx.device)
         bad = ((idx < -1) | (idx > position[:, None])).any(-1)
-        slots = torch.arange(idx.shape[1], device=idx.device)
-        # Pads become distinct negatives, so only a repeated key compares equal.
-        ordered = torch.where(idx < 0, -1 - slots, idx.to(torch.int64)).sort(-1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        repeated = _repeated_keys(_sorted_keys(idx.to(torch.int64)))
         flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
         if flags[0]:
             row = int(bad.nonzero()[0])

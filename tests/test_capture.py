@@ -295,6 +295,14 @@ def test_encode_rejects_bad_keys():
         encode_picks(torch.zeros(3, 2), "delta")
 
 
+def test_delta_encode_rejects_a_repeated_key_instead_of_shifting_the_row():
+    """A repeated key is a -1 gap: encoded, it decoded as other keys ([3, 3, 5] -> [3, 7, 8])."""
+    idx = causal_picks(40, k=6)
+    idx[37, 1] = idx[37, 0]
+    with pytest.raises(ValueError, match=r"indices: row 37 repeats a key"):
+        encode_picks(idx, "delta", rows_per_chunk=16)
+
+
 # --- digest -------------------------------------------------------------------------------------
 
 
@@ -446,3 +454,18 @@ def test_agree_reads_an_engine_output_through_the_adapters(tmp_path, capsys):
     infer.write_text("not json")
     assert cli.main([str(a) for a in args]) == 2
     assert "--infer-format sglang" in capsys.readouterr().err
+
+
+def test_token_layout_check_rows_is_the_row_count_rule_of_picks_and_digests():
+    """One row-count rule for picks (check_indices) and engine digests (replay): BSHD a whole
+    number of sequences, THD with host cu_seqlens exactly cu_seqlens[-1] rows, the fix named."""
+    bshd = TokenLayout(seq_len=4)
+    bshd.check_rows("d", 8)
+    with pytest.raises(ValueError, match=r"d: 6 token rows are not a whole number .* seq_len=4"):
+        bshd.check_rows("d", 6)
+    thd = TokenLayout(cu_seqlens=torch.tensor([0, 3, 5]))
+    thd.check_rows("d", 5)
+    with pytest.raises(ValueError, match=r"d: 6 token rows but cu_seqlens ends at 5; pass five"):
+        thd.check_rows("d", 6, fix="pass five")
+    with pytest.raises(ValueError, match=r"ends at 5; the picks must hold one row per packed"):
+        thd.check_indices("picks", torch.zeros(6, 2, dtype=torch.int32))

@@ -372,3 +372,50 @@ def test_rope_fp32_with_another_k_norm_eps_than_the_engine_is_a_configuration_er
         IndexerPreprocess(128, 64, k_norm=norm, rope_fp32=True, engine="vllm")
     IndexerPreprocess(128, 64, k_norm=norm, rope_fp32=True, engine="vllm-exact")  # any eps
     IndexerPreprocess(128, 64, k_norm=norm, rope_fp32=False, engine="vllm")  # Megatron's path
+
+
+def test_hot_path_constants_are_built_once(monkeypatch):
+    """The float32 LayerNorm epsilon, the float32 Hadamard constant and the log2 UE8M0 band are
+    device constants built once, not a ``torch.tensor(..., device=...)`` per call (on CUDA a
+    blocking host-to-device copy: a host synchronisation on every forward)."""
+    from dsa_precision.engines import Fp8Rule
+    from dsa_precision.hadamard import hadamard_transform
+    from dsa_precision.preprocess import layer_norm_fp32_ops
+    from dsa_precision.quantize import fp8_descale
+
+    x = torch.randn(4, 128)
+    rule = Fp8Rule(scale_ratio="divide", ue8m0_ceil="log2")
+    amax = x.abs().amax(-1)
+
+    def run():
+        return (
+            layer_norm_fp32_ops(x, None, None, 1e-6, fma=False),
+            hadamard_transform(x, torch.float32, scale_fp32=True),
+            fp8_descale(amax, rule),
+        )
+
+    first = run()
+    built = []
+    real = torch.tensor
+
+    def counting(*args, **kwargs):
+        built.append(args[:1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    again = run()
+    assert built == []
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_device_constant_made_in_inference_mode_serves_backward():
+    """A cached constant first built under inference mode is a normal tensor: a later training
+    step can save it for backward (the float32 Hadamard scale multiplies a tensor with grad)."""
+    from dsa_precision.hadamard import hadamard_transform
+
+    with torch.inference_mode():
+        hadamard_transform(torch.randn(2, 64), torch.float32, scale_fp32=True)
+    x = torch.randn(2, 64, requires_grad=True)
+    hadamard_transform(x, torch.float32, scale_fp32=True).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

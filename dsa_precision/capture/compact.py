@@ -93,8 +93,8 @@ def encode_picks(
 ) -> CompactPicks:
     """Encode ``(T, k)`` int16/int32/int64 picks (``-1`` padding, distinct keys per row).
 
-    Raises ``ValueError`` for ``"int16"`` when a key exceeds 32767, and for keys outside
-    ``[-1, 2**31)``. ``rows_per_chunk`` bounds the encoder's temporary memory (``delta``).
+    Raises ``ValueError`` for ``"int16"`` when a key exceeds 32767, for keys outside
+    ``[-1, 2**31)``, and (``"delta"``) for a row that repeats a key. ``rows_per_chunk`` bounds the encoder's temporary memory (``delta``).
     """
     if (
         not isinstance(indices, torch.Tensor)
@@ -140,11 +140,18 @@ def encode_picks(
         slot = torch.arange(k, device=v.device)
         valid = slot < n[:, None]
         gaps = torch.cat((s[:, :1], s[:, 1:] - s[:, :-1] - 1), dim=1)
+        repeated = ((gaps < 0) & valid).any(-1)  # a key twice: gap -1, which no width encodes
         gaps = torch.where(valid, gaps, 0)
         w = _bit_length(gaps.max(-1).values) if k else torch.zeros_like(n)
         sizes = n * w
         start = bit_total + torch.cumsum(sizes, 0) - sizes
-        chunk_bits = int(sizes.sum())
+        chunk_bits, n_repeated = torch.stack((sizes.sum(), repeated.sum())).tolist()
+        if n_repeated:
+            row = r0 + int(repeated.nonzero()[0])
+            raise ValueError(
+                f"indices: row {row} repeats a key ({indices[row].tolist()[:8]}); a top-k row "
+                "holds distinct keys (format='delta' stores the gaps between them)."
+            )
         base = bit_total // _WORD  # this chunk's words start here (the first may be shared)
         local = (start - base * _WORD)[:, None] + slot * w[:, None]
         pos, gap = local[valid], gaps[valid]

@@ -49,7 +49,6 @@ reference performs, on the same values, in the same order, with the same roundin
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 
@@ -57,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._device import device_constant
+from .._device import f32 as _f32
 from ..engines import Fp8Rule
 
 __all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
@@ -427,18 +428,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=64)
 def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
-    """``[eps, d**-0.5]`` on ``device``, built once: a host-to-device copy per call would
-    synchronise the stream."""
-    return torch.tensor([eps, d**-0.5], dtype=torch.float64, device=device)
-
-
-@functools.lru_cache(maxsize=256)
-def _f32(value: float) -> float:
-    """``value`` rounded to float32; cached: the launch's constants repeat every call, and a
-    tensor built per constant was a measurable share of the launch's host time."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`device_constant`)."""
+    return device_constant((eps, d**-0.5), torch.float64, device)
 
 
 def _float32_bits(value: float) -> int:

@@ -288,17 +288,8 @@ def _checked_digests(
             raise TypeError(f"{name}: expected (T,) int64 row digests, got {got}{hint}.")
         if d.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name} is on {d.device}; hold the digests on the CPU or a GPU.")
-        if layout.seq_len is not None and d.shape[0] % layout.seq_len:
-            raise ValueError(
-                f"{name}: {d.shape[0]} token rows are not a whole number of sequences of "
-                f"seq_len={layout.seq_len}; pass batch * seq_len rows, batch-major."
-            )
-        cu = layout.cu_seqlens
-        if cu is not None and cu.device.type == "cpu" and int(cu[-1]) != d.shape[0]:
-            raise ValueError(
-                f"{name}: {d.shape[0]} token rows but cu_seqlens ends at {int(cu[-1])}; pass one "
-                "digest per packed token of this micro-batch (pack_digests)."
-            )
+        fix = "pass one digest per packed token of this micro-batch (pack_digests)"
+        layout.check_rows(name, d.shape[0], fix=fix)
         lengths.add(d.shape[0])
         devices.add(d.device)
     if len(lengths) > 1:
