@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_tensor
+from ._device import device_constant
 from .config import QUANT_BLOCK
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
@@ -76,7 +77,7 @@ def _pow2_from_ratio(r: torch.Tensor, ceil: str) -> torch.Tensor:
         up = m != 0
     else:
         k = e.abs() - (e < 0).to(e.dtype)  # |e| for e > 0, |e| - 1 for e < 0
-        band = torch.tensor(LOG2_CEIL_BAND, dtype=e.dtype, device=r.device)
+        band = device_constant(LOG2_CEIL_BAND, e.dtype, r.device)
         binade = torch.where(k > 0, torch.log2(k.clamp(min=1).float()).floor().int(), 0)
         up = m > band[binade.clamp(0, len(LOG2_CEIL_BAND) - 1)]
     return ((e + up.to(e.dtype) + 127) << 23).view(torch.float32)
@@ -112,8 +113,7 @@ def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) ->
 
 
 def _check_vectors(x: object) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}.")
+    check_tensor("x", x)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 vectors "
