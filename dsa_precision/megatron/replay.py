@@ -146,13 +146,8 @@ class EngineTopk:
                 f"on {positions.device} or the CPU (pinned memory copies without a sync)."
             )
         total = idx.shape[0]
+        self._check_batch_rows(name, where, total, batch, "picks")
         if self.layout.seq_len is not None:
-            if total != batch * self.layout.seq_len:
-                raise ValueError(
-                    f"{name}: {total} token rows, but {where} runs {batch} sequences of "
-                    f"{self.layout.seq_len} tokens ({batch * self.layout.seq_len} rows); pass "
-                    "this micro-batch's picks, batch-major."
-                )
             idx = idx.to(positions.device, non_blocking=True)
             tokens = torch.arange(batch, device=idx.device).view(-1, 1) * self.seq_len + positions
             picks = idx[tokens].to(torch.int32)
@@ -166,6 +161,15 @@ class EngineTopk:
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
         return torch.nn.functional.pad(picks, (0, topk - picks.shape[-1]), value=-1)
+
+    def _check_batch_rows(self, name: str, where: str, total: int, batch: int, what: str) -> None:
+        """BSHD: the ``total`` rows handed in are the layer's ``batch`` sequences (host ints)."""
+        if self.layout.seq_len is not None and total != batch * self.layout.seq_len:
+            raise ValueError(
+                f"{name}: {total} token rows, but {where} runs {batch} sequences of "
+                f"{self.layout.seq_len} tokens ({batch * self.layout.seq_len} rows); pass "
+                f"this micro-batch's {what}, batch-major."
+            )
 
     def digest_rows(
         self, layer_number: int, tokens: torch.Tensor, batch: int, consumer: TokenLayout
@@ -186,12 +190,7 @@ class EngineTopk:
         self.layout.check_consumer(name, consumer, where=where, validate=self.validate)
         digests = self.digests[layer_number]
         total = digests.shape[0]
-        if self.layout.seq_len is not None and total != batch * self.layout.seq_len:
-            raise ValueError(
-                f"{name}: {total} token rows, but {where} runs {batch} sequences of "
-                f"{self.layout.seq_len} tokens ({batch * self.layout.seq_len} rows); pass "
-                "this micro-batch's digests, batch-major."
-            )
+        self._check_batch_rows(name, where, total, batch, "digests")
         device = tokens.device
         inside = tokens < total
         safe = tokens.clamp(max=max(total - 1, 0))
