@@ -1,0 +1,257 @@
+"""Where the host time of the owned FP8 top-k goes, call by call, on a CUDA device.
+
+For the toy GLM-5-like model of ``examples/toy_glm5_train.py`` (its layer 1, on the inputs of a
+training step) this times the host side of every piece of the indexer's path: the time from
+the call until it returns, with the device idle before it (kernels run asynchronously, so this
+is the Python, the checks and the launches, what a small step waits for). Beside each package
+call it times the raw kernel calls it wraps and Megatron's own BF16 indexer, then prints a
+``cProfile`` of the owned top-k sorted by own time.
+
+    python tools/host_profile.py                       # S 2048, top-256 (the toy's default)
+    python tools/host_profile.py --seq 8192 --topk 2048 --heads 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _toy():
+    spec = importlib.util.spec_from_file_location(
+        "toy_glm5_train", os.path.join(_ROOT, "examples", "toy_glm5_train.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def host_us(fn, reps: int) -> float:
+    """Median host microseconds of ``fn()``, the device idle before each call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def step_split(model, tokens, pos, labels, reps: int = 10) -> dict[str, float]:
+    """Host and device milliseconds of a training step's forward and backward (median)."""
+    out = {"fwd host": [], "fwd gpu": [], "bwd host": [], "bwd gpu": []}
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        t0 = time.perf_counter()
+        e[0].record()
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+        e[1].record()
+        t1 = time.perf_counter()
+        loss.backward()
+        e[2].record()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:
+            out["fwd host"].append((t1 - t0) * 1e3)
+            out["bwd host"].append((t2 - t1) * 1e3)
+            out["fwd gpu"].append(e[0].elapsed_time(e[1]))
+            out["bwd gpu"].append(e[1].elapsed_time(e[2]))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--profile-calls", type=int, default=20)
+    args = p.parse_args()
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    toy = _toy()
+    ns = argparse.Namespace(tiny=False, topk=args.topk, engine="vllm", device="cuda", seed=1234,
+                            seq=args.seq, batch=1)  # fmt: skip
+
+    import dsa_precision as dp
+    from dsa_precision import _cudnn
+    from dsa_precision.scoring import causal_key_counts
+
+    rows = []
+    steps = []
+    cores = {}
+    inputs = {}
+    for name in ("baseline", "rope_fp32+fp8"):
+        config = toy.model_config(ns, dsa_indexer_n_heads=args.heads, **toy.CONFIGS[name])
+        model, vocab = toy.build_model(ns, config)
+        tokens, _ = toy.copy_task(ns, vocab, 1)[0]
+        core = model.decoder.layers[0].self_attention.core_attention
+        captured = {}
+
+        def hook(_m, a, kw, captured=captured):
+            captured.update({n: toy._arg(a, kw, n) for n in ("query", "x", "qr")})
+
+        handle = core.register_forward_pre_hook(hook, with_kwargs=True)
+        with torch.no_grad():
+            pos = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
+            model(tokens, pos, None)
+        handle.remove()
+        cores[name], inputs[name] = (core, model), captured
+        steps.append((name, step_split(model, tokens, pos, toy.copy_task(ns, vocab, 1)[0][1])))
+
+    core, _ = cores["baseline"]
+    c = inputs["baseline"]
+    with torch.no_grad():
+        rows.append(
+            (
+                "megatron bf16 indexer (x, qr -> top-k)",
+                host_us(lambda: core.indexer(c["x"], c["qr"]), args.reps),
+            )
+        )
+    core, _ = cores["rope_fp32+fp8"]
+    c = inputs["rope_fp32+fp8"]
+    x, qr, query = c["x"], c["qr"], c["query"]
+    topk = core.index_topk
+    with torch.no_grad():
+        layout = core.rank_layout(query, x, None)
+        rows.append(
+            (
+                "compute_topk (owned, all of it)",
+                host_us(lambda: core.compute_topk(query, x, qr, None), args.reps),
+            )
+        )
+        rows.append(("  rank_layout", host_us(lambda: core.rank_layout(query, x, None), args.reps)))
+        rows.append(
+            (
+                "  indexer._projections",
+                host_us(lambda: core.indexer._projections(x, qr, None, True), args.reps),
+            )
+        )
+        rows.append(
+            (
+                "  indexer.scoring_operands",
+                host_us(lambda: core.indexer.scoring_operands(x, qr, None), args.reps),
+            )
+        )
+        ops = core.indexer.scoring_operands(x, qr, None)
+        from dsa_precision.megatron.layout import owned_topk
+
+        rows.append(("  owned_topk", host_us(lambda: owned_topk(ops, layout, topk), args.reps)))
+        rows.append(
+            ("    indexer_select", host_us(lambda: dp.indexer_select(ops, topk=topk), args.reps))
+        )
+        s = ops.q.shape[1]
+        offsets = torch.zeros(1, dtype=torch.int32, device="cuda")
+        buf = torch.empty(s * s, dtype=torch.float32, device="cuda").view(1, s, s)
+        rows.append(
+            (
+                "      indexer_scores(out=)",
+                host_us(lambda: dp.indexer_scores(ops, out=buf), args.reps),
+            )
+        )
+        lens = causal_key_counts(offsets, 0, s, 1, s).view(-1)
+        rows.append(
+            (
+                "      causal_key_counts",
+                host_us(lambda: causal_key_counts(offsets, 0, s, 1, s), args.reps),
+            )
+        )
+        scores = buf.view(s, s)
+        rows.append(
+            (
+                "      indexer_topk(seq_lens=)",
+                host_us(lambda: dp.indexer_topk(scores, topk, seq_lens=lens), args.reps),
+            )
+        )
+        dsa = _cudnn.dsa()
+
+        def raw_scores():
+            return dsa.indexer_forward_wrapper(
+                ops.q, ops.k.unsqueeze(2), ops.weights, ratio=1, sm_scale=1.0, out=buf,
+                q_causal_offsets=offsets, precision="fp8", q_scale=ops.q_descale,
+                k_scale=ops.k_descale.unsqueeze(-1),
+            )  # fmt: skip
+
+        rows.append(("raw cudnn indexer_forward_wrapper(out=)", host_us(raw_scores, args.reps)))
+        rows.append(
+            (
+                "raw cudnn indexer_top_k_wrapper(+val)",
+                host_us(
+                    lambda: dsa.indexer_top_k_wrapper(
+                        scores, lens, top_k=topk, return_val=True, deterministic=True
+                    ),
+                    args.reps,
+                ),
+            )
+        )
+        rows.append(
+            (
+                "raw cudnn indexer_top_k_wrapper(no val)",
+                host_us(
+                    lambda: dsa.indexer_top_k_wrapper(
+                        scores, lens, top_k=topk, return_val=False, deterministic=True
+                    ),
+                    args.reps,
+                ),
+            )
+        )
+        small = torch.empty(16, device="cuda")
+        rows.append(
+            ("torch: one small add_ (launch floor)", host_us(lambda: small.add_(1), args.reps))
+        )
+        rows.append(
+            ("torch: torch.empty(16)", host_us(lambda: torch.empty(16, device="cuda"), args.reps))
+        )
+
+    print(f"host microseconds per call (median of {args.reps}; device idle before each), "
+          f"S={args.seq} H={args.heads} top-{args.topk}, layer 1 of the toy model")  # fmt: skip
+    for label, us in rows:
+        print(f"  {label:<48}{us:>10.1f}")
+    print("training step split (ms, median of 10): host = until the call returns, gpu = events")
+    for name, split in steps:
+        print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
+    sys.stdout.flush()
+
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        for _ in range(args.profile_calls):
+            core.compute_topk(query, x, qr, None)
+        prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(45)
+    print(f"cProfile of {args.profile_calls} compute_topk calls, by own time")
+    print(out.getvalue())
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(60)
+    print(out.getvalue())
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
