@@ -39,6 +39,9 @@ _site: contextvars.ContextVar[str] = contextvars.ContextVar("dsa_precision_site"
 _expected: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "dsa_precision_expected", default=None
 )
+_recording: contextvars.ContextVar[Counter[tuple[str, str]] | None] = contextvars.ContextVar(
+    "dsa_precision_recording", default=None
+)
 
 
 class PrecisionMismatchError(RuntimeError):
@@ -70,16 +73,40 @@ def scoring_site(name: str) -> Iterator[None]:
         _site.reset(token)
 
 
+@contextlib.contextmanager
+def captured_calls() -> Iterator[Counter[tuple[str, str]]]:
+    """The ``(precision, backend)`` scoring calls made inside the block, counted here instead of
+    in :func:`scoring_calls`: a CUDA graph's capture, which launches nothing; each replay
+    launches them, and records them with :func:`record_scoring_calls`."""
+    calls: Counter[tuple[str, str]] = Counter()
+    token = _recording.set(calls)
+    try:
+        yield calls
+    finally:
+        _recording.reset(token)
+
+
 def record_scoring_call(precision: str, backend: str) -> None:
     site = _site.get()
-    with _lock:
-        _calls[(precision, backend, site)] += 1
+    recording = _recording.get()
+    if recording is not None:
+        recording[(precision, backend)] += 1
+    else:
+        with _lock:
+            _calls[(precision, backend, site)] += 1
     expected = _expected.get()
     if expected is not None and precision != expected:
         raise PrecisionMismatchError(
             f"a {site} indexer scoring call ran in {precision} ({backend}) but {expected} is "
             f"configured (strict mode, {STRICT_ENV})."
         )
+
+
+def record_scoring_calls(calls: Counter[tuple[str, str]]) -> None:
+    """Record the calls :func:`captured_calls` counted (strict mode checks each)."""
+    for (precision, backend), n in calls.items():
+        for _ in range(n):
+            record_scoring_call(precision, backend)
 
 
 def scoring_calls(

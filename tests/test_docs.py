@@ -30,6 +30,7 @@ PRECISION_FIELDS = (
     "dsa_indexer_scoring_precision",
     "dsa_indexer_engine",
     "dsa_indexer_topk_source",
+    "dsa_indexer_cuda_graph",
 )
 
 

@@ -225,6 +225,7 @@ def test_a_forward_builds_and_validates_nothing(monkeypatch):
         ("dsa_indexer_scoring_precision", "bf16"),
         ("dsa_indexer_rope_fp32", True),
         ("dsa_indexer_engine", "sglang"),
+        ("dsa_indexer_cuda_graph", True),
     ],
 )
 def test_precision_fields_are_frozen_once_validated(field, value):
@@ -265,3 +266,48 @@ def test_a_plain_megatron_config_cannot_carry_loose_precision_fields():
     config.dsa_indexer_scoring_precision = "fp8"  # nothing would validate or freeze it
     with pytest.raises(TypeError, match=r"MLATransformerConfig carries dsa_indexer_scoring_prec"):
         make_attention(config)
+
+
+# ------------------------------------------------------------ dsa_indexer_cuda_graph
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, r"dsa_indexer_cuda_graph=True: the graph replays the owned FP8 top-k"),
+        (dict(**FP8, dsa_indexer_topk_source="replay"), r"'replay' does not score"),
+    ],
+)
+def test_cuda_graph_needs_an_owned_fp8_top_k(fields, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(dsa_indexer_cuda_graph=True, **fields)
+    with pytest.raises(TypeError, match=r"dsa_indexer_cuda_graph='yes': pass True or False"):
+        make_config(dsa_indexer_cuda_graph="yes", **FP8)
+
+
+def test_cuda_graph_is_decided_per_layer_at_construction():
+    config = make_config(**FP8, dsa_indexer_cuda_graph=True, dsa_indexer_topk_freq=2, num_layers=2)
+    computing, reading = make_attention(config), make_attention(config, layer_number=2)
+    assert computing._graphs is not None and len(computing._graphs) == 0
+    assert reading._graphs is None  # it reuses layer 1's top-k: nothing to capture
+    assert make_attention(make_config(**FP8))._graphs is None
+
+
+def test_cuda_graph_refuses_a_forward_it_cannot_capture():
+    """An explicit request that cannot be honoured raises, naming the field (CPU tensors here;
+    the CUDA cases -- replays bit for bit, recapture on new parameter storage -- are GPU tests)."""
+    attn = make_attention(make_config(**FP8, dsa_indexer_cuda_graph=True))
+    inp = attention_inputs()
+    with pytest.raises(RuntimeError, match=r"dsa_indexer_cuda_graph=True cannot capture .* on cpu"):
+        attn.compute_topk(inp["query"], inp["x"], inp["qr"], None)
+    with pytest.raises(RuntimeError, match=r"layer 1: dsa_indexer_cuda_graph=True cannot capture"):
+        run_attention(attn, inp)
+
+
+def test_cuda_graph_flag_round_trips_through_megatron_args():
+    import argparse
+
+    parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--dsa-indexer-cuda-graph", "--dsa-indexer-scoring-precision", "fp8"])
+    assert args.dsa_indexer_cuda_graph is True
+    assert parser.parse_args([]).dsa_indexer_cuda_graph is False

@@ -45,7 +45,8 @@ from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
 from ..topk_layout import TokenLayout
 from . import compat, replay
-from .config import layer_decisions
+from .config import DSAPrecisionTransformerConfig, layer_decisions
+from .graphs import GraphedCalls
 from .indexer import PrecisionDSAIndexer
 from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
 
@@ -89,6 +90,14 @@ class PrecisionDSAttention(DSAttention):
         self._owns_topk = not self._built["skip_topk"] and (
             self._precision.fp8 or self._topk_source == "replay"
         )
+        # dsa_indexer_cuda_graph: the owned top-k replayed from CUDA graphs (a computing layer).
+        graphed = (
+            isinstance(self.config, DSAPrecisionTransformerConfig)
+            and self.config.dsa_indexer_cuda_graph
+            and self._owns_topk
+            and self._topk_source != "replay"
+        )
+        self._graphs = GraphedCalls() if graphed else None
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
         self.topk_monitor = replay.TopkMonitor()
 
@@ -324,15 +333,49 @@ class PrecisionDSAttention(DSAttention):
         )
         before = audit.scoring_calls()
         with torch.no_grad(), audit.scoring_site("megatron"), guard:
-            ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
-            select = owned_topk_with_margins if margins else owned_topk
-            topk = select(ops, layout, self.index_topk, gather=gather)
+            if self._graphs is None:
+                topk = self._select(x, qr, packed_seq_params, layout, margins, gather)
+            else:
+                topk = self._graphed(x, qr, packed_seq_params, layout, margins)
         if strict and audit.scoring_calls() == before:
             raise audit.PrecisionMismatchError(
                 f"DSA layer {self.layer_number} selected its top-k without a scoring call "
                 f"(strict mode, {audit.STRICT_ENV})."
             )
         return topk
+
+    def _select(self, x, qr, packed_seq_params, layout: RankLayout, margins: bool, gather):
+        """The owned top-k, eagerly: operands from the projections, then one selection."""
+        ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
+        select = owned_topk_with_margins if margins else owned_topk
+        return select(ops, layout, self.index_topk, gather=gather)
+
+    def _graph_unsupported_reason(self, x: torch.Tensor, packed_seq_params, layout) -> str | None:
+        if not x.is_cuda:
+            return f"the inputs are on {x.device}; CUDA graphs need a CUDA device"
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return "packed (THD) sequences change their lengths per micro-batch"
+        if layout.cp_size > 1:
+            return f"context parallelism (cp_size={layout.cp_size}) gathers the keys over ranks"
+        if self._indexer_rows(x) != x.size(0):
+            return "sequence parallelism gathers the indexer rows over tensor-parallel ranks"
+        return None
+
+    def _graphed(self, x, qr, packed_seq_params, layout: RankLayout, margins: bool):
+        """The owned top-k from this layer's CUDA graph of it (``dsa_indexer_cuda_graph``)."""
+        reason = self._graph_unsupported_reason(x, packed_seq_params, layout)
+        if reason is not None:
+            raise RuntimeError(
+                f"DSA layer {self.layer_number}: dsa_indexer_cuda_graph=True cannot capture this "
+                f"forward ({reason}); set dsa_indexer_cuda_graph=False for it."
+            )
+        params = tuple(p.data_ptr() for p in self.indexer.parameters())
+        angles, _ = self.indexer.rope_angles(x, None)  # kept alive by the graph that reads them
+
+        def select(x_: torch.Tensor, qr_: torch.Tensor):
+            return self._select(x_, qr_, None, layout, margins, None)
+
+        return self._graphs(select, (x.detach(), qr.detach()), (layout, margins, params), (angles,))
 
     # -- Megatron reads a staged top-k through its index-share holder ------------------------
 

@@ -59,6 +59,14 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
     "verify" (compute as configured and compare with the engine's picks; metrics from
     dsa_precision.megatron.topk_metrics). Default "compute"."""
 
+    dsa_indexer_cuda_graph: bool = False
+    """Replay each FP8 layer's owned top-k (projections, fused preprocess + quantize, scoring,
+    top-k) from a CUDA graph captured on its first forward of each input shape, so a step pays
+    one graph launch per layer instead of the indexer's host work (the short-sequence steps that
+    wait for the host). Needs FP8 scoring, a CUDA device, BSHD input, no context parallelism and
+    no sequence-parallel gather; costs one graph (and a share of one memory pool per device) per
+    layer and shape. Default False: the top-k runs eagerly."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         # Validated once; from here on the precision fields are frozen (see __setattr__).
@@ -96,12 +104,13 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
         return validated if validated is not None else _validate_precision(self)
 
 
-# The four fields of DSAPrecisionTransformerConfig: frozen once validated.
+# The fields of DSAPrecisionTransformerConfig: frozen once validated.
 PRECISION_FIELDS = (
     "dsa_indexer_rope_fp32",
     "dsa_indexer_scoring_precision",
     "dsa_indexer_engine",
     "dsa_indexer_topk_source",
+    "dsa_indexer_cuda_graph",
 )
 # Megatron's fields the precision is validated against (_validate_precision): re-validated when
 # assigned after __post_init__ (Megatron's own layers read them per forward, and so may a test).
@@ -153,6 +162,19 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
         problems.append(
             f"dsa_indexer_loss_coeff={config.dsa_indexer_loss_coeff!r}: dsa_indexer_topk_source="
             "'replay' skips the indexer's scoring, so there are no scores to train; set it to 0"
+        )
+    graph = config.dsa_indexer_cuda_graph
+    if not isinstance(graph, bool):
+        raise TypeError(f"dsa_indexer_cuda_graph={graph!r}: pass True or False.")
+    if graph and not precision.fp8:
+        problems.append(
+            "dsa_indexer_cuda_graph=True: the graph replays the owned FP8 top-k, and BF16 scoring "
+            "is Megatron's; set dsa_indexer_scoring_precision='fp8' or dsa_indexer_cuda_graph=False"
+        )
+    if graph and source == "replay":
+        problems.append(
+            "dsa_indexer_cuda_graph=True: dsa_indexer_topk_source='replay' does not score, so "
+            "there is nothing to capture; set dsa_indexer_cuda_graph=False"
         )
     if precision == IndexerPrecisionConfig(engine=precision.engine) and not problems:
         return precision  # Megatron's behaviour: nothing of ours runs
@@ -212,6 +234,11 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "engine, or computed and verified against it (default compute).",
     )
     group.add_argument(
+        "--dsa-indexer-cuda-graph",
+        action="store_true",
+        help="Replay each FP8 layer's owned top-k from a CUDA graph (BSHD, no CP/SP gather).",
+    )
+    group.add_argument(
         "--dsa-indexer-engine",
         choices=sorted(ENGINE_PROFILES),
         default=DEFAULT_ENGINE.name,
@@ -238,6 +265,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecision
         dsa_indexer_scoring_precision=getattr(args, "dsa_indexer_scoring_precision", "bf16"),
         dsa_indexer_engine=getattr(args, "dsa_indexer_engine", DEFAULT_ENGINE.name),
         dsa_indexer_topk_source=getattr(args, "dsa_indexer_topk_source", "compute"),
+        dsa_indexer_cuda_graph=getattr(args, "dsa_indexer_cuda_graph", False),
     )
     fields.update(overrides)
     return DSAPrecisionTransformerConfig(**fields)

@@ -103,13 +103,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         from the engine's); otherwise the BF16 projection.
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
-            None, None, x, self.config, packed_seq_params
-        )
-        if self.config.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=packed), 1.0
-        else:
-            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
+        freqs, mscale = self.rope_angles(x, packed_seq_params)
         cu_seqlens = None
         if packed:
             cu_seqlens, cu_seqlens_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
@@ -138,6 +132,19 @@ class PrecisionDSAIndexer(DSAIndexer):
         if packed:
             token_freqs = self._packed_token_freqs(freqs, cu_seqlens, seqlen)
         return q, k, w, freqs, mscale, cu_seqlens, token_freqs
+
+    def rope_angles(
+        self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None
+    ) -> tuple[torch.Tensor, float]:
+        """``(freqs, mscale)``: Megatron's RoPE angles for ``x`` (its ``RotaryEmbedding``
+        caches them: the same tensor for the same length) and the YaRN magnitude scale."""
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+            None, None, x, self.config, packed_seq_params
+        )
+        if self.config.rope_type == "rope":
+            return self.rotary_pos_emb(rotary_seq_len, packed_seq=packed), 1.0
+        return self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
 
     def _packed_token_freqs(
         self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, rows: int

@@ -281,3 +281,95 @@ def test_fp8_layer_forward_replays_from_a_cuda_graph(dsap):
     with torch.no_grad():
         want = run(*fresh)
     assert torch.equal(out, want)
+
+
+# ------------------------------------------------------------ dsa_indexer_cuda_graph
+
+
+def _graph_pair(dsap, **overrides):
+    """The same FP8 layer (same weights) eager and with ``dsa_indexer_cuda_graph``."""
+    fields = dict(CONFIGS["rope_fp32+fp8"], **overrides)
+    eager = _attention(dsap, _config(dsap, **fields))
+    graphed = _attention(dsap, _config(dsap, dsa_indexer_cuda_graph=True, **fields))
+    graphed.load_state_dict(eager.state_dict())
+    return eager, graphed
+
+
+def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
+    """Captured on the first call, replayed on new inputs: the eager picks bit for bit, with
+    the scoring calls counted per replay and no host synchronisation on a replay."""
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    eager, graphed = _graph_pair(dsap)
+    for seed in range(3):
+        query, _, x, qr, _ = _inputs(seed=seed)
+        reset_scoring_calls()
+        if seed == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = graphed.compute_topk(query, x, qr, None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert scoring_calls("fp8", "cudnn") == 1 and scoring_calls() == 1
+        assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed
+    assert len(graphed._graphs) == 1
+    # verify's margins: another graph, the eager picks and margins
+    picks, margins = graphed.compute_topk(query, x, qr, None, margins=True)
+    want_picks, want_margins = eager.compute_topk(query, x, qr, None, margins=True)
+    assert torch.equal(picks, want_picks) and torch.equal(margins, want_margins)
+    assert len(graphed._graphs) == 2
+
+
+def test_graphed_top_k_follows_the_parameters(dsap):
+    """An in-place update (the optimizer's) is read by the next replay; new storage for a
+    parameter captures again; another sequence length captures its own graph."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=0)
+    first = graphed.compute_topk(query, x, qr, None)
+    with torch.no_grad():
+        for a, b in zip(eager.indexer.parameters(), graphed.indexer.parameters(), strict=True):
+            noise = torch.randn_like(a) * 0.5
+            a.add_(noise)
+            b.add_(noise)
+    got = graphed.compute_topk(query, x, qr, None)
+    assert not torch.equal(got, first)
+    assert torch.equal(got, eager.compute_topk(query, x, qr, None))
+    assert len(graphed._graphs) == 1
+    with torch.no_grad():
+        weight = graphed.indexer.linear_wk.weight
+        weight.data = weight.data.clone()
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 2
+    query, _, x, qr, _ = _inputs(s=1024, seed=1)
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 3
+
+
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_graphed_layer_trains_as_the_eager_layer(dsap, topk_freq):
+    """Two layers, forward and backward, three steps on new inputs: outputs and gradients of the
+    graphed layers equal the eager ones bit for bit."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    results = []
+    for graph in (False, True):
+        config = _config(dsap, dsa_indexer_topk_freq=topk_freq, dsa_indexer_cuda_graph=graph,
+                         **CONFIGS["rope_fp32+fp8"])  # fmt: skip
+        layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+        run = []
+        for step in range(3):
+            inputs = [_inputs(seed=10 * step + n) for n in (0, 1)]
+            outs = [
+                layer(q, k, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=v)
+                for layer, (q, k, x, qr, v) in zip(layers, inputs, strict=True)
+            ]
+            sum(o.float().square().sum() for o in outs).backward()
+            run += [o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]]
+        results.append(run)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,124 @@
+"""CUDA graphs of the owned top-k (``dsa_indexer_cuda_graph``): captured once per input layout,
+replayed on every later forward.
+
+At short sequences a DSA layer's FP8 top-k is a dozen small kernels whose launches and checks
+cost the host more than the device (``tools/host_profile.py``). :class:`GraphedCalls` captures the
+whole computation -- from ``x``, ``qr`` to the picks -- in one ``torch.cuda.CUDAGraph`` the first
+time a layout is seen, then serves every later call by copying the inputs into the graph's static
+buffers, one ``replay()`` and a copy of the result: the same kernels on the same bytes, so the
+same bits (the GPU tests compare replays with the eager top-k).
+
+What a replay reads, and when a layer captures again:
+
+- **its inputs**, copied into the static buffers on every call (their shapes, dtypes and device
+  are part of the key: another shape captures another graph);
+- **the parameters**, read where they lie: an in-place update (the optimizer's) is seen by the
+  next replay; new storage (``param.data = ...``) changes their addresses, which are part of the
+  key, so the layer captures again;
+- **tensors built before the capture** that the computation reads (Megatron's cached RoPE
+  angles, the package's cached device constants): kept alive by the graph (``keep``), and pure
+  functions of the key.
+
+Every graph of a device shares one memory pool. That is safe because each replay's result is
+copied out before anything else runs, so no graph's output outlives the next replay; replays
+must run one at a time (as Megatron runs layers, on one stream). A call made while the current
+stream is itself being captured (Megatron's own CUDA graphs around the layer) runs eagerly, so
+the outer graph records the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from .. import audit
+
+__all__ = ["GraphedCalls"]
+
+# Graphs kept per layer (oldest dropped first): one per input shape and parameter storage.
+MAX_GRAPHS = 8
+
+_POOLS: dict[torch.device, Any] = {}
+
+
+def _pool(device: torch.device) -> Any:
+    """The memory pool every graph of ``device`` captures into."""
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
+
+
+@dataclasses.dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    output: Any
+    calls: Any  # Counter of (precision, backend) scoring calls one run records
+    keep: tuple[Any, ...]
+
+
+def _clone(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    return type(output)(_clone(o) for o in output)
+
+
+class GraphedCalls:
+    """One function of fixed-layout CUDA tensors, as CUDA graphs keyed by its inputs' layout."""
+
+    def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
+        self._graphs: dict[Hashable, _Graph] = {}
+        self._max = max_graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every graph (their memory goes back to the pool)."""
+        self._graphs.clear()
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        inputs: tuple[torch.Tensor, ...],
+        key: Hashable,
+        keep: tuple[Any, ...] = (),
+    ) -> Any:
+        """``fn(*inputs)`` (a tensor or a tuple of tensors, no autograd), from the graph captured
+        for ``key`` and the inputs' layout (captured now if there is none).
+
+        ``key`` must hold everything else the computation's launches depend on (host values,
+        parameter addresses); ``keep``: tensors built before the capture that it reads.
+        """
+        if torch.cuda.is_current_stream_capturing():
+            return fn(*inputs)
+        full = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))
+        entry = self._graphs.get(full)
+        if entry is None:
+            entry = self._capture(fn, inputs, keep)
+            if len(self._graphs) >= self._max:
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[full] = entry
+        for static, value in zip(entry.inputs, inputs, strict=True):
+            static.copy_(value)
+        entry.graph.replay()
+        audit.record_scoring_calls(entry.calls)
+        return _clone(entry.output)
+
+    @staticmethod
+    def _capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], keep) -> _Graph:
+        device = inputs[0].device
+        static = tuple(t.detach().clone() for t in inputs)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles every kernel and fills every cache outside the capture
+                fn(*static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with audit.captured_calls() as calls, torch.cuda.graph(graph, pool=_pool(device)):
+            output = fn(*static)
+        return _Graph(graph, static, output, calls, tuple(keep))
