@@ -4,7 +4,8 @@
 32 heads x 128, random weights, TP = PP = 1, Megatron's own sparse attention
 (``dsa_kernel_backend="none"``: FlashMLA is not installed on the test host). The mock data is a
 copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
-(baseline, rope_fp32, fp8, rope_fp32+fp8) it trains ``--steps`` steps from the same initial
+(baseline, rope_fp32, fp8, rope_fp32+fp8, and on CUDA rope_fp32+fp8 with its top-k replayed
+from CUDA graphs, ``dsa_indexer_cuda_graph``) it trains ``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
 scoring calls that ran in FP8 (and on the cuDNN kernel). The configurations train interleaved
@@ -35,7 +36,12 @@ CONFIGS = {
     "rope_fp32": dict(dsa_indexer_rope_fp32=True),
     "fp8": dict(dsa_indexer_scoring_precision="fp8"),
     "rope_fp32+fp8": dict(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8"),
+    # The same, its owned top-k replayed from CUDA graphs (CUDA only).
+    "rope_fp32+fp8+graph": dict(
+        dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8", dsa_indexer_cuda_graph=True
+    ),
 }
+GRAPHED = {name for name, fields in CONFIGS.items() if fields.get("dsa_indexer_cuda_graph")}
 
 
 def parse() -> argparse.Namespace:
@@ -51,7 +57,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument(
+        "--configs", default=None, help="comma-separated (default: all; on the CPU no graphs)"
+    )
     p.add_argument(
         "--profile-steps",
         type=int,
@@ -416,6 +424,9 @@ def stock_equivalence(args, steps: int = 3) -> dict:
 
 def main() -> int:
     args = parse()
+    if args.configs is None:
+        names = [n for n in CONFIGS if args.device != "cpu" or n not in GRAPHED]
+        args.configs = ",".join(names)
     if args.tiny and args.seq == 2048:
         args.seq = 256
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -429,6 +440,11 @@ def main() -> int:
     parallel_state.initialize_model_parallel(1, 1)
 
     results = {"runs": train(args, args.configs.split(","))}
+    by_name = {r["name"]: r for r in results["runs"]}
+    if {"rope_fp32+fp8", "rope_fp32+fp8+graph"} <= set(by_name):
+        results["graph_losses_identical"] = (
+            by_name["rope_fp32+fp8"]["losses"] == by_name["rope_fp32+fp8+graph"]["losses"]
+        )
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
     results["stock_equivalence"] = stock_equivalence(args)
 
@@ -438,7 +454,7 @@ def main() -> int:
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
           f"per forward (host time in dsa_precision frames, traced; target <= 0.3 ms)")  # fmt: skip
-    print(f"{'config':<15}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
+    print(f"{'config':<21}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
           f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}"
           f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
@@ -450,7 +466,7 @@ def main() -> int:
         outside = r["host_outside_gpu_ms"]
         host = r["package_host_ms_per_layer_forward"]
         c = r["scoring_calls"]
-        print(f"{r['name']:<15}{r['first_loss']:>9.3f}{r['last_loss']:>10.3f}"
+        print(f"{r['name']:<21}{r['first_loss']:>9.3f}{r['last_loss']:>10.3f}"
               f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}"
               f"{busy if busy is not None else nan:>8.1f}{gpu_ratio:>8.2f}"
               f"{outside if outside is not None else nan:>9.2f}"
@@ -459,6 +475,9 @@ def main() -> int:
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "
               f"{a['rows_identical']:.2%}")  # fmt: skip
+    if "graph_losses_identical" in results:
+        print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical "
+              f"{results['graph_losses_identical']}")  # fmt: skip
     s = results["stock_equivalence"]
     print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "
           f"grads identical {s['bit_identical_grads']}")  # fmt: skip
@@ -467,6 +486,7 @@ def main() -> int:
             json.dump(results, f, indent=1)
     ok = all(r["finite"] and r["loss_decreased"] for r in results["runs"])
     ok &= s["bit_identical_losses"] and s["bit_identical_grads"]
+    ok &= results.get("graph_losses_identical", True)
     dist.destroy_process_group()
     return 0 if ok else 1
 
