@@ -103,7 +103,7 @@ def main() -> int:
     steps = []
     cores = {}
     inputs = {}
-    for name in ("baseline", "rope_fp32+fp8"):
+    for name in ("baseline", "rope_fp32+fp8", "rope_fp32+fp8+graph"):
         config = toy.model_config(ns, dsa_indexer_n_heads=args.heads, **toy.CONFIGS[name])
         model, vocab = toy.build_model(ns, config)
         tokens, _ = toy.copy_task(ns, vocab, 1)[0]
@@ -128,6 +128,15 @@ def main() -> int:
             (
                 "megatron bf16 indexer (x, qr -> top-k)",
                 host_us(lambda: core.indexer(c["x"], c["qr"]), args.reps),
+            )
+        )
+    graphed, _ = cores["rope_fp32+fp8+graph"]
+    g = inputs["rope_fp32+fp8+graph"]
+    with torch.no_grad():
+        rows.append(
+            (
+                "compute_topk from its CUDA graph (all of it)",
+                host_us(lambda: graphed.compute_topk(g["query"], g["x"], g["qr"], None), args.reps),
             )
         )
     core, _ = cores["rope_fp32+fp8"]
