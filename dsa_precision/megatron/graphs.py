@@ -29,6 +29,7 @@ the outer graph records the kernels themselves.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -41,14 +42,16 @@ __all__ = ["GraphedCalls"]
 # Graphs kept per layer (oldest dropped first): one per input shape and parameter storage.
 MAX_GRAPHS = 8
 
-_POOLS: dict[torch.device, Any] = {}
+# The graphs alive per device: a new capture joins their pool (a pool lives while a graph of it
+# does; the handle of one whose graphs are all gone cannot be reused).
+_LIVE: dict[torch.device, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}
 
 
 def _pool(device: torch.device) -> Any:
-    """The memory pool every graph of ``device`` captures into."""
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
+    """The memory pool the graphs of ``device`` capture into: that of a live one, else new."""
+    for graph in _LIVE.get(device, ()):
+        return graph.pool()
+    return torch.cuda.graph_pool_handle()
 
 
 @dataclasses.dataclass
@@ -121,4 +124,5 @@ class GraphedCalls:
         graph = torch.cuda.CUDAGraph()
         with audit.captured_calls() as calls, torch.cuda.graph(graph, pool=_pool(device)):
             output = fn(*static)
+        _LIVE.setdefault(device, weakref.WeakSet()).add(graph)
         return _Graph(graph, static, output, calls, tuple(keep))
