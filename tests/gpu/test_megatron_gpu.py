@@ -319,7 +319,8 @@ def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
     # verify's margins: another graph, the eager picks and margins
     picks, margins = graphed.compute_topk(query, x, qr, None, margins=True)
     want_picks, want_margins = eager.compute_topk(query, x, qr, None, margins=True)
-    assert torch.equal(picks, want_picks) and torch.equal(margins, want_margins)
+    assert torch.equal(picks, want_picks)
+    assert torch.equal(margins.view(torch.int32), want_margins.view(torch.int32))  # NaN: the bits
     assert len(graphed._graphs) == 2
 
 
