@@ -223,8 +223,10 @@ def _arg(args: tuple, kwargs: dict, name: str):
     return kwargs[name] if name in kwargs else args[_POSITION[name]]
 
 
-def indexer_ms(args, model, tokens) -> float:
-    """The indexer's top-k of every layer, timed alone (median of 5) on the step's inputs."""
+def indexer_ms(args, model, tokens) -> tuple[float, float]:
+    """The indexer's top-k of every layer, timed alone (median of 5) on the step's inputs:
+    ``(ms of all layers, host ms per layer)``; the host time is until the calls return, the
+    device idle before them (the package's owned top-k, or Megatron's own indexer)."""
     captured = []
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
 
@@ -246,8 +248,16 @@ def indexer_ms(args, model, tokens) -> float:
                 elif core.indexer is not None:  # Megatron's own scoring and top-k
                     core.indexer(x, qr)
 
-    times = [timed(run, args.device)[1] for _ in range(6)][1:]
-    return sorted(times)[len(times) // 2]
+    times = [timed(run, args.device)[1] for _ in range(6)]
+    hosts = []
+    for _ in range(6):  # the host part alone: until the calls return, the device idle before
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        hosts.append(time.perf_counter() - t0)
+    times, hosts = sorted(times[1:]), sorted(hosts[1:])
+    return times[len(times) // 2], hosts[len(hosts) // 2] * 1e3 / len(captured)
 
 
 def gpu_busy_ms(trainer, batch, steps: int) -> float:
@@ -311,7 +321,7 @@ def train(args, names: list[str]) -> list[dict]:
     results = []
     for run in runs:
         name, model, losses = run["name"], run["model"], run["losses"]
-        index_ms = indexer_ms(args, model, data[0][0])
+        index_ms, topk_host_ms = indexer_ms(args, model, data[0][0])
         busy = host_ms = None
         if args.device != "cpu" and args.profile_steps:
             busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
@@ -343,6 +353,7 @@ def train(args, names: list[str]) -> list[dict]:
                 gpu_busy_ms=busy,
                 host_outside_gpu_ms=None if busy is None else step_ms - busy,
                 package_host_ms_per_layer_forward=host_ms,
+                topk_host_ms_per_layer=topk_host_ms,
                 indexer_ms=index_ms,
                 indexer_share=index_ms / step_ms,
                 scoring_calls=run["calls"],
@@ -453,9 +464,11 @@ def main() -> int:
           f"engine {args.engine}; median step of {args.steps} (first 3 skipped), configurations "
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
-          f"per forward (host time in dsa_precision frames, traced; target <= 0.3 ms)")  # fmt: skip
+          f"per forward (host time in dsa_precision frames, traced: an upper bound; target "
+          f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced (the "
+          f"owned top-k, or Megatron's indexer)")  # fmt: skip
     print(f"{'config':<21}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
-          f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}"
+          f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}{'top-k host':>11}"
           f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
         ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
@@ -470,7 +483,8 @@ def main() -> int:
               f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}"
               f"{busy if busy is not None else nan:>8.1f}{gpu_ratio:>8.2f}"
               f"{outside if outside is not None else nan:>9.2f}"
-              f"{host if host is not None else nan:>9.3f}{r['indexer_ms']:>11.2f}"
+              f"{host if host is not None else nan:>9.3f}{r['topk_host_ms_per_layer']:>11.3f}"
+              f"{r['indexer_ms']:>11.2f}"
               f"{r['indexer_share']:>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "

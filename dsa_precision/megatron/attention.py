@@ -98,6 +98,12 @@ class PrecisionDSAttention(DSAttention):
             and self._topk_source != "replay"
         )
         self._graphs = GraphedCalls() if graphed else None
+        # The layer's process groups are fixed when it is built: their sizes and ranks too.
+        tp, cp = self.pg_collection.tp, self.pg_collection.cp
+        self._tp_size = tp.size() if tp is not None else 1
+        self._tp_rank = tp.rank() if self._tp_size > 1 else 0
+        self._cp_size = cp.size() if cp is not None else 1
+        self._cp_rank = cp.rank() if self._cp_size > 1 else 0
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
         self.topk_monitor = replay.TopkMonitor()
 
@@ -214,10 +220,8 @@ class PrecisionDSAttention(DSAttention):
 
     def _indexer_rows(self, x: torch.Tensor) -> int:
         """Rows of the indexer on this rank (sequence parallelism gathers them over TP)."""
-        tp = self.pg_collection.tp
-        tp_size = tp.size() if tp is not None else 1
-        sequence_parallel = self.config.sequence_parallel and tp_size > 1
-        return x.size(0) * tp_size if sequence_parallel else x.size(0)
+        sequence_parallel = self._tp_size > 1 and self.config.sequence_parallel
+        return x.size(0) * self._tp_size if sequence_parallel else x.size(0)
 
     def _engine_picks(
         self, engine: replay.EngineTopk, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
@@ -270,11 +274,10 @@ class PrecisionDSAttention(DSAttention):
         sq = dsa_layout.ensure_sbhd(query, "query")[0].size(0)
         local = x.size(0)
         rows = self._indexer_rows(x)
-        cp = self.pg_collection.cp
-        cp_size = cp.size() if cp is not None else 1
+        cp_size = self._cp_size
         query_start = 0
         if rows != local and sq == local:  # sequence parallel, sequence-local query rows
-            query_start = self.pg_collection.tp.rank() * local
+            query_start = self._tp_rank * local
         elif sq != rows:
             raise RuntimeError(
                 f"DSA query rows ({sq}) are neither this rank's rows ({local}) nor the "
@@ -282,7 +285,7 @@ class PrecisionDSAttention(DSAttention):
             )
         layout = RankLayout(
             cp_size=cp_size,
-            cp_rank=cp.rank() if cp_size > 1 else 0,
+            cp_rank=self._cp_rank,
             query_start=query_start,
             query_rows=sq,
         )
@@ -331,7 +334,7 @@ class PrecisionDSAttention(DSAttention):
             if strict
             else contextlib.nullcontext()
         )
-        before = audit.scoring_calls()
+        before = audit.scoring_calls() if strict else 0
         with torch.no_grad(), audit.scoring_site("megatron"), guard:
             if self._graphs is None:
                 topk = self._select(x, qr, packed_seq_params, layout, margins, gather)
