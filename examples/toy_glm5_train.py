@@ -48,6 +48,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--share-steps", type=int, default=3, help="steps of the top-k-sharing variant")
+    p.add_argument(
+        "--stock-steps", type=int, default=3, help="steps of the default-vs-stock check (0: skip)"
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--topk", type=int, default=256)
     p.add_argument(
@@ -457,7 +460,8 @@ def main() -> int:
             by_name["rope_fp32+fp8"]["losses"] == by_name["rope_fp32+fp8+graph"]["losses"]
         )
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
-    results["stock_equivalence"] = stock_equivalence(args)
+    if args.stock_steps:
+        results["stock_equivalence"] = stock_equivalence(args, args.stock_steps)
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
@@ -492,14 +496,15 @@ def main() -> int:
     if "graph_losses_identical" in results:
         print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical "
               f"{results['graph_losses_identical']}")  # fmt: skip
-    s = results["stock_equivalence"]
-    print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "
-          f"grads identical {s['bit_identical_grads']}")  # fmt: skip
+    s = results.get("stock_equivalence")
+    if s is not None:
+        print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "
+              f"grads identical {s['bit_identical_grads']}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     ok = all(r["finite"] and r["loss_decreased"] for r in results["runs"])
-    ok &= s["bit_identical_losses"] and s["bit_identical_grads"]
+    ok &= s is None or (s["bit_identical_losses"] and s["bit_identical_grads"])
     ok &= results.get("graph_losses_identical", True)
     dist.destroy_process_group()
     return 0 if ok else 1

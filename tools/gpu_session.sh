@@ -92,6 +92,18 @@ for step in "$@"; do
       TAIL=12 run toy_2048 900 python examples/toy_glm5_train.py --out "$LOGS/toy_2048.json"
       TAIL=12 run toy_8192 900 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
         --steps 12 --share-steps 2 --out "$LOGS/toy_8192.json" ;;
+    toy3)  # issue 19: three interleaved runs at S = 2048 (every configuration, graphs included)
+      for i in 1 2 3; do
+        TAIL=10 run "toy_2048_$i" 600 python examples/toy_glm5_train.py --steps 40 \
+          --share-steps 2 --out "$LOGS/toy_2048_$i.json"
+      done ;;
+    toy-long)  # issue 20: S = 32768 top-2048, FP8 and (if it fits) Megatron's BF16 baseline
+      TAIL=10 run toy_32768_fp8 600 python examples/toy_glm5_train.py --seq 32768 --topk 2048 \
+        --steps 4 --share-steps 1 --profile-steps 1 --stock-steps 0 --configs rope_fp32+fp8 \
+        --out "$LOGS/toy_32768_fp8.json"
+      TAIL=10 run toy_32768_baseline 300 python examples/toy_glm5_train.py --seq 32768 \
+        --topk 2048 --steps 4 --share-steps 1 --profile-steps 1 --stock-steps 0 --configs baseline \
+        --out "$LOGS/toy_32768_baseline.json" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;
