@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -105,6 +106,15 @@ def h2d_ms(args, layers: int) -> dict:
 
 def main() -> int:
     args = parse()
+    if args.device != "cpu":
+        return _run(args)
+    # Megatron's RotaryEmbedding places its buffers on torch.cuda.current_device(): on the CPU,
+    # for this run only.
+    with unittest.mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.tiny:
         args.seq, args.topk = min(args.seq, 256), min(args.topk, 32)
     args.configs, args.share_steps = "", 0
@@ -113,8 +123,6 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if args.device == "cpu":
-        torch.cuda.current_device = lambda: "cpu"  # Megatron's RotaryEmbedding asks for a GPU
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     t0 = time.time()

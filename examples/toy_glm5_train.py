@@ -28,6 +28,7 @@ import json
 import math
 import os
 import time
+import unittest.mock
 
 import torch
 
@@ -438,6 +439,15 @@ def stock_equivalence(args, steps: int = 3) -> dict:
 
 def main() -> int:
     args = parse()
+    if args.device != "cpu":
+        return _run(args)
+    # Megatron's RotaryEmbedding places its buffers on torch.cuda.current_device(): on the CPU,
+    # for this run only.
+    with unittest.mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.configs is None:
         names = [n for n in CONFIGS if args.device != "cpu" or n not in GRAPHED]
         args.configs = ",".join(names)
@@ -448,8 +458,6 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if args.device == "cpu":
-        torch.cuda.current_device = lambda: "cpu"  # Megatron's RotaryEmbedding asks for a GPU
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
