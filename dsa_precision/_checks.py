@@ -49,6 +49,15 @@ def check_int_tensor(name: str, t: torch.Tensor, *, ndim: int) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}.")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a ``bool`` (``1``, ``"yes"`` or a one-element tensor are refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be a bool, got {value!r} ({type(value).__name__}); pass True or False."
+        )
+    return value
+
+
 def check_positive_int(name: str, value: object, *, high: int | None = None) -> int:
     """``value`` as a Python int in ``[1, high]`` (bools and floats such as ``2.0`` refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:

@@ -15,6 +15,8 @@ from typing import Literal, get_args
 
 import torch
 
+from ._checks import check_bool
+
 __all__ = [
     "DEFAULT_ENGINE",
     "ENGINE_PROFILES",
@@ -149,8 +151,7 @@ class EngineProfile:
                     f"EngineProfile {self.name!r}: {name}={getattr(self, name)!r} is not one of "
                     f"{get_args(kind)}."
                 )
-        if not isinstance(self.fma, bool):
-            raise TypeError(f"EngineProfile {self.name!r}: fma={self.fma!r} must be a bool.")
+        check_bool(f"EngineProfile {self.name!r}: fma", self.fma)
         if self.k_norm_eps is not None and not 0.0 < float(self.k_norm_eps) < float("inf"):
             raise ValueError(
                 f"EngineProfile {self.name!r}: k_norm_eps={self.k_norm_eps!r} must be a positive "

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._checks import check_freqs_cover, check_positive_int, check_real, check_tensor
+from ._checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
 from ._device import device_constant
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
@@ -406,8 +406,7 @@ class IndexerPreprocess(nn.Module):
                 f"rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]; it is "
                 "Megatron's qk_pos_emb_head_dim."
             )
-        if not isinstance(rope_fp32, bool):
-            raise TypeError(f"rope_fp32 must be a bool, got {rope_fp32!r}.")
+        check_bool("rope_fp32", rope_fp32)
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         if k_norm is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT32_MAX, check_positive_int, takes_precision_config
+from ._checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
 from ._deepgemm import WindowLogits
 from .config import IndexerPrecisionConfig
 from .operands import ScoringOperands, as_scoring_operands
@@ -121,12 +121,6 @@ def _nan_margins(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: pass True or False.")
-    return value
-
-
 def _with_margins(
     picks: torch.Tensor, margins: torch.Tensor | None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +168,7 @@ def indexer_select(
     sk = ops.k.shape[1]
     offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
     backend = resolve_scoring_backend(backend, ops)
-    margins = _check_bool("margins", margins)
+    margins = check_bool("margins", margins)
     if sq == 0 or sk == 0:
         empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
         return _with_margins(empty, _nan_margins((b, sq), ops.device) if margins else None)
@@ -268,7 +262,7 @@ def indexer_select_varlen(
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
     backend = resolve_scoring_backend(backend, ops)
-    margins = _check_bool("margins", margins)
+    margins = check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
         return _with_margins(empty, _nan_margins((tq,), ops.device) if margins else None)
