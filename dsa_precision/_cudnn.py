@@ -22,7 +22,9 @@ __all__ = [
     "dsa",
     "dsa_available",
     "dsa_unavailable_reason",
+    "scoring_reason",
     "scoring_unsupported_reason",
+    "topk_reason",
     "topk_unsupported_reason",
 ]
 
@@ -173,3 +175,43 @@ def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype)
         return f"scores have dtype {dtype}; cuDNN's top-k takes float32/float16/bfloat16"
     _, reason = _import_dsa()
     return reason
+
+
+# The hot path's checks. On a CUDA device the answers depend only on facts fixed for the process
+# (CUDA availability, the device's architecture, whether cuDNN imports) and on the hashable
+# arguments, so they are computed once; other devices are asked every time (cheap, and the tests'
+# stand-ins of SM90 hardware change those answers).
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_scoring_reason(
+    device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
+) -> str | None:
+    return scoring_unsupported_reason(
+        device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
+        n_kv_heads=n_kv_heads,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+
+
+def scoring_reason(
+    device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
+) -> str | None:
+    """:func:`scoring_unsupported_reason`, remembered per CUDA device and arguments."""
+    if device.type == "cuda":
+        return _cuda_scoring_reason(device, precision, n_heads, head_dim, n_kv_heads)
+    return scoring_unsupported_reason(
+        device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
+        n_kv_heads=n_kv_heads,
+    )  # fmt: skip
+
+
+def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    """:func:`topk_unsupported_reason`, remembered per CUDA device and arguments."""
+    if device.type == "cuda":
+        return _cuda_topk_reason(device, k, dtype)
+    return topk_unsupported_reason(device=device, k=k, dtype=dtype)

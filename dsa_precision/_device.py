@@ -1,12 +1,38 @@
 """Constants of the hot path, built once: ``torch.tensor(value, device=cuda)`` is a blocking
 host-to-device copy (a host synchronisation), and even a CPU scalar tensor per constant is a
-measurable share of a kernel launch's host time."""
+measurable share of a kernel launch's host time.
+
+Two kinds of cache, both for tensors the package only reads:
+
+- by value (:func:`device_constant`, :func:`shared_device_tensor`): the tensor is a function of
+  Python values and a device, built once per argument tuple (LRU, 256 entries each);
+- by source tensor (:class:`DerivedCache`): a tensor derived from another tensor, remembered for
+  that tensor object and its version counter (``Tensor._version``, bumped by every in-place
+  operation), never by its address (the caching allocator reuses addresses with other contents).
+
+Every cached tensor is built outside inference mode (so it can be saved for backward later).
+While the current CUDA stream is being captured into a graph, :func:`shared_device_tensor` and
+:class:`DerivedCache` read their caches but build nothing into them (the capture would record the
+build instead of running it: a call that misses builds its own tensor, inside the graph). A graph
+captured with a cached tensor reads it at replay, so the entry must outlive the graph: the caches
+hold far more entries than the distinct shapes of one training run.
+"""
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
+
+__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor"]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=256)
@@ -18,6 +44,82 @@ def device_constant(
     under ``torch.inference_mode()`` can still be saved for backward later."""
     with torch.inference_mode(False):
         return torch.tensor(value, dtype=dtype, device=device)
+
+
+class _Lru:
+    """A small LRU map whose lookups do not build (what a graph capture may read)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Hashable) -> Any:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
+    """Decorate ``build(*hashable_args, device)`` (device last, positional) so that its tensor is
+    built once per argument tuple and shared read-only (see the module docstring): for small
+    index tensors of the hot path that depend only on Python values (causal offsets, key counts,
+    lane orders), whose build is a few device launches per call otherwise."""
+    cache = _Lru(256)
+
+    @functools.wraps(build)
+    def wrapper(*args: Hashable) -> torch.Tensor:
+        value = cache.get(args)
+        if value is None:
+            if _capturing(args[-1]):
+                return build(*args)
+            with torch.inference_mode(False):
+                value = build(*args)
+            cache.put(args, value)
+        return value
+
+    wrapper.cache_clear = cache.entries.clear  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+class DerivedCache:
+    """Values derived from a source tensor, remembered for the source object and its version.
+
+    ``get(source, key, build)`` returns ``build()``'s value from an earlier call with the same
+    ``source`` object (held by a weak reference: a new tensor at a freed address misses), the
+    same ``source._version`` (an in-place change of the source, or of any view of its storage,
+    misses) and the same ``key`` (every other argument of the derivation); else it builds and
+    remembers it (the ``size`` most recent entries). Inference tensors carry no version counter
+    and are not cached. Only for sources whose contents change through operations the version
+    counter sees: not for parameters, whose storage an optimizer may rewrite through ``.data``
+    or a flat buffer without a bump.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self._cache = _Lru(size)
+
+    def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
+        if source.is_inference():
+            return build()
+        full = (id(source), source._version, key)
+        entry = self._cache.get(full)
+        if entry is not None and entry[0]() is source:
+            return entry[1]
+        if _capturing(source.device):
+            return build()
+        with torch.inference_mode(False):
+            value = build()
+        self._cache.put(full, (weakref.ref(source), value))
+        return value
+
+    def clear(self) -> None:
+        self._cache.entries.clear()
 
 
 @functools.lru_cache(maxsize=256)

@@ -186,6 +186,16 @@ def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tens
     Supports ``torch.nn.LayerNorm`` (Megatron's local ``WrappedTorchNorm``) and Transformer
     Engine / Apex LayerNorms (``weight``, ``bias``, ``eps``, optional ``zero_centered_gamma``).
     """
+    eps = _check_layer_norm(norm)
+    weight = getattr(norm, "weight", None)
+    if weight is not None and getattr(norm, "zero_centered_gamma", False):
+        weight = weight + 1
+    return weight, getattr(norm, "bias", None), eps
+
+
+def _check_layer_norm(norm: nn.Module) -> float:
+    """``TypeError`` unless ``norm`` is a LayerNorm with an ``eps`` (its float); reads no weight
+    (:func:`_layer_norm_params`' checks, without building the zero-centred weight)."""
     if "RMSNorm" in type(norm).__name__:
         raise TypeError(
             f"k_norm is {type(norm).__name__}; the DSA indexer key norm is a LayerNorm "
@@ -197,10 +207,7 @@ def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tens
             f"k_norm ({type(norm).__name__}) has no 'eps' attribute; rope_fp32 recomputes the "
             "key LayerNorm in FP32 from the module's weight, bias and eps."
         )
-    weight = getattr(norm, "weight", None)
-    if weight is not None and getattr(norm, "zero_centered_gamma", False):
-        weight = weight + 1
-    return weight, getattr(norm, "bias", None), float(eps)
+    return float(eps)
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:

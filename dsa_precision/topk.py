@@ -98,7 +98,7 @@ def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: t
         raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {TOPK_BACKENDS}.")
     if backend == "torch":
         return "torch"
-    reason = _cudnn.topk_unsupported_reason(device=device, k=k, dtype=dtype)
+    reason = _cudnn.topk_reason(device, k, dtype)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -168,18 +168,31 @@ def indexer_topk(
     backend = resolve_topk_backend(
         backend, device=scores.device, k=min(k, max(sk, 1)), dtype=scores.dtype
     )
-    if flat.shape[0] == 0 or sk == 0:
-        return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+    picked = _select_rows(flat, k, lens, deterministic, backend)
+    return picked if len(lead) == 1 else picked.reshape(*lead, k)
+
+
+def _select_rows(
+    scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool, backend: str
+) -> torch.Tensor:
+    """:func:`indexer_topk` of score rows once its arguments are checked (for
+    :mod:`dsa_precision.select`, which checks them once per call, not once per chunk):
+    ``scores`` ``(rows, S_k)`` of a score dtype, ``seq_lens`` int32 ``(rows,)`` in ``[0, S_k]`` on
+    their device, ``k`` a positive int, ``backend`` resolved (:func:`resolve_topk_backend`).
+    Returns int32 ``(rows, k)``."""
+    rows, sk = scores.shape
+    if rows == 0 or sk == 0:
+        return torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
     if backend == "cudnn":
-        picked = _cudnn_topk(flat, k, lens, deterministic)
+        picked = _cudnn_topk(scores, k, seq_lens, deterministic)
     else:
         step = max(1, _TORCH_TOPK_CHUNK_BYTES // (16 * sk))
         picked = torch.cat(
             [
-                _torch_topk(flat[r : r + step], k, lens[r : r + step], deterministic)
-                for r in range(0, flat.shape[0], step)
+                _torch_topk(scores[r : r + step], k, seq_lens[r : r + step], deterministic)
+                for r in range(0, rows, step)
             ]
         ).to(torch.int32)
     if picked.shape[-1] < k:
         picked = torch.nn.functional.pad(picked, (0, k - picked.shape[-1]), value=-1)
-    return picked if len(lead) == 1 else picked.reshape(*lead, k)
+    return picked
