@@ -28,7 +28,6 @@ from typing import Literal
 import torch
 
 from . import _cudnn, _deepgemm
-from ._device import shared_device_tensor
 from ._checks import (
     INT32_MAX,
     as_int32_tensor,
@@ -38,6 +37,7 @@ from ._checks import (
     check_tensor,
     takes_precision_config,
 )
+from ._device import shared_device_tensor
 from .audit import record_scoring_call
 from .config import (
     FP8_HEAD_DIM,

@@ -17,16 +17,16 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # the fused path's device check, before Triton imports
 
-import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import io  # noqa: E402
-import pstats  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
