@@ -338,3 +338,45 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
     assert reason(device=cuda, precision=bf16, **args) is None
     monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (None, "not importable (hint)"))
     assert reason(device=cuda, precision=bf16, **args) == "not importable (hint)"
+
+
+def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
+    """``scoring_reason`` / ``topk_reason`` (what the scoring and top-k entry points ask) remember
+    the answer for a CUDA device, whose facts are fixed for the process, keyed on every argument;
+    another device type is asked every time (the stand-ins of SM90 hardware change its answers)."""
+    fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
+    cuda = torch.device("cuda", 0)
+    queries = []
+
+    def capability(device=None):
+        queries.append(device)
+        return (9, 0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (object(), None))
+    _cudnn._cuda_scoring_reason.cache_clear()
+    _cudnn._cuda_topk_reason.cache_clear()
+    try:
+        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert len(queries) == 1  # remembered
+        assert "n_heads=16" in _cudnn.scoring_reason(cuda, fp8, 16, 128, 1)  # another key
+        assert _cudnn.scoring_reason(cuda, bf16, 16, 128, 1) is None
+        assert "head_dim=64" in _cudnn.scoring_reason(cuda, bf16, 16, 64, 1)
+        assert "k=4096" in _cudnn.topk_reason(cuda, 4096, torch.float32)
+        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
+        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
+        assert len(queries) == 6
+        # the public functions are not cached: they see the architecture change
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert "SM80" in _cudnn.scoring_unsupported_reason(
+            device=cuda, precision=fp8, n_heads=64, head_dim=128, n_kv_heads=1
+        )
+        cpu = torch.device("cpu")
+        assert "on cpu" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)
+        monkeypatch.setattr(_cudnn, "_device_reason", lambda device: None)
+        assert "SM80" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
+    finally:  # no answer of this fake CUDA device outlives the test
+        _cudnn._cuda_scoring_reason.cache_clear()
+        _cudnn._cuda_topk_reason.cache_clear()
