@@ -95,16 +95,20 @@ class DerivedCache:
     ``source`` object (held by a weak reference: a new tensor at a freed address misses), the
     same ``source._version`` (an in-place change of the source, or of any view of its storage,
     misses) and the same ``key`` (every other argument of the derivation); else it builds and
-    remembers it (the ``size`` most recent entries). Inference tensors carry no version counter
-    and are not cached. Only for sources whose contents change through operations the version
+    remembers it (the ``size`` most recent entries; an entry whose source was freed is dropped
+    at the next call, so a per-call source holds no memory). Inference tensors carry no version
+    counter and are not cached. Only for sources whose contents change through operations the version
     counter sees: not for parameters, whose storage an optimizer may rewrite through ``.data``
     or a flat buffer without a bump.
     """
 
     def __init__(self, size: int = 16) -> None:
         self._cache = _Lru(size)
+        self._dead: list[tuple] = []  # keys whose source was freed (dropped at the next call)
 
     def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
+        while self._dead:  # a freed source's values go with it (e.g. per-call THD angles)
+            self._cache.entries.pop(self._dead.pop(), None)
         if source.is_inference():
             return build()
         full = (id(source), source._version, key)
@@ -115,8 +119,11 @@ class DerivedCache:
             return build()
         with torch.inference_mode(False):
             value = build()
-        self._cache.put(full, (weakref.ref(source), value))
+        self._cache.put(full, (weakref.ref(source, lambda _, k=full: self._dead.append(k)), value))
         return value
+
+    def __len__(self) -> int:
+        return len(self._cache.entries)
 
     def clear(self) -> None:
         self._cache.entries.clear()

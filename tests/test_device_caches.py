@@ -178,3 +178,16 @@ def test_kernel_rope_tables_follow_their_angles():
 def test_engine_lane_order_is_the_interleaved_pairs(half, d):
     pairs = [i for j in range(half) for i in (j, half + j)]
     assert _engine_lanes(half, d, CPU).tolist() == pairs + list(range(2 * half, d))
+
+
+def test_derived_cache_lets_the_values_of_a_freed_source_go():
+    cache = DerivedCache(size=8)
+    keep = torch.ones(4)
+    cache.get(keep, "k", _Builds(keep))
+    for _ in range(3):  # per-call sources (THD angles gathered each forward)
+        tmp = torch.ones(4)
+        cache.get(tmp, "k", _Builds(tmp))
+        del tmp
+    gc.collect()
+    cache.get(keep, "k", _Builds(keep))  # the next call drops the freed sources' entries
+    assert len(cache) == 1
