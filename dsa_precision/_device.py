@@ -112,9 +112,9 @@ class DerivedCache:
         if source.is_inference():
             return build()
         full = (id(source), source._version, key)
-        entry = self._cache.get(full)
-        if entry is not None and entry[0]() is source:
-            return entry[1]
+        ref, value = self._cache.get(full) or (None, None)
+        if ref is not None and ref() is source:
+            return value
         if _capturing(source.device):
             return build()
         with torch.inference_mode(False):
