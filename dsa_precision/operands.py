@@ -447,20 +447,18 @@ def prepare_indexer_operands(
                 if not pre
                 else fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
             )
-            ops = _fused(
+            # The kernel writes the engine's lane order itself (no reordering copy).
+            return _fused(
                 preprocess, q_proj, k_proj, w_pre, token_freqs, engine=engine, mscale=mscale,
                 fold_scales=post,
             )  # fmt: skip
-        else:
-            q, k = preprocess(
-                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
-                token_freqs=token_freqs,
-            )  # fmt: skip
-            fold = engine.weights_fold
-            ops = _quantize_reference(
-                q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
-                fold,
-            )  # fmt: skip
+        q, k = preprocess(
+            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
+        )
+        ops = _quantize_reference(
+            q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
+            engine.weights_fold,
+        )  # fmt: skip
         return _engine_lane_order(ops, preprocess)
 
 
@@ -475,7 +473,7 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
     step with about 13 bits (docs/numerics.md, section 7): the engine's order gives the engine's
     logits. With the Hadamard rotation on, lanes are mixed after RoPE and Megatron's order stays.
     """
-    if not preprocess.rope_interleaved or preprocess.rotate_activation:
+    if not _engine_lanes_differ(preprocess):
         return ops
     order = _engine_lanes(preprocess.rope_dim // 2, ops.q.shape[-1], ops.device)
 
@@ -484,6 +482,11 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
 
     # The same shapes, dtypes and device as the operands checked when they were built.
     return ops._replace_checked(q=reorder(ops.q), k=reorder(ops.k))
+
+
+def _engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
+    """Whether the engines' lane order is not Megatron's: interleaved RoPE pairs, no Hadamard."""
+    return preprocess.rope_interleaved and not preprocess.rotate_activation
 
 
 @shared_device_tensor
@@ -614,8 +617,9 @@ def _fused(
     mscale: float,
     fold_scales: tuple[float, ...],
 ) -> ScoringOperands:
-    """The fused kernel; ``freqs`` holds one row of angles per token, ``w_pre`` the float32 head
-    weights before the q descale, ``fold_scales`` the scalars after it."""
+    """The fused kernel; ``freqs`` holds one row of angles per token, ``w_pre`` the head weights
+    before the q descale (BF16 or float32), ``fold_scales`` the scalars after it. The operands
+    come out in the engine's lane order (:func:`_engine_lane_order`'s bytes, written so)."""
     from .kernels.preprocess_quantize import preprocess_quantize
 
     s, b, h, _ = q_proj.shape
@@ -654,6 +658,7 @@ def _fused(
         rope_dim=preprocess.rope_dim,
         interleaved=preprocess.rope_interleaved,
         hadamard=preprocess.rotate_activation,
+        input_lane_order=_engine_lanes_differ(preprocess),
         bf16_math=math_dtype == torch.bfloat16,
         cos=cos,
         sin=sin,

@@ -276,6 +276,7 @@ def _preprocess_quantize_kernel(
     LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation (layernorm="fp32-ops")
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
     HAD_SCALE_F32: tl.constexpr,
+    LANE_ORDER_IN: tl.constexpr,  # store the interleaved RoPE pairs back in their input lanes
     HW_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -422,7 +423,11 @@ def _preprocess_quantize_kernel(
     codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_codes(v, HW_CAST))
 
     out_row = (b * seq + s) * n_heads + h  # BSHD
-    tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
+    # The output's lanes: the RoPE slice in rotate-half order, or (LANE_ORDER_IN) each value in
+    # the lane its input came from (lane_a: the engines' order of interleaved pairs); the
+    # descale is the same (an amax is order-free), so this is a permutation of the bytes.
+    out_lanes = lane_a if LANE_ORDER_IN else lanes
+    tl.store(out_ptr + out_row[:, None] * D + out_lanes, codes.to(tl.uint8), mask)
     tl.store(scale_ptr + out_row, descale, r_ok)
     if FOLD_W:  # w' = (((fp32(w) * q_descale) * c1) * c2) * c3, float32
         w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
@@ -463,6 +468,7 @@ def preprocess_quantize(
     sin: torch.Tensor | None = None,
     interleaved: bool,
     hadamard: bool,
+    input_lane_order: bool = False,
     bf16_math: bool,
     rule: Fp8Rule,
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
@@ -486,6 +492,10 @@ def preprocess_quantize(
             float32 (``bf16_math=False``) or BF16 (``bf16_math=True``); unused when
             ``rope_dim == 0``.
         interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
+        input_lane_order: with ``interleaved`` (and no ``hadamard``), write each value back in
+            the lane its input came from (the RoPE pairs interleaved, as the engines store them)
+            instead of the rotate-half order: the bytes of
+            :func:`dsa_precision.operands._engine_lane_order`, without its copy.
         hadamard: apply the Hadamard rotation after RoPE.
         bf16_math: RoPE in BF16 arithmetic (each product and the sum rounded to BF16), as
             Megatron's BF16 path does (``x`` and the tables must then hold BF16 values);
@@ -522,6 +532,11 @@ def preprocess_quantize(
         x4 = x4.contiguous()
     if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
         raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
+    if input_lane_order and (not interleaved or hadamard):
+        raise ValueError(
+            "input_lane_order puts interleaved RoPE pairs back; it needs interleaved=True and "
+            "no Hadamard rotation (which mixes the lanes)."
+        )
     ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
     device = x.device
     consts = _float64_constants(float(eps), d, device)
@@ -532,7 +547,7 @@ def preprocess_quantize(
         (rope_dim, interleaved, hadamard, layer_norm is not None, w_kind, b_kind,
          x.dtype == torch.bfloat16, bf16_math, ln_out_bf16, out_bf16, weights is not None,
          weights is not None and weights.dtype == torch.bfloat16, layer_norm_ops, fma,
-         hadamard_scale_fp32, block_rows, num_warps, not _interpreted()),
+         hadamard_scale_fp32, block_rows, num_warps, not _interpreted(), input_lane_order),
     )  # fmt: skip
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)
@@ -599,7 +614,7 @@ def _launch_constants(
     or a fold the kernel cannot take."""
     (rope_dim, interleaved, hadamard, layer_norm, w_kind, b_kind, x_bf16, bf16_math, ln_out_bf16,
      out_bf16, fold_w, w_bf16, layer_norm_ops, fma, hadamard_scale_fp32, block_rows,
-     num_warps, hw_cast) = flags  # fmt: skip
+     num_warps, hw_cast, input_lane_order) = flags  # fmt: skip
     floor32 = _f32(float(rule.amax_floor))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
         raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
@@ -637,6 +652,7 @@ def _launch_constants(
         LN_OPS=layer_norm_ops,
         FMA=fma,
         HAD_SCALE_F32=hadamard_scale_fp32,
+        LANE_ORDER_IN=input_lane_order,
         HW_CAST=hw_cast,
         BLOCK_R=block_rows,
         num_warps=num_warps,
