@@ -166,9 +166,29 @@ class ScoringOperands:
         and shapes that keep the operands consistent: a row slice, a lane permutation), which the
         package derived from these: built without running the constructor's checks again (they
         held for these operands; host time per call)."""
-        new = object.__new__(ScoringOperands)
-        for f in dataclasses.fields(self):
-            object.__setattr__(new, f.name, fields.get(f.name, getattr(self, f.name)))
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ScoringOperands._built(**{**current, **fields})
+
+    @classmethod
+    def _built(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        sm_scale: float = 1.0,
+    ) -> ScoringOperands:
+        """Operands the package built itself from inputs it checked (the fused kernel's outputs,
+        whose dtypes, shapes and device follow from those inputs): the constructor's checks hold
+        by construction and are not run again (host time per call; the tests compare these
+        operands with the checked reference's)."""
+        new = object.__new__(cls)
+        for name, value in (
+            ("q", q), ("k", k), ("weights", weights), ("q_descale", q_descale),
+            ("k_descale", k_descale), ("sm_scale", sm_scale),
+        ):  # fmt: skip
+            object.__setattr__(new, name, value)
         return new
 
 
@@ -331,7 +351,7 @@ def _quantize_triton(q, k, weights, sm_scale: float, engine: EngineProfile) -> S
         **common,
     )
     k8, k_descale, _ = preprocess_quantize(k.transpose(0, 1), rule=engine.k_quant, **common)
-    return ScoringOperands(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
+    return ScoringOperands._built(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 
 def as_scoring_operands(
@@ -672,7 +692,7 @@ def _fused(
         k_in, rule=engine.k_quant, layer_norm=layer_norm, ln_out_bf16=ln_out_bf16,
         out_bf16=out_bf16["k"], **common,
     )  # fmt: skip
-    return ScoringOperands(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
+    return ScoringOperands._built(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 
 # The fused kernel's RoPE tables by angle tensor: Megatron's RotaryEmbedding returns the same

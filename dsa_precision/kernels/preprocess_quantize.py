@@ -557,7 +557,7 @@ def preprocess_quantize(
             weights = weights.contiguous()
         w_out = torch.empty_like(scale)
     n_rows = n_seq * batch * n_heads
-    grid = (triton.cdiv(n_rows, block_rows),)
+    grid = (-(-n_rows // block_rows),)  # ceil (triton.cdiv is a slower jit-aware call)
     if not rope_dim:
         cos = sin = consts  # never read
     w_arg = weights if weights is not None else scale
@@ -598,7 +598,7 @@ def _layer_norm_param(
     if t.device == device and t.is_contiguous():
         kind = _PARAM_KINDS.get(t.dtype)
         if kind is not None:
-            return _bits_view(t.detach()), kind
+            return _bits_view(t), kind  # read only: no autograd involved
     return t.detach().to(device=device, dtype=torch.float64).contiguous(), 1
 
 
