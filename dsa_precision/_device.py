@@ -12,10 +12,9 @@ Two kinds of cache, both for tensors the package only reads:
 
 Every cached tensor is built outside inference mode (so it can be saved for backward later).
 While the current CUDA stream is being captured into a graph, :func:`shared_device_tensor` and
-:class:`DerivedCache` read their caches but build nothing into them (the capture would record the
-build instead of running it: a call that misses builds its own tensor, inside the graph). A graph
-captured with a cached tensor reads it at replay, so the entry must outlive the graph: the caches
-hold far more entries than the distinct shapes of one training run.
+:class:`DerivedCache` are bypassed: each call builds its own tensor, inside the graph, as it did
+before these caches (a capture records a build instead of running it, and a replay must not read
+an entry that may have been evicted since).
 """
 
 from __future__ import annotations
@@ -56,7 +55,10 @@ class _Lru:
     def get(self, key: Hashable) -> Any:
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
         return entry
 
     def put(self, key: Hashable, value: Any) -> None:
@@ -75,10 +77,10 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
 
     @functools.wraps(build)
     def wrapper(*args: Hashable) -> torch.Tensor:
+        if _capturing(args[-1]):
+            return build(*args)
         value = cache.get(args)
         if value is None:
-            if _capturing(args[-1]):
-                return build(*args)
             with torch.inference_mode(False):
                 value = build(*args)
             cache.put(args, value)
@@ -97,7 +99,7 @@ class DerivedCache:
     misses) and the same ``key`` (every other argument of the derivation); else it builds and
     remembers it (the ``size`` most recent entries; an entry whose source was freed is dropped
     at the next call, so a per-call source holds no memory). Inference tensors carry no version
-    counter and are not cached. Only for sources whose contents change through operations the version
+    counter and are not cached (nor is anything during a graph capture). Only for sources whose contents change through operations the version
     counter sees: not for parameters, whose storage an optimizer may rewrite through ``.data``
     or a flat buffer without a bump.
     """
@@ -108,15 +110,16 @@ class DerivedCache:
 
     def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
         while self._dead:  # a freed source's values go with it (e.g. per-call THD angles)
-            self._cache.entries.pop(self._dead.pop(), None)
-        if source.is_inference():
+            try:
+                self._cache.entries.pop(self._dead.pop(), None)
+            except IndexError:  # another thread took the last one
+                break
+        if source.is_inference() or _capturing(source.device):
             return build()
         full = (id(source), source._version, key)
         ref, value = self._cache.get(full) or (None, None)
         if ref is not None and ref() is source:
             return value
-        if _capturing(source.device):
-            return build()
         with torch.inference_mode(False):
             value = build()
         self._cache.put(full, (weakref.ref(source, lambda _, k=full: self._dead.append(k)), value))

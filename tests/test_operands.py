@@ -450,7 +450,7 @@ def test_the_kernel_writes_input_lane_order_only_for_interleaved_pairs(interleav
 
     x = torch.zeros(2, 1, 128)
     cos = sin = torch.ones(2, 64)
-    with pytest.raises(ValueError, match="input_lane_order .* needs interleaved=True and no Had"):
+    with pytest.raises(ValueError, match=r"input_lane_order .* needs interleaved=True and no Had"):
         preprocess_quantize(
             x, rope_dim=64, cos=cos, sin=sin, interleaved=interleaved, hadamard=hadamard,
             bf16_math=False, rule=DEFAULT_ENGINE.k_quant, input_lane_order=True,

@@ -225,9 +225,10 @@ def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk
 
 
 def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
-    """The shared int-offset tensors are built outside inference mode and never inside a CUDA
-    graph capture (a capture would record their build instead of running it): a capture that
-    is the first to need them builds its own, and eager calls after it still see correct ones."""
+    """The shared int-offset tensors are built outside inference mode, and a CUDA graph capture
+    bypasses their cache (it would record their build instead of running it, and a replay must
+    not read an entry evicted since): the capture builds its own, eager calls after it build
+    and cache correct ones, and the replay is unaffected when the cache is cleared."""
     q, k, w = _inputs(1, 2048, 64, seed=12)
     ops = prepare_scoring_operands(q, k, w, config=FP8)
     kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
@@ -251,6 +252,8 @@ def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
     from dsa_precision import scoring
 
     assert not scoring._constant_offsets(64, 1, torch.device(DEV)).is_inference()
+    _clear_shared_constants()  # frees the eager entries: the graph never read them
+    indexer_select(ops, q_causal_offsets=96, **kw)  # other allocations may take their memory
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want)
