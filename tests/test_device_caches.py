@@ -191,3 +191,28 @@ def test_derived_cache_lets_the_values_of_a_freed_source_go():
     gc.collect()
     cache.get(keep, "k", _Builds(keep))  # the next call drops the freed sources' entries
     assert len(cache) == 1
+
+
+def test_a_graph_capture_bypasses_both_caches(monkeypatch):
+    """While a CUDA graph is being captured (a stand-in here; the real capture is the GPU test
+    ``test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture``) every call
+    builds its own value and nothing is read from or stored into the caches."""
+    from dsa_precision import _device
+
+    calls = []
+
+    @shared_device_tensor
+    def ones(n: int, device: torch.device) -> torch.Tensor:
+        calls.append(n)
+        return torch.ones(n, device=device)
+
+    cache = DerivedCache(size=4)
+    x = torch.ones(2)
+    before = ones(2, CPU)
+    cached = cache.get(x, "k", _Builds(x))
+    monkeypatch.setattr(_device, "_capturing", lambda device: True)
+    assert ones(2, CPU) is not before and ones(3, CPU) is not ones(3, CPU)
+    assert cache.get(x, "k", _Builds(x)) is not cached
+    monkeypatch.undo()
+    assert ones(2, CPU) is before and cache.get(x, "k", _Builds(x)) is cached
+    assert calls == [2, 2, 3, 3] and len(cache) == 1
