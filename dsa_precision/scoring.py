@@ -608,9 +608,29 @@ def indexer_scores_varlen(
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
-    record_scoring_call(ops.precision.value, backend)
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int32)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
+    return _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+
+
+def _thd_scores(
+    ops: ScoringOperands,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    offsets: torch.Tensor,
+    ratio: int,
+    backend: str,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`indexer_scores_varlen` once its arguments are checked (for
+    :mod:`dsa_precision.select`, which checks them once per call): ``ops`` of batch 1, ``cu_q`` /
+    ``cu_k`` int32 on the operands' device, ``offsets`` int32 ``(n,)`` there, ``backend``
+    resolved, ``out`` ``None`` or checked (``None`` for DeepGEMM)."""
+    tq = ops.q.shape[1]
+    n_seq = cu_q.numel() - 1
+    record_scoring_call(ops.precision.value, backend)
     if tq == 0 or max_seqlen_k == 0:
         return _empty_scores(out, (tq, max_seqlen_k), ops.device)
     if backend == "cudnn":

@@ -39,11 +39,11 @@ from .scoring import (
     _constant_key_counts,
     _constant_offsets,
     _offsets,
+    _thd_scores,
     _validate_cu_seqlens,
     _validate_finite,
     causal_key_counts,
     deepgemm_select_input,
-    indexer_scores_varlen,
     resolve_scoring_backend,
     varlen_key_counts,
     varlen_row_slice,
@@ -286,6 +286,15 @@ def indexer_select_varlen(
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
         return _with_margins(empty, _nan_margins((tq,), ops.device) if margins else None)
+    # Checked once for every chunk (as in indexer_select); a chunk's lengths and offsets are
+    # derived from the caller's, checked above.
+    if validate:
+        _validate_finite(ops)
+    if backend != "deepgemm":
+        topk_backend = resolve_topk_backend(
+            _topk_backend(backend), device=ops.device, k=min(topk, max_seqlen_k),
+            dtype=torch.float32,
+        )  # fmt: skip
     step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
     out = _picks((tq, topk), step < tq, ops.device)
     out_margins = _margin_rows((tq,), margins and step < tq, ops.device)
@@ -296,26 +305,24 @@ def indexer_select_varlen(
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            scores, lens = _in_place(
-                deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
+            scores, lens = _in_place(deepgemm_select_input(part, off_chunk, ratio, varlen=varlen))
+            picks = indexer_topk(
+                scores, topk, seq_lens=lens, deterministic=deterministic, backend="auto"
             )
         else:
-            scores = indexer_scores_varlen(
+            scores = _thd_scores(
                 part,
-                cu_seqlens_q=cu_chunk,
-                cu_seqlens_k=cu_k,
-                max_seqlen_q=min(max_seqlen_q, r1 - r0),
-                max_seqlen_k=max_seqlen_k,
-                ratio=ratio,
-                q_causal_offsets=off_chunk,
-                backend=backend,
-                out=buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
-                validate=validate,
+                cu_chunk,
+                cu_k,
+                min(max_seqlen_q, r1 - r0),
+                max_seqlen_k,
+                off_chunk.to(torch.int32),  # within int32: the caller's offsets were checked
+                ratio,
+                backend,
+                buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
             )
             lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
-        picks = indexer_topk(
-            scores, topk, seq_lens=lens, deterministic=deterministic, backend=_topk_backend(backend)
-        )
+            picks = _select_rows(scores, topk, lens, deterministic, topk_backend)
         gaps = _margins(scores, lens, picks) if margins else None
         if out is None:
             return _with_margins(picks, gaps)
