@@ -461,7 +461,8 @@ def prepare_indexer_operands(
                 f"kernel takes at most {_MAX_KERNEL_FOLD_SCALES}"
             )
         if _use_kernel(impl, reason):
-            # The kernel widens BF16 weights exactly itself: no float32 copy without a step.
+            # With no step before the q descale the kernel reads the projection's weights as
+            # they are (BF16 widened exactly): no float32 copy per call.
             w_pre = (
                 w_proj
                 if not pre
