@@ -84,19 +84,34 @@ class CudnnDsaInterface(Protocol):
     ) -> Any: ...  # TupleDict(dq=(T, H, D), dkv=(T_k, D), d_sink=(H,))
 
 
+class _Resolved:
+    """``cudnn.DSA`` with each entry point looked up once: the lazy namespace re-imports the
+    entry point's module on every attribute access (``importlib.import_module``, a measurable
+    share of a launch's host time), so the first lookup of a name is kept as an attribute."""
+
+    def __init__(self, namespace: Any) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> Any:  # only for names not looked up yet
+        value = getattr(self._namespace, name)
+        setattr(self, name, value)
+        return value
+
+
 @functools.cache
 def _import_dsa() -> tuple[Any, str | None]:
     try:
         from cudnn import DSA  # the lazy namespace; resolving symbols compiles nothing
 
-        DSA.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
-        DSA.indexer_top_k_wrapper  # noqa: B018
+        dsa = _Resolved(DSA)
+        dsa.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
+        dsa.indexer_top_k_wrapper  # noqa: B018
     except Exception as exc:  # ImportError, or a broken CUDA / CuTe DSL install
         return (
             None,
             f"nvidia-cudnn-frontend's DSA kernels are not importable ({exc}); {_INSTALL_HINT}",
         )
-    return DSA, None
+    return dsa, None
 
 
 def dsa_available() -> bool:

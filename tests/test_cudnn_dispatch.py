@@ -380,3 +380,25 @@ def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
     finally:  # no answer of this fake CUDA device outlives the test
         _cudnn._cuda_scoring_reason.cache_clear()
         _cudnn._cuda_topk_reason.cache_clear()
+
+
+def test_cudnn_entry_points_are_looked_up_once():
+    """``cudnn.DSA`` re-imports an entry point's module on every attribute access; the package's
+    handle keeps each entry point after its first lookup (and still fails for a missing one)."""
+    lookups = []
+
+    class Namespace:
+        def __getattr__(self, name):
+            lookups.append(name)
+            if name == "missing":
+                raise AttributeError(name)
+            return f"<{name}>"
+
+    dsa = _cudnn._Resolved(Namespace())
+    assert dsa.indexer_forward_wrapper == "<indexer_forward_wrapper>"
+    assert dsa.indexer_forward_wrapper == dsa.indexer_forward_wrapper
+    assert dsa.indexer_top_k_wrapper == "<indexer_top_k_wrapper>"
+    assert lookups == ["indexer_forward_wrapper", "indexer_top_k_wrapper"]
+    with pytest.raises(AttributeError):
+        dsa.missing  # noqa: B018
+    assert _cudnn.dsa_available() == (_cudnn.dsa_unavailable_reason() is None)
