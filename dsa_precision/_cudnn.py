@@ -6,8 +6,10 @@ API subset used by the package is documented by :class:`CudnnDsaInterface`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +19,7 @@ from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 __all__ = [
     "CUDNN_BF16_N_HEADS",
     "CUDNN_TOPK_MAX_K",
+    "TOPK_INPUT_ALIGN",
     "CudnnDsaInterface",
     "device_scope",
     "dsa",
@@ -24,6 +27,7 @@ __all__ = [
     "dsa_unavailable_reason",
     "scoring_reason",
     "scoring_unsupported_reason",
+    "topk_plan",
     "topk_reason",
     "topk_unsupported_reason",
 ]
@@ -32,6 +36,8 @@ __all__ = [
 CUDNN_BF16_N_HEADS = (16, 32, 64)
 # cuDNN's radix top-k serves 0 < k <= 2048.
 CUDNN_TOPK_MAX_K = 2048
+# Base address alignment (bytes) of the scores its class API binds (INPUT_ALIGN of 1.32).
+TOPK_INPUT_ALIGN = 32
 
 _INSTALL_HINT = (
     "pip install 'nvidia-cudnn-frontend>=1.32,<1.33' (needs CUDA 12.8+ and the CuTe DSL)"
@@ -70,6 +76,17 @@ class CudnnDsaInterface(Protocol):
         deterministic: bool = ...,
     ) -> Any: ...  # TupleDict(indices=(n_rows, top_k) INT32, values=(n_rows, top_k))
 
+    # The class behind indexer_top_k_wrapper, for caller-owned buffers (the package's top-k):
+    #   plan = IndexerTopK(sample_input_values, sample_seq_lens, top_k, next_n=1,
+    #                      return_val=True, deterministic=...)   # shapes, dtypes, device only
+    #   plan.check_support() -> True (raises otherwise); plan.compile()
+    #   plan.scratch_workspace_bytes() -> int
+    #   plan.execute(input_values, seq_lens, out_indices=, out_values=, workspace=)
+    #     input_values (n_rows, S_k) contiguous, 32-byte aligned; seq_lens (n_rows,) INT32
+    #     contiguous; out_indices (n_rows, top_k) INT32, out_values (n_rows, top_k) in the
+    #     input dtype, workspace uint8 of scratch_workspace_bytes(), all disjoint
+    IndexerTopK: Callable[..., Any]
+
     def sparse_attention_backward_wrapper(
         self,
         q: torch.Tensor,  # (T, H, D) BF16, H padded to 64 on SM90
@@ -106,6 +123,7 @@ def _import_dsa() -> tuple[Any, str | None]:
         dsa = _Resolved(DSA)
         dsa.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
         dsa.indexer_top_k_wrapper  # noqa: B018
+        dsa.IndexerTopK  # noqa: B018
     except Exception as exc:  # ImportError, or a broken CUDA / CuTe DSL install
         return (
             None,
@@ -230,3 +248,33 @@ def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
     if device.type == "cuda":
         return _cuda_topk_reason(device, k, dtype)
     return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+
+
+# cuDNN's top-k plans (IndexerTopK), checked and compiled once per class, device, dtype, shape,
+# k and mode: what indexer_top_k_wrapper caches for itself, kept here so that the package's top-k
+# can pass its own buffers to execute() (no staging, no per-call cache key of the wrapper).
+_TOPK_PLANS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_TOPK_PLANS_MAX = 256
+
+
+def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool) -> Any:
+    """The compiled ``IndexerTopK`` plan of ``scores`` ``(rows, S_k)`` (contiguous) and
+    ``seq_lens`` ``(rows,)`` int32: ``top_k`` per row, values returned, one length per row
+    (``next_n=1``), ties as ``deterministic`` asks; built once and reused (call it with ``scores``'
+    device current)."""
+    cls = dsa().IndexerTopK
+    rows, cols = scores.shape
+    key = (cls, scores.device, scores.dtype, rows, cols, top_k, deterministic)
+    plan = _TOPK_PLANS.get(key)
+    if plan is None:
+        plan = cls(
+            sample_input_values=scores, sample_seq_lens=seq_lens, top_k=top_k, next_n=1,
+            return_val=True, deterministic=deterministic,
+        )  # fmt: skip
+        if not plan.check_support():  # raises with cuDNN's reason otherwise
+            raise RuntimeError(f"cuDNN's IndexerTopK does not support {key[1:]}.")
+        plan.compile()
+        _TOPK_PLANS[key] = plan
+        while len(_TOPK_PLANS) > _TOPK_PLANS_MAX:
+            _TOPK_PLANS.popitem(last=False)
+    return plan

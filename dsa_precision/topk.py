@@ -71,25 +71,31 @@ def _cudnn_topk(
 ) -> torch.Tensor:
     """cuDNN's radix top-k (the only call of that kernel): ``(rows, min(k, S_k))`` int32.
 
-    Deterministic mode returns each row's keys ascending. A pick whose score is ``-inf`` or NaN
-    (short rows, masked or non-finite keys) becomes ``-1``: one pass over the picks' scores
+    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision._cudnn.topk_plan`) into
+    buffers allocated here, as ``indexer_top_k_wrapper`` would run it, without the wrapper's
+    per-call staging and cache key: ``scores`` are bound contiguous and 32-byte aligned (a copy
+    otherwise, as the wrapper makes), ``seq_lens`` contiguous. Deterministic mode returns each
+    row's keys ascending. A pick whose score is ``-inf`` or NaN (short rows, masked or
+    non-finite keys) becomes ``-1``: one pass over the picks' scores
     (:mod:`dsa_precision.kernels.topk_picks`).
     """
-    with _cudnn.device_scope(scores.device):
-        result = _cudnn.dsa().indexer_top_k_wrapper(
-            scores,
-            seq_lens,
-            top_k=min(k, scores.shape[-1]),
-            next_n=1,
-            return_val=True,
-            deterministic=deterministic,
-        )
-    indices, values = result["indices"], result["values"]
-    if indices.is_cuda and triton_unavailable_reason() is None:
+    rows, sk = scores.shape
+    top_k = min(k, sk)
+    if not scores.is_contiguous() or scores.data_ptr() % _cudnn.TOPK_INPUT_ALIGN:
+        scores = scores.clone(memory_format=torch.contiguous_format)
+    seq_lens = seq_lens.contiguous()
+    device = scores.device
+    with _cudnn.device_scope(device):
+        plan = _cudnn.topk_plan(scores, seq_lens, top_k, deterministic)
+        indices = torch.empty((rows, top_k), dtype=torch.int32, device=device)
+        values = torch.empty((rows, top_k), dtype=scores.dtype, device=device)
+        workspace = torch.empty(plan.scratch_workspace_bytes(), dtype=torch.uint8, device=device)
+        plan.execute(scores, seq_lens, out_indices=indices, out_values=values, workspace=workspace)
+    if indices.is_cuda and values.dtype == torch.float32 and triton_unavailable_reason() is None:
         from .kernels.topk_picks import drop_invalid_picks
 
         return drop_invalid_picks(indices, values)
-    return indices.masked_fill_(~(values > float("-inf")), -1)
+    return indices.masked_fill_(~(values > float("-inf")), -1)  # (the kernel reads float32)
 
 
 def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: torch.dtype) -> str:

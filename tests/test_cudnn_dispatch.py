@@ -225,6 +225,34 @@ def test_topk_auto_and_empty(fake):
     assert len(fake.topk_calls) == 1  # nothing to launch
 
 
+def test_topk_plans_get_aligned_contiguous_scores_and_are_reused(fake):
+    """The top-k runs cuDNN's IndexerTopK plan into buffers the package allocates: the plan's
+    class API binds only contiguous, 32-byte aligned scores (the fake asserts both), so a strided
+    or misaligned view is copied first, as indexer_top_k_wrapper would; a plan is built once per
+    shape, k and mode, and its picks are the torch path's (tie-free scores)."""
+    from dsa_precision import _cudnn
+
+    _cudnn._TOPK_PLANS.clear()
+    g = torch.Generator().manual_seed(4)
+    base = torch.rand(6 * 40 + 1, generator=g).argsort().float()  # distinct values: no ties
+    aligned = base[:240].view(6, 40)
+    misaligned = base[1:].view(6, 40)  # contiguous, 4 bytes past an aligned address
+    strided = base[:240].view(6, 40)[:, ::2]  # (6, 20), column stride 2
+    lens = torch.tensor([40, 3, 0, 17, 40, 25], dtype=torch.int32)
+    for scores, n in ((aligned, 40), (misaligned, 40), (strided, 20)):
+        seq = lens.clamp(max=n)
+        got = indexer_topk(scores, 5, seq_lens=seq, backend="cudnn")
+        want = indexer_topk(scores, 5, seq_lens=seq, backend="torch")
+        assert torch.equal(got, want)
+        assert_bitwise_equal(fake.topk_calls[-1]["values"], scores.contiguous(), "bound scores")
+    assert len(_cudnn._TOPK_PLANS) == 2  # (6, 40) twice, (6, 20)
+    indexer_topk(aligned, 5, seq_lens=lens, backend="cudnn", deterministic=False)
+    indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
+    indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
+    assert len(_cudnn._TOPK_PLANS) == 4  # another mode, another k; the last one reused
+    assert [c["top_k"] for c in fake.topk_calls] == [5, 5, 5, 5, 7, 7]
+
+
 # ------------------------------------------------------------------------------ select
 
 

@@ -276,6 +276,54 @@ def test_cudnn_topk_selects_exactly_the_torch_set_on_tie_free_scores(record):
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize(
+    "dtype, deterministic",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+    ids=["fp32", "bf16", "fp32_fast"],
+)
+def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
+    """indexer_topk runs cuDNN's IndexerTopK plan into its own buffers (no wrapper): the same
+    picks as indexer_top_k_wrapper on the same scores, -inf / NaN picks dropped as before, for
+    aligned, misaligned (a copy) and strided (a copy) scores, several k, repeated calls.
+    Deterministic mode: scores with ties, NaN and -inf, equal index for index; the fast mode
+    (ties and NaN resolved arbitrarily): distinct finite scores, equal as sets."""
+    from dsa_precision import _cudnn
+
+    dsa = _cudnn.dsa()
+    g = torch.Generator(device=DEV).manual_seed(8)
+    n = 2048 * 3000 + 8
+    if deterministic:
+        raw = torch.round(torch.randn(n, device=DEV, generator=g) * 4) / 4  # many ties
+        raw[::97] = float("nan")
+        raw[5::89] = float("-inf")
+    else:
+        raw = torch.randperm(n, device=DEV, generator=g).float()  # distinct, exact in fp32
+    raw = raw.to(dtype)
+    views = {
+        "aligned": raw[: 2048 * 3000].view(2048, 3000),
+        "misaligned": raw[3 : 3 + 2048 * 3000].view(2048, 3000),
+        "strided": raw[: 2048 * 3000].view(2048, 3000)[:, ::2],
+    }
+    for name, scores in views.items():
+        sk = scores.shape[1]
+        lens = torch.randint(0, sk + 1, (2048,), device=DEV, generator=g, dtype=torch.int32)
+        for k in (1, 256, 2048):
+            for _ in range(2):
+                got = indexer_topk(
+                    scores, k, seq_lens=lens, deterministic=deterministic, backend="cudnn"
+                )
+                res = dsa.indexer_top_k_wrapper(
+                    scores.contiguous(), lens, top_k=min(k, sk), return_val=True,
+                    deterministic=deterministic,
+                )  # fmt: skip
+                want = res["indices"].masked_fill(~(res["values"] > float("-inf")), -1)
+                want = torch.nn.functional.pad(want, (0, k - want.shape[1]), value=-1)
+                if deterministic:
+                    assert torch.equal(got, want), (name, k)
+                else:  # the fast mode's order within a row is unspecified
+                    assert torch.equal(got.sort(-1).values, want.sort(-1).values), (name, k)
+
+
 def test_cudnn_topk_deterministic_ties_signed_zeros_and_nan():
     g = torch.Generator(device=DEV).manual_seed(5)
     scores = torch.round(torch.randn(3, 256, 2048, device=DEV, generator=g) * 2) / 2  # ties
