@@ -3,7 +3,8 @@
 Where ``tools/host_profile.py`` (CUDA) times what a step waits for, this isolates the part the
 package controls on a machine without a GPU: the Python, the argument checks and the small torch
 ops around each kernel, with every kernel launch replaced by a stub that returns at once (cuDNN's
-two wrappers answer with preallocated buffers; the fused Triton kernel's launch does nothing).
+wrappers and top-k plan answer at once, allocating what the real ones allocate; the fused Triton
+kernel's launch does nothing).
 Beside the microseconds (comparable only on one machine, before and after a change) it counts
 the torch operations each piece issues, views apart: on a GPU each one is a launch or an
 allocation (5-8 us of host time each on the H200), so the count is what carries over. The
@@ -52,15 +53,34 @@ _VIEWS = {
 class _NullDSA:
     """cuDNN's wrappers answering at once with buffers of the right shapes (no numerics)."""
 
-    def __init__(self, rows: int, topk: int) -> None:
-        self.indices = torch.zeros(rows, topk, dtype=torch.int32)
-        self.values = torch.zeros(rows, topk)
-
     def indexer_forward_wrapper(self, q, k, w, ratio=4, sm_scale=1.0, out=None, **kw):
         return {"scores": out}
 
     def indexer_top_k_wrapper(self, values, seq_lens, top_k, next_n=1, return_val=True, **kw):
-        return {"indices": self.indices[:, :top_k], "values": self.values[:, :top_k]}
+        # the wrapper allocates its outputs and the radix scratch, as the plan's caller does
+        rows = values.shape[0]
+        torch.empty(rows * 3 * values.shape[1] * 4, dtype=torch.uint8)
+        return {
+            "indices": torch.empty(rows, top_k, dtype=torch.int32),
+            "values": torch.empty(rows, top_k, dtype=values.dtype),
+        }
+
+    def IndexerTopK(self, *args, **kwargs):
+        return _NullPlan()
+
+
+class _NullPlan:
+    def check_support(self) -> bool:
+        return True
+
+    def compile(self) -> None:
+        pass
+
+    def scratch_workspace_bytes(self) -> int:
+        return 128
+
+    def execute(self, values, seq_lens, current_stream=None, **buffers):
+        return buffers["out_indices"], buffers["out_values"]
 
 
 class _NullLaunch:
@@ -123,7 +143,7 @@ def main() -> int:
     cu = torch.tensor([0, s // 2, s], dtype=torch.int32)
     rows = []
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        fake = _NullDSA(s, topk)
+        fake = _NullDSA()
         mp.setattr(_cudnn, "_import_dsa", lambda: (fake, None))
         mp.setattr(_cudnn, "_device_reason", lambda device: None)
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
