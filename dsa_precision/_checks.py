@@ -49,8 +49,19 @@ def check_int_tensor(name: str, t: torch.Tensor, *, ndim: int) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}.")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a ``bool`` (``1``, ``"yes"`` or a one-element tensor are refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be a bool, got {value!r} ({type(value).__name__}); pass True or False."
+        )
+    return value
+
+
 def check_positive_int(name: str, value: object, *, high: int | None = None) -> int:
     """``value`` as a Python int in ``[1, high]`` (bools and floats such as ``2.0`` refused)."""
+    if type(value) is int and 0 < value and (high is None or value <= high):
+        return value  # the common case, without the ABC checks below (host time per call)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer.")
     return check_int_fits(name, value, low=1, high=high)
@@ -64,6 +75,8 @@ def check_int_fits(
     The bound is a host fact of a Python number: a value past int32 would otherwise wrap, or fail
     inside torch, when the kernels take it as an int32.
     """
+    if type(value) is int and low <= value and (high is None or value <= high):
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} ({type(value).__name__}) must be a Python int.")
     value = int(value)
@@ -122,6 +135,13 @@ def check_real(
     Strings, bools and tensors are refused with a ``TypeError`` (a tensor scale would need a host
     synchronisation to read); ``positive`` / ``nonnegative`` bound it below.
     """
+    if (
+        type(value) is float
+        and math.isfinite(value)
+        and (value > 0 or not positive)
+        and (value >= 0 or not nonnegative)
+    ):
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name}={value!r} ({type(value).__name__}) must be a real number; pass a Python float."

@@ -6,8 +6,10 @@ API subset used by the package is documented by :class:`CudnnDsaInterface`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -17,12 +19,16 @@ from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 __all__ = [
     "CUDNN_BF16_N_HEADS",
     "CUDNN_TOPK_MAX_K",
+    "TOPK_INPUT_ALIGN",
     "CudnnDsaInterface",
     "device_scope",
     "dsa",
     "dsa_available",
     "dsa_unavailable_reason",
+    "scoring_reason",
     "scoring_unsupported_reason",
+    "topk_plan",
+    "topk_reason",
     "topk_unsupported_reason",
 ]
 
@@ -30,6 +36,8 @@ __all__ = [
 CUDNN_BF16_N_HEADS = (16, 32, 64)
 # cuDNN's radix top-k serves 0 < k <= 2048.
 CUDNN_TOPK_MAX_K = 2048
+# Base address alignment (bytes) of the scores its class API binds (INPUT_ALIGN of 1.32).
+TOPK_INPUT_ALIGN = 32
 
 _INSTALL_HINT = (
     "pip install 'nvidia-cudnn-frontend>=1.32,<1.33' (needs CUDA 12.8+ and the CuTe DSL)"
@@ -68,6 +76,17 @@ class CudnnDsaInterface(Protocol):
         deterministic: bool = ...,
     ) -> Any: ...  # TupleDict(indices=(n_rows, top_k) INT32, values=(n_rows, top_k))
 
+    # The class behind indexer_top_k_wrapper, for caller-owned buffers (the package's top-k):
+    #   plan = IndexerTopK(sample_input_values, sample_seq_lens, top_k, next_n=1,
+    #                      return_val=True, deterministic=...)   # shapes, dtypes, device only
+    #   plan.check_support() -> True (raises otherwise); plan.compile()
+    #   plan.scratch_workspace_bytes() -> int
+    #   plan.execute(input_values, seq_lens, out_indices=, out_values=, workspace=)
+    #     input_values (n_rows, S_k) contiguous, 32-byte aligned; seq_lens (n_rows,) INT32
+    #     contiguous; out_indices (n_rows, top_k) INT32, out_values (n_rows, top_k) in the
+    #     input dtype, workspace uint8 of scratch_workspace_bytes(), all disjoint
+    IndexerTopK: Callable[..., Any]
+
     def sparse_attention_backward_wrapper(
         self,
         q: torch.Tensor,  # (T, H, D) BF16, H padded to 64 on SM90
@@ -82,19 +101,35 @@ class CudnnDsaInterface(Protocol):
     ) -> Any: ...  # TupleDict(dq=(T, H, D), dkv=(T_k, D), d_sink=(H,))
 
 
+class _Resolved:
+    """``cudnn.DSA`` with each entry point looked up once: the lazy namespace re-imports the
+    entry point's module on every attribute access (``importlib.import_module``, a measurable
+    share of a launch's host time), so the first lookup of a name is kept as an attribute."""
+
+    def __init__(self, namespace: Any) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> Any:  # only for names not looked up yet
+        value = getattr(self._namespace, name)
+        setattr(self, name, value)
+        return value
+
+
 @functools.cache
 def _import_dsa() -> tuple[Any, str | None]:
     try:
         from cudnn import DSA  # the lazy namespace; resolving symbols compiles nothing
 
-        DSA.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
-        DSA.indexer_top_k_wrapper  # noqa: B018
+        dsa = _Resolved(DSA)
+        dsa.indexer_forward_wrapper  # noqa: B018 - imports the indexer module (CuTe DSL)
+        dsa.indexer_top_k_wrapper  # noqa: B018
+        dsa.IndexerTopK  # noqa: B018
     except Exception as exc:  # ImportError, or a broken CUDA / CuTe DSL install
         return (
             None,
             f"nvidia-cudnn-frontend's DSA kernels are not importable ({exc}); {_INSTALL_HINT}",
         )
-    return DSA, None
+    return dsa, None
 
 
 def dsa_available() -> bool:
@@ -173,3 +208,73 @@ def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype)
         return f"scores have dtype {dtype}; cuDNN's top-k takes float32/float16/bfloat16"
     _, reason = _import_dsa()
     return reason
+
+
+# The hot path's checks. On a CUDA device the answers depend only on facts fixed for the process
+# (CUDA availability, the device's architecture, whether cuDNN imports) and on the hashable
+# arguments, so they are computed once; other devices are asked every time (cheap, and the tests'
+# stand-ins of SM90 hardware change those answers).
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_scoring_reason(
+    device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
+) -> str | None:
+    return scoring_unsupported_reason(
+        device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
+        n_kv_heads=n_kv_heads,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+
+
+def scoring_reason(
+    device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
+) -> str | None:
+    """:func:`scoring_unsupported_reason`, remembered per CUDA device and arguments."""
+    if device.type == "cuda":
+        return _cuda_scoring_reason(device, precision, n_heads, head_dim, n_kv_heads)
+    return scoring_unsupported_reason(
+        device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
+        n_kv_heads=n_kv_heads,
+    )  # fmt: skip
+
+
+def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    """:func:`topk_unsupported_reason`, remembered per CUDA device and arguments."""
+    if device.type == "cuda":
+        return _cuda_topk_reason(device, k, dtype)
+    return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+
+
+# cuDNN's top-k plans (IndexerTopK), checked and compiled once per class, device, dtype, shape,
+# k and mode: what indexer_top_k_wrapper caches for itself, kept here so that the package's top-k
+# can pass its own buffers to execute() (no staging, no per-call cache key of the wrapper).
+_TOPK_PLANS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_TOPK_PLANS_MAX = 256
+
+
+def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool) -> Any:
+    """The compiled ``IndexerTopK`` plan of ``scores`` ``(rows, S_k)`` (contiguous) and
+    ``seq_lens`` ``(rows,)`` int32: ``top_k`` per row, values returned, one length per row
+    (``next_n=1``), ties as ``deterministic`` asks; built once and reused (call it with ``scores``'
+    device current)."""
+    cls = dsa().IndexerTopK
+    rows, cols = scores.shape
+    key = (cls, scores.device, scores.dtype, rows, cols, top_k, deterministic)
+    plan = _TOPK_PLANS.get(key)
+    if plan is None:
+        plan = cls(
+            sample_input_values=scores, sample_seq_lens=seq_lens, top_k=top_k, next_n=1,
+            return_val=True, deterministic=deterministic,
+        )  # fmt: skip
+        if not plan.check_support():  # raises with cuDNN's reason otherwise
+            raise RuntimeError(f"cuDNN's IndexerTopK does not support {key[1:]}.")
+        plan.compile()
+        _TOPK_PLANS[key] = plan
+        while len(_TOPK_PLANS) > _TOPK_PLANS_MAX:
+            _TOPK_PLANS.popitem(last=False)
+    return plan

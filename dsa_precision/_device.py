@@ -1,12 +1,37 @@
 """Constants of the hot path, built once: ``torch.tensor(value, device=cuda)`` is a blocking
 host-to-device copy (a host synchronisation), and even a CPU scalar tensor per constant is a
-measurable share of a kernel launch's host time."""
+measurable share of a kernel launch's host time.
+
+Two kinds of cache, both for tensors the package only reads:
+
+- by value (:func:`device_constant`, :func:`shared_device_tensor`): the tensor is a function of
+  Python values and a device, built once per argument tuple (LRU, 256 entries each);
+- by source tensor (:class:`DerivedCache`): a tensor derived from another tensor, remembered for
+  that tensor object and its version counter (``Tensor._version``, bumped by every in-place
+  operation), never by its address (the caching allocator reuses addresses with other contents).
+
+Every cached tensor is built outside inference mode (so it can be saved for backward later).
+While the current CUDA stream is being captured into a graph, :func:`shared_device_tensor` and
+:class:`DerivedCache` are bypassed: each call builds its own tensor, inside the graph, as it did
+before these caches (a capture records a build instead of running it, and a replay must not read
+an entry that may have been evicted since).
+"""
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
+
+__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor"]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=256)
@@ -18,6 +43,93 @@ def device_constant(
     under ``torch.inference_mode()`` can still be saved for backward later."""
     with torch.inference_mode(False):
         return torch.tensor(value, dtype=dtype, device=device)
+
+
+class _Lru:
+    """A small LRU map whose lookups do not build (what a graph capture may read)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Hashable) -> Any:
+        entry = self.entries.get(key)
+        if entry is not None:
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return entry
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
+    """Decorate ``build(*hashable_args, device)`` (device last, positional) so that its tensor is
+    built once per argument tuple and shared read-only (see the module docstring): for small
+    index tensors of the hot path that depend only on Python values (causal offsets, key counts,
+    lane orders), whose build is a few device launches per call otherwise."""
+    cache = _Lru(256)
+
+    @functools.wraps(build)
+    def wrapper(*args: Hashable) -> torch.Tensor:
+        if _capturing(args[-1]):
+            return build(*args)
+        value = cache.get(args)
+        if value is None:
+            with torch.inference_mode(False):
+                value = build(*args)
+            cache.put(args, value)
+        return value
+
+    wrapper.cache_clear = cache.entries.clear  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+class DerivedCache:
+    """Values derived from a source tensor, remembered for the source object and its version.
+
+    ``get(source, key, build)`` returns ``build()``'s value from an earlier call with the same
+    ``source`` object (held by a weak reference: a new tensor at a freed address misses), the
+    same ``source._version`` (an in-place change of the source, or of any view of its storage,
+    misses) and the same ``key`` (every other argument of the derivation); else it builds and
+    remembers it (the ``size`` most recent entries; an entry whose source was freed is dropped
+    at the next call, so a per-call source holds no memory). Inference tensors carry no version
+    counter and are not cached (nor is anything during a graph capture). Only for sources whose contents change through operations the version
+    counter sees: not for parameters, whose storage an optimizer may rewrite through ``.data``
+    or a flat buffer without a bump.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self._cache = _Lru(size)
+        self._dead: list[tuple] = []  # keys whose source was freed (dropped at the next call)
+
+    def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
+        while self._dead:  # a freed source's values go with it (e.g. per-call THD angles)
+            try:
+                self._cache.entries.pop(self._dead.pop(), None)
+            except IndexError:  # another thread took the last one
+                break
+        if source.is_inference() or _capturing(source.device):
+            return build()
+        full = (id(source), source._version, key)
+        ref, value = self._cache.get(full) or (None, None)
+        if ref is not None and ref() is source:
+            return value
+        with torch.inference_mode(False):
+            value = build()
+        self._cache.put(full, (weakref.ref(source, lambda _, k=full: self._dead.append(k)), value))
+        return value
+
+    def __len__(self) -> int:
+        return len(self._cache.entries)
+
+    def clear(self) -> None:
+        self._cache.entries.clear()
 
 
 @functools.lru_cache(maxsize=256)

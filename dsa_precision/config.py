@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import check_bool, check_positive_int
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 
 __all__ = [
@@ -106,11 +106,7 @@ class IndexerPrecisionConfig:
     engine: EngineProfile = field(default=DEFAULT_ENGINE)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rope_fp32, bool):
-            raise TypeError(
-                f"rope_fp32 must be a bool, got {self.rope_fp32!r} "
-                f"({type(self.rope_fp32).__name__}); pass True or False."
-            )
+        check_bool("rope_fp32", self.rope_fp32)
         # Frozen dataclass: normalise the string forms through object.__setattr__.
         object.__setattr__(
             self, "scoring_precision", ScoringPrecision.parse(self.scoring_precision)

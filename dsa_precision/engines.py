@@ -149,8 +149,11 @@ class EngineProfile:
                     f"EngineProfile {self.name!r}: {name}={getattr(self, name)!r} is not one of "
                     f"{get_args(kind)}."
                 )
-        if not isinstance(self.fma, bool):
-            raise TypeError(f"EngineProfile {self.name!r}: fma={self.fma!r} must be a bool.")
+        if not isinstance(self.fma, bool):  # _checks.check_bool's message (no package imports)
+            raise TypeError(
+                f"EngineProfile {self.name!r}: fma must be a bool, got {self.fma!r} "
+                f"({type(self.fma).__name__}); pass True or False."
+            )
         if self.k_norm_eps is not None and not 0.0 < float(self.k_norm_eps) < float("inf"):
             raise ValueError(
                 f"EngineProfile {self.name!r}: k_norm_eps={self.k_norm_eps!r} must be a positive "

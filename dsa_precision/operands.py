@@ -27,6 +27,8 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import types
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -39,12 +41,14 @@ from ._checks import (
     check_tensor,
     takes_precision_config,
 )
+from ._device import DerivedCache, shared_device_tensor
 from ._device import f32 as _f32
 from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, check_precision_config
 from .engines import EngineProfile
 from .hadamard import HAVE_FAST_HADAMARD
 from .preprocess import (
     IndexerPreprocess,
+    _check_layer_norm,
     _layer_norm_params,
     indexer_head_weights,
     rope_tables,
@@ -153,9 +157,39 @@ class ScoringOperands:
         if start == 0 and stop == self.q.shape[1]:
             return self
         qs = None if self.q_descale is None else self.q_descale[:, start:stop]
-        return dataclasses.replace(
-            self, q=self.q[:, start:stop], weights=self.weights[:, start:stop], q_descale=qs
+        return self._replace_checked(
+            q=self.q[:, start:stop], weights=self.weights[:, start:stop], q_descale=qs
         )
+
+    def _replace_checked(self, **fields: torch.Tensor | None) -> ScoringOperands:
+        """These operands with some tensors replaced by tensors of the same kind (dtype, device,
+        and shapes that keep the operands consistent: a row slice, a lane permutation), which the
+        package derived from these: built without running the constructor's checks again (they
+        held for these operands; host time per call)."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ScoringOperands._built(**{**current, **fields})
+
+    @classmethod
+    def _built(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        sm_scale: float = 1.0,
+    ) -> ScoringOperands:
+        """Operands the package built itself from inputs it checked (the fused kernel's outputs,
+        whose dtypes, shapes and device follow from those inputs): the constructor's checks hold
+        by construction and are not run again (host time per call; the tests compare these
+        operands with the checked reference's)."""
+        new = object.__new__(cls)
+        for name, value in (
+            ("q", q), ("k", k), ("weights", weights), ("q_descale", q_descale),
+            ("k_descale", k_descale), ("sm_scale", sm_scale),
+        ):  # fmt: skip
+            object.__setattr__(new, name, value)
+        return new
 
 
 # ------------------------------------------------------------------------------ from carriers
@@ -232,12 +266,15 @@ def fold_head_weights(
     return w if sm_scale == 1.0 else w * _f32(sm_scale)
 
 
-def _fold_constants(n_heads: int, head_dim: int) -> dict[str, float]:
-    return {
-        "Ds": _f32(head_dim**-0.5),
-        "Hs": _f32(n_heads**-0.5),
-        "DsHs": _f32(head_dim**-0.5 * n_heads**-0.5),
-    }
+@functools.lru_cache(maxsize=64)
+def _fold_constants(n_heads: int, head_dim: int) -> Mapping[str, float]:
+    return types.MappingProxyType(
+        {
+            "Ds": _f32(head_dim**-0.5),
+            "Hs": _f32(n_heads**-0.5),
+            "DsHs": _f32(head_dim**-0.5 * n_heads**-0.5),
+        }
+    )
 
 
 def _quantize_reference(
@@ -314,7 +351,7 @@ def _quantize_triton(q, k, weights, sm_scale: float, engine: EngineProfile) -> S
         **common,
     )
     k8, k_descale, _ = preprocess_quantize(k.transpose(0, 1), rule=engine.k_quant, **common)
-    return ScoringOperands(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
+    return ScoringOperands._built(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 
 def as_scoring_operands(
@@ -393,7 +430,9 @@ def prepare_indexer_operands(
         built them.
     """
     config = check_precision_config(config)
-    if preprocess.rope_fp32 != config.rope_fp32 or preprocess.engine != config.engine:
+    if preprocess.rope_fp32 != config.rope_fp32 or (
+        preprocess.engine is not config.engine and preprocess.engine != config.engine
+    ):
         raise ValueError(
             f"preprocess (rope_fp32={preprocess.rope_fp32}, engine={preprocess.engine.name!r}) "
             f"does not match config (rope_fp32={config.rope_fp32}, engine="
@@ -422,21 +461,25 @@ def prepare_indexer_operands(
                 f"kernel takes at most {_MAX_KERNEL_FOLD_SCALES}"
             )
         if _use_kernel(impl, reason):
-            w_pre = fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
-            ops = _fused(
+            # With no step before the q descale the kernel reads the projection's weights as
+            # they are (BF16 widened exactly): no float32 copy per call.
+            w_pre = (
+                w_proj
+                if not pre
+                else fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
+            )
+            # The kernel writes the engine's lane order itself (no reordering copy).
+            return _fused(
                 preprocess, q_proj, k_proj, w_pre, token_freqs, engine=engine, mscale=mscale,
                 fold_scales=post,
             )  # fmt: skip
-        else:
-            q, k = preprocess(
-                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
-                token_freqs=token_freqs,
-            )  # fmt: skip
-            fold = engine.weights_fold
-            ops = _quantize_reference(
-                q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
-                fold,
-            )  # fmt: skip
+        q, k = preprocess(
+            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
+        )
+        ops = _quantize_reference(
+            q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
+            engine.weights_fold,
+        )  # fmt: skip
         return _engine_lane_order(ops, preprocess)
 
 
@@ -451,23 +494,36 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
     step with about 13 bits (docs/numerics.md, section 7): the engine's order gives the engine's
     logits. With the Hadamard rotation on, lanes are mixed after RoPE and Megatron's order stays.
     """
-    if not preprocess.rope_interleaved or preprocess.rotate_activation:
+    if not _engine_lanes_differ(preprocess):
         return ops
-    half, d = preprocess.rope_dim // 2, ops.q.shape[-1]
-    lanes = torch.arange(d, device=ops.device)  # built on the device: no host copy per call
-    pairs = torch.stack((lanes[:half], lanes[half : 2 * half]), dim=-1).flatten()
-    order = torch.cat((pairs, lanes[2 * half :]))
+    order = _engine_lanes(preprocess.rope_dim // 2, ops.q.shape[-1], ops.device)
 
     def reorder(x8: torch.Tensor) -> torch.Tensor:  # on the bytes: E4M3 has no index kernels
         return x8.view(torch.uint8).index_select(-1, order).view(torch.float8_e4m3fn)
 
-    return dataclasses.replace(ops, q=reorder(ops.q), k=reorder(ops.k))
+    # The same shapes, dtypes and device as the operands checked when they were built.
+    return ops._replace_checked(q=reorder(ops.q), k=reorder(ops.k))
+
+
+def _engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
+    """Whether the engines' lane order is not Megatron's: interleaved RoPE pairs, no Hadamard."""
+    return preprocess.rope_interleaved and not preprocess.rotate_activation
+
+
+@shared_device_tensor
+def _engine_lanes(half: int, d: int, device: torch.device) -> torch.Tensor:
+    """int64 ``(d,)``: the interleaved RoPE pairs ``(j, half + j)`` of the first ``2 * half``
+    lanes, then the rest in order (built on the device, once: shared read-only)."""
+    lanes = torch.arange(d, device=device)
+    pairs = torch.stack((lanes[:half], lanes[half : 2 * half]), dim=-1).flatten()
+    return torch.cat((pairs, lanes[2 * half :]))
 
 
 # The fused kernel multiplies the folded weight by at most this many scalars after the descale.
 _MAX_KERNEL_FOLD_SCALES = 3
 
 
+@functools.lru_cache(maxsize=64)
 def _split_fold(
     steps: tuple[str, ...], sm_scale: float, n_heads: int, head_dim: int
 ) -> tuple[tuple[str, ...], tuple[float, ...]]:
@@ -565,7 +621,7 @@ def fused_unsupported_reason(
         )
     if preprocess.rope_fp32:
         try:
-            _layer_norm_params(preprocess.k_norm)
+            _check_layer_norm(preprocess.k_norm)
         except TypeError as exc:
             return str(exc)
     return triton_unavailable_reason()
@@ -582,8 +638,9 @@ def _fused(
     mscale: float,
     fold_scales: tuple[float, ...],
 ) -> ScoringOperands:
-    """The fused kernel; ``freqs`` holds one row of angles per token, ``w_pre`` the float32 head
-    weights before the q descale, ``fold_scales`` the scalars after it."""
+    """The fused kernel; ``freqs`` holds one row of angles per token, ``w_pre`` the head weights
+    before the q descale (BF16 or float32), ``fold_scales`` the scalars after it. The operands
+    come out in the engine's lane order (:func:`_engine_lane_order`'s bytes, written so)."""
     from .kernels.preprocess_quantize import preprocess_quantize
 
     s, b, h, _ = q_proj.shape
@@ -601,8 +658,7 @@ def _fused(
         # The engine's rules: tables rounded to its cache dtype, RoPE in its arithmetic dtype,
         # outputs rounded where it rounds.
         math_dtype = engine.rope_dtype
-        cos, sin = rope_tables(freqs[:s], mscale, engine.cos_sin_dtype)
-        cos, sin = cos.to(math_dtype), sin.to(math_dtype)
+        cos, sin = _kernel_rope_tables(freqs, s, mscale, engine.cos_sin_dtype, math_dtype)
         k_in, layer_norm = k_proj, _layer_norm_params(preprocess.k_norm)
         ln_out_bf16 = engine.k_norm_dtype == torch.bfloat16
         out_bf16 = {"q": engine.q_dtype == torch.bfloat16, "k": engine.k_dtype == torch.bfloat16}
@@ -614,7 +670,7 @@ def _fused(
     else:  # Megatron's BF16 path; the model's own LayerNorm, whose reduction order only the
         # module reproduces
         math_dtype = q_proj.dtype
-        cos, sin = rope_tables(freqs[:s], mscale, math_dtype)
+        cos, sin = _kernel_rope_tables(freqs, s, mscale, math_dtype, math_dtype)
         k_in, layer_norm, ln_out_bf16 = preprocess.norm_key(k_proj), None, False
         bf16 = math_dtype == torch.bfloat16  # its outputs (the Hadamard's too) stay BF16
         out_bf16 = {"q": bf16, "k": bf16}
@@ -623,9 +679,10 @@ def _fused(
         rope_dim=preprocess.rope_dim,
         interleaved=preprocess.rope_interleaved,
         hadamard=preprocess.rotate_activation,
+        input_lane_order=_engine_lanes_differ(preprocess),
         bf16_math=math_dtype == torch.bfloat16,
-        cos=cos.reshape(s, -1),
-        sin=sin.reshape(s, -1),
+        cos=cos,
+        sin=sin,
         **rules,
     )
     q8, q_descale, w = preprocess_quantize(
@@ -636,7 +693,27 @@ def _fused(
         k_in, rule=engine.k_quant, layer_norm=layer_norm, ln_out_bf16=ln_out_bf16,
         out_bf16=out_bf16["k"], **common,
     )  # fmt: skip
-    return ScoringOperands(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
+    return ScoringOperands._built(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
+
+
+# The fused kernel's RoPE tables by angle tensor: Megatron's RotaryEmbedding returns the same
+# (lru-cached) angles every step, and every DSA layer of a model reads them.
+_ROPE_TABLES = DerivedCache(size=16)
+
+
+def _kernel_rope_tables(
+    freqs: torch.Tensor, s: int, mscale: float, table_dtype: torch.dtype, math_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[s, rope_dim]`` contiguous in ``math_dtype``: :func:`rope_tables` of the
+    first ``s`` rows of ``freqs`` rounded to ``table_dtype``, remembered for this ``freqs``
+    object and version (:class:`~dsa_precision._device.DerivedCache`; shared: read only)."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_tables(freqs[:s], mscale, table_dtype)
+        cos, sin = cos.to(math_dtype), sin.to(math_dtype)
+        return cos.reshape(s, -1).contiguous(), sin.reshape(s, -1).contiguous()
+
+    return _ROPE_TABLES.get(freqs, (s, mscale, table_dtype, math_dtype), build)
 
 
 def _check_impl(impl: str, bf16_reason: str) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._checks import check_freqs_cover, check_positive_int, check_real, check_tensor
+from ._checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
 from ._device import device_constant
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
@@ -186,6 +186,16 @@ def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tens
     Supports ``torch.nn.LayerNorm`` (Megatron's local ``WrappedTorchNorm``) and Transformer
     Engine / Apex LayerNorms (``weight``, ``bias``, ``eps``, optional ``zero_centered_gamma``).
     """
+    eps = _check_layer_norm(norm)
+    weight = getattr(norm, "weight", None)
+    if weight is not None and getattr(norm, "zero_centered_gamma", False):
+        weight = weight + 1
+    return weight, getattr(norm, "bias", None), eps
+
+
+def _check_layer_norm(norm: nn.Module) -> float:
+    """``TypeError`` unless ``norm`` is a LayerNorm with an ``eps`` (its float); reads no weight
+    (:func:`_layer_norm_params`' checks, without building the zero-centred weight)."""
     if "RMSNorm" in type(norm).__name__:
         raise TypeError(
             f"k_norm is {type(norm).__name__}; the DSA indexer key norm is a LayerNorm "
@@ -197,10 +207,7 @@ def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tens
             f"k_norm ({type(norm).__name__}) has no 'eps' attribute; rope_fp32 recomputes the "
             "key LayerNorm in FP32 from the module's weight, bias and eps."
         )
-    weight = getattr(norm, "weight", None)
-    if weight is not None and getattr(norm, "zero_centered_gamma", False):
-        weight = weight + 1
-    return weight, getattr(norm, "bias", None), float(eps)
+    return float(eps)
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
@@ -406,8 +413,7 @@ class IndexerPreprocess(nn.Module):
                 f"rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]; it is "
                 "Megatron's qk_pos_emb_head_dim."
             )
-        if not isinstance(rope_fp32, bool):
-            raise TypeError(f"rope_fp32 must be a bool, got {rope_fp32!r}.")
+        check_bool("rope_fp32", rope_fp32)
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         if k_norm is None:

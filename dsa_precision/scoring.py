@@ -37,6 +37,7 @@ from ._checks import (
     check_tensor,
     takes_precision_config,
 )
+from ._device import shared_device_tensor
 from .audit import record_scoring_call
 from .config import (
     FP8_HEAD_DIM,
@@ -81,6 +82,23 @@ def causal_key_counts(
         q_causal_offsets.view(-1, 1).to(torch.int64) + s, ratio, rounding_mode="floor"
     )
     return counts.clamp_(0, sk).to(torch.int32)
+
+
+@shared_device_tensor
+def _constant_offsets(value: int, n: int, device: torch.device) -> torch.Tensor:
+    """``(n,)`` int32 ``value`` on ``device``, shared read-only (a Python int offset's tensor)."""
+    return torch.full((n,), value, dtype=torch.int32, device=device)
+
+
+@shared_device_tensor
+def _constant_key_counts(
+    offset: int, batch: int, row_start: int, rows: int, ratio: int, sk: int, device: torch.device
+) -> torch.Tensor:
+    """``(batch * rows,)`` int32 :func:`causal_key_counts` of ``batch`` rows that all start at the
+    Python int ``offset``, flattened; built once per arguments and shared: read it, never write
+    into it."""
+    offsets = _constant_offsets(offset, batch, device)
+    return causal_key_counts(offsets, row_start, rows, ratio, sk).view(-1)
 
 
 def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -143,16 +161,18 @@ def _offsets(
 ) -> torch.Tensor:
     """``(n,)`` int32 offsets on ``device``. Each offset plus the ``rows`` query rows after it
     must fit int32: always checked for a Python int, with ``validate=True`` for a tensor (before
-    its cast to int32, one host sync)."""
+    its cast to int32, one host sync). For an int or ``None`` the tensor is shared read-only
+    (built once per value, batch and device); a tensor comes back as :func:`as_int32_tensor`
+    gives it."""
     if q_causal_offsets is None:
-        return torch.zeros(n, dtype=torch.int32, device=device)
+        return _constant_offsets(0, n, device)
     fix = (
         f"pass the global index of each {what}'s first query row: non-negative, and with its "
         f"{rows} rows added still within int32"
     )
     if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
         value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
-        return torch.full((n,), value, dtype=torch.int32, device=device)
+        return _constant_offsets(value, n, device)
     check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
     if q_causal_offsets.shape[0] != n:
         raise ValueError(
@@ -236,9 +256,7 @@ def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> str:
         if reason is not None:
             raise RuntimeError(f"backend='deepgemm' cannot score this call: {reason}.")
         return "deepgemm"
-    reason = _cudnn.scoring_unsupported_reason(
-        device=ops.device, precision=ops.precision, n_heads=h, head_dim=d, n_kv_heads=1
-    )
+    reason = _cudnn.scoring_reason(ops.device, ops.precision, h, d, 1)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -455,6 +473,22 @@ def indexer_scores(
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
+    return _bshd_scores(ops, offsets, ratio, backend, out)
+
+
+def _bshd_scores(
+    ops: ScoringOperands,
+    offsets: torch.Tensor,
+    ratio: int,
+    backend: str,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`indexer_scores` once its arguments are checked (for :mod:`dsa_precision.select`,
+    which checks them once per call, not once per chunk): ``offsets`` int32 ``(B,)`` on the
+    operands' device and in range, ``ratio`` a positive int, ``backend`` resolved for ``ops``
+    (:func:`resolve_scoring_backend`), ``out`` ``None`` or checked (and ``None`` for DeepGEMM)."""
+    b, sq, _, _ = ops.q.shape
+    sk = ops.k.shape[1]
     record_scoring_call(ops.precision.value, backend)
     if sq == 0 or sk == 0:
         return _empty_scores(out, (b, sq, sk), ops.device)
@@ -574,9 +608,29 @@ def indexer_scores_varlen(
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
-    record_scoring_call(ops.precision.value, backend)
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int32)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
+    return _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+
+
+def _thd_scores(
+    ops: ScoringOperands,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    offsets: torch.Tensor,
+    ratio: int,
+    backend: str,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`indexer_scores_varlen` once its arguments are checked (for
+    :mod:`dsa_precision.select`, which checks them once per call): ``ops`` of batch 1, ``cu_q`` /
+    ``cu_k`` int32 on the operands' device, ``offsets`` int32 ``(n,)`` there, ``backend``
+    resolved, ``out`` ``None`` or checked (``None`` for DeepGEMM)."""
+    tq = ops.q.shape[1]
+    n_seq = cu_q.numel() - 1
+    record_scoring_call(ops.precision.value, backend)
     if tq == 0 or max_seqlen_k == 0:
         return _empty_scores(out, (tq, max_seqlen_k), ops.device)
     if backend == "cudnn":

@@ -28,24 +28,27 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT32_MAX, check_positive_int, takes_precision_config
+from ._checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
 from ._deepgemm import WindowLogits
 from .config import IndexerPrecisionConfig
 from .operands import ScoringOperands, as_scoring_operands
 from .scoring import (
     Backend,
+    _bshd_scores,
     _check_varlen_args,
+    _constant_key_counts,
+    _constant_offsets,
     _offsets,
+    _thd_scores,
     _validate_cu_seqlens,
+    _validate_finite,
     causal_key_counts,
     deepgemm_select_input,
-    indexer_scores,
-    indexer_scores_varlen,
     resolve_scoring_backend,
     varlen_key_counts,
     varlen_row_slice,
 )
-from .topk import indexer_topk
+from .topk import _select_rows, indexer_topk, resolve_topk_backend
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "UNCHUNKED_MAX_BYTES", "indexer_select", "indexer_select_varlen"]
 
@@ -121,10 +124,11 @@ def _nan_margins(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: pass True or False.")
-    return value
+def _int_offset(q_causal_offsets: torch.Tensor | int | None) -> int | None:
+    """The Python int of an int (or ``None``: 0) offset, already checked; ``None`` for a tensor."""
+    if q_causal_offsets is None:
+        return 0
+    return None if isinstance(q_causal_offsets, torch.Tensor) else int(q_causal_offsets)
 
 
 def _with_margins(
@@ -172,40 +176,50 @@ def indexer_select(
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
+    device = ops.device
+    offsets = _offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
     backend = resolve_scoring_backend(backend, ops)
-    margins = _check_bool("margins", margins)
+    margins = check_bool("margins", margins)
     if sq == 0 or sk == 0:
-        empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=ops.device)
-        return _with_margins(empty, _nan_margins((b, sq), ops.device) if margins else None)
+        empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=device)
+        return _with_margins(empty, _nan_margins((b, sq), device) if margins else None)
+    # Checked once for every chunk: the operands (validate), the top-k's backend (every chunk's
+    # scores are float32 rows of S_k keys), the offsets (in range with all S_q rows added).
+    if validate:
+        _validate_finite(ops)
+    if backend != "deepgemm":
+        topk_backend = resolve_topk_backend(
+            _topk_backend(backend), device=device, k=min(topk, sk), dtype=torch.float32
+        )
+    start = _int_offset(q_causal_offsets)  # a Python int offset: shared constant tensors
     step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
-    out = _picks((b, sq, topk), step < sq, ops.device)
-    out_margins = _margin_rows((b, sq), margins and step < sq, ops.device)
-    buf = _buffer(b * min(step, sq) * sk, backend, ops.device)
+    out = _picks((b, sq, topk), step < sq, device)
+    out_margins = _margin_rows((b, sq), margins and step < sq, device)
+    buf = _buffer(b * min(step, sq) * sk, backend, device)
     for r0 in range(0, sq, step):
         r1 = min(r0 + step, sq)
         part = ops.rows(r0, r1)
-        if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
-            scores, lens = _in_place(
-                deepgemm_select_input(part, offsets + r0, ratio, validate=validate)
-            )
+        if r0 == 0:
+            part_offsets = offsets
         else:
-            scores = indexer_scores(
-                part,
-                ratio=ratio,
-                q_causal_offsets=offsets + r0,
-                backend=backend,
-                out=buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk),
-                validate=validate,
-            ).view(b * (r1 - r0), sk)
-            lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
-        picks = indexer_topk(
-            scores,
-            topk,
-            seq_lens=lens,
-            deterministic=deterministic,
-            backend=_topk_backend(backend),
-        ).view(b, r1 - r0, topk)
+            part_offsets = (
+                offsets + r0 if start is None else _constant_offsets(start + r0, b, device)
+            )
+        if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
+            scores, lens = _in_place(deepgemm_select_input(part, part_offsets, ratio))
+            picks = indexer_topk(
+                scores, topk, seq_lens=lens, deterministic=deterministic, backend="auto"
+            ).view(b, r1 - r0, topk)
+        else:
+            part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
+            scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
+            scores = scores.view(b * (r1 - r0), sk)
+            if start is None:
+                lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
+            else:
+                lens = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
+            picks = _select_rows(scores, topk, lens, deterministic, topk_backend)
+            picks = picks.view(b, r1 - r0, topk)
         gaps = _margins(scores, lens, picks.view(-1, topk)).view(b, -1) if margins else None
         if out is None:
             return _with_margins(picks, gaps)
@@ -268,10 +282,19 @@ def indexer_select_varlen(
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
     backend = resolve_scoring_backend(backend, ops)
-    margins = _check_bool("margins", margins)
+    margins = check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
         return _with_margins(empty, _nan_margins((tq,), ops.device) if margins else None)
+    # Checked once for every chunk (as in indexer_select); a chunk's lengths and offsets are
+    # derived from the caller's, checked above.
+    if validate:
+        _validate_finite(ops)
+    if backend != "deepgemm":
+        topk_backend = resolve_topk_backend(
+            _topk_backend(backend), device=ops.device, k=min(topk, max_seqlen_k),
+            dtype=torch.float32,
+        )  # fmt: skip
     step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
     out = _picks((tq, topk), step < tq, ops.device)
     out_margins = _margin_rows((tq,), margins and step < tq, ops.device)
@@ -282,26 +305,24 @@ def indexer_select_varlen(
         part = ops.rows(r0, r1)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            scores, lens = _in_place(
-                deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, validate=validate)
+            scores, lens = _in_place(deepgemm_select_input(part, off_chunk, ratio, varlen=varlen))
+            picks = indexer_topk(
+                scores, topk, seq_lens=lens, deterministic=deterministic, backend="auto"
             )
         else:
-            scores = indexer_scores_varlen(
+            scores = _thd_scores(
                 part,
-                cu_seqlens_q=cu_chunk,
-                cu_seqlens_k=cu_k,
-                max_seqlen_q=min(max_seqlen_q, r1 - r0),
-                max_seqlen_k=max_seqlen_k,
-                ratio=ratio,
-                q_causal_offsets=off_chunk,
-                backend=backend,
-                out=buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
-                validate=validate,
+                cu_chunk,
+                cu_k,
+                min(max_seqlen_q, r1 - r0),
+                max_seqlen_k,
+                off_chunk.to(torch.int32),  # within int32: the caller's offsets were checked
+                ratio,
+                backend,
+                buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
             )
             lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
-        picks = indexer_topk(
-            scores, topk, seq_lens=lens, deterministic=deterministic, backend=_topk_backend(backend)
-        )
+            picks = _select_rows(scores, topk, lens, deterministic, topk_backend)
         gaps = _margins(scores, lens, picks) if margins else None
         if out is None:
             return _with_margins(picks, gaps)

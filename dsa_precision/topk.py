@@ -71,25 +71,31 @@ def _cudnn_topk(
 ) -> torch.Tensor:
     """cuDNN's radix top-k (the only call of that kernel): ``(rows, min(k, S_k))`` int32.
 
-    Deterministic mode returns each row's keys ascending. A pick whose score is ``-inf`` or NaN
-    (short rows, masked or non-finite keys) becomes ``-1``: one pass over the picks' scores
+    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision._cudnn.topk_plan`) into
+    buffers allocated here, as ``indexer_top_k_wrapper`` would run it, without the wrapper's
+    per-call staging and cache key: ``scores`` are bound contiguous and 32-byte aligned (a copy
+    otherwise, as the wrapper makes), ``seq_lens`` contiguous. Deterministic mode returns each
+    row's keys ascending. A pick whose score is ``-inf`` or NaN (short rows, masked or
+    non-finite keys) becomes ``-1``: one pass over the picks' scores
     (:mod:`dsa_precision.kernels.topk_picks`).
     """
-    with _cudnn.device_scope(scores.device):
-        result = _cudnn.dsa().indexer_top_k_wrapper(
-            scores,
-            seq_lens,
-            top_k=min(k, scores.shape[-1]),
-            next_n=1,
-            return_val=True,
-            deterministic=deterministic,
-        )
-    indices, values = result["indices"], result["values"]
-    if indices.is_cuda and triton_unavailable_reason() is None:
+    rows, sk = scores.shape
+    top_k = min(k, sk)
+    if not scores.is_contiguous() or scores.data_ptr() % _cudnn.TOPK_INPUT_ALIGN:
+        scores = scores.clone(memory_format=torch.contiguous_format)
+    seq_lens = seq_lens.contiguous()
+    device = scores.device
+    with _cudnn.device_scope(device):
+        plan = _cudnn.topk_plan(scores, seq_lens, top_k, deterministic)
+        indices = torch.empty((rows, top_k), dtype=torch.int32, device=device)
+        values = torch.empty((rows, top_k), dtype=scores.dtype, device=device)
+        workspace = torch.empty(plan.scratch_workspace_bytes(), dtype=torch.uint8, device=device)
+        plan.execute(scores, seq_lens, out_indices=indices, out_values=values, workspace=workspace)
+    if indices.is_cuda and values.dtype == torch.float32 and triton_unavailable_reason() is None:
         from .kernels.topk_picks import drop_invalid_picks
 
         return drop_invalid_picks(indices, values)
-    return indices.masked_fill_(~(values > float("-inf")), -1)
+    return indices.masked_fill_(~(values > float("-inf")), -1)  # (the kernel reads float32)
 
 
 def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: torch.dtype) -> str:
@@ -98,7 +104,7 @@ def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: t
         raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {TOPK_BACKENDS}.")
     if backend == "torch":
         return "torch"
-    reason = _cudnn.topk_unsupported_reason(device=device, k=k, dtype=dtype)
+    reason = _cudnn.topk_reason(device, k, dtype)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -168,18 +174,31 @@ def indexer_topk(
     backend = resolve_topk_backend(
         backend, device=scores.device, k=min(k, max(sk, 1)), dtype=scores.dtype
     )
-    if flat.shape[0] == 0 or sk == 0:
-        return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+    picked = _select_rows(flat, k, lens, deterministic, backend)
+    return picked if len(lead) == 1 else picked.reshape(*lead, k)
+
+
+def _select_rows(
+    scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool, backend: str
+) -> torch.Tensor:
+    """:func:`indexer_topk` of score rows once its arguments are checked (for
+    :mod:`dsa_precision.select`, which checks them once per call, not once per chunk):
+    ``scores`` ``(rows, S_k)`` of a score dtype, ``seq_lens`` int32 ``(rows,)`` in ``[0, S_k]`` on
+    their device, ``k`` a positive int, ``backend`` resolved (:func:`resolve_topk_backend`).
+    Returns int32 ``(rows, k)``."""
+    rows, sk = scores.shape
+    if rows == 0 or sk == 0:
+        return torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
     if backend == "cudnn":
-        picked = _cudnn_topk(flat, k, lens, deterministic)
+        picked = _cudnn_topk(scores, k, seq_lens, deterministic)
     else:
         step = max(1, _TORCH_TOPK_CHUNK_BYTES // (16 * sk))
         picked = torch.cat(
             [
-                _torch_topk(flat[r : r + step], k, lens[r : r + step], deterministic)
-                for r in range(0, flat.shape[0], step)
+                _torch_topk(scores[r : r + step], k, seq_lens[r : r + step], deterministic)
+                for r in range(0, rows, step)
             ]
         ).to(torch.int32)
     if picked.shape[-1] < k:
         picked = torch.nn.functional.pad(picked, (0, k - picked.shape[-1]), value=-1)
-    return picked if len(lead) == 1 else picked.reshape(*lead, k)
+    return picked

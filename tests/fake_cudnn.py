@@ -9,13 +9,16 @@ GPU: it checks and records WHAT REACHES THE KERNELS, and nothing about their num
   (not the indexer's formula) under cuDNN's documented causal mask, so the code around the launch
   runs and chunked launches can be compared with single ones. The numerics of the real kernel
   are checked by the ``gpu`` tests against the float64 reference.
-- The top-k answers as cuDNN documents its deterministic radix top-k: per row, the ``top_k``
+- The top-k (``indexer_top_k_wrapper``, and the ``IndexerTopK`` plan behind it, which the package
+  calls) answers as cuDNN documents its deterministic radix top-k: per row, the ``top_k``
   largest float bit patterns among columns ``< seq_len`` (``-inf`` columns included; NaN above
   ``+inf``), ties toward the lower column, returned in ascending column order, short rows padded
   with ``-1`` / ``-inf``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -63,6 +66,8 @@ class FakeDSA:
     def __init__(self) -> None:
         self.forward_calls: list[dict] = []
         self.topk_calls: list[dict] = []
+        # The class API (IndexerTopK(...)), bound to this fake's call record.
+        self.IndexerTopK = functools.partial(FakeIndexerTopK, self)
 
     # ---------------------------------------------------------------------- scoring
     def indexer_forward_wrapper(
@@ -186,36 +191,115 @@ class FakeDSA:
         tie_break=0,
         deterministic=False,
     ):
-        assert input_values.ndim == 2, input_values.shape
-        assert input_values.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        assert seq_lens.dtype == torch.int32 and seq_lens.ndim == 1, seq_lens.dtype
-        n_rows, n_cols = input_values.shape
-        assert n_rows == seq_lens.numel() * next_n, (n_rows, seq_lens.shape, next_n)
-        assert 0 < top_k <= min(TOPK_MAX_K, n_cols), (top_k, n_cols)
-        self.topk_calls.append(
+        n_rows = input_values.shape[0]
+        plan = FakeIndexerTopK(
+            self, input_values.contiguous(), seq_lens.contiguous(), top_k, next_n, return_val,
+            num_copy_bits, tie_break, deterministic,
+        )  # fmt: skip
+        assert plan.check_support()
+        plan.compile()
+        indices = torch.empty(n_rows, top_k, dtype=torch.int32)
+        values = torch.empty(n_rows, top_k, dtype=input_values.dtype) if return_val else None
+        workspace = torch.empty(plan.scratch_workspace_bytes(), dtype=torch.uint8)
+        plan.execute(
+            input_values.contiguous(), seq_lens.contiguous(), out_indices=indices,
+            out_values=values, workspace=workspace,
+        )  # fmt: skip
+        return {"indices": indices, "values": values}
+
+
+class FakeIndexerTopK:
+    """``cudnn.DSA.IndexerTopK`` (nvidia-cudnn-frontend 1.32): a plan from sample tensors, checked
+    by ``check_support`` as the real one checks it (dtypes, ranks, contiguity, ``n_rows ==
+    len(seq_lens) * next_n``, ``0 < top_k <= 2048``), and ``execute`` into the caller's buffers,
+    whose shapes, dtypes, contiguity, 32-byte input alignment, workspace size and disjointness it
+    asserts; it answers as cuDNN documents its radix top-k (see the module docstring)."""
+
+    def __init__(
+        self, fake, sample_input_values, sample_seq_lens, top_k, next_n=1, return_val=True,
+        num_copy_bits=256, tie_break=0, deterministic=False,
+    ):  # fmt: skip
+        self.fake = fake
+        self.shape, self.dtype = tuple(sample_input_values.shape), sample_input_values.dtype
+        self.strides = sample_input_values.stride()
+        self.lens_shape, self.lens_dtype = tuple(sample_seq_lens.shape), sample_seq_lens.dtype
+        self.lens_strides = sample_seq_lens.stride()
+        self.top_k, self.next_n, self.return_val = top_k, next_n, return_val
+        self.tie_break, self.deterministic = tie_break, deterministic
+        self.compiled = False
+
+    def check_support(self) -> bool:
+        assert len(self.shape) == 2, self.shape
+        assert self.dtype in (torch.float32, torch.float16, torch.bfloat16), self.dtype
+        assert self.lens_dtype == torch.int32 and len(self.lens_shape) == 1, self.lens_dtype
+        n_rows, n_cols = self.shape
+        assert n_rows > 0 and n_cols > 0, self.shape
+        assert n_rows == self.lens_shape[0] * self.next_n, (self.shape, self.lens_shape)
+        assert 0 < self.top_k <= TOPK_MAX_K, self.top_k
+        assert self.strides == (n_cols, 1) and self.lens_strides == (1,), "strided plan"
+        return True
+
+    def compile(self) -> None:
+        self.compiled = True
+
+    def scratch_workspace_bytes(self) -> int:
+        n_rows, n_cols = self.shape
+        return -(-(n_rows * 3 * n_cols * 4) // 128) * 128
+
+    def execute(
+        self, input_values, seq_lens, current_stream=None, *, out_indices, out_values=None,
+        workspace=None,
+    ):  # fmt: skip
+        assert self.compiled, "execute() before compile()"
+        n_rows, n_cols = self.shape
+        assert tuple(input_values.shape) == self.shape and input_values.dtype == self.dtype
+        assert input_values.is_contiguous() and input_values.data_ptr() % 32 == 0
+        assert tuple(seq_lens.shape) == self.lens_shape and seq_lens.dtype == torch.int32
+        assert seq_lens.is_contiguous()
+        assert tuple(out_indices.shape) == (n_rows, self.top_k) and out_indices.is_contiguous()
+        assert out_indices.dtype == torch.int32
+        if self.return_val:
+            assert out_values is not None and out_values.dtype == self.dtype
+            assert tuple(out_values.shape) == (n_rows, self.top_k) and out_values.is_contiguous()
+        else:
+            assert out_values is None
+        assert workspace is not None and workspace.dtype == torch.uint8
+        assert workspace.numel() >= self.scratch_workspace_bytes()
+        spans = [
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+            for t in (input_values, seq_lens, out_indices, out_values, workspace)
+            if t is not None and t.numel()
+        ]
+        for i, a in enumerate(spans):
+            for b in spans[i + 1 :]:
+                assert max(a[0], b[0]) >= min(a[1], b[1]), "overlapping buffers"
+        self.fake.topk_calls.append(
             dict(
                 values=_clone(input_values),
                 seq_lens=_clone(seq_lens),
-                top_k=top_k,
-                next_n=next_n,
-                return_val=return_val,
-                tie_break=tie_break,
-                deterministic=deterministic,
+                top_k=self.top_k,
+                next_n=self.next_n,
+                return_val=self.return_val,
+                tie_break=self.tie_break,
+                deterministic=self.deterministic,
             )
         )
-        indices = torch.full((n_rows, top_k), -1, dtype=torch.int32)
-        values = torch.full((n_rows, top_k), float("-inf"), dtype=input_values.dtype)
+        out_indices.fill_(-1)
+        if out_values is not None:
+            out_values.fill_(float("-inf"))
         order_keys = radix_order_keys(input_values)
         for r in range(n_rows):
-            n = min(int(seq_lens[r]), n_cols)
+            n = min(int(seq_lens[r // self.next_n]), n_cols)
             # Largest radix key first, ties toward the lower column (a stable sort).
-            order = torch.sort(order_keys[r, :n], descending=True, stable=True).indices[:top_k]
-            order = order.sort().values if deterministic else order.flip(0)
-            indices[r, : order.numel()] = order.to(torch.int32)
-            values[r, : order.numel()] = input_values[r, order]
-        self.topk_calls[-1]["indices"] = indices.clone()
-        self.topk_calls[-1]["values_out"] = values.clone()
-        return {"indices": indices, "values": values if return_val else None}
+            order = torch.sort(order_keys[r, :n], descending=True, stable=True).indices
+            order = order[: self.top_k]
+            order = order.sort().values if self.deterministic else order.flip(0)
+            out_indices[r, : order.numel()] = order.to(torch.int32)
+            if out_values is not None:
+                out_values[r, : order.numel()] = input_values[r, order]
+        self.fake.topk_calls[-1]["indices"] = out_indices.clone()
+        self.fake.topk_calls[-1]["values_out"] = None if out_values is None else out_values.clone()
+        return out_indices, out_values
 
 
 def install(monkeypatch) -> FakeDSA:

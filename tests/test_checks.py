@@ -13,6 +13,7 @@ from dsa_precision import IndexerPrecisionConfig, indexer_scores, indexer_select
 from dsa_precision._checks import (
     INT32_MAX,
     as_int32_tensor,
+    check_bool,
     check_int_fits,
     check_positive_int,
     check_real,
@@ -23,6 +24,34 @@ CPU = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------- Python ints
+
+
+def test_check_bool_takes_only_bools_and_every_flag_uses_it():
+    assert check_bool("flag", True) is True and check_bool("flag", False) is False
+    for bad, kind in ((1, "int"), ("yes", "str"), (np.bool_(True), "bool"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=rf"flag must be a bool, got .* \({kind}\); pass True"):
+            check_bool("flag", bad)
+    # the package's own bool flags share it (one message)
+    from dsa_precision import EngineProfile, IndexerPreprocess
+    from dsa_precision.engines import DEFAULT_ENGINE
+
+    cases = [
+        lambda: IndexerPrecisionConfig(rope_fp32=1),
+        lambda: IndexerPreprocess(128, 64, rope_fp32="yes"),
+        lambda: EngineProfile(**{**DEFAULT_ENGINE.__dict__, "name": "x", "fma": 1}),
+        lambda: indexer_select(
+            torch.zeros(1, 1, 32, 128),
+            torch.zeros(1, 1, 128),
+            torch.zeros(1, 1, 32),
+            topk=1,
+            config=IndexerPrecisionConfig(),
+            backend="torch",
+            margins=1,
+        ),
+    ]
+    for case in cases:
+        with pytest.raises(TypeError, match=r"must be a bool, got .*; pass True or False"):
+            case()
 
 
 def test_check_int_fits_bounds_and_types():

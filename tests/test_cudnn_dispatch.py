@@ -225,6 +225,34 @@ def test_topk_auto_and_empty(fake):
     assert len(fake.topk_calls) == 1  # nothing to launch
 
 
+def test_topk_plans_get_aligned_contiguous_scores_and_are_reused(fake):
+    """The top-k runs cuDNN's IndexerTopK plan into buffers the package allocates: the plan's
+    class API binds only contiguous, 32-byte aligned scores (the fake asserts both), so a strided
+    or misaligned view is copied first, as indexer_top_k_wrapper would; a plan is built once per
+    shape, k and mode, and its picks are the torch path's (tie-free scores)."""
+    from dsa_precision import _cudnn
+
+    _cudnn._TOPK_PLANS.clear()
+    g = torch.Generator().manual_seed(4)
+    base = torch.rand(6 * 40 + 1, generator=g).argsort().float()  # distinct values: no ties
+    aligned = base[:240].view(6, 40)
+    misaligned = base[1:].view(6, 40)  # contiguous, 4 bytes past an aligned address
+    strided = base[:240].view(6, 40)[:, ::2]  # (6, 20), column stride 2
+    lens = torch.tensor([40, 3, 0, 17, 40, 25], dtype=torch.int32)
+    for scores, n in ((aligned, 40), (misaligned, 40), (strided, 20)):
+        seq = lens.clamp(max=n)
+        got = indexer_topk(scores, 5, seq_lens=seq, backend="cudnn")
+        want = indexer_topk(scores, 5, seq_lens=seq, backend="torch")
+        assert torch.equal(got, want)
+        assert_bitwise_equal(fake.topk_calls[-1]["values"], scores.contiguous(), "bound scores")
+    assert len(_cudnn._TOPK_PLANS) == 2  # (6, 40) twice, (6, 20)
+    indexer_topk(aligned, 5, seq_lens=lens, backend="cudnn", deterministic=False)
+    indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
+    indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
+    assert len(_cudnn._TOPK_PLANS) == 4  # another mode, another k; the last one reused
+    assert [c["top_k"] for c in fake.topk_calls] == [5, 5, 5, 5, 7, 7]
+
+
 # ------------------------------------------------------------------------------ select
 
 
@@ -338,3 +366,67 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
     assert reason(device=cuda, precision=bf16, **args) is None
     monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (None, "not importable (hint)"))
     assert reason(device=cuda, precision=bf16, **args) == "not importable (hint)"
+
+
+def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
+    """``scoring_reason`` / ``topk_reason`` (what the scoring and top-k entry points ask) remember
+    the answer for a CUDA device, whose facts are fixed for the process, keyed on every argument;
+    another device type is asked every time (the stand-ins of SM90 hardware change its answers)."""
+    fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
+    cuda = torch.device("cuda", 0)
+    queries = []
+
+    def capability(device=None):
+        queries.append(device)
+        return (9, 0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (object(), None))
+    _cudnn._cuda_scoring_reason.cache_clear()
+    _cudnn._cuda_topk_reason.cache_clear()
+    try:
+        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert len(queries) == 1  # remembered
+        assert "n_heads=16" in _cudnn.scoring_reason(cuda, fp8, 16, 128, 1)  # another key
+        assert _cudnn.scoring_reason(cuda, bf16, 16, 128, 1) is None
+        assert "head_dim=64" in _cudnn.scoring_reason(cuda, bf16, 16, 64, 1)
+        assert "k=4096" in _cudnn.topk_reason(cuda, 4096, torch.float32)
+        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
+        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
+        assert len(queries) == 6
+        # the public functions are not cached: they see the architecture change
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert "SM80" in _cudnn.scoring_unsupported_reason(
+            device=cuda, precision=fp8, n_heads=64, head_dim=128, n_kv_heads=1
+        )
+        cpu = torch.device("cpu")
+        assert "on cpu" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)
+        monkeypatch.setattr(_cudnn, "_device_reason", lambda device: None)
+        assert "SM80" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
+    finally:  # no answer of this fake CUDA device outlives the test
+        _cudnn._cuda_scoring_reason.cache_clear()
+        _cudnn._cuda_topk_reason.cache_clear()
+
+
+def test_cudnn_entry_points_are_looked_up_once():
+    """``cudnn.DSA`` re-imports an entry point's module on every attribute access; the package's
+    handle keeps each entry point after its first lookup (and still fails for a missing one)."""
+    lookups = []
+
+    class Namespace:
+        def __getattr__(self, name):
+            lookups.append(name)
+            if name == "missing":
+                raise AttributeError(name)
+            return f"<{name}>"
+
+    dsa = _cudnn._Resolved(Namespace())
+    assert dsa.indexer_forward_wrapper == "<indexer_forward_wrapper>"
+    assert dsa.indexer_forward_wrapper == dsa.indexer_forward_wrapper
+    assert dsa.indexer_top_k_wrapper == "<indexer_top_k_wrapper>"
+    assert lookups == ["indexer_forward_wrapper", "indexer_top_k_wrapper"]
+    with pytest.raises(AttributeError):
+        dsa.missing  # noqa: B018
+    assert _cudnn.dsa_available() == (_cudnn.dsa_unavailable_reason() is None)

@@ -438,3 +438,20 @@ def test_rows_of_every_row_are_the_operands_themselves():
     part = ops.rows(2, 5)
     assert part is not ops and part.q.shape[1] == 3 and torch.equal(part.q, ops.q[:, 2:5])
     assert part.k is ops.k
+
+
+@pytest.mark.parametrize("interleaved, hadamard", [(False, False), (True, True)])
+def test_the_kernel_writes_input_lane_order_only_for_interleaved_pairs(interleaved, hadamard):
+    """The fused kernel's in-place lane order (the engines' order of interleaved RoPE pairs) is a
+    permutation that undoes the de-interleaving: without it, or with the Hadamard mixing lanes,
+    it is refused before any launch."""
+    pytest.importorskip("triton")
+    from dsa_precision.kernels.preprocess_quantize import preprocess_quantize
+
+    x = torch.zeros(2, 1, 128)
+    cos = sin = torch.ones(2, 64)
+    with pytest.raises(ValueError, match=r"input_lane_order .* needs interleaved=True and no Had"):
+        preprocess_quantize(
+            x, rope_dim=64, cos=cos, sin=sin, interleaved=interleaved, hadamard=hadamard,
+            bf16_math=False, rule=DEFAULT_ENGINE.k_quant, input_lane_order=True,
+        )  # fmt: skip

@@ -298,7 +298,9 @@ def test_margins_of_an_empty_call_are_nan():
     q, k, w = _inputs(b=1, sq=3, sk=0)
     picks, margins = indexer_select(q, k, w, topk=2, config=BF16, backend="torch", margins=True)
     assert picks.tolist() == [[[-1, -1]] * 3] and margins.isnan().all()
-    with pytest.raises(TypeError, match=r"margins=1: pass True or False"):
+    with pytest.raises(
+        TypeError, match=r"margins must be a bool, got 1 \(int\); pass True or False"
+    ):
         indexer_select(q, k, w, topk=2, config=BF16, backend="torch", margins=1)
 
 

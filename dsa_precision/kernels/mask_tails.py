@@ -49,7 +49,7 @@ def mask_tails(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         )
     rows, columns = logits.shape
     if rows and columns:
-        grid = (rows, triton.cdiv(columns, _BLOCK))
+        grid = (rows, -(-columns // _BLOCK))
         _mask_tails_kernel[grid](
             logits, counts.contiguous(), logits.stride(0), columns, BLOCK=_BLOCK
         )

@@ -49,6 +49,7 @@ reference performs, on the same values, in the same order, with the same roundin
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 
@@ -183,34 +184,46 @@ def _hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 
 @triton.jit
-def _layer_norm_lanes(
-    x, mean, denom, w_ptr, b_ptr, lanes, HAS_W: tl.constexpr, HAS_B: tl.constexpr
-):
+def _load_param(ptrs, KIND: tl.constexpr, F64: tl.constexpr):
+    """A LayerNorm weight or bias as float64 (``F64``) or float32 values: stored as float64
+    (``KIND == 1``), float32 (2) or BF16 as its int16 bit view (3), widened exactly (only a
+    float64 parameter read as float32 rounds, as ``Tensor.to(torch.float32)`` does)."""
+    if KIND == 3:
+        v = (tl.load(ptrs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(ptrs)
+    if F64:
+        return v.to(tl.float64)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_lanes(x, mean, denom, w_ptr, b_ptr, lanes, W: tl.constexpr, B: tl.constexpr):
     """``layer_norm_fp32`` at the given lanes: float64 ``(x - mean) / denom * w + b``, one
-    rounding to float32."""
+    rounding to float32 (``W`` / ``B``: the parameters' kinds, 0 for none)."""
     y = (x.to(tl.float64) - mean) / denom
-    if HAS_W:
-        y = y * tl.load(w_ptr + lanes)
-    if HAS_B:
-        y = y + tl.load(b_ptr + lanes)
+    if W > 0:
+        y = y * _load_param(w_ptr + lanes, W, True)
+    if B > 0:
+        y = y + _load_param(b_ptr + lanes, B, True)
     return y.to(tl.float32)
 
 
 @triton.jit
 def _layer_norm_ops_lanes(
-    x, mean, rstd, w_ptr, b_ptr, lanes, HAS_W: tl.constexpr, HAS_B: tl.constexpr, FMA, HW
+    x, mean, rstd, w_ptr, b_ptr, lanes, W: tl.constexpr, B: tl.constexpr, FMA, HW
 ):
     """``layer_norm_fp32_ops`` at the given lanes: float32 ``((x - mean) * rstd) * w + b``, the
     last multiply-add fused under ``FMA`` (weights and bias read as float32)."""
     y = (x - mean) * rstd
-    if HAS_W and HAS_B and FMA:
+    if W > 0 and B > 0 and FMA:
         return _fma(
-            y, tl.load(w_ptr + lanes).to(tl.float32), tl.load(b_ptr + lanes).to(tl.float32), HW
+            y, _load_param(w_ptr + lanes, W, False), _load_param(b_ptr + lanes, B, False), HW
         )
-    if HAS_W:
-        y = y * tl.load(w_ptr + lanes).to(tl.float32)
-    if HAS_B:
-        y = y + tl.load(b_ptr + lanes).to(tl.float32)
+    if W > 0:
+        y = y * _load_param(w_ptr + lanes, W, False)
+    if B > 0:
+        y = y + _load_param(b_ptr + lanes, B, False)
     return y
 
 
@@ -222,7 +235,7 @@ def _preprocess_quantize_kernel(
     x_stride_h,
     cos_ptr,  # [S, ROPE_DIM] contiguous, float32 or BF16 as int16 (the math dtype)
     sin_ptr,
-    ln_w_ptr,  # [D] float64 LayerNorm weight / bias (LAYER_NORM)
+    ln_w_ptr,  # [D] LayerNorm weight / bias (LAYER_NORM): float64, float32 or BF16 as int16
     ln_b_ptr,
     f64_ptr,  # float64 [LayerNorm eps, Hadamard scale]
     w_ptr,  # [S, B, H] head weights, float32 or BF16 as int16; last dim contiguous (FOLD_W)
@@ -248,8 +261,8 @@ def _preprocess_quantize_kernel(
     INTERLEAVED: tl.constexpr,
     HADAMARD: tl.constexpr,
     LAYER_NORM: tl.constexpr,
-    LN_W: tl.constexpr,
-    LN_B: tl.constexpr,
+    LN_W: tl.constexpr,  # how ln_w_ptr holds the weight: 0 none, 1 float64, 2 float32, 3 BF16
+    LN_B: tl.constexpr,  # the same for the bias
     X_BF16: tl.constexpr,
     BF16_MATH: tl.constexpr,
     LN_OUT_BF16: tl.constexpr,
@@ -263,6 +276,7 @@ def _preprocess_quantize_kernel(
     LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation (layernorm="fp32-ops")
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
     HAD_SCALE_F32: tl.constexpr,
+    LANE_ORDER_IN: tl.constexpr,  # store the interleaved RoPE pairs back in their input lanes
     HW_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -409,7 +423,11 @@ def _preprocess_quantize_kernel(
     codes = tl.where(bad[:, None], _E4M3_NAN_BITS, _e4m3_codes(v, HW_CAST))
 
     out_row = (b * seq + s) * n_heads + h  # BSHD
-    tl.store(out_ptr + out_row[:, None] * D + lanes, codes.to(tl.uint8), mask)
+    # The output's lanes: the RoPE slice in rotate-half order, or (LANE_ORDER_IN) each value in
+    # the lane its input came from (lane_a: the engines' order of interleaved pairs); the
+    # descale is the same (an amax is order-free), so this is a permutation of the bytes.
+    out_lanes = lane_a if LANE_ORDER_IN else lanes
+    tl.store(out_ptr + out_row[:, None] * D + out_lanes, codes.to(tl.uint8), mask)
     tl.store(scale_ptr + out_row, descale, r_ok)
     if FOLD_W:  # w' = (((fp32(w) * q_descale) * c1) * c2) * c3, float32
         w = _load_f32(w_ptr + s * w_stride_s + b * w_stride_b + h, r_ok, W_BF16)
@@ -450,6 +468,7 @@ def preprocess_quantize(
     sin: torch.Tensor | None = None,
     interleaved: bool,
     hadamard: bool,
+    input_lane_order: bool = False,
     bf16_math: bool,
     rule: Fp8Rule,
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
@@ -473,6 +492,10 @@ def preprocess_quantize(
             float32 (``bf16_math=False``) or BF16 (``bf16_math=True``); unused when
             ``rope_dim == 0``.
         interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
+        input_lane_order: with ``interleaved`` (and no ``hadamard``), write each value back in
+            the lane its input came from (the RoPE pairs interleaved, as the engines store them)
+            instead of the rotate-half order: the bytes of
+            :func:`dsa_precision.operands._engine_lane_order`, without its copy.
         hadamard: apply the Hadamard rotation after RoPE.
         bf16_math: RoPE in BF16 arithmetic (each product and the sum rounded to BF16), as
             Megatron's BF16 path does (``x`` and the tables must then hold BF16 values);
@@ -509,13 +532,23 @@ def preprocess_quantize(
         x4 = x4.contiguous()
     if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
         raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
-    floor32 = _f32(float(rule.amax_floor))
-    if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
-        raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
-    if len(fold_scales) > 3:
-        raise ValueError(f"fold_scales takes at most three scalars, got {fold_scales}.")
-    c1, c2, c3 = (*fold_scales, 1.0, 1.0, 1.0)[:3]
+    if input_lane_order and (not interleaved or hadamard):
+        raise ValueError(
+            "input_lane_order puts interleaved RoPE pairs back; it needs interleaved=True and "
+            "no Hadamard rotation (which mixes the lanes)."
+        )
+    ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
     device = x.device
+    consts = _float64_constants(float(eps), d, device)
+    ln_w, w_kind = _layer_norm_param(ln_w, device, consts)
+    ln_b, b_kind = _layer_norm_param(ln_b, device, consts)
+    scalars, constexprs = _launch_constants(
+        rule, tuple(fold_scales), float(eps), d,
+        (rope_dim, interleaved, hadamard, layer_norm is not None, w_kind, b_kind,
+         x.dtype == torch.bfloat16, bf16_math, ln_out_bf16, out_bf16, weights is not None,
+         weights is not None and weights.dtype == torch.bfloat16, layer_norm_ops, fma,
+         hadamard_scale_fp32, block_rows, num_warps, not _interpreted(), input_lane_order),
+    )  # fmt: skip
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)
     w_out = None
@@ -523,14 +556,8 @@ def preprocess_quantize(
         if weights.stride(-1) != 1:
             weights = weights.contiguous()
         w_out = torch.empty_like(scale)
-    ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
-    consts = _float64_constants(float(eps), d, device)
-
-    def f64(t: torch.Tensor | None) -> torch.Tensor:
-        return consts if t is None else t.to(device=device, dtype=torch.float64).contiguous()
-
     n_rows = n_seq * batch * n_heads
-    grid = (triton.cdiv(n_rows, block_rows),)
+    grid = (-(-n_rows // block_rows),)  # ceil (triton.cdiv is a slower jit-aware call)
     if not rope_dim:
         cos = sin = consts  # never read
     w_arg = weights if weights is not None else scale
@@ -541,8 +568,8 @@ def preprocess_quantize(
         x4.stride(2),
         _bits_view(cos.contiguous()),
         _bits_view(sin.contiguous()),
-        f64(ln_w),
-        f64(ln_b),
+        ln_w,
+        ln_b,
         consts,
         _bits_view(w_arg),
         w_arg.stride(0),
@@ -554,22 +581,65 @@ def preprocess_quantize(
         batch,
         n_seq,
         n_heads,
+        *scalars,
+        **constexprs,
+    )
+    return out, scale, w_out
+
+
+def _layer_norm_param(
+    t: torch.Tensor | None, device: torch.device, consts: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """A LayerNorm weight or bias as the kernel reads it, and its kind (``LN_W`` / ``LN_B``):
+    float64, float32 or BF16 (as int16 bits) on ``device`` as it is, widened in the kernel; any
+    other dtype, device or layout as a float64 copy; ``None`` as kind 0 (``consts``, unread)."""
+    if t is None:
+        return consts, 0
+    if t.device == device and t.is_contiguous():
+        kind = _PARAM_KINDS.get(t.dtype)
+        if kind is not None:
+            return _bits_view(t), kind  # read only: no autograd involved
+    return t.detach().to(device=device, dtype=torch.float64).contiguous(), 1
+
+
+_PARAM_KINDS = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3}
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_constants(
+    rule: Fp8Rule, fold_scales: tuple[float, ...], eps: float, d: int, flags: tuple
+) -> tuple[tuple[int | float, ...], dict[str, object]]:
+    """The scalar arguments after ``n_heads`` and the compile-time arguments of one launch, for
+    these Python values (built once per combination: host time per launch). Raises for a floor
+    or a fold the kernel cannot take."""
+    (rope_dim, interleaved, hadamard, layer_norm, w_kind, b_kind, x_bf16, bf16_math, ln_out_bf16,
+     out_bf16, fold_w, w_bf16, layer_norm_ops, fma, hadamard_scale_fp32, block_rows,
+     num_warps, hw_cast, input_lane_order) = flags  # fmt: skip
+    floor32 = _f32(float(rule.amax_floor))
+    if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
+        raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
+    if len(fold_scales) > 3:
+        raise ValueError(f"fold_scales takes at most three scalars, got {fold_scales}.")
+    c1, c2, c3 = (*fold_scales, 1.0, 1.0, 1.0)[:3]
+    scalars = (
         _float32_bits(floor32),
         _f32(1.0 / 448.0),
         _f32(c1),  # torch multiplies float32 tensors by float32 scalars too
         _f32(c2),
         _f32(c3),
-        _f32(float(eps)),
+        _f32(eps),
         _f32(d**-0.5),
+    )
+    constexprs = dict(
         D=d,
         LOG2_D=_LOG2_HEAD_DIM,
         ROPE_DIM=rope_dim,
         INTERLEAVED=interleaved,
         HADAMARD=hadamard,
-        LAYER_NORM=layer_norm is not None,
-        LN_W=ln_w is not None,
-        LN_B=ln_b is not None,
-        X_BF16=x.dtype == torch.bfloat16,
+        LAYER_NORM=layer_norm,
+        LN_W=w_kind,
+        LN_B=b_kind,
+        X_BF16=x_bf16,
         BF16_MATH=bf16_math,
         LN_OUT_BF16=ln_out_bf16,
         OUT_BF16=out_bf16,
@@ -577,14 +647,15 @@ def preprocess_quantize(
         LOG2_CEIL=rule.ue8m0_ceil == "log2",
         FP32_SCALE=rule.scale_format == "fp32",
         APPLY_RECIPROCAL=rule.scale_apply == "reciprocal",
-        FOLD_W=weights is not None,
-        W_BF16=w_arg.dtype == torch.bfloat16,
+        FOLD_W=fold_w,
+        W_BF16=w_bf16,
         LN_OPS=layer_norm_ops,
         FMA=fma,
         HAD_SCALE_F32=hadamard_scale_fp32,
-        HW_CAST=not _interpreted(),
+        LANE_ORDER_IN=input_lane_order,
+        HW_CAST=hw_cast,
         BLOCK_R=block_rows,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    return out, scale, w_out
+    return scalars, constexprs

@@ -42,5 +42,5 @@ def drop_invalid_picks(indices: torch.Tensor, values: torch.Tensor) -> torch.Ten
         raise ValueError("indices and values must be contiguous tensors of one shape.")
     n = indices.numel()
     if n:
-        _drop_invalid_picks_kernel[(triton.cdiv(n, _BLOCK),)](indices, values, n, BLOCK=_BLOCK)
+        _drop_invalid_picks_kernel[(-(-n // _BLOCK),)](indices, values, n, BLOCK=_BLOCK)
     return indices

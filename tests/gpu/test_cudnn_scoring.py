@@ -186,6 +186,79 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     assert torch.equal(got, want)  # 256-row chunks cut three of the four sequences
 
 
+def _clear_shared_constants():
+    from dsa_precision import scoring
+
+    scoring._constant_offsets.cache_clear()
+    scoring._constant_key_counts.cache_clear()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("chunk_rows", [None, 512, 1000], ids=["one_launch", "512", "1000"])
+def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk_rows):
+    """indexer_select checks its arguments and decides both backends once, then calls the
+    kernels' internal entry points (with shared offset and key-count tensors for an int offset,
+    Megatron's case): the picks are those of the public indexer_scores + indexer_topk, bit for
+    bit, for int and tensor offsets, chunked or not, and on the second call (cached constants)
+    as on the first."""
+    _clear_shared_constants()
+    b, s, topk = 2, 2048, 256
+    q, k, w = _inputs(b, s, 64, seed=11)
+    ops = prepare_scoring_operands(q, k, w, config=CONFIGS[precision])
+    chunk = None if chunk_rows is None else chunk_rows * b * s * 12
+    for offset in (0, 300, 0):
+        offsets = torch.full((b,), offset, dtype=torch.int32, device=DEV)
+        scores = indexer_scores(ops, q_causal_offsets=offsets, backend="cudnn")
+        lens = causal_key_counts(offsets, 0, s, 1, s)
+        want = indexer_topk(scores, topk, seq_lens=lens, backend="cudnn")
+        for given in (offset, offsets, offset):
+            got = indexer_select(
+                ops, topk=topk, q_causal_offsets=given, backend="cudnn", chunk_bytes=chunk
+            )
+            assert torch.equal(got, want), (offset, type(given).__name__)
+            got2, margins = indexer_select(
+                ops, topk=topk, q_causal_offsets=given, backend="auto", chunk_bytes=chunk,
+                margins=True,
+            )  # fmt: skip
+            assert torch.equal(got2, want) and margins.shape == (b, s)
+    record("select_internal_path", precision=precision, chunk_rows=chunk_rows, bit_identical=True)
+
+
+def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
+    """The shared int-offset tensors are built outside inference mode, and a CUDA graph capture
+    bypasses their cache (it would record their build instead of running it, and a replay must
+    not read an entry evicted since): the capture builds its own, eager calls after it build
+    and cache correct ones, and the replay is unaffected when the cache is cleared."""
+    q, k, w = _inputs(1, 2048, 64, seed=12)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
+    want = indexer_select(ops, q_causal_offsets=torch.tensor([64], device=DEV), **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile every kernel outside the capture
+            indexer_select(ops, q_causal_offsets=64, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    _clear_shared_constants()  # the capture is the first to need them
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = indexer_select(ops, q_causal_offsets=64, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+    with torch.inference_mode():
+        eager = indexer_select(ops, q_causal_offsets=64, **kw)  # built now, eagerly
+    assert torch.equal(eager, want)
+    from dsa_precision import scoring
+
+    assert not scoring._constant_offsets(64, 1, torch.device(DEV)).is_inference()
+    _clear_shared_constants()  # frees the eager entries: the graph never read them
+    indexer_select(ops, q_causal_offsets=96, **kw)  # other allocations may take their memory
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+
+
 # ---------------------------------------------------------------------- top-k on cuDNN
 
 
@@ -201,6 +274,54 @@ def test_cudnn_topk_selects_exactly_the_torch_set_on_tie_free_scores(record):
         b = indexer_topk(scores, k, seq_lens=seq_lens, backend="torch")
         record("topk_exact", k=k, equal=bool(torch.equal(a, b)))
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize(
+    "dtype, deterministic",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+    ids=["fp32", "bf16", "fp32_fast"],
+)
+def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
+    """indexer_topk runs cuDNN's IndexerTopK plan into its own buffers (no wrapper): the same
+    picks as indexer_top_k_wrapper on the same scores, -inf / NaN picks dropped as before, for
+    aligned, misaligned (a copy) and strided (a copy) scores, several k, repeated calls.
+    Deterministic mode: scores with ties, NaN and -inf, equal index for index; the fast mode
+    (ties and NaN resolved arbitrarily): distinct finite scores, equal as sets."""
+    from dsa_precision import _cudnn
+
+    dsa = _cudnn.dsa()
+    g = torch.Generator(device=DEV).manual_seed(8)
+    n = 2048 * 3000 + 8
+    if deterministic:
+        raw = torch.round(torch.randn(n, device=DEV, generator=g) * 4) / 4  # many ties
+        raw[::97] = float("nan")
+        raw[5::89] = float("-inf")
+    else:
+        raw = torch.randperm(n, device=DEV, generator=g).float()  # distinct, exact in fp32
+    raw = raw.to(dtype)
+    views = {
+        "aligned": raw[: 2048 * 3000].view(2048, 3000),
+        "misaligned": raw[3 : 3 + 2048 * 3000].view(2048, 3000),
+        "strided": raw[: 2048 * 3000].view(2048, 3000)[:, ::2],
+    }
+    for name, scores in views.items():
+        sk = scores.shape[1]
+        lens = torch.randint(0, sk + 1, (2048,), device=DEV, generator=g, dtype=torch.int32)
+        for k in (1, 256, 2048):
+            for _ in range(2):
+                got = indexer_topk(
+                    scores, k, seq_lens=lens, deterministic=deterministic, backend="cudnn"
+                )
+                res = dsa.indexer_top_k_wrapper(
+                    scores.contiguous(), lens, top_k=min(k, sk), return_val=True,
+                    deterministic=deterministic,
+                )  # fmt: skip
+                want = res["indices"].masked_fill(~(res["values"] > float("-inf")), -1)
+                want = torch.nn.functional.pad(want, (0, k - want.shape[1]), value=-1)
+                if deterministic:
+                    assert torch.equal(got, want), (name, k)
+                else:  # the fast mode's order within a row is unspecified
+                    assert torch.equal(got.sort(-1).values, want.sort(-1).values), (name, k)
 
 
 def test_cudnn_topk_deterministic_ties_signed_zeros_and_nan():
@@ -419,6 +540,25 @@ def test_device_path_never_waits_for_the_host():
 
     warm = _run_twice_without_host_sync(run)
     assert torch.equal(warm[0], warm[1])  # chunked select == scores then top-k
+
+
+def test_int_offset_select_never_waits_for_the_host_even_building_its_constants():
+    """Megatron's path (an int offset): the shared offset and key-count tensors are built on the
+    device (no host-to-device copy), so even their first build never synchronises."""
+    q, k, w = _inputs(1, 1024, 64, seed=13)
+    ops = prepare_scoring_operands(q, k, w, config=FP8, impl="triton")
+    kw = dict(topk=256, backend="cudnn")
+    indexer_select(ops, q_causal_offsets=40, **kw)  # compile the kernels
+    _clear_shared_constants()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = indexer_select(ops, q_causal_offsets=40, **kw)
+        again = indexer_select(ops, q_causal_offsets=40, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = indexer_select(ops, q_causal_offsets=torch.tensor([40], device=DEV), **kw)
+    assert torch.equal(got, want) and torch.equal(again, want)
 
 
 @needs_deepgemm

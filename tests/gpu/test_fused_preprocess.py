@@ -187,6 +187,43 @@ def test_layer_norm_eps_changes_are_honoured():
         _check(case, sm_scale=1.0)
 
 
+@pytest.mark.parametrize(
+    "params", [torch.float32, torch.float64, torch.float16], ids=["float32", "float64", "float16"]
+)
+@pytest.mark.parametrize("name", ["vllm-exact", "vllm"], ids=["float64_ln", "fp32_ops_ln"])
+def test_layer_norm_parameters_of_every_dtype(name, params):
+    """The kernel widens float32 and BF16 LayerNorm parameters itself (no float64 copy per call),
+    reads float64 ones as they are and other dtypes through a float64 copy: the reference's bits
+    for each (BF16 parameters: every other rope_fp32 case)."""
+    engine = ENGINE_PROFILES[name]
+    case = make_case(seq=257, rope_fp32=True, engine=engine, device=DEV, **model_fields(engine))
+    case.pre.k_norm.to(params)
+    _check(case, mscale=1.07)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16_path"])
+def test_cached_rope_tables_follow_the_angles(rope_fp32):
+    """The fused path remembers its RoPE tables per angle tensor and version: the same angles
+    again reuse them; angles changed in place, or new angles at the old address, do not."""
+    from dsa_precision import operands as operands_module
+
+    case = make_case(seq=300, batch=1, heads=64, rope_fp32=rope_fp32, device=DEV)
+    first = _check(case, mscale=1.1)
+    tables = operands_module._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
+    assert tables is operands_module._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
+    case.freqs.mul_(1.5)  # in place: the cache must miss
+    second = _check(case, mscale=1.1)
+    assert not torch.equal(first.q.view(torch.uint8), second.q.view(torch.uint8))
+    for _ in range(3):  # new tensors, possibly at a freed address, with other angles each time
+        case.freqs = case.freqs.clone() * 0.75
+        _check(case, mscale=1.1)
+
+
+def _table_dtypes(case) -> tuple[torch.dtype, torch.dtype]:
+    e = case.pre.engine
+    return (e.cos_sin_dtype, e.rope_dtype) if case.pre.rope_fp32 else (case.q.dtype, case.q.dtype)
+
+
 @pytest.mark.parametrize("hw_cast", [True, False], ids=["hardware_casts", "integer_emulation"])
 def test_helpers_on_hardware(hw_cast):
     """The building blocks compiled for the GPU: the E4M3 / BF16 rounding the kernel uses there

@@ -138,3 +138,33 @@ def test_amax_floor_and_sm_scale():
 def test_order_sensitive_sums(hadamard):
     """Inexact float64 sums: a kernel summing in another order than the reference fails here."""
     _check(cancelling_case(hadamard=hadamard))
+
+
+@pytest.mark.parametrize("params", [torch.float64, torch.float16], ids=["float64", "float16"])
+@pytest.mark.parametrize("name", ["vllm-exact", "vllm"], ids=["float64_ln", "fp32_ops_ln"])
+def test_layer_norm_parameters_of_every_dtype(name, params):
+    """The kernel reads the key LayerNorm's float32 and BF16 parameters as they are (the other
+    cases) and widens them itself; float64 ones as they are too; any other dtype through a float64
+    copy: the same bits as the reference, which widens them in torch."""
+    engine = ENGINE_PROFILES[name]
+    case = make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine))
+    case.pre.k_norm.to(params)
+    _check(case, mscale=1.07)
+
+
+@pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16"])
+def test_cached_rope_tables_follow_the_angles(rope_fp32):
+    """The fused path's RoPE tables are remembered per angle tensor and version: angles changed in
+    place, or new angles, give the reference's operands, not the old tables' (nor the same bytes
+    as before)."""
+    case = make_case(seq=6, batch=1, rope_fp32=rope_fp32)
+    _check(case, mscale=1.1)
+    first = operands(case, "triton", mscale=1.1)
+    case.freqs.mul_(1.5)  # in place: a version bump, the cache misses
+    _check(case, mscale=1.1)
+    assert not torch.equal(
+        first.q.view(torch.uint8), operands(case, "triton", mscale=1.1).q.view(torch.uint8)
+    )
+    for _ in range(3):  # new tensors (perhaps at a freed address) with other angles
+        case.freqs = case.freqs.clone() * 0.75
+        _check(case, mscale=1.1)

@@ -1,0 +1,218 @@
+"""The hot path's caches (``dsa_precision._device``) and the tensors the package shares through them:
+a cached value is never stale (a changed source, another source object or other arguments miss),
+shared tensors are built outside inference mode, and nothing the caller gets back aliases them."""
+
+import gc
+
+import pytest
+import torch
+
+from dsa_precision import IndexerPrecisionConfig, indexer_select
+from dsa_precision._device import DerivedCache, shared_device_tensor
+from dsa_precision.operands import _engine_lanes, _kernel_rope_tables
+from dsa_precision.preprocess import rope_tables
+from dsa_precision.scoring import (
+    _constant_key_counts,
+    _constant_offsets,
+    _offsets,
+    causal_key_counts,
+)
+
+CPU = torch.device("cpu")
+
+
+class _Builds:
+    """A build function that counts its calls and returns a fresh value each time."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source, self.calls = source, 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        return self.source * 2
+
+
+def test_derived_cache_hits_only_the_same_object_version_and_key():
+    cache = DerivedCache(size=4)
+    x = torch.arange(4.0)
+    build = _Builds(x)
+    first = cache.get(x, "k", build)
+    assert cache.get(x, "k", build) is first and build.calls == 1  # a hit: no rebuild
+    assert torch.equal(cache.get(x, "other", build), first) and build.calls == 2  # another key
+    x.add_(1)  # in place: the version counter moves, the cached value is stale
+    again = cache.get(x, "k", build)
+    assert build.calls == 3 and torch.equal(again, (torch.arange(4.0) + 1) * 2)
+    x[1:3].mul_(0)  # through a view: the same version counter
+    assert torch.equal(cache.get(x, "k", build), x * 2) and build.calls == 4
+    with torch.no_grad():
+        x.fill_(7.0)  # under no_grad too
+    assert torch.equal(cache.get(x, "k", build), x * 2) and build.calls == 5
+
+
+def test_derived_cache_misses_a_new_tensor_even_at_a_reused_address():
+    cache = DerivedCache(size=4)
+    calls = []
+    for value in (1.0, 2.0, 3.0, 4.0):  # each source dies before the next is built
+        src = torch.full((8,), value)
+        got = cache.get(src, "k", lambda src=src: calls.append(1) or src.clone())
+        assert torch.equal(got, torch.full((8,), value))  # never the previous tensor's value
+        del src, got
+        gc.collect()
+    assert len(calls) == 4
+
+
+def test_derived_cache_does_not_remember_inference_tensors_and_builds_normal_ones():
+    cache = DerivedCache(size=4)
+    with torch.inference_mode():
+        x = torch.ones(3)  # an inference tensor: no version counter to key on
+    build = _Builds(x)
+    cache.get(x, "k", build)
+    cache.get(x, "k", build)
+    assert build.calls == 2
+    y = torch.ones(3)
+    with torch.inference_mode():
+        value = cache.get(y, "k", _Builds(y))
+    assert not value.is_inference()  # can still be saved for backward later
+
+
+def test_derived_cache_keeps_only_its_most_recent_entries():
+    cache = DerivedCache(size=2)
+    sources = [torch.full((2,), float(i)) for i in range(3)]
+    builds = [_Builds(s) for s in sources]
+    for s, b in zip(sources, builds, strict=True):
+        cache.get(s, "k", b)
+    cache.get(sources[0], "k", builds[0])  # evicted by the third: rebuilt
+    cache.get(sources[2], "k", builds[2])  # still there
+    assert [b.calls for b in builds] == [2, 1, 1]
+
+
+def test_shared_device_tensor_is_built_once_per_arguments_outside_inference_mode():
+    calls = []
+
+    @shared_device_tensor
+    def ramp(n: int, device: torch.device) -> torch.Tensor:
+        calls.append(n)
+        return torch.arange(n, device=device)
+
+    with torch.inference_mode():
+        a = ramp(3, CPU)
+    assert not a.is_inference()
+    assert ramp(3, CPU) is a and ramp(4, CPU).tolist() == [0, 1, 2, 3] and calls == [3, 4]
+
+
+# ------------------------------------------------------------------- what the package shares
+
+
+def test_constant_offsets_and_key_counts_match_their_uncached_builds():
+    """Every argument is part of the key: a sequence of calls that differ in one argument each
+    returns each one's own values (a cache keyed on fewer would return a previous call's)."""
+    cases = [
+        (0, 1, 0, 8, 1, 8),
+        (5, 1, 0, 8, 1, 8),  # another offset
+        (5, 2, 0, 8, 1, 8),  # another batch
+        (5, 2, 3, 8, 1, 8),  # another first row
+        (5, 2, 3, 5, 1, 8),  # fewer rows
+        (5, 2, 3, 5, 4, 8),  # another ratio
+        (5, 2, 3, 5, 4, 3),  # fewer keys
+        (0, 1, 0, 8, 1, 8),  # the first again
+    ]
+    for offset, b, r0, rows, ratio, sk in cases:
+        offsets = torch.full((b,), offset, dtype=torch.int32)
+        want = causal_key_counts(offsets, r0, rows, ratio, sk).view(-1)
+        got = _constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (offset, b, r0, rows)
+        assert torch.equal(_constant_offsets(offset, b, CPU), offsets)
+        assert torch.equal(
+            _offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
+        )
+    assert torch.equal(
+        _offsets(None, 3, CPU, "batch row", rows=4, validate=False),
+        torch.zeros(3, dtype=torch.int32),
+    )
+
+
+def test_select_with_int_offsets_equals_tensor_offsets_and_returns_fresh_picks():
+    """The int-offset path (shared constant offsets and key counts, built once) against the tensor
+    path (built per call), chunked and not, for offsets that differ call by call; the picks
+    returned are the caller's to modify."""
+    g = torch.Generator().manual_seed(3)
+    b, sq, sk, h = 2, 24, 40, 4
+    q = torch.randn(b, sq, h, 128, generator=g)
+    k = torch.randn(b, sk, 128, generator=g)
+    w = torch.randn(b, sq, h, generator=g)
+    bf16 = IndexerPrecisionConfig()
+    for offset in (16, 0, 9, 16):
+        for chunk in (None, 8 * b * sk * 12):
+            kw = dict(topk=5, config=bf16, backend="torch", chunk_bytes=chunk)
+            by_int = indexer_select(q, k, w, q_causal_offsets=offset, **kw)
+            offsets = torch.full((b,), offset, dtype=torch.int64)
+            assert torch.equal(by_int, indexer_select(q, k, w, q_causal_offsets=offsets, **kw))
+            by_int.fill_(-7)  # the caller's tensor: nothing cached changes
+            again = indexer_select(q, k, w, q_causal_offsets=offset, **kw)
+            assert torch.equal(again, indexer_select(q, k, w, q_causal_offsets=offsets, **kw))
+
+
+def test_kernel_rope_tables_follow_their_angles():
+    freqs = torch.rand(6, 1, 1, 64, generator=torch.Generator().manual_seed(1)) * 10
+
+    def want(f, s, mscale, table, math):
+        cos, sin = rope_tables(f[:s], mscale, table)
+        return cos.to(math).reshape(s, -1), sin.to(math).reshape(s, -1)
+
+    def same(got, expected):
+        return all(torch.equal(a, e) for a, e in zip(got, expected, strict=True))
+
+    args = (6, 1.1, torch.bfloat16, torch.float32)
+    first = _kernel_rope_tables(freqs, *args)
+    assert same(first, want(freqs, *args)) and first[0].is_contiguous()
+    assert _kernel_rope_tables(freqs, *args) is first  # the same angles: remembered
+    other = (4, 1.0, torch.float32, torch.float32)
+    assert same(_kernel_rope_tables(freqs, *other), want(freqs, *other))  # other arguments
+    freqs.add_(0.5)  # in place: recomputed
+    assert same(_kernel_rope_tables(freqs, *args), want(freqs, *args))
+    fresh = freqs.clone().mul_(0.3)  # another tensor
+    assert same(_kernel_rope_tables(fresh, *args), want(fresh, *args))
+
+
+@pytest.mark.parametrize("half, d", [(32, 128), (8, 16)])
+def test_engine_lane_order_is_the_interleaved_pairs(half, d):
+    pairs = [i for j in range(half) for i in (j, half + j)]
+    assert _engine_lanes(half, d, CPU).tolist() == pairs + list(range(2 * half, d))
+
+
+def test_derived_cache_lets_the_values_of_a_freed_source_go():
+    cache = DerivedCache(size=8)
+    keep = torch.ones(4)
+    cache.get(keep, "k", _Builds(keep))
+    for _ in range(3):  # per-call sources (THD angles gathered each forward)
+        tmp = torch.ones(4)
+        cache.get(tmp, "k", _Builds(tmp))
+        del tmp
+    gc.collect()
+    cache.get(keep, "k", _Builds(keep))  # the next call drops the freed sources' entries
+    assert len(cache) == 1
+
+
+def test_a_graph_capture_bypasses_both_caches(monkeypatch):
+    """While a CUDA graph is being captured (a stand-in here; the real capture is the GPU test
+    ``test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture``) every call
+    builds its own value and nothing is read from or stored into the caches."""
+    from dsa_precision import _device
+
+    calls = []
+
+    @shared_device_tensor
+    def ones(n: int, device: torch.device) -> torch.Tensor:
+        calls.append(n)
+        return torch.ones(n, device=device)
+
+    cache = DerivedCache(size=4)
+    x = torch.ones(2)
+    before = ones(2, CPU)
+    cached = cache.get(x, "k", _Builds(x))
+    monkeypatch.setattr(_device, "_capturing", lambda device: True)
+    assert ones(2, CPU) is not before and ones(3, CPU) is not ones(3, CPU)
+    assert cache.get(x, "k", _Builds(x)) is not cached
+    monkeypatch.undo()
+    assert ones(2, CPU) is before and cache.get(x, "k", _Builds(x)) is cached
+    assert calls == [2, 2, 3, 3] and len(cache) == 1
