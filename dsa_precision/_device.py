@@ -34,13 +34,15 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
 def device_constant(
     value: float | tuple[float, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``torch.tensor(value, dtype=dtype, device=device)``, built once per argument triple and
     shared: read it, never write into it. Built outside inference mode, so a constant first made
-    under ``torch.inference_mode()`` can still be saved for backward later."""
+    under ``torch.inference_mode()`` can still be saved for backward later. Never evicted: a
+    CUDA graph captured while it was cached reads it where it lies (the few constants the kernels
+    take -- an epsilon, a scale -- are a handful of scalars)."""
     with torch.inference_mode(False):
         return torch.tensor(value, dtype=dtype, device=device)
 

@@ -15,9 +15,10 @@ What a replay reads, and when a layer captures again:
 - **the parameters**, read where they lie: an in-place update (the optimizer's) is seen by the
   next replay; new storage (``param.data = ...``) changes their addresses, which are part of the
   key, so the layer captures again;
-- **tensors built before the capture** that the computation reads (Megatron's cached RoPE
-  angles, the package's cached device constants): kept alive by the graph (``keep``), and pure
-  functions of the key.
+- **tensors built before the capture** that the computation reads: Megatron's cached RoPE
+  angles (kept alive by the graph, ``keep``) and the package's device constants (never evicted),
+  pure functions of the key. The package's other caches (``dsa_precision._device``) are bypassed
+  while a stream is captured, so what they would serve is built inside the graph, every replay.
 
 Every graph of a device shares one memory pool. That is safe because each replay's result is
 copied out before anything else runs, so no graph's output outlives the next replay; replays
