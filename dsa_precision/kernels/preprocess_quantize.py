@@ -192,9 +192,11 @@ def _load_param(ptrs, KIND: tl.constexpr, F64: tl.constexpr):
         v = (tl.load(ptrs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         v = tl.load(ptrs)
-    if F64:
-        return v.to(tl.float64)
-    return v.to(tl.float32)
+    if F64:  # one return: Triton 3.6 refuses returns of different types, even constexpr ones
+        v = v.to(tl.float64)
+    else:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
