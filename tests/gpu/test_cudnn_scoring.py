@@ -194,7 +194,7 @@ def _clear_shared_constants():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("chunk_rows", [None, 512, 1000], ids=["one_launch", "512", "1000"])
+@pytest.mark.parametrize("chunk_rows", [None, 512, 200], ids=["one_launch", "512", "200"])
 def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk_rows):
     """indexer_select checks its arguments and decides both backends once, then calls the
     kernels' internal entry points (with shared offset and key-count tensors for an int offset,
@@ -285,8 +285,8 @@ def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
     """indexer_topk runs cuDNN's IndexerTopK plan into its own buffers (no wrapper): the same
     picks as indexer_top_k_wrapper on the same scores, -inf / NaN picks dropped as before, for
     aligned, misaligned (a copy) and strided (a copy) scores, several k, repeated calls.
-    Deterministic mode: scores with ties, NaN and -inf, equal index for index; the fast mode
-    (ties and NaN resolved arbitrarily): distinct finite scores, equal as sets."""
+    Deterministic mode: scores with ties and -inf, equal index for index; the fast mode (ties
+    resolved arbitrarily): distinct finite scores, equal as sets."""
     from dsa_precision import _cudnn
 
     dsa = _cudnn.dsa()
@@ -294,8 +294,7 @@ def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
     n = 2048 * 3000 + 8
     if deterministic:
         raw = torch.round(torch.randn(n, device=DEV, generator=g) * 4) / 4  # many ties
-        raw[::97] = float("nan")
-        raw[5::89] = float("-inf")
+        raw[5::89] = float("-inf")  # (NaN: test_cudnn_topk_deterministic_ties_signed_zeros_...)
     else:
         raw = torch.randperm(n, device=DEV, generator=g).float()  # distinct, exact in fp32
     raw = raw.to(dtype)
