@@ -224,21 +224,28 @@ def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk
     record("select_internal_path", precision=precision, chunk_rows=chunk_rows, bit_identical=True)
 
 
+def _int_offset_select_warmed(offset: int, seed: int):
+    """FP8 operands, chunked-select arguments and the picks with the offset as a tensor; the
+    int-offset select run twice on a side stream (every kernel compiled, every cache filled)."""
+    q, k, w = _inputs(1, 2048, 64, seed=seed)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
+    want = indexer_select(ops, q_causal_offsets=torch.tensor([offset], device=DEV), **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            indexer_select(ops, q_causal_offsets=offset, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    return ops, kw, want
+
+
 def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
     """The shared int-offset tensors are built outside inference mode, and a CUDA graph capture
     bypasses their cache (it would record their build instead of running it, and a replay must
     not read an entry evicted since): the capture builds its own, eager calls after it build
     and cache correct ones, and the replay is unaffected when the cache is cleared."""
-    q, k, w = _inputs(1, 2048, 64, seed=12)
-    ops = prepare_scoring_operands(q, k, w, config=FP8)
-    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
-    want = indexer_select(ops, q_causal_offsets=torch.tensor([64], device=DEV), **kw)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile every kernel outside the capture
-            indexer_select(ops, q_causal_offsets=64, **kw)
-    torch.cuda.current_stream().wait_stream(side)
+    ops, kw, want = _int_offset_select_warmed(offset=64, seed=12)
     _clear_shared_constants()  # the capture is the first to need them
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -547,16 +554,7 @@ def test_a_capture_keeping_its_cached_reads_replays_after_the_caches_drop_them()
     correct after the caches are cleared and their memory could be reused."""
     from dsa_precision import _device
 
-    q, k, w = _inputs(1, 2048, 64, seed=14)
-    ops = prepare_scoring_operands(q, k, w, config=FP8)
-    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
-    want = indexer_select(ops, q_causal_offsets=torch.tensor([32], device=DEV), **kw)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            indexer_select(ops, q_causal_offsets=32, **kw)
-    torch.cuda.current_stream().wait_stream(side)
+    ops, kw, want = _int_offset_select_warmed(offset=32, seed=14)
     graph = torch.cuda.CUDAGraph()
     with _device.keep_cached_reads() as kept, torch.cuda.graph(graph):
         captured = indexer_select(ops, q_causal_offsets=32, **kw)
