@@ -194,7 +194,7 @@ def _clear_shared_constants():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("chunk_rows", [None, 512, 1000], ids=["one_launch", "512", "1000"])
+@pytest.mark.parametrize("chunk_rows", [None, 512, 200], ids=["one_launch", "512", "200"])
 def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk_rows):
     """indexer_select checks its arguments and decides both backends once, then calls the
     kernels' internal entry points (with shared offset and key-count tensors for an int offset,
@@ -224,21 +224,28 @@ def test_select_is_the_public_scores_then_topk_on_cudnn(record, precision, chunk
     record("select_internal_path", precision=precision, chunk_rows=chunk_rows, bit_identical=True)
 
 
+def _int_offset_select_warmed(offset: int, seed: int):
+    """FP8 operands, chunked-select arguments and the picks with the offset as a tensor; the
+    int-offset select run twice on a side stream (every kernel compiled, every cache filled)."""
+    q, k, w = _inputs(1, 2048, 64, seed=seed)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
+    want = indexer_select(ops, q_causal_offsets=torch.tensor([offset], device=DEV), **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            indexer_select(ops, q_causal_offsets=offset, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    return ops, kw, want
+
+
 def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
     """The shared int-offset tensors are built outside inference mode, and a CUDA graph capture
     bypasses their cache (it would record their build instead of running it, and a replay must
     not read an entry evicted since): the capture builds its own, eager calls after it build
     and cache correct ones, and the replay is unaffected when the cache is cleared."""
-    q, k, w = _inputs(1, 2048, 64, seed=12)
-    ops = prepare_scoring_operands(q, k, w, config=FP8)
-    kw = dict(topk=512, backend="cudnn", chunk_bytes=512 * 2048 * 12)
-    want = indexer_select(ops, q_causal_offsets=torch.tensor([64], device=DEV), **kw)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile every kernel outside the capture
-            indexer_select(ops, q_causal_offsets=64, **kw)
-    torch.cuda.current_stream().wait_stream(side)
+    ops, kw, want = _int_offset_select_warmed(offset=64, seed=12)
     _clear_shared_constants()  # the capture is the first to need them
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -285,8 +292,8 @@ def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
     """indexer_topk runs cuDNN's IndexerTopK plan into its own buffers (no wrapper): the same
     picks as indexer_top_k_wrapper on the same scores, -inf / NaN picks dropped as before, for
     aligned, misaligned (a copy) and strided (a copy) scores, several k, repeated calls.
-    Deterministic mode: scores with ties, NaN and -inf, equal index for index; the fast mode
-    (ties and NaN resolved arbitrarily): distinct finite scores, equal as sets."""
+    Deterministic mode: scores with ties and -inf, equal index for index; the fast mode (ties
+    resolved arbitrarily): distinct finite scores, equal as sets."""
     from dsa_precision import _cudnn
 
     dsa = _cudnn.dsa()
@@ -294,8 +301,7 @@ def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
     n = 2048 * 3000 + 8
     if deterministic:
         raw = torch.round(torch.randn(n, device=DEV, generator=g) * 4) / 4  # many ties
-        raw[::97] = float("nan")
-        raw[5::89] = float("-inf")
+        raw[5::89] = float("-inf")  # (NaN: test_cudnn_topk_deterministic_ties_signed_zeros_...)
     else:
         raw = torch.randperm(n, device=DEV, generator=g).float()  # distinct, exact in fp32
     raw = raw.to(dtype)
@@ -540,6 +546,26 @@ def test_device_path_never_waits_for_the_host():
 
     warm = _run_twice_without_host_sync(run)
     assert torch.equal(warm[0], warm[1])  # chunked select == scores then top-k
+
+
+def test_a_capture_keeping_its_cached_reads_replays_after_the_caches_drop_them():
+    """Inside ``_device.keep_cached_reads()`` a capture reads the shared constants built before
+    it (no build kernels in the graph); the list it fills keeps them alive, so replays stay
+    correct after the caches are cleared and their memory could be reused."""
+    from dsa_precision import _device
+
+    ops, kw, want = _int_offset_select_warmed(offset=32, seed=14)
+    graph = torch.cuda.CUDAGraph()
+    with _device.keep_cached_reads() as kept, torch.cuda.graph(graph):
+        captured = indexer_select(ops, q_causal_offsets=32, **kw)
+    assert kept, "the capture read no cached constant"
+    _clear_shared_constants()
+    filler = [torch.full((1 << 20,), 7, dtype=torch.int32, device=DEV) for _ in range(4)]
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+    del filler
 
 
 def test_int_offset_select_never_waits_for_the_host_even_building_its_constants():
