@@ -99,7 +99,8 @@ class PrecisionDSAttention(DSAttention):
         )
         self._graphs = GraphedCalls() if graphed else None
         # The layer's process groups are fixed when it is built: their sizes and ranks too.
-        tp, cp = self.pg_collection.tp, self.pg_collection.cp
+        pgs = self.pg_collection  # a collection may lack a group it does not use (Megatron's tests)
+        tp, cp = getattr(pgs, "tp", None), getattr(pgs, "cp", None)
         self._tp_size = tp.size() if tp is not None else 1
         self._tp_rank = tp.rank() if self._tp_size > 1 else 0
         self._cp_size = cp.size() if cp is not None else 1
