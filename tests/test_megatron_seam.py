@@ -311,3 +311,19 @@ def test_cuda_graph_flag_round_trips_through_megatron_args():
     args = parser.parse_args(["--dsa-indexer-cuda-graph", "--dsa-indexer-scoring-precision", "fp8"])
     assert args.dsa_indexer_cuda_graph is True
     assert parser.parse_args([]).dsa_indexer_cuda_graph is False
+
+
+def test_an_mla_config_without_an_indexer_takes_the_fields():
+    """Megatron-LM's own MLA tests (test_absorbed_mla) build configs with no DSA indexer; the
+    fields have nothing to act on there (a spec builder refuses a spec without a DSA layer for
+    them), so the config does not ask for indexer heads."""
+    config = make_config(
+        experimental_attention_variant=None,
+        dsa_indexer_n_heads=None,
+        dsa_indexer_head_dim=None,
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_engine="vllm-exact",
+    )
+    assert config.dsa_indexer_precision.rope_fp32
+    with pytest.raises(ValueError, match=r"dsa_indexer_n_heads=None must be a positive integer"):
+        make_config(dsa_indexer_n_heads=None, dsa_indexer_rope_fp32=True)  # width without heads

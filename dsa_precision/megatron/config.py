@@ -191,19 +191,22 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             problems.append(
                 f"dsa_indexer_scoring_precision='fp8' on this GPU: {_cudnn.dsa_unavailable_reason()}"
             )
-    try:
-        precision.validate_for_model(
-            indexer_loss_coeff=config.dsa_indexer_loss_coeff,
-            n_heads=config.dsa_indexer_n_heads,
-            head_dim=config.dsa_indexer_head_dim,
-            rotate_activation=config.dsa_indexer_rotate_activation,
-            rope_interleaved=config.dsa_indexer_rope_interleaved,
-            k_norm_eps=config.layernorm_epsilon,  # Megatron builds the indexer's k_norm with it
-        )
-    except ValueError as exc:
-        problems.extend(
-            line.removeprefix("  - ") for line in str(exc).splitlines()[1:] if line.strip()
-        )
+    # An MLA model without a DSA indexer (no indexer heads or width): nothing for the fields to
+    # act on here; a spec builder refuses a spec with no DSA layer for them (specs.py).
+    if config.dsa_indexer_n_heads is not None or config.dsa_indexer_head_dim is not None:
+        try:
+            precision.validate_for_model(
+                indexer_loss_coeff=config.dsa_indexer_loss_coeff,
+                n_heads=config.dsa_indexer_n_heads,
+                head_dim=config.dsa_indexer_head_dim,
+                rotate_activation=config.dsa_indexer_rotate_activation,
+                rope_interleaved=config.dsa_indexer_rope_interleaved,
+                k_norm_eps=config.layernorm_epsilon,  # Megatron builds the indexer's k_norm with it
+            )
+        except ValueError as exc:
+            problems.extend(
+                line.removeprefix("  - ") for line in str(exc).splitlines()[1:] if line.strip()
+            )
     if problems:
         raise ValueError(
             f"dsa-precision fields ({precision.short_str()}, dsa_indexer_engine="
