@@ -77,9 +77,12 @@ def _chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
     return _CHUNK_ROW_MIN_ALIGNMENT
 
 
-def _topk_backend(backend: str) -> str:
-    """The top-k backend that goes with a scoring backend (DeepGEMM has no top-k)."""
-    return {"cudnn": "cudnn", "torch": "torch"}.get(backend, "auto")
+def _topk_backend(requested: str) -> str:
+    """The top-k backend asked for with a scoring backend: the same kernel family when named
+    (``"cudnn"``, ``"torch"``), else ``"auto"`` (``"auto"`` decides for each kernel on its own;
+    DeepGEMM has no top-k): an ``"auto"`` call scored by cuDNN still selects with the torch top-k
+    where cuDNN's cannot (``k > 2048``)."""
+    return {"cudnn": "cudnn", "torch": "torch"}.get(requested, "auto")
 
 
 def _buffer(n: int, backend: str, device: torch.device) -> torch.Tensor | None:
@@ -178,7 +181,7 @@ def indexer_select(
     sk = ops.k.shape[1]
     device = ops.device
     offsets = _offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
-    backend = resolve_scoring_backend(backend, ops)
+    requested, backend = backend, resolve_scoring_backend(backend, ops)
     margins = check_bool("margins", margins)
     if sq == 0 or sk == 0:
         empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=device)
@@ -189,7 +192,7 @@ def indexer_select(
         _validate_finite(ops)
     if backend != "deepgemm":
         topk_backend = resolve_topk_backend(
-            _topk_backend(backend), device=device, k=min(topk, sk), dtype=torch.float32
+            _topk_backend(requested), device=device, k=min(topk, sk), dtype=torch.float32
         )
     start = _int_offset(q_causal_offsets)  # a Python int offset: shared constant tensors
     step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
@@ -281,7 +284,7 @@ def indexer_select_varlen(
     ).to(torch.int64)
     cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
     cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
-    backend = resolve_scoring_backend(backend, ops)
+    requested, backend = backend, resolve_scoring_backend(backend, ops)
     margins = check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
@@ -292,7 +295,7 @@ def indexer_select_varlen(
         _validate_finite(ops)
     if backend != "deepgemm":
         topk_backend = resolve_topk_backend(
-            _topk_backend(backend), device=ops.device, k=min(topk, max_seqlen_k),
+            _topk_backend(requested), device=ops.device, k=min(topk, max_seqlen_k),
             dtype=torch.float32,
         )  # fmt: skip
     step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)

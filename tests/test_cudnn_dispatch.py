@@ -430,3 +430,19 @@ def test_cudnn_entry_points_are_looked_up_once():
     with pytest.raises(AttributeError):
         dsa.missing  # noqa: B018
     assert _cudnn.dsa_available() == (_cudnn.dsa_unavailable_reason() is None)
+
+
+def test_auto_select_scores_on_cudnn_and_selects_beyond_its_top_k_with_torch(fake):
+    """``backend="auto"`` decides for each kernel: scored by cuDNN, a top-k larger than cuDNN's
+    2048 runs on the torch top-k; an explicit ``backend="cudnn"`` raises instead."""
+    q, k, w = _inputs(b=1, sq=4, sk=2100, h=32)
+    picks = indexer_select(
+        q, k, w, topk=2100, config=CONFIGS["fp8"], q_causal_offsets=2096, backend="auto"
+    )
+    assert len(fake.forward_calls) == 1 and fake.topk_calls == []
+    assert picks.shape == (1, 4, 2100)
+    assert (picks[0, :, :2097] >= 0).all() and (picks[0, 0, 2097:] == -1).all()
+    with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot run this top-k: k=2100"):
+        indexer_select(
+            q, k, w, topk=2100, config=CONFIGS["fp8"], q_causal_offsets=2096, backend="cudnn"
+        )
