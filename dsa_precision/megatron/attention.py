@@ -373,13 +373,26 @@ class PrecisionDSAttention(DSAttention):
                 f"DSA layer {self.layer_number}: dsa_indexer_cuda_graph=True cannot capture this "
                 f"forward ({reason}); set dsa_indexer_cuda_graph=False for it."
             )
-        params = tuple(p.data_ptr() for p in self.indexer.parameters())
-        angles, _ = self.indexer.rope_angles(x, None)  # kept alive by the graph that reads them
+        indexer = self.indexer
+        # What the launches depend on besides the inputs: the layout, margins, the parameters'
+        # storage, the preprocessing module (rebuilt when a Megatron field it follows changes),
+        # the top-k size and RoPE type.
+        key = (
+            layout,
+            margins,
+            tuple(p.data_ptr() for p in indexer.parameters()),
+            id(indexer.preprocess()),
+            self.index_topk,
+            self.config.rope_type,
+        )
 
         def select(x_: torch.Tensor, qr_: torch.Tensor):
             return self._select(x_, qr_, None, layout, margins, None)
 
-        return self._graphs(select, (x.detach(), qr.detach()), (layout, margins, params), (angles,))
+        def keep():  # Megatron's cached angles, read by the graph where they lie
+            return (indexer.rope_angles(x, None)[0], indexer.preprocess())
+
+        return self._graphs(select, (x.detach(), qr.detach()), key, keep)
 
     # -- Megatron reads a staged top-k through its index-share holder ------------------------
 

@@ -30,6 +30,7 @@ the outer graph records the kernels themselves.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -46,6 +47,17 @@ MAX_GRAPHS = 8
 # The graphs alive per device: a new capture joins their pool (a pool lives while a graph of it
 # does; the handle of one whose graphs are all gone cannot be reused).
 _LIVE: dict[torch.device, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream captures of ``device`` run on (``torch.cuda.graph``'s own default is one
+    stream, of whichever device was current when it was first made)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
 
 
 def _pool(device: torch.device) -> Any:
@@ -71,59 +83,80 @@ def _clone(output: Any) -> Any:
 
 
 class GraphedCalls:
-    """One function of fixed-layout CUDA tensors, as CUDA graphs keyed by its inputs' layout."""
+    """One function of fixed-layout CUDA tensors, as CUDA graphs keyed by its inputs' layout.
+
+    Calls are serialised (one set of static buffers per graph); replays of one device must run
+    on one stream at a time (their graphs share a memory pool), as Megatron runs its layers."""
 
     def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
         self._graphs: dict[Hashable, _Graph] = {}
         self._max = max_graphs
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __deepcopy__(self, memo: dict) -> GraphedCalls:
+        """A copy of the module captures its own graphs (a graph reads its owner's storage)."""
+        return GraphedCalls(self._max)
+
     def clear(self) -> None:
         """Drop every graph (their memory goes back to the pool)."""
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     def __call__(
         self,
         fn: Callable[..., Any],
         inputs: tuple[torch.Tensor, ...],
         key: Hashable,
-        keep: tuple[Any, ...] = (),
+        keep: Callable[[], tuple[Any, ...]] = tuple,
     ) -> Any:
         """``fn(*inputs)`` (a tensor or a tuple of tensors, no autograd), from the graph captured
         for ``key`` and the inputs' layout (captured now if there is none).
 
         ``key`` must hold everything else the computation's launches depend on (host values,
-        parameter addresses); ``keep``: tensors built before the capture that it reads.
+        parameter addresses, the modules it runs); ``keep()``, called when a graph is captured:
+        the tensors built before the capture that it reads, kept as long as the graph.
         """
         if torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
+        device = inputs[0].device
         full = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))
-        entry = self._graphs.get(full)
-        if entry is None:
-            entry = self._capture(fn, inputs, keep)
-            if len(self._graphs) >= self._max:
-                self._graphs.pop(next(iter(self._graphs)))
-            self._graphs[full] = entry
-        for static, value in zip(entry.inputs, inputs, strict=True):
-            static.copy_(value)
-        entry.graph.replay()
+        with self._lock, torch.cuda.device(device):
+            entry = self._graphs.pop(full, None)
+            if entry is None:
+                entry = self._capture(fn, inputs, keep())
+                if len(self._graphs) >= self._max:  # the least recently used goes
+                    self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[full] = entry  # most recently used last
+            for static, value in zip(entry.inputs, inputs, strict=True):
+                static.copy_(value)
+            entry.graph.replay()
+            output = _clone(entry.output)
         audit.record_scoring_calls(entry.calls)
-        return _clone(entry.output)
+        return output
 
     @staticmethod
     def _capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], keep) -> _Graph:
+        """Two eager warm-up runs on a side stream (they compile every kernel and fill the
+        caches; counted as the scoring calls they are), then the capture. Built outside inference
+        mode, so the static buffers take copies in and out of it alike."""
         device = inputs[0].device
-        static = tuple(t.detach().clone() for t in inputs)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compiles every kernel and fills every cache outside the capture
-                fn(*static)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with audit.captured_calls() as calls, torch.cuda.graph(graph, pool=_pool(device)):
-            output = fn(*static)
+        with torch.inference_mode(False):
+            static = tuple(t.detach().clone() for t in inputs)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(*static)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            capture = torch.cuda.graph(
+                graph, pool=_pool(device), stream=_capture_stream(device),
+                capture_error_mode="thread_local",  # other threads' CUDA calls may go on
+            )  # fmt: skip
+            with audit.captured_calls() as calls, capture:
+                output = fn(*static)
         _LIVE.setdefault(device, weakref.WeakSet()).add(graph)
         return _Graph(graph, static, output, calls, tuple(keep))

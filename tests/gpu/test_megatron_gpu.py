@@ -391,3 +391,50 @@ def test_a_new_layer_captures_after_every_graph_is_gone(dsap):
     eager, graphed = _graph_pair(dsap)
     assert torch.equal(graphed.compute_topk(query, x, qr, None), want)
     assert torch.equal(want, eager.compute_topk(query, x, qr, None))
+
+
+def test_graphed_top_k_follows_the_preprocessing_fields(dsap):
+    """A Megatron field the preprocessing follows per forward (here the RoPE layout), changed
+    after a capture, captures again: the replay never runs the old preprocessing."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=6)
+    before = graphed.compute_topk(query, x, qr, None)
+    for layer in (eager, graphed):
+        layer.config.dsa_indexer_rope_interleaved = True
+    got = graphed.compute_topk(query, x, qr, None)
+    assert torch.equal(got, eager.compute_topk(query, x, qr, None))
+    assert not torch.equal(got, before) and len(graphed._graphs) == 2
+
+
+def test_a_graph_captured_in_inference_mode_serves_training(dsap):
+    """Log-probs recomputed under inference mode first, then the training forward: the graph's
+    static buffers are not inference tensors."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=7)
+    with torch.inference_mode():
+        first = graphed.compute_topk(query, x, qr, None)
+    got = graphed.compute_topk(query, x, qr, None)
+    assert torch.equal(got, first) and torch.equal(got, eager.compute_topk(query, x, qr, None))
+
+
+def test_graphs_are_dropped_least_recently_used_and_a_copy_captures_its_own(dsap):
+    import copy
+
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    _, graphed = _graph_pair(dsap)
+    graphed._graphs._max = 2
+    lengths = {n: _inputs(s=n, seed=n) for n in (512, 768, 1024)}
+
+    def call(n):
+        query, _, x, qr, _ = lengths[n]
+        reset_scoring_calls()
+        out = graphed.compute_topk(query, x, qr, None)
+        return out, scoring_calls()  # 3 for a capture (two warm-ups and the replay), else 1
+
+    for n, calls in ((512, 3), (768, 3), (512, 1), (1024, 3), (512, 1), (768, 3)):
+        assert call(n)[1] == calls, n
+    twin = copy.deepcopy(graphed)
+    assert len(twin._graphs) == 0
+    query, _, x, qr, _ = lengths[512]
+    assert torch.equal(twin.compute_topk(query, x, qr, None), call(512)[0])
