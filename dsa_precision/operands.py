@@ -697,7 +697,9 @@ def _fused(
 
 
 # The fused kernel's RoPE tables by angle tensor: Megatron's RotaryEmbedding returns the same
-# (lru-cached) angles every step, and every DSA layer of a model reads them.
+# (lru-cached) angles tensor for a length while its class-wide cache (32 entries over every
+# layer's instance) holds it; each layer's indexer has its own instance, so past ~16 layers the
+# angles, and these tables, are rebuilt per forward (a miss costs what the tables cost uncached).
 _ROPE_TABLES = DerivedCache(size=16)
 
 
