@@ -65,6 +65,8 @@ for step in "$@"; do
       bench_step bench_long 600 --long ${BENCH_ARGS:-} ;;
     bench-split)  # FP8 time split at S 16384 65536: score traffic share, fused-kernel decision
       bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
+    bench-long-4g)  # issue 20: --long with 4 GiB chunks (a quarter of the chunks of the default)
+      bench_step bench_long_4g 600 --long --chunk-bytes 4294967296 ${BENCH_ARGS:-} ;;
     bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
       bench_step bench_all 560 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
