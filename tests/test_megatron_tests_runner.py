@@ -67,3 +67,36 @@ def test_field_sets_name_the_modes():
     assert run.swapped_mode(" rope_fp32 ") == "swapped+rope_fp32"
     with pytest.raises(SystemExit):
         run.main(["--megatron-lm", str(_PATH.parent), "--fields", "fp8"])
+
+
+_BF16_NODE = run.EAV + "test_attention_variant_dsa.py::TestDSAttention::test_dsa_forward"
+_BF16_FAILED = ("failed", "RuntimeError: expected scalar type BFloat16 but found Float")
+
+
+def test_a_stock_gpu_failure_rope_fp32_passes_is_expected_on_cuda_only():
+    """On the H200 stock Megatron fails some tests in its BF16 indexer path; rope_fp32 replaces
+    that path and passes them: expected there, by the stock failure's message, and nowhere else."""
+    test = run.junit_id(_BF16_NODE)
+    stock, swapped = {test: _BF16_FAILED}, {test: ("passed", "")}
+    (item,) = run.compare(stock, swapped, "rope_fp32", cuda=True)
+    assert "does not run into it" in item["expected"]
+    assert run.compare(stock, swapped, "rope_fp32", cuda=False)[0]["expected"] is None
+    assert run.compare(stock, swapped, "none", cuda=True)[0]["expected"] is None
+    other = {test: ("failed", "RuntimeError: CUDA error: out of memory")}
+    assert run.compare(other, swapped, "rope_fp32", cuda=True)[0]["expected"] is None
+    params = {run.junit_id(_BF16_NODE + "[16]"): _BF16_FAILED}  # a test without parameters
+    assert (
+        run.compare(params, {k: ("passed", "") for k in params}, "rope_fp32", True)[0]["expected"]
+        is None
+    )
+
+
+def test_the_expected_differences_not_seen_follow_the_device():
+    """On CUDA the Hadamard difference cannot occur (stock fails the test first) and is not
+    reported missing; the GPU-only entries are not reported missing on the CPU."""
+    ran = {_NODE.split("::")[0]}
+    on_cpu = run.not_observed([], "rope_fp32", ran, cuda=False)
+    on_gpu = run.not_observed([], "rope_fp32", ran, cuda=True)
+    assert [(e.node, e.params) for e in on_cpu] == [(_NODE, r"True-\d+")]
+    assert (_NODE, r"True-\d+") not in {(e.node, e.params) for e in on_gpu}
+    assert len(on_gpu) == 8 and all(e.cuda for e in on_gpu)
