@@ -24,14 +24,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# The dsa-precision fields: everything else of a config is the user's MLA + DSA fields.
-PRECISION_FIELDS = (
-    "dsa_indexer_rope_fp32",
-    "dsa_indexer_scoring_precision",
-    "dsa_indexer_engine",
-    "dsa_indexer_topk_source",
-    "dsa_indexer_cuda_graph",
-)
+
+
+def _precision_fields() -> tuple[str, ...]:
+    """The dsa-precision fields (the config's own list): everything else of a config is the
+    user's MLA + DSA fields."""
+    pytest.importorskip("megatron.core")
+    from dsa_precision.megatron.config import PRECISION_FIELDS
+
+    return PRECISION_FIELDS
 
 
 def python_blocks(doc: str) -> list[str]:
@@ -50,11 +51,11 @@ def _mla_dsa_fields(**overrides) -> dict:
     """The small CPU MLA + DSA config of the Megatron tests, without the dsa-precision fields."""
     from .megatron_utils import make_config
 
-    base = make_config(**overrides)
+    base, ours = make_config(**overrides), _precision_fields()
     return {
         f.name: getattr(base, f.name)
         for f in dataclasses.fields(base)
-        if f.init and f.name not in PRECISION_FIELDS
+        if f.init and f.name not in ours
     }
 
 
@@ -141,9 +142,8 @@ def test_readme_default_fields_are_stock_megatron_bit_for_bit(megatron_parallel,
 
     snippet = block_with("README.md", "DSAPrecisionTransformerConfig")
     # The snippet with the switches left at their defaults.
-    snippet = "\n".join(
-        line for line in snippet.splitlines() if not line.strip().startswith(PRECISION_FIELDS)
-    )
+    ours = _precision_fields()
+    snippet = "\n".join(line for line in snippet.splitlines() if not line.strip().startswith(ours))
     namespace = {"mla_dsa_fields": _mla_dsa_fields(num_layers=2)}
     exec(snippet, namespace)
     config, spec = namespace["config"], namespace["decoder_spec"]
@@ -187,10 +187,11 @@ def test_megatron_doc_field_table_is_the_config():
         (ROOT / "docs/megatron.md").read_text(),
         re.M,
     )
+    ours = _precision_fields()
     fields = {
         f.name: f.default
         for f in dataclasses.fields(dsap.DSAPrecisionTransformerConfig)
-        if f.name in PRECISION_FIELDS
+        if f.name in ours
     }
     parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
     flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings[0] != "-h"}
