@@ -30,6 +30,7 @@ the outer graph records the kernels themselves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -41,7 +42,7 @@ from .. import audit
 
 __all__ = ["GraphedCalls"]
 
-# Graphs kept per layer (oldest dropped first): one per input shape and parameter storage.
+# Graphs kept per layer (the least recently used dropped first): one per input layout and key.
 MAX_GRAPHS = 8
 
 # The graphs alive per device: a new capture joins their pool (a pool lives while a graph of it
@@ -49,15 +50,11 @@ MAX_GRAPHS = 8
 _LIVE: dict[torch.device, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}
 
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream captures of ``device`` run on (``torch.cuda.graph``'s own default is one
-    stream, of whichever device was current when it was first made)."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    """The side stream the warm-ups and captures of ``device`` run on (``torch.cuda.graph``'s
+    own default is one stream, of whichever device was current when it was first made)."""
+    return torch.cuda.Stream(device)
 
 
 def _pool(device: torch.device) -> Any:
@@ -145,7 +142,7 @@ class GraphedCalls:
         device = inputs[0].device
         with torch.inference_mode(False):
             static = tuple(t.detach().clone() for t in inputs)
-            side = torch.cuda.Stream(device)
+            side = _capture_stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):
@@ -153,7 +150,7 @@ class GraphedCalls:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             capture = torch.cuda.graph(
-                graph, pool=_pool(device), stream=_capture_stream(device),
+                graph, pool=_pool(device), stream=side,
                 capture_error_mode="thread_local",  # other threads' CUDA calls may go on
             )  # fmt: skip
             with audit.captured_calls() as calls, capture:
