@@ -13,59 +13,25 @@ Two kinds of cache, both for tensors the package only reads:
 Every cached tensor is built outside inference mode (so it can be saved for backward later).
 While the current CUDA stream is being captured into a graph, :func:`shared_device_tensor` and
 :class:`DerivedCache` build nothing into their caches (a capture records a build instead of
-running it) and, by default, serve nothing from them either: each call builds its own tensor,
-inside the graph, as before these caches, since a replay must not read an entry evicted since.
-A graph's owner that keeps what it reads alive may let a capture use the caches' entries:
-:func:`keep_cached_reads`.
+running it) and serve nothing from them either: each call builds its own tensor, inside the
+graph, as before these caches, since a replay must not read an entry evicted since.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import functools
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-__all__ = ["DerivedCache", "device_constant", "f32", "keep_cached_reads", "shared_device_tensor"]
-
-# The values the caches served inside keep_cached_reads() (None: outside one).
-_KEPT: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "dsa_precision_kept", default=None
-)
+__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor"]
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _capture_hit(value: Any) -> bool:
-    """During a capture: whether a cached ``value`` may be served (inside
-    :func:`keep_cached_reads`, which then holds it for the graph's owner)."""
-    kept = _KEPT.get()
-    if kept is None:
-        return False
-    kept.append(value)
-    return True
-
-
-@contextlib.contextmanager
-def keep_cached_reads() -> Iterator[list]:
-    """For the owner of a CUDA graph: inside the block, a capture may be served the caches'
-    existing entries (instead of recording their builds into the graph); the list yielded
-    collects every value served so, and the owner keeps it as long as the graph (a replay reads
-    them where they lie, even after the caches have dropped them). Outside a capture it changes
-    nothing."""
-    kept: list = []
-    token = _KEPT.set(kept)
-    try:
-        yield kept
-    finally:
-        _KEPT.reset(token)
 
 
 @functools.cache
@@ -114,8 +80,7 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
     @functools.wraps(build)
     def wrapper(*args: Hashable) -> torch.Tensor:
         if _capturing(args[-1]):
-            value = cache.get(args)
-            return value if value is not None and _capture_hit(value) else build(*args)
+            return build(*args)
         value = cache.get(args)
         if value is None:
             with torch.inference_mode(False):
@@ -151,14 +116,11 @@ class DerivedCache:
                 self._cache.entries.pop(self._dead.pop(), None)
             except IndexError:  # another thread took the last one
                 break
-        if source.is_inference():
+        if source.is_inference() or _capturing(source.device):
             return build()
         full = (id(source), source._version, key)
         ref, value = self._cache.get(full) or (None, None)
-        hit = ref is not None and ref() is source
-        if _capturing(source.device):
-            return value if hit and _capture_hit(value) else build()
-        if hit:
+        if ref is not None and ref() is source:
             return value
         with torch.inference_mode(False):
             value = build()

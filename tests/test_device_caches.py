@@ -216,26 +216,3 @@ def test_a_graph_capture_bypasses_both_caches(monkeypatch):
     monkeypatch.undo()
     assert ones(2, CPU) is before and cache.get(x, "k", _Builds(x)) is cached
     assert calls == [2, 2, 3, 3] and len(cache) == 1
-
-
-def test_a_capture_inside_keep_cached_reads_is_served_the_entries_and_keeps_them(monkeypatch):
-    """A graph's owner that keeps what the capture reads may let it use existing entries (not
-    their builds): every value served is in the list it keeps; misses still build their own and
-    store nothing."""
-    from dsa_precision import _device
-
-    @shared_device_tensor
-    def twos(n: int, device: torch.device) -> torch.Tensor:
-        return torch.full((n,), 2.0, device=device)
-
-    cache = DerivedCache(size=4)
-    x = torch.ones(2)
-    shared, derived = twos(2, CPU), cache.get(x, "k", _Builds(x))
-    monkeypatch.setattr(_device, "_capturing", lambda device: True)
-    with _device.keep_cached_reads() as kept:
-        assert twos(2, CPU) is shared and cache.get(x, "k", _Builds(x)) is derived
-        fresh = twos(5, CPU)  # a miss: built for the capture, not stored
-        assert cache.get(torch.ones(3), "k", _Builds(x)) is not derived
-    assert len(kept) == 2 and kept[0] is shared and kept[1] is derived
-    assert twos(5, CPU) is not fresh and len(cache) == 1
-    assert twos(2, CPU) is not shared  # outside the block a capture is served nothing

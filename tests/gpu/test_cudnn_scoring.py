@@ -548,26 +548,6 @@ def test_device_path_never_waits_for_the_host():
     assert torch.equal(warm[0], warm[1])  # chunked select == scores then top-k
 
 
-def test_a_capture_keeping_its_cached_reads_replays_after_the_caches_drop_them():
-    """Inside ``_device.keep_cached_reads()`` a capture reads the shared constants built before
-    it (no build kernels in the graph); the list it fills keeps them alive, so replays stay
-    correct after the caches are cleared and their memory could be reused."""
-    from dsa_precision import _device
-
-    ops, kw, want = _int_offset_select_warmed(offset=32, seed=14)
-    graph = torch.cuda.CUDAGraph()
-    with _device.keep_cached_reads() as kept, torch.cuda.graph(graph):
-        captured = indexer_select(ops, q_causal_offsets=32, **kw)
-    assert kept, "the capture read no cached constant"
-    _clear_shared_constants()
-    filler = [torch.full((1 << 20,), 7, dtype=torch.int32, device=DEV) for _ in range(4)]
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, want)
-    del filler
-
-
 def test_int_offset_select_never_waits_for_the_host_even_building_its_constants():
     """Megatron's path (an int offset): the shared offset and key-count tensors are built on the
     device (no host-to-device copy), so even their first build never synchronises."""
