@@ -6,7 +6,6 @@ API subset used by the package is documented by :class:`CudnnDsaInterface`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ._device import _Lru
 from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 
 __all__ = [
@@ -216,28 +216,16 @@ def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype)
 # stand-ins of SM90 hardware change those answers).
 
 
-@functools.lru_cache(maxsize=256)
-def _cuda_scoring_reason(
-    device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
-) -> str | None:
-    return scoring_unsupported_reason(
-        device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
-        n_kv_heads=n_kv_heads,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)
-def _cuda_topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
-    return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+_cuda_scoring_reason = functools.lru_cache(maxsize=256)(scoring_unsupported_reason)
+_cuda_topk_reason = functools.lru_cache(maxsize=256)(topk_unsupported_reason)
 
 
 def scoring_reason(
     device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
 ) -> str | None:
     """:func:`scoring_unsupported_reason`, remembered per CUDA device and arguments."""
-    if device.type == "cuda":
-        return _cuda_scoring_reason(device, precision, n_heads, head_dim, n_kv_heads)
-    return scoring_unsupported_reason(
+    reason = _cuda_scoring_reason if device.type == "cuda" else scoring_unsupported_reason
+    return reason(
         device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
         n_kv_heads=n_kv_heads,
     )  # fmt: skip
@@ -245,16 +233,14 @@ def scoring_reason(
 
 def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
     """:func:`topk_unsupported_reason`, remembered per CUDA device and arguments."""
-    if device.type == "cuda":
-        return _cuda_topk_reason(device, k, dtype)
-    return topk_unsupported_reason(device=device, k=k, dtype=dtype)
+    reason = _cuda_topk_reason if device.type == "cuda" else topk_unsupported_reason
+    return reason(device=device, k=k, dtype=dtype)
 
 
 # cuDNN's top-k plans (IndexerTopK), checked and compiled once per class, device, dtype, shape,
 # k and mode: what indexer_top_k_wrapper caches for itself, kept here so that the package's top-k
 # can pass its own buffers to execute() (no staging, no per-call cache key of the wrapper).
-_TOPK_PLANS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-_TOPK_PLANS_MAX = 256
+_TOPK_PLANS = _Lru(256)
 
 
 def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool) -> Any:
@@ -274,7 +260,5 @@ def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, determin
         if not plan.check_support():  # raises with cuDNN's reason otherwise
             raise RuntimeError(f"cuDNN's IndexerTopK does not support {key[1:]}.")
         plan.compile()
-        _TOPK_PLANS[key] = plan
-        while len(_TOPK_PLANS) > _TOPK_PLANS_MAX:
-            _TOPK_PLANS.popitem(last=False)
+        _TOPK_PLANS.put(key, plan)
     return plan

@@ -69,6 +69,12 @@ class _Lru:
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
 
 def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
     """Decorate ``build(*hashable_args, device)`` (device last, positional) so that its tensor is
@@ -88,7 +94,7 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
             cache.put(args, value)
         return value
 
-    wrapper.cache_clear = cache.entries.clear  # type: ignore[attr-defined]
+    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 
@@ -128,10 +134,10 @@ class DerivedCache:
         return value
 
     def __len__(self) -> int:
-        return len(self._cache.entries)
+        return len(self._cache)
 
     def clear(self) -> None:
-        self._cache.entries.clear()
+        self._cache.clear()
 
 
 @functools.lru_cache(maxsize=256)
