@@ -4,8 +4,9 @@
 32 heads x 128, random weights, TP = PP = 1, Megatron's own sparse attention
 (``dsa_kernel_backend="none"``: FlashMLA is not installed on the test host). The mock data is a
 copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
-(baseline, rope_fp32, fp8, rope_fp32+fp8, and on CUDA rope_fp32+fp8 with its top-k replayed
-from CUDA graphs, ``dsa_indexer_cuda_graph``) it trains ``--steps`` steps from the same initial
+(baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k replayed
+from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed in,
+captured untimed before each step, so the step runs no indexer, the bound of any) it trains ``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
 scoring calls that ran in FP8 (and on the cuDNN kernel). The configurations train interleaved
@@ -23,6 +24,7 @@ CPU smoke test:              python examples/toy_glm5_train.py --tiny --device c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -41,8 +43,18 @@ CONFIGS = {
     "rope_fp32+fp8+graph": dict(
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8", dsa_indexer_cuda_graph=True
     ),
+    # The bound of any indexer: rope_fp32+fp8's picks handed in (dsa_indexer_topk_source=
+    # "replay", captured before each step, untimed), so the step runs no indexer at all.
+    "replay": dict(
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_topk_source="replay",
+    ),
 }
 GRAPHED = {name for name, fields in CONFIGS.items() if fields.get("dsa_indexer_cuda_graph")}
+REPLAYED = {
+    name for name, fields in CONFIGS.items() if fields.get("dsa_indexer_topk_source") == "replay"
+}
 
 
 def parse() -> argparse.Namespace:
@@ -264,6 +276,25 @@ def indexer_ms(args, model, tokens) -> tuple[float, float]:
     return times[len(times) // 2], hosts[len(hosts) // 2] * 1e3 / len(captured)
 
 
+ENGINE = CONFIGS["rope_fp32+fp8"]
+
+
+def handed_in(engine, model, tokens):
+    """For a replaying configuration (``engine`` is its picks' model), a context that hands
+    ``engine``'s picks of ``tokens`` on ``model``'s current weights to the forwards inside it;
+    otherwise a no-op. The picks are captured when this is called, outside the timed step."""
+    if engine is None:
+        return contextlib.nullcontext()
+    import dsa_precision.megatron as dsap
+
+    engine.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad(), dsap.capture_topk() as captured:
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        engine(tokens, pos, None)
+    picks = {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
+    return dsap.engine_topk(picks, seq_len=tokens.shape[1])
+
+
 def gpu_busy_ms(trainer, batch, steps: int) -> float:
     """GPU kernel time of one step (median-free mean over ``steps`` profiled steps): what the step
     costs the device, whatever the host's Python overhead around it."""
@@ -304,16 +335,20 @@ def train(args, names: list[str]) -> list[dict]:
     for name in names:
         config = model_config(args, **CONFIGS[name])
         model, vocab = build_model(args, config)
+        # A replaying configuration's picks come from a model of rope_fp32+fp8's fields.
+        engine = build_model(args, model_config(args, **ENGINE))[0] if name in REPLAYED else None
         runs.append(
             dict(name=name, model=model, trainer=Trainer(model, args.lr), vocab=vocab,
-                 losses=[], times=[], calls=dict(fp8=0, fp8_cudnn=0, total=0))
+                 engine=engine, losses=[], times=[], calls=dict(fp8=0, fp8_cudnn=0, total=0))
         )  # fmt: skip
     data = copy_task(args, runs[0]["vocab"], args.steps)
     for tokens, labels in data:
         for run in runs:
+            picks = handed_in(run["engine"], run["model"], tokens)  # captured here, untimed
             reset_scoring_calls()
             step = functools.partial(run["trainer"].step, tokens, labels)
-            loss, ms = timed(step, args.device)
+            with picks:
+                loss, ms = timed(step, args.device)
             run["losses"].append(loss)
             run["times"].append(ms)
             for key, count in (
@@ -324,24 +359,29 @@ def train(args, names: list[str]) -> list[dict]:
                 run["calls"][key] += count
     results = []
     for run in runs:
-        name, model, losses = run["name"], run["model"], run["losses"]
-        index_ms, topk_host_ms = indexer_ms(args, model, data[0][0])
+        name, model, losses, engine = run["name"], run["model"], run["losses"], run["engine"]
+        index_ms = topk_host_ms = None  # a replaying configuration runs no indexer
+        if engine is None:
+            index_ms, topk_host_ms = indexer_ms(args, model, data[0][0])
         busy = host_ms = None
-        if args.device != "cpu" and args.profile_steps:
-            busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
-        if args.profile_steps:
-            layers = len(model.decoder.layers)
-            host_ms = package_host_ms(run["trainer"], data[-1], args.profile_steps, layers)
-        del run["model"], run["trainer"], model
-        # Index sharing: layer 2 reuses layer 1's top-k (Megatron's rule).
-        share_model, _ = build_model(
-            args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name])
-        )
-        share_trainer = Trainer(share_model, args.lr)
-        share_losses = [
-            share_trainer.step(t, y) for t, y in copy_task(args, run["vocab"], args.share_steps)
-        ]
-        del share_model, share_trainer
+        with handed_in(engine, model, data[-1][0]):
+            if args.device != "cpu" and args.profile_steps:
+                busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
+            if args.profile_steps:
+                layers = len(model.decoder.layers)
+                host_ms = package_host_ms(run["trainer"], data[-1], args.profile_steps, layers)
+        del run["model"], run["trainer"], run["engine"], model
+        share_losses = []
+        if engine is None:  # index sharing: layer 2 reuses layer 1's top-k (Megatron's rule)
+            share_model, _ = build_model(
+                args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name])
+            )
+            share_trainer = Trainer(share_model, args.lr)
+            share_losses = [
+                share_trainer.step(t, y) for t, y in copy_task(args, run["vocab"], args.share_steps)
+            ]
+            del share_model, share_trainer
+        del engine
         finite = all(math.isfinite(x) for x in losses + share_losses)
         steady = run["times"][3:] or run["times"]
         step_ms = sorted(steady)[len(steady) // 2]
@@ -359,7 +399,7 @@ def train(args, names: list[str]) -> list[dict]:
                 package_host_ms_per_layer_forward=host_ms,
                 topk_host_ms_per_layer=topk_host_ms,
                 indexer_ms=index_ms,
-                indexer_share=index_ms / step_ms,
+                indexer_share=None if index_ms is None else index_ms / step_ms,
                 scoring_calls=run["calls"],
                 index_share_losses=share_losses,
                 steps=len(losses),
@@ -373,7 +413,7 @@ def topk_on_identical_inputs(args) -> dict:
     from dsa_precision import IndexerPrecisionConfig, indexer_select, topk_agreement
 
     picks = {}
-    names = args.configs.split(",")
+    names = [n for n in args.configs.split(",") if n not in REPLAYED]
     for name in names:
         config = model_config(args, **CONFIGS[name])
         model, vocab = build_model(args, config)
@@ -437,6 +477,10 @@ def stock_equivalence(args, steps: int = 3) -> dict:
     )
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def main() -> int:
     args = parse()
     if args.device != "cpu":
@@ -467,6 +511,10 @@ def _run(args: argparse.Namespace) -> int:
         results["graph_losses_identical"] = (
             by_name["rope_fp32+fp8"]["losses"] == by_name["rope_fp32+fp8+graph"]["losses"]
         )
+    if {"rope_fp32+fp8", "replay"} <= set(by_name):
+        results["replay_losses_identical"] = (
+            by_name["rope_fp32+fp8"]["losses"] == by_name["replay"]["losses"]
+        )
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
     if args.stock_steps:
         results["stock_equivalence"] = stock_equivalence(args, args.stock_steps)
@@ -495,15 +543,18 @@ def _run(args: argparse.Namespace) -> int:
               f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}"
               f"{busy if busy is not None else nan:>8.1f}{gpu_ratio:>8.2f}"
               f"{outside if outside is not None else nan:>9.2f}"
-              f"{host if host is not None else nan:>9.3f}{r['topk_host_ms_per_layer']:>11.3f}"
-              f"{r['indexer_ms']:>11.2f}"
-              f"{r['indexer_share']:>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
+              f"{host if host is not None else nan:>9.3f}"
+              f"{_or_nan(r['topk_host_ms_per_layer']):>11.3f}{_or_nan(r['indexer_ms']):>11.2f}"
+              f"{_or_nan(r['indexer_share']):>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "
               f"{a['rows_identical']:.2%}")  # fmt: skip
     if "graph_losses_identical" in results:
         print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical "
               f"{results['graph_losses_identical']}")  # fmt: skip
+    if "replay_losses_identical" in results:
+        print(f"rope_fp32+fp8 with its picks handed in (replay) vs computed: losses identical "
+              f"{results['replay_losses_identical']}")  # fmt: skip
     s = results.get("stock_equivalence")
     if s is not None:
         print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "
@@ -514,6 +565,7 @@ def _run(args: argparse.Namespace) -> int:
     ok = all(r["finite"] and r["loss_decreased"] for r in results["runs"])
     ok &= s is None or (s["bit_identical_losses"] and s["bit_identical_grads"])
     ok &= results.get("graph_losses_identical", True)
+    ok &= results.get("replay_losses_identical", True)
     dist.destroy_process_group()
     return 0 if ok else 1
 

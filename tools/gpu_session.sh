@@ -94,15 +94,22 @@ for step in "$@"; do
       TAIL=12 run toy_2048 900 python examples/toy_glm5_train.py --out "$LOGS/toy_2048.json"
       TAIL=12 run toy_8192 900 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
         --steps 12 --share-steps 2 --out "$LOGS/toy_8192.json" ;;
-    toy3)  # issue 19: three interleaved runs at S = 2048 (every configuration, graphs included)
+    toy3)  # issue 19: three interleaved runs at S = 2048, then one at S = 8192 (baseline, FP8
+      # eager and graphed, and the indexer-free bound: the FP8 picks handed in)
+      configs=baseline,rope_fp32+fp8,rope_fp32+fp8+graph,replay
       for i in 1 2 3; do
-        TAIL=10 run "toy_2048_$i" 600 python examples/toy_glm5_train.py --steps 40 \
-          --share-steps 2 --out "$LOGS/toy_2048_$i.json"
-      done ;;
-    toy-long)  # issue 20: S = 32768 top-2048, FP8 and (if it fits) Megatron's BF16 baseline
+        TAIL=12 run "toy_2048_$i" 300 python examples/toy_glm5_train.py --steps 40 \
+          --share-steps 1 --stock-steps 1 --profile-steps 2 --configs $configs \
+          --out "$LOGS/toy_2048_$i.json"
+      done
+      TAIL=12 run toy_8192 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
+        --steps 8 --share-steps 1 --stock-steps 1 --profile-steps 1 --configs $configs \
+        --out "$LOGS/toy_8192.json" ;;
+    toy-long)  # issue 20: S = 32768 top-2048, FP8 beside its picks handed in (no indexer: its
+      # share), and (if it fits) Megatron's BF16 baseline
       TAIL=10 run toy_32768_fp8 600 python examples/toy_glm5_train.py --seq 32768 --topk 2048 \
-        --steps 4 --share-steps 1 --profile-steps 1 --stock-steps 0 --configs rope_fp32+fp8 \
-        --out "$LOGS/toy_32768_fp8.json"
+        --steps 4 --share-steps 1 --profile-steps 1 --stock-steps 0 \
+        --configs rope_fp32+fp8,replay --out "$LOGS/toy_32768_fp8.json"
       TAIL=10 run toy_32768_baseline 300 python examples/toy_glm5_train.py --seq 32768 \
         --topk 2048 --steps 4 --share-steps 1 --profile-steps 1 --stock-steps 0 --configs baseline \
         --out "$LOGS/toy_32768_baseline.json" ;;
