@@ -2,12 +2,13 @@
 
 Query rows are scored in chunks and each chunk is reduced to its top-k right away, so at most one
 chunk of scores exists; ``chunk_bytes`` bounds a chunk's working set (its float32 scores and the
-radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) a call whose whole
-working set fits in :data:`UNCHUNKED_MAX_BYTES` (4 GiB: S = 16384 at B = 1) runs as one launch of
-each kernel, since every extra chunk costs about 0.1 ms on the H200 (docs/benchmarks.md), and a
-larger one in chunks of :data:`DEFAULT_CHUNK_BYTES` (1 GiB). Chunks keep their global causal
-rows, so the result is bit-identical to scoring everything at once and selecting. No step waits
-for the host.
+radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) the budget is
+:data:`DEFAULT_CHUNK_BYTES` (4 GiB): a call whose whole working set fits (S = 16384 at B = 1)
+runs as one launch of each kernel, a larger one in 4 GiB chunks. Fewer, larger chunks are faster
+on the H200: every extra chunk costs about 0.1 ms at S = 16384, and at S = 32768-131072 the FP8
+path runs 1.1-1.4x faster end to end with 4 GiB chunks than with 1 GiB ones
+(docs/benchmarks.md). Chunks keep their global causal rows, so the result is bit-identical to
+scoring everything at once and selecting. No step waits for the host.
 
 With ``backend="deepgemm"`` each chunk is one DeepGEMM launch (batch rows flattened into key
 windows) whose logits the top-k reads where the kernel wrote them, bounded by each row's length:
@@ -50,11 +51,11 @@ from .scoring import (
 )
 from .topk import _select_rows, indexer_topk, resolve_topk_backend
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "UNCHUNKED_MAX_BYTES", "indexer_select", "indexer_select_varlen"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "indexer_select", "indexer_select_varlen"]
 
-# Working-set budget of one chunk (Megatron's cuDNN path bounds its score chunks by 1 GiB too).
-DEFAULT_CHUNK_BYTES = 1 << 30
-UNCHUNKED_MAX_BYTES = 4 << 30
+# Working-set budget of one chunk by default: the extra memory of a call is at most this plus
+# the chunk's picks (docs/benchmarks.md, "Peak extra memory").
+DEFAULT_CHUNK_BYTES = 4 << 30
 # Bytes per score while a chunk is selected: the float32 score plus cuDNN's radix top-k scratch.
 _SELECT_BYTES_PER_SCORE = 4 + 8
 # Chunks start on multiples of this many rows when the budget allows, and of the kernel's query
@@ -64,12 +65,11 @@ _CHUNK_ROW_MIN_ALIGNMENT = 8
 
 
 def _chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
-    """Query rows per chunk: the whole call when ``budget`` is None and it fits in
-    :data:`UNCHUNKED_MAX_BYTES`, else within the budget, aligned to whole kernel tiles."""
-    if budget is None:
-        if rows * bytes_per_row <= UNCHUNKED_MAX_BYTES:
-            return max(rows, 1)
-        budget = DEFAULT_CHUNK_BYTES
+    """Query rows per chunk: the whole call when it fits in ``budget`` (``None``:
+    :data:`DEFAULT_CHUNK_BYTES`), else as many as fit, aligned to whole kernel tiles."""
+    budget = DEFAULT_CHUNK_BYTES if budget is None else budget
+    if rows * bytes_per_row <= budget:
+        return max(rows, 1)
     n = budget // max(bytes_per_row, 1)
     for align in (_CHUNK_ROW_ALIGNMENT, _CHUNK_ROW_MIN_ALIGNMENT):
         if n >= align:
@@ -160,8 +160,8 @@ def indexer_select(
     """Top-``topk`` keys of every query row, scored and selected chunk by chunk.
 
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
-    ``config``), plus ``topk``, ``chunk_bytes`` (``None``: one chunk up to
-    :data:`UNCHUNKED_MAX_BYTES`, else 1 GiB chunks; see the module docstring) and
+    ``config``), plus ``topk``, ``chunk_bytes`` (``None``: :data:`DEFAULT_CHUNK_BYTES`, 4 GiB;
+    see the module docstring) and
     ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
     kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it

@@ -203,17 +203,19 @@ def test_non_finite_keys_and_queries_are_never_selected(precision):
     assert got[9 + 5].tolist() == [0, 1, 2, 3, 5] + [-1] * 15
 
 
-def test_default_chunking_is_one_launch_up_to_4_gib_then_1_gib_chunks():
-    from dsa_precision.select import DEFAULT_CHUNK_BYTES, UNCHUNKED_MAX_BYTES, _chunk_rows
+def test_default_chunking_is_one_launch_up_to_4_gib_then_4_gib_chunks():
+    from dsa_precision.select import DEFAULT_CHUNK_BYTES, _chunk_rows
 
+    assert DEFAULT_CHUNK_BYTES == 4 << 30
     per_row = 16384 * 12  # S_k = 16384, 12 bytes per score
-    assert 16384 * per_row <= UNCHUNKED_MAX_BYTES
-    assert _chunk_rows(None, 16384, per_row) == 16384  # S = 16384: one launch
+    assert _chunk_rows(None, 16384, per_row) == 16384  # S = 16384: 3 GiB, one launch
     assert _chunk_rows(None, 0, per_row) == 1
-    big = 65536 * 12
-    rows = _chunk_rows(None, 65536, big)  # S = 65536: 1 GiB chunks of whole 512-row tiles
-    assert rows * big <= DEFAULT_CHUNK_BYTES < (rows + 512) * big and rows % 512 == 0
-    assert _chunk_rows(DEFAULT_CHUNK_BYTES, 16384, per_row) == 5120  # an explicit budget binds
+    for s in (32768, 65536, 131072):  # 4 GiB chunks of whole 512-row tiles
+        rows = _chunk_rows(None, s, s * 12)
+        assert rows * s * 12 <= DEFAULT_CHUNK_BYTES < (rows + 512) * s * 12 and rows % 512 == 0
+    assert _chunk_rows(None, 65536, 65536 * 12) == 5120  # 13 chunks at S = 65536
+    assert _chunk_rows(1 << 30, 16384, per_row) == 5120  # an explicit budget binds
+    assert _chunk_rows(1 << 30, 1000, 1 << 20) == 1000  # a call that fits is one chunk
 
 
 # ---------------------------------------------------------------- margins from the one selection
