@@ -312,8 +312,8 @@ def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
     """The package's own host time per DSA layer forward, in ms: the time on the host in
     ``dsa_precision`` frames (``dsa_precision.testing.host_time``: its Python, checks and kernel
     launches; Megatron's frames behind the seam not counted) over ``steps`` forwards of the
-    training step (autograd on, no backward) of ``forwards`` DSA layer forwards each. The
-    tracer's calls add a little to every frame, so this is an upper bound of the untraced cost."""
+    training step (autograd on, no backward) of ``forwards`` DSA layer forwards each, monitored
+    with ``sys.monitoring`` (one callback per package or Megatron frame, left out of the time)."""
     from dsa_precision.testing.host_time import package_host_seconds
 
     tokens, labels = batch
@@ -524,7 +524,7 @@ def _run(args: argparse.Namespace) -> int:
           f"engine {args.engine}; median step of {args.steps} (first 3 skipped), configurations "
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
-          f"per forward (host time in dsa_precision frames, traced: an upper bound; target "
+          f"per forward (host time in dsa_precision frames, sys.monitoring; target "
           f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced (the "
           f"owned top-k, or Megatron's indexer)")  # fmt: skip
     print(f"{'config':<21}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"

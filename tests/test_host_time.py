@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -64,3 +65,34 @@ def test_fp8_layer_forward_host_time_is_nonzero_and_bounded(megatron_parallel, c
     )
     assert megatron_only < seconds
     assert torch.is_grad_enabled()
+
+
+def test_a_package_generator_counts_only_while_it_runs():
+    root = os.path.dirname(dsa_precision.__file__)
+    env = {"spin": _spin}
+    exec(
+        compile("def gen():\n    spin(0.02)\n    yield\n    spin(0.02)\n",
+                os.path.join(root, "fake_gen.py"), "exec"),
+        env,
+    )  # fmt: skip
+    gen = env["gen"]
+
+    def outer():
+        g = gen()
+        next(g)
+        _spin(0.05)  # between the yield and the resume: not the package's
+        next(g, None)
+
+    _, seconds = package_host_seconds(outer)
+    assert 0.04 <= seconds <= 0.055, seconds
+
+
+def test_refuses_while_another_profiler_holds_the_slot():
+    mon = sys.monitoring
+    mon.use_tool_id(mon.PROFILER_ID, "someone")
+    try:
+        with pytest.raises(RuntimeError, match="profiler slot is taken by 'someone'"):
+            package_host_seconds(lambda: None)
+    finally:
+        mon.free_tool_id(mon.PROFILER_ID)
+    assert package_host_seconds(lambda: 7)[0] == 7  # released: usable again

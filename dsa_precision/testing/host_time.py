@@ -1,24 +1,29 @@
-"""The package's own host (CPU) time, measured by a ``sys.setprofile`` tracer.
+"""The package's own host (CPU) time, measured with ``sys.monitoring`` (PEP 669).
 
 ``torch.profiler``'s Python frames (``with_stack=True``) are not recorded on every build (the
 H200 host's torch 2.11 records none, which made the toy's "pkg host" read 0.000), so this
-counts the frames itself: the time between two Python call/return events goes to the innermost
-frame that belongs to ``dsa_precision`` or to ``megatron`` (frames of torch and others in
-between, e.g. ``Module.__call__`` or a tensor op's Python wrapper, count for the package frame
-that called them). What lands on ``dsa_precision`` is the package's host time: its Python, its
-argument checks, and the host side of the kernel launches it issues (on a CUDA device the
-kernels themselves run asynchronously and cost the host nothing; on the CPU they are host time
-too). Megatron's frames called from the package (``DSAttention.forward`` behind the seam, its
-linear layers) are not counted. The tracer's own callback time is excluded from both.
+counts the frames itself: the time between two Python frame events (a function starting,
+resuming, returning, yielding or unwinding) goes to the innermost frame that belongs to
+``dsa_precision`` or to ``megatron``; frames of torch and others in between (``Module.__call__``,
+a tensor op's Python wrapper) count for the package frame that called them. What lands on
+``dsa_precision`` is the package's host time: its Python, its argument checks, and the host side
+of the kernel launches it issues (on a CUDA device the kernels run asynchronously and cost the
+host nothing; on the CPU they are host time too). Megatron's frames called from the package
+(``DSAttention.forward`` behind the seam, its linear layers) are not counted.
+
+Only Python frame events are monitored (no C calls, unlike ``sys.setprofile``), and a code
+object of neither package stops reporting after its first event, so the monitoring adds about
+one callback per package or Megatron frame; its callbacks' own time is left out. Events of other
+threads are ignored.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 __all__ = ["package_host_seconds"]
@@ -35,42 +40,93 @@ def _megatron_dir() -> str | None:
 
 
 def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """Run ``fn()`` on this thread under the tracer: ``(fn's result, seconds of host time spent
-    in dsa_precision frames)``. Only the calling thread is traced (autograd's device threads
-    are not)."""
+    """Run ``fn()`` on this thread, monitored: ``(fn's result, seconds of host time spent in
+    dsa_precision frames)``. Raises ``RuntimeError`` if another profiler holds
+    ``sys.monitoring``'s profiler slot."""
+    mon = sys.monitoring
+    tool = mon.PROFILER_ID
+    if mon.get_tool(tool) is not None:
+        raise RuntimeError(
+            f"sys.monitoring's profiler slot is taken by {mon.get_tool(tool)!r}; stop that "
+            "profiler (cProfile, a debugger) before measuring the package's host time."
+        )
     megatron_dir = _megatron_dir()
     owners: dict[Any, str | None] = {}  # code object -> "pkg" / "meg" / None (inherit)
     stack: list[str | None] = [None]
     spent = {"pkg": 0.0, "meg": 0.0, None: 0.0}
     clock = time.perf_counter
     mark = [clock()]
+    me = threading.get_ident()
+    disable = mon.DISABLE
 
     def owner(code) -> str | None:
-        path = os.path.abspath(code.co_filename)
-        if path.startswith(_PACKAGE):
-            return "pkg"
-        if megatron_dir is not None and path.startswith(megatron_dir):
-            return "meg"
+        mine = owners.get(code, "?")
+        if mine == "?":
+            path = os.path.abspath(code.co_filename)
+            if path.startswith(_PACKAGE):
+                mine = "pkg"
+            elif megatron_dir is not None and path.startswith(megatron_dir):
+                mine = "meg"
+            else:
+                mine = None
+            owners[code] = mine
+        return mine
+
+    def enter(code, *_: Any) -> Any:
+        now = clock()
+        if threading.get_ident() != me:
+            return None
+        mine = owner(code)
+        if mine is None:  # inherits its caller's owner: never pushed, never popped
+            mark[0] += clock() - now
+            return disable
+        spent[stack[-1]] += now - mark[0]
+        stack.append(mine)
+        mark[0] = clock()
         return None
 
-    def tracer(frame: FrameType, event: str, arg: Any) -> None:
+    def leave(code, *_: Any) -> Any:
         now = clock()
+        if threading.get_ident() != me:
+            return None
+        if owner(code) is None:
+            mark[0] += clock() - now
+            return disable
         spent[stack[-1]] += now - mark[0]
-        if event == "call":
-            code = frame.f_code
-            mine = owners.get(code, "?")
-            if mine == "?":
-                mine = owners[code] = owner(code)
-            stack.append(mine if mine is not None else stack[-1])
-        elif event == "return" and len(stack) > 1:
+        if len(stack) > 1:
             stack.pop()
         mark[0] = clock()
+        return None
 
-    previous = sys.getprofile()
-    sys.setprofile(tracer)
+    def unwind(code, *args: Any) -> None:  # not a local event: it cannot be disabled
+        leave(code)
+
+    def throw(code, *args: Any) -> None:
+        enter(code)
+
+    ev = mon.events
+    callbacks = {
+        ev.PY_START: enter,
+        ev.PY_RESUME: enter,
+        ev.PY_THROW: throw,
+        ev.PY_RETURN: leave,
+        ev.PY_YIELD: leave,
+        ev.PY_UNWIND: unwind,
+    }
+    mon.use_tool_id(tool, "dsa_precision.testing.host_time")
     try:
-        result = fn()
+        for event, callback in callbacks.items():
+            mon.register_callback(tool, event, callback)
+        mon.restart_events()
+        mark[0] = clock()
+        mon.set_events(tool, sum(callbacks))
+        try:
+            result = fn()
+        finally:
+            mon.set_events(tool, 0)
+            spent[stack[-1]] += clock() - mark[0]
     finally:
-        sys.setprofile(previous)
-    spent[stack[-1]] += clock() - mark[0]
+        for event in callbacks:
+            mon.register_callback(tool, event, None)
+        mon.free_tool_id(tool)
     return result, spent["pkg"]
