@@ -1,0 +1,148 @@
+"""Where the toy model's training step spends its time, phase by phase, on a CUDA device.
+
+For the toy GLM-5-like model of ``examples/toy_glm5_train.py`` this trains the baseline,
+``rope_fp32+fp8`` and ``rope_fp32+fp8+graph`` interleaved (step i of each in turn) and prints,
+per configuration, the median host time of the forward, the backward and the optimizer (until
+each call returns) beside their GPU spans (CUDA events), with Python's garbage collector on and
+off; then a ``torch.profiler`` summary of three steps each: the operations with the most host
+time and the CUDA runtime calls (launches, synchronisations, copies, graph launches).
+
+    python tools/step_phases.py                 # S 2048, top-256 (the toy's default)
+    python tools/step_phases.py --seq 8192 --topk 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("baseline", "rope_fp32+fp8", "rope_fp32+fp8+graph")
+RUNTIME_CALLS = (
+    "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+    "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+    "cudaEventSynchronize", "cudaMalloc", "cudaFree",
+)  # fmt: skip
+
+
+def _toy():
+    spec = importlib.util.spec_from_file_location(
+        "toy_glm5_train", os.path.join(_ROOT, "examples", "toy_glm5_train.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def phases(trainer, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """One training step of ``trainer`` (the toy's ``Trainer.step``), timed phase by phase (ms)."""
+    model = trainer.model
+    b, s = tokens.shape
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    t = [time.perf_counter()]
+    events[0].record()
+    pos = torch.arange(s, device=tokens.device).expand(b, s)
+    loss = model(tokens, pos, None, labels=labels).float().mean()
+    events[1].record()
+    t.append(time.perf_counter())
+    for p in trainer.params:
+        p.grad = None
+    loss.backward()
+    events[2].record()
+    t.append(time.perf_counter())
+    for p, m in zip(trainer.params, trainer.master, strict=True):
+        m.grad = None if p.grad is None else p.grad.float()
+    trainer.opt.step()
+    with torch.no_grad():
+        for p, m in zip(trainer.params, trainer.master, strict=True):
+            p.copy_(m)
+    events[3].record()
+    t.append(time.perf_counter())
+    loss.item()
+    t.append(time.perf_counter())
+    return {
+        "fwd host": (t[1] - t[0]) * 1e3,
+        "fwd gpu": events[0].elapsed_time(events[1]),
+        "bwd host": (t[2] - t[1]) * 1e3,
+        "bwd gpu": events[1].elapsed_time(events[2]),
+        "opt host": (t[3] - t[2]) * 1e3,
+        "opt gpu": events[2].elapsed_time(events[3]),
+        "step": (t[4] - t[0]) * 1e3,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("tools/step_phases.py needs a CUDA device", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    toy = _toy()
+    ns = argparse.Namespace(tiny=False, topk=args.topk, engine="vllm", device="cuda", seed=1234,
+                            seq=args.seq, batch=1, lr=1e-3)  # fmt: skip
+    trainers = {}
+    for name in CONFIGS:
+        model, vocab = toy.build_model(ns, toy.model_config(ns, **toy.CONFIGS[name]))
+        trainers[name] = toy.Trainer(model, ns.lr)
+    batch = toy.copy_task(ns, vocab, 1)[0]
+    for _ in range(args.warmup):
+        for trainer in trainers.values():
+            trainer.step(*batch)
+    print(f"S={args.seq} top-{args.topk}: median ms of {args.steps} interleaved steps "
+          f"(host: until the call returns; gpu: CUDA events)")  # fmt: skip
+    for collect in (True, False):
+        times = {name: [] for name in CONFIGS}
+        if not collect:
+            gc.collect()
+            gc.disable()
+        try:
+            for _ in range(args.steps):
+                for name, trainer in trainers.items():
+                    times[name].append(phases(trainer, *batch))
+        finally:
+            gc.enable()
+        print(f"garbage collector {'on' if collect else 'off'}")
+        for name in CONFIGS:
+            med = {k: statistics.median(r[k] for r in times[name]) for k in times[name][0]}
+            print(f"  {name:<22}" + "  ".join(f"{k} {v:6.2f}" for k, v in med.items()))
+    sys.stdout.flush()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, trainer in trainers.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                trainer.step(*batch)
+        averages = prof.key_averages()
+        print(f"{name}: host ms of 3 steps, the 20 operations with the most, and runtime calls")
+        for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:20]:
+            print(f"  {e.key[:60]:<60} {e.self_cpu_time_total / 1e3:8.2f} x{e.count}")
+        for e in averages:
+            if e.key in RUNTIME_CALLS:
+                print(f"  [{e.key}] x{e.count}, {e.self_cpu_time_total / 1e3:.2f} ms")
+        sys.stdout.flush()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
