@@ -6,7 +6,7 @@ radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) the 
 :data:`DEFAULT_CHUNK_BYTES` (4 GiB): a call whose whole working set fits (S = 16384 at B = 1)
 runs as one launch of each kernel, a larger one in 4 GiB chunks. Fewer, larger chunks are faster
 on the H200: every extra chunk costs about 0.1 ms at S = 16384, and at S = 32768-131072 the FP8
-path runs 1.1-1.4x faster end to end with 4 GiB chunks than with 1 GiB ones
+path runs 1.1-1.5x faster end to end with 4 GiB chunks than with 1 GiB ones
 (docs/benchmarks.md). Chunks keep their global causal rows, so the result is bit-identical to
 scoring everything at once and selecting. No step waits for the host.
 
