@@ -419,7 +419,8 @@ def prepare_indexer_operands(
         config: the precision (and engine) to build the operands in.
         sm_scale: score scale folded into the FP8 weights (BF16: applied by the kernel).
         mscale: YaRN magnitude scale of the RoPE tables.
-        cu_seqlens: ``[n + 1]`` cumulative lengths for packed THD input (``b == 1``).
+        cu_seqlens: ``[n + 1]`` cumulative lengths for packed THD input (``b == 1``); checked
+            when on the CPU, never read on the host when on a device (:func:`thd_token_freqs`).
         token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, when the caller knows them
             (context-parallel THD chunks); by default gathered from ``freqs`` by ``cu_seqlens``.
         impl: ``"triton"`` (the fused kernel; raises ``RuntimeError`` with the reason when it
@@ -442,7 +443,8 @@ def prepare_indexer_operands(
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
     if token_freqs is None:
-        token_freqs = thd_token_freqs(freqs, cu_seqlens) if cu_seqlens is not None else freqs
+        rows = q_proj.shape[0]
+        token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
     n_heads, head_dim = q_proj.shape[-2], q_proj.shape[-1]
     with torch.no_grad():
         if not config.fp8:

@@ -31,6 +31,7 @@ projections is rounded to BF16; the scoring step decides the operand precision.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -158,26 +159,59 @@ def apply_rope(
     return torch.cat((_rotate(x_pe, cos, sin, fma), x_pass), dim=-1)
 
 
-def thd_token_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per-token RoPE angles ``[t, 1, 1, rope_dim]`` for packed (THD) sequences.
+def thd_token_freqs(
+    freqs: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    total: int | None = None,
+    *,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Per-token RoPE angles ``[total, 1, 1, rope_dim]`` for packed (THD) sequences.
 
     As Megatron's unfused THD RoPE without context parallelism: positions restart at 0 in each
     sequence, unless ``freqs`` already holds one row per packed token (``freqs.shape[0] ==
-    cu_seqlens[-1]``), in which case it is used as is.
+    total``), in which case it is used as is.
+
+    Arguments:
+        freqs: ``[max_s, 1, 1, rope_dim]`` angles of positions ``0..max_s-1`` (or one row per
+            packed token).
+        cu_seqlens: ``[n + 1]`` integer cumulative sequence lengths.
+        total: the packed token count (the rows of ``q``). ``None``: ``cu_seqlens[-1]``, read on
+            the host (a synchronisation when ``cu_seqlens`` is on a device).
+        validate: check ``cu_seqlens`` on a device too (one synchronisation). On the CPU it is
+            always checked: at least ``total`` tokens, no sequence longer than ``freqs``.
+            Unchecked, a sequence longer than ``freqs`` fails the device's index bounds check.
     """
-    cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
-    total = int(cu[-1])
+    validate = check_bool("validate", validate)
+    if total is None:
+        total = int(cu_seqlens[-1])
+    total = check_positive_int("total", total) if total else 0
     if freqs.shape[0] == total:
         return freqs
-    lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
-    positions = torch.arange(total, device=freqs.device) - starts
-    if total and int(lengths.max()) > freqs.shape[0]:
+    if validate or cu_seqlens.device.type == "cpu":
+        _check_packed_lengths(cu_seqlens, total, freqs.shape[0])
+    cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
+    rows = torch.arange(total, device=freqs.device)
+    # Each row's sequence (rows past cu_seqlens[-1] would map to the last one; checked above).
+    sequence = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
+    return freqs.index_select(0, rows - cu[sequence])
+
+
+def _check_packed_lengths(cu_seqlens: torch.Tensor, total: int, positions: int) -> None:
+    """``ValueError`` unless ``cu_seqlens`` (read on the host) packs at least ``total`` tokens in
+    sequences of at most ``positions`` tokens each."""
+    cu = cu_seqlens.to(dtype=torch.int64).tolist()
+    if len(cu) < 2 or cu[-1] < total:
         raise ValueError(
-            f"freqs covers {freqs.shape[0]} positions but a packed sequence has "
-            f"{int(lengths.max())} tokens; build freqs for the longest sequence."
+            f"cu_seqlens {cu} packs {cu[-1] if cu else 0} tokens but the input has {total} "
+            "packed rows; pass the cumulative lengths of these rows."
         )
-    return freqs.index_select(0, positions)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    if longest > positions:
+        raise ValueError(
+            f"freqs covers {positions} positions but a packed sequence has {longest} tokens; "
+            "build freqs for the longest sequence."
+        )
 
 
 def _layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
@@ -471,7 +505,9 @@ class IndexerPreprocess(nn.Module):
             freqs: ``[s, 1, 1, rope_dim]`` float32 RoPE angles; for packed input the per-sequence
                 table ``[max_s, 1, 1, rope_dim]`` (or one row per packed token).
             mscale: YaRN magnitude scale (1.0 for plain RoPE).
-            cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``).
+            cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``);
+                checked against ``q`` and ``freqs`` when on the CPU, never read on the host when
+                on a device (:func:`thd_token_freqs`).
             token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, used instead of gathering
                 ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD chunks); ``rope_fn`` still
                 receives ``freqs`` and ``cu_seqlens``.
@@ -505,7 +541,7 @@ class IndexerPreprocess(nn.Module):
         if cu_seqlens is not None and b != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
         if token_freqs is None:
-            token_freqs = thd_token_freqs(freqs, cu_seqlens) if cu_seqlens is not None else freqs
+            token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, s)
         if self.rope_fp32:
             return self._engine_path(q, k, token_freqs[:s], mscale)
 

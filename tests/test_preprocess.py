@@ -1,5 +1,6 @@
 """IndexerPreprocess: bit-identity with megatron-core's DSAIndexer, and the FP32 path."""
 
+import itertools
 import math
 
 import pytest
@@ -419,3 +420,54 @@ def test_device_constant_made_in_inference_mode_serves_backward():
     x = torch.randn(2, 64, requires_grad=True)
     hadamard_transform(x, torch.float32, scale_fp32=True).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------- packed (THD) per-token angles
+
+
+def _positions_reference(cu: list[int]) -> list[int]:
+    return [t - a for a, b in itertools.pairwise(cu) for t in range(a, b)]
+
+
+@pytest.mark.parametrize("cu", [[0, 5], [0, 3, 3, 10], [0, 1, 2, 3, 4], [0, 7, 8, 16]])
+def test_thd_token_freqs_restarts_positions_per_sequence(cu):
+    from dsa_precision.preprocess import thd_token_freqs
+
+    freqs = torch.randn(9, 1, 1, 8)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    want = freqs[_positions_reference(cu)] if longest <= 9 else None
+    for total in (None, cu[-1]):
+        if want is None:
+            with pytest.raises(ValueError, match="freqs covers 9 positions but a packed sequence"):
+                thd_token_freqs(freqs, cu_t, total)
+            continue
+        got = thd_token_freqs(freqs, cu_t, total)
+        assert torch.equal(got, want), (cu, total)
+    table = torch.randn(cu[-1], 1, 1, 8)  # one row per packed token: used as is
+    assert thd_token_freqs(table, cu_t, cu[-1]) is table
+
+
+def test_thd_token_freqs_checks_host_lengths_against_the_rows():
+    from dsa_precision.preprocess import thd_token_freqs
+
+    freqs = torch.randn(8, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"packs 6 tokens but the input has 7 packed rows"):
+        thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 7)
+    # more packed tokens than rows (a padded tail past the input): the first rows' angles
+    assert torch.equal(thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 3), freqs[[0, 1, 0]])
+    with pytest.raises(ValueError, match="total=-1 must be a positive integer"):
+        thd_token_freqs(freqs, torch.tensor([0, 2]), -1)
+
+
+def test_packed_preprocess_reads_the_rows_from_q_not_cu_seqlens():
+    """The preprocessing passes q's row count, so cu_seqlens is never read for it."""
+    from dsa_precision.preprocess import IndexerPreprocess
+
+    pre = IndexerPreprocess(head_dim=64, rope_dim=16, k_norm=torch.nn.LayerNorm(64))
+    q, k = torch.randn(6, 1, 2, 64), torch.randn(6, 1, 64)
+    freqs = torch.randn(4, 1, 1, 16)
+    out = pre(q, k, freqs, cu_seqlens=torch.tensor([0, 4, 6], dtype=torch.int32))
+    assert out[0].shape == q.shape
+    with pytest.raises(ValueError, match="packs 5 tokens but the input has 6 packed rows"):
+        pre(q, k, freqs, cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32))

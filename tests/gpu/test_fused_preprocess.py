@@ -310,3 +310,22 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     _, source = inference_operands(inputs, profile, hadamard=False, interleaved=interleaved)
     assert source.startswith("the engine's own kernels"), source
     record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diff)
+
+
+def test_packed_angles_from_device_lengths_never_wait_for_the_host():
+    """cu_seqlens on the device: the per-token angles are gathered without reading it."""
+    from dsa_precision.preprocess import thd_token_freqs
+
+    freqs = torch.randn(16, 1, 1, 64, device=DEV)
+    cu = torch.tensor([0, 5, 5, 16, 20], dtype=torch.int32, device=DEV)
+    want = freqs[[0, 1, 2, 3, 4, *range(11), 0, 1, 2, 3]]
+    thd_token_freqs(freqs, cu, 20)  # warm-up (first launches)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = thd_token_freqs(freqs, cu, 20)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="packs 20 tokens but the input has 21"):
+        thd_token_freqs(freqs, cu, 21, validate=True)
