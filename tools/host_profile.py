@@ -15,26 +15,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
-import os
 import pstats
 import statistics
 import sys
 import time
 
 import torch
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _toy():
-    spec = importlib.util.spec_from_file_location(
-        "toy_glm5_train", os.path.join(_ROOT, "examples", "toy_glm5_train.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import toy_session
 
 
 def host_us(fn, reps: int) -> float:
@@ -84,16 +72,10 @@ def main() -> int:
     p.add_argument("--profile-calls", type=int, default=20)
     args = p.parse_args()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    toy = _toy()
-    ns = argparse.Namespace(tiny=False, topk=args.topk, engine="vllm", device="cuda", seed=1234,
-                            seq=args.seq, batch=1)  # fmt: skip
+    toy = toy_session.start(29533)
+    ns = toy_session.toy_args(args.seq, args.topk)
 
     import dsa_precision as dp
     from dsa_precision import _cudnn

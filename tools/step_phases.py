@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
-import os
 import statistics
 import sys
 import time
 
 import torch
+import toy_session
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("baseline", "rope_fp32+fp8", "rope_fp32+fp8+graph")
 RUNTIME_CALLS = (
     "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
@@ -32,17 +30,9 @@ RUNTIME_CALLS = (
 )  # fmt: skip
 
 
-def _toy():
-    spec = importlib.util.spec_from_file_location(
-        "toy_glm5_train", os.path.join(_ROOT, "examples", "toy_glm5_train.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def phases(trainer, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """One training step of ``trainer`` (the toy's ``Trainer.step``), timed phase by phase (ms)."""
+    """One training step of ``trainer``: the toy's ``Trainer.step``, line for line, with a clock
+    and a CUDA event between its phases (ms)."""
     model = trainer.model
     b, s = tokens.shape
     torch.cuda.synchronize()
@@ -89,16 +79,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("tools/step_phases.py needs a CUDA device", file=sys.stderr)
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    toy = _toy()
-    ns = argparse.Namespace(tiny=False, topk=args.topk, engine="vllm", device="cuda", seed=1234,
-                            seq=args.seq, batch=1, lr=1e-3)  # fmt: skip
+    toy = toy_session.start(29534)
+    ns = toy_session.toy_args(args.seq, args.topk)
     trainers = {}
     for name in CONFIGS:
         model, vocab = toy.build_model(ns, toy.model_config(ns, **toy.CONFIGS[name]))
