@@ -1,0 +1,41 @@
+"""examples/toy_glm5_train.py on the CPU (tiny model): the configurations train, the default one
+equals stock Megatron, and ``replay`` -- the FP8 picks handed in -- runs no indexer in its step
+and trains exactly as the FP8 configuration that computes them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_indexer(tmp_path):
+    pytest.importorskip("megatron.core")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    out = tmp_path / "toy.json"
+    args = ["--tiny", "--device", "cpu", "--steps", "4", "--share-steps", "1",
+            "--stock-steps", "1", "--profile-steps", "1",
+            "--configs", "baseline,rope_fp32+fp8,replay"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "examples/toy_glm5_train.py", *args, "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    assert result["replay_losses_identical"] is True
+    assert runs["replay"]["losses"] == runs["rope_fp32+fp8"]["losses"]
+    assert runs["replay"]["losses"] != runs["baseline"]["losses"]  # FP8 picks differ from BF16's
+    assert runs["rope_fp32+fp8"]["scoring_calls"]["fp8"] == 2 * 4  # 2 layers x 4 steps
+    assert runs["replay"]["scoring_calls"]["total"] == 0  # its step scores nothing
+    assert runs["replay"]["indexer_ms"] is None
+    assert runs["replay"]["package_host_ms_per_layer_forward"] > 0
+    assert result["stock_equivalence"]["bit_identical_losses"] is True
+    assert "replay" not in str(result["topk_identical_inputs"])
