@@ -325,17 +325,19 @@ def _deepgemm_scores(
 
 
 def _deepgemm_causal_windows(
-    ops: ScoringOperands, offsets: torch.Tensor, ratio: int
+    ops: ScoringOperands, offsets: torch.Tensor, ratio: int, counts: torch.Tensor | None = None
 ) -> _deepgemm.WindowLogits:
     """BSHD: each row ``(b, s)`` against keys ``[0, limit(b, s))`` of batch row ``b``; column ``j``
-    is key ``j``. With ``seq_lens=counts`` the top-k reads the logits in place."""
+    is key ``j``. With ``seq_lens=counts`` the top-k reads the logits in place. ``counts``: the
+    ``(B * S_q,)`` int32 limits, when the caller has them (shared constants of an int offset);
+    at ``B = 1`` the windows are then built by no launch."""
     b, sq = ops.q.shape[:2]
     sk = ops.k.shape[1]
-    counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
-    if b == 1:
-        start = torch.zeros_like(counts)
-    else:
-        start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
+    if counts is None:
+        counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
+    if b == 1:  # windows [0, count): the shared zeros, and the counts themselves as their ends
+        return _deepgemm_scores(ops, _constant_offsets(0, sq, ops.device), counts, sk, counts)
+    start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
     return _deepgemm_scores(ops, start, start + counts, sk, counts)
 
 
@@ -362,16 +364,18 @@ def deepgemm_select_input(
     ratio: int,
     *,
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    counts: torch.Tensor | None = None,
     validate: bool = False,
 ) -> _deepgemm.WindowLogits:
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`): DeepGEMM's
     uncleaned logits of ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM."""
+    cu_seqlens_k, max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM.
+    ``counts``: BSHD, the rows' causal key counts if the caller has them (read only)."""
     if validate:  # the offsets were range-checked where they entered (indexer_select's _offsets)
         _validate_finite(ops)
     record_scoring_call(ops.precision.value, "deepgemm")
     if varlen is None:
-        return _deepgemm_causal_windows(ops, offsets, ratio)
+        return _deepgemm_causal_windows(ops, offsets, ratio, counts)
     return _deepgemm_varlen_windows(ops, varlen[0], varlen[1], offsets, ratio, varlen[2])
 
 

@@ -49,7 +49,7 @@ from .scoring import (
     varlen_key_counts,
     varlen_row_slice,
 )
-from .topk import _select_rows, indexer_topk, resolve_topk_backend
+from .topk import _select_rows, resolve_topk_backend
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "indexer_select", "indexer_select_varlen"]
 
@@ -94,6 +94,13 @@ def _in_place(window: WindowLogits) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k's input from DeepGEMM's logits: their buffer's rows and each row's length (the
     window itself is not kept, so its memory goes with the scores)."""
     return window.rows_in_place(), window.counts
+
+
+def _window_topk_backend(scores: torch.Tensor, topk: int) -> str:
+    """The top-k backend of DeepGEMM's logits ``(rows, padded width)``: cuDNN's where it can
+    select them, else torch (what ``indexer_topk(backend="auto")`` decides)."""
+    k = min(topk, max(scores.shape[-1], 1))
+    return resolve_topk_backend("auto", device=scores.device, k=k, dtype=scores.dtype)
 
 
 def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch.Tensor | None:
@@ -209,10 +216,16 @@ def indexer_select(
                 offsets + r0 if start is None else _constant_offsets(start + r0, b, device)
             )
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
-            scores, lens = _in_place(deepgemm_select_input(part, part_offsets, ratio))
-            picks = indexer_topk(
-                scores, topk, seq_lens=lens, deterministic=deterministic, backend="auto"
-            ).view(b, r1 - r0, topk)
+            counts = None
+            if start is not None:
+                counts = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
+            scores, lens = _in_place(
+                deepgemm_select_input(part, part_offsets, ratio, counts=counts)
+            )  # (the window itself is not kept: its logits go with the scores)
+            picks = _select_rows(
+                scores, topk, lens, deterministic, _window_topk_backend(scores, topk)
+            )
+            picks = picks.view(b, r1 - r0, topk)
         else:
             part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
             scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
@@ -309,8 +322,8 @@ def indexer_select_varlen(
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
             scores, lens = _in_place(deepgemm_select_input(part, off_chunk, ratio, varlen=varlen))
-            picks = indexer_topk(
-                scores, topk, seq_lens=lens, deterministic=deterministic, backend="auto"
+            picks = _select_rows(
+                scores, topk, lens, deterministic, _window_topk_backend(scores, topk)
             )
         else:
             scores = _thd_scores(

@@ -65,6 +65,7 @@ class FakeMqaLogits:
             dict(
                 q=q.clone(), q_scale=q_scale, k=k.clone(), k_scales=k_scales.clone(),
                 weights=weights.clone(), ks=ks.clone(), ke=ke.clone(),
+                ks_ptr=ks.data_ptr(), ke_ptr=ke.data_ptr(),
                 clean_logits=clean_logits, max_seqlen_k=max_seqlen_k,
                 contiguous=all(t.is_contiguous() for t in (q, k, k_scales, weights, ks, ke)),
                 aligned=all(t.data_ptr() % 16 == 0 for t in (q, k, k_scales, weights)),

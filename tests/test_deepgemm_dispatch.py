@@ -179,11 +179,13 @@ def topk_inputs(monkeypatch):
     """Record what reaches the top-k from ``indexer_select``."""
     seen = []
 
-    def recording_topk(scores, k, **kw):
-        seen.append(dict(scores=scores, seq_lens=kw["seq_lens"].clone()))
-        return indexer_topk(scores, k, **kw)
+    select_rows = select_module._select_rows
 
-    monkeypatch.setattr(select_module, "indexer_topk", recording_topk)
+    def recording_topk(scores, k, seq_lens, deterministic, backend):
+        seen.append(dict(scores=scores, seq_lens=seq_lens.clone(), backend=backend))
+        return select_rows(scores, k, seq_lens, deterministic, backend)
+
+    monkeypatch.setattr(select_module, "_select_rows", recording_topk)
     return seen
 
 
@@ -226,6 +228,31 @@ def test_select_is_one_launch_per_chunk_read_in_place(fake, topk_inputs, ratio):
     whole = indexer_select(ops, topk=5, ratio=ratio, q_causal_offsets=torch.tensor(offsets),
                            backend="deepgemm")  # fmt: skip
     assert len(fake.calls) == 1 and torch.equal(picks, whole)
+
+
+def test_select_with_an_int_offset_builds_its_windows_once(fake, topk_inputs, monkeypatch):
+    """B = 1 and an int offset: the windows are shared constants (zeros and the key counts, no
+    launch per call), the same tensors every call, the counts the top-k's lengths; the picks are
+    those of the same offset as a tensor."""
+    from dsa_precision import scoring
+
+    builds = []
+    counts = scoring.causal_key_counts
+    monkeypatch.setattr(scoring, "causal_key_counts", lambda *a: builds.append(a) or counts(*a))
+    fake.mode = "operands"
+    ops = _ops(b=1, sq=20, sk=20)
+    indexer_select(ops, topk=5, q_causal_offsets=3, backend="deepgemm")
+    builds.clear()
+    picks = indexer_select(ops, topk=5, q_causal_offsets=3, backend="deepgemm")
+    assert builds == []  # the second call computes no key counts
+    first, second = fake.calls
+    assert (first["ks_ptr"], first["ke_ptr"]) == (second["ks_ptr"], second["ke_ptr"])
+    assert first["ks"].tolist() == [0] * 20
+    assert first["ke"].tolist() == causal_counts(3, range(20), 1, 20)
+    assert topk_inputs[-1]["seq_lens"].tolist() == first["ke"].tolist()
+    by_tensor = indexer_select(ops, topk=5, q_causal_offsets=torch.tensor([3]), backend="deepgemm")
+    assert fake.calls[-1]["ke_ptr"] != first["ke_ptr"]  # a tensor offset's counts: its own
+    assert torch.equal(picks, by_tensor)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
