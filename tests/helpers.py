@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
+from collections.abc import Iterator
 
 import torch
 
@@ -154,3 +156,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Run the block with CUDA's synchronisation debug mode at ``"error"``: a host
+    synchronisation inside it raises. The device is synchronised first, so that earlier work
+    (warm-ups, compilation) cannot count."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -7,6 +7,7 @@ import torch
 
 from dsa_precision.capture import decode_picks, digest_row_reference, digest_rows, encode_picks
 
+from ..helpers import no_host_sync
 from ..test_capture import causal_picks
 
 pytestmark = pytest.mark.gpu
@@ -19,13 +20,9 @@ def test_decode_on_the_device_never_waits_for_the_host(fmt):
     host = encode_picks(idx, fmt)
     moved = host.pin_memory().to(DEV, non_blocking=True)
     decode_picks(moved)  # warm-up (allocator)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         back = decode_picks(moved)
         digests = digest_rows(back)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(back.cpu(), decode_picks(host))  # the CPU decode, bit for bit
     assert digests.cpu().tolist() == [digest_row_reference(r) for r in idx.tolist()]
 

@@ -29,6 +29,7 @@ from ..helpers import (
     MAX_REL_ERR,
     assert_bitwise_equal,
     calc_diff,
+    no_host_sync,
     rel_err,
     ulp_distance,
 )
@@ -508,12 +509,8 @@ def _run_twice_without_host_sync(run):
     """``run()`` once (compiling the kernels, which may synchronise), then again with every host
     synchronisation raising; the two results must be equal. Returns the first."""
     warm = run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(warm, again, strict=True):
         assert torch.equal(a, b)
     return warm
@@ -556,13 +553,9 @@ def test_int_offset_select_never_waits_for_the_host_even_building_its_constants(
     kw = dict(topk=256, backend="cudnn")
     indexer_select(ops, q_causal_offsets=40, **kw)  # compile the kernels
     _clear_shared_constants()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = indexer_select(ops, q_causal_offsets=40, **kw)
         again = indexer_select(ops, q_causal_offsets=40, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     want = indexer_select(ops, q_causal_offsets=torch.tensor([40], device=DEV), **kw)
     assert torch.equal(got, want) and torch.equal(again, want)
 

@@ -22,6 +22,7 @@ from ..fused_cases import (
     with_floor,
 )
 from ..helper_cases import bf16_rounding_inputs, e4m3_inputs, order_sensitive_rows
+from ..helpers import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -254,12 +255,8 @@ def test_interleaved_operands_never_wait_for_the_host(rope_fp32):
     no host copy, no synchronisation."""
     case = make_case(seq=512, batch=1, heads=64, rope_fp32=rope_fp32, interleaved=True, device=DEV)
     warm = operands(case, "triton")  # compiles the kernel (which may synchronise)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         again = operands(case, "triton")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert_bit_identical(again, warm)
 
 
@@ -320,12 +317,8 @@ def test_packed_angles_from_device_lengths_never_wait_for_the_host():
     cu = torch.tensor([0, 5, 5, 16, 20], dtype=torch.int32, device=DEV)
     want = freqs[[0, 1, 2, 3, 4, *range(11), 0, 1, 2, 3]]
     thd_token_freqs(freqs, cu, 20)  # warm-up (first launches)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = thd_token_freqs(freqs, cu, 20)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="packs 20 tokens but the input has 21"):
         thd_token_freqs(freqs, cu, 21, validate=True)

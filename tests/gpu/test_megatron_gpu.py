@@ -6,8 +6,12 @@ package on the same operands (the owned FP8 top-k), replays (bit-exact), and the
 synchronisation debug mode (the owned top-k never waits for the host).
 """
 
+import contextlib
+
 import pytest
 import torch
+
+from ..helpers import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -171,12 +175,8 @@ def test_owned_top_k_never_waits_for_the_host(dsap, packed):
             max_seqlen_kv=1100,
         )  # fmt: skip
     want = attn.compute_topk(query, x, qr, psp)  # warm-up: compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = attn.compute_topk(query, x, qr, psp)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
 
 
@@ -225,13 +225,9 @@ def test_fp8_layer_forward_and_backward_never_wait_for_the_host(dsap, name, topk
     sparse attention, the backward) runs under ``set_sync_debug_mode("error")``."""
     step = _layer_step(dsap, name, topk_freq, packed)
     want = step([_inputs(seed=s) for s in (0, 1)])  # warm-up: compiles the kernels
-    torch.cuda.synchronize()
     inputs = [_inputs(seed=s) for s in (0, 1)]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = step(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -305,13 +301,8 @@ def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
     for seed in range(3):
         query, _, x, qr, _ = _inputs(seed=seed)
         reset_scoring_calls()
-        if seed == 2:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync() if seed == 2 else contextlib.nullcontext():
             got = graphed.compute_topk(query, x, qr, None)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         calls = 3 if seed == 0 else 1  # the first call: two warm-up runs, the capture, a replay
         assert scoring_calls("fp8", "cudnn") == calls and scoring_calls() == calls
         assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed

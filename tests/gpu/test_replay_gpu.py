@@ -8,6 +8,7 @@ raises at the first synchronising call), and the same picks read with ``validate
 import pytest
 import torch
 
+from ..helpers import no_host_sync
 from .test_megatron_gpu import _attention, _config, _forward, _inputs, dsap  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -46,12 +47,8 @@ def test_replay_never_waits_for_the_host(dsap, packed, where):  # noqa: F811
             return attn._engine_picks(engine, attn.rank_layout(query, x, psp), query, x)
 
     want = step(validate=True)  # checks the data (synchronises); warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = step(validate=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want) and got.shape == (1, S, 256)
     # The picks drive Megatron's attention: forward and backward run on them.
     with dsap.engine_topk(picks, **layout):
