@@ -108,8 +108,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-bytes",
         type=int,
         default=d.chunk_bytes,
-        help="indexer_select's working-set budget per chunk (default: its own, one chunk up to "
-        "4 GiB, else 1 GiB chunks)",
+        help="indexer_select's working-set budget per chunk (default: its own, 4 GiB: one "
+        "chunk when the call fits)",
     )
     p.add_argument(
         "--rope-fp32",
