@@ -345,3 +345,29 @@ def test_verify_scores_once_per_chunk(packed):
         assert m["dsa_topk/layer_01/member_agreement"] == 1.0
     # One chunk here: verify, margins included, scores exactly as often as compute.
     assert calls == {"compute": 1, "verify": 1}
+
+
+def test_every_row_in_order_is_the_picks_themselves_copied():
+    """One CP rank, the whole sequence: rows(positions=None) are the picks as handed in, in the
+    layer's (batch, rows, topk) layout, padded to topk, a copy; the same as the rows gathered by
+    their positions."""
+    from dsa_precision.topk_layout import TokenLayout
+
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(-1, SEQ, (2 * SEQ, 3), generator=g)  # int64 picks, 3 of topk 4
+    with dsap.engine_topk({1: idx}, seq_len=SEQ) as engine:
+        own = TokenLayout(seq_len=SEQ)
+        fast = engine.rows(1, None, 2, 4, own, device=torch.device("cpu"))
+        by_position = engine.rows(1, torch.arange(SEQ), 2, 4, own)
+        assert fast.dtype == torch.int32 and fast.shape == (2, SEQ, 4)
+        assert torch.equal(fast, by_position)
+        assert torch.equal(fast[..., :3], idx.view(2, SEQ, 3).to(torch.int32))
+        assert (fast[..., 3] == -1).all()
+        full = engine.rows(1, None, 2, 3, own, device=torch.device("cpu"))
+        full.fill_(7)  # the caller's copy: the engine's picks stay
+        assert torch.equal(engine.rows(1, None, 2, 3, own, device=torch.device("cpu")),
+                           idx.view(2, SEQ, 3).to(torch.int32))  # fmt: skip
+    with dsap.engine_topk({1: idx.to(torch.int32)}, cu_seqlens=torch.tensor([0, 32])) as packed:
+        with pytest.raises(ValueError, match="positions=None"):
+            packed.rows(1, None, 1, 4, TokenLayout(cu_seqlens=torch.tensor([0, 32])),
+                        device=torch.device("cpu"))  # fmt: skip

@@ -230,9 +230,16 @@ class PrecisionDSAttention(DSAttention):
         """The engine's picks of this rank's query rows, in the layout Megatron consumes, checked
         against this layer's own layout: its global sequence length (BSHD) or the ``cu_seqlens``
         of its ``PackedSeqParams`` (THD)."""
-        positions = query_positions(layout, self._indexer_rows(x), query.device)
+        rows = self._indexer_rows(x)
         own, batch = self._token_layout(layout, x)
-        return engine.rows(self.layer_number, positions, batch, self.index_topk, own)
+        every_row = layout.cu_seqlens is None and layout.cp_size == 1
+        if every_row and layout.query_start == 0 and layout.query_stop(rows) == rows:
+            positions = None  # every row of each sequence, in order: the picks as handed in
+        else:
+            positions = query_positions(layout, rows, query.device)
+        return engine.rows(
+            self.layer_number, positions, batch, self.index_topk, own, device=query.device
+        )
 
     def _token_layout(self, layout: RankLayout, x: torch.Tensor) -> tuple[TokenLayout, int]:
         """This layer's own token layout (its global sequence length, or the ``cu_seqlens`` of

@@ -119,18 +119,22 @@ class EngineTopk:
     def rows(
         self,
         layer_number: int,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         batch: int,
         topk: int,
         consumer: TokenLayout,
+        *,
+        device: torch.device | None = None,
     ) -> torch.Tensor:
         """The engine's picks of a rank's query rows, in ``DSAttention``'s key coordinates:
         ``(batch, rows, topk)`` int32 (BSHD: key positions; THD: global packed key rows).
 
         ``positions``: Megatron's global position (BSHD) or packed row (THD) of each query row;
-        ``consumer``: the layer's own layout (its global sequence length, or the ``cu_seqlens``
-        of its ``PackedSeqParams``), which the picks must match (host facts always; the values of
-        device ``cu_seqlens`` only with ``validate``)."""
+        ``None`` (BSHD): every row of every sequence, in order (one CP rank, no sequence-parallel
+        slice), on ``device``: the picks as handed in, one copy. ``consumer``: the layer's own
+        layout (its global sequence length, or the ``cu_seqlens`` of its ``PackedSeqParams``),
+        which the picks must match (host facts always; the values of device ``cu_seqlens`` only
+        with ``validate``)."""
         name = f"engine_topk layer {layer_number}"
         where = f"DSA layer {layer_number}"
         idx = self.layer(layer_number)
@@ -140,17 +144,24 @@ class EngineTopk:
                 f"{name} holds {idx.shape[1]} keys per token, more than the layer's "
                 f"dsa_indexer_topk={topk}; pass at most {topk} picks per token."
             )
-        if idx.device != positions.device and idx.device.type != "cpu":
+        if positions is not None:
+            device = positions.device
+        elif device is None or self.layout.seq_len is None:
+            raise ValueError("rows(positions=None) needs a BSHD layout and the rows' device.")
+        if idx.device != device and idx.device.type != "cpu":
             raise ValueError(
-                f"{name} is on {idx.device}, {where} on {positions.device}; hand in the picks "
-                f"on {positions.device} or the CPU (pinned memory copies without a sync)."
+                f"{name} is on {idx.device}, {where} on {device}; hand in the picks "
+                f"on {device} or the CPU (pinned memory copies without a sync)."
             )
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
         if self.layout.seq_len is not None:
-            idx = idx.to(positions.device, non_blocking=True)
-            tokens = torch.arange(batch, device=idx.device).view(-1, 1) * self.seq_len + positions
-            picks = idx[tokens].to(torch.int32)
+            idx = idx.to(device, non_blocking=True)
+            if positions is None:  # every row in order: the picks themselves, in their layout
+                picks = idx.reshape(batch, self.seq_len, -1).to(torch.int32, copy=True)
+            else:
+                tokens = torch.arange(batch, device=device).view(-1, 1) * self.seq_len + positions
+                picks = idx[tokens].to(torch.int32)
         else:
             idx = idx.to(positions.device, non_blocking=True)
             cu = self.layout.cu_seqlens.to(device=idx.device, dtype=torch.int64, non_blocking=True)
@@ -160,6 +171,8 @@ class EngineTopk:
             picks = idx[safe].to(torch.int64)
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
+        if picks.shape[-1] == topk:
+            return picks
         return torch.nn.functional.pad(picks, (0, topk - picks.shape[-1]), value=-1)
 
     def _check_batch_rows(self, name: str, where: str, total: int, batch: int, what: str) -> None:
