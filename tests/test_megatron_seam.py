@@ -1,7 +1,7 @@
 """The seam into Megatron's ``DSAttention.forward`` and the decisions taken once, on the CPU.
 
 An owned (FP8) layer hands its top-k to Megatron's forward through a context-local staging
-(``attention._staging``) read by the ``skip_topk`` / ``index_share`` / ``source_layer`` properties
+(``attention._Staging``) read by the ``skip_topk`` / ``index_share`` / ``source_layer`` properties
 and the two holder methods. Checked here against the layer itself run alone, eagerly: no attribute
 of the module changes during a call; a nested forward of the same or another layer while one is
 staged computes its own picks; threads see no staging of another; activation recomputation
@@ -54,7 +54,7 @@ def test_staging_changes_no_attribute_of_the_module():
     before = dict(vars(attn))
     built = dict(attn._built)
     assert (attn.skip_topk, attn.index_share, attn.source_layer) == (False, False, 1)
-    with attention_module._staging(attn, topk):
+    with attention_module._Staging(attn, topk):
         assert (attn.skip_topk, attn.index_share, attn.source_layer) == (True, True, 1)
         assert attn._get_index_share_topk_holder(None, None) == {1: topk}
         assert attn._get_index_share_topk_length_holder(None, None) == {}
@@ -72,7 +72,7 @@ def test_a_nested_forward_of_the_staged_layer_computes_its_own_top_k():
     first, second = attention_inputs(seed=0), attention_inputs(seed=1)
     alone = run_attention(attn, attention_inputs(seed=1))
     staged = _stale_topk(attn.compute_topk(first["query"], first["x"], first["qr"], None))
-    with attention_module._staging(attn, staged):
+    with attention_module._Staging(attn, staged):
         nested = run_attention(attn, second)
         assert attn.skip_topk  # still staged for the outer call
     assert torch.equal(nested, alone)
@@ -92,7 +92,7 @@ def test_a_nested_forward_of_another_layer_leaves_the_staged_top_k(other):
     alone_b = run_attention(layer_b, attention_inputs(seed=2))
     inp = attention_inputs()
     topk = _stale_topk(layer_a.compute_topk(inp["query"], inp["x"], inp["qr"], None))
-    with attention_module._staging(layer_a, topk):
+    with attention_module._Staging(layer_a, topk):
         nested_b = run_attention(layer_b, attention_inputs(seed=2))
         out_a = super(dsap.PrecisionDSAttention, layer_a).forward(
             inp["query"], inp["key"], None, None, inp["x"], inp["qr"],
@@ -115,7 +115,7 @@ def test_another_thread_sees_no_staged_top_k():
     attn = make_attention(make_config(**FP8))
     inp = attention_inputs()
     seen = []
-    with attention_module._staging(attn, torch.zeros(2, 16, 8, dtype=torch.int32)):
+    with attention_module._Staging(attn, torch.zeros(2, 16, 8, dtype=torch.int32)):
         thread = threading.Thread(target=lambda: seen.append((attn.skip_topk, attn.index_share)))
         thread.start()
         thread.join()

@@ -15,7 +15,7 @@ unchanged; an owned layer stores its indices in Megatron's holder for them.
 The seam: Megatron's forward decides on the reader route from ``skip_topk``, ``index_share`` and
 ``source_layer``, and reads the indices from ``_get_index_share_topk_holder``. Here those three are
 properties over the values Megatron's ``__init__`` computed, and an owned layer stages its top-k
-in a context variable keyed by the layer (:func:`_staging`) for one call of Megatron's forward:
+in a context variable keyed by the layer (:class:`_Staging`) for one call of Megatron's forward:
 while it is staged, the properties present the layer as a reader of its own indices and the
 holder methods hand them over. No attribute of the module changes during a call, so nested
 forwards (of this or another layer), activation recomputation, interleaved micro-batches and
@@ -29,7 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -53,21 +53,27 @@ from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_posit
 __all__ = ["PrecisionDSAttention"]
 
 
-# Layer -> the top-k it hands Megatron's forward, for the duration of that call (see _staging).
+# Layer -> the top-k it hands Megatron's forward, for the duration of that call (see _Staging).
 _STAGED: contextvars.ContextVar[Mapping[DSAttention, torch.Tensor]] = contextvars.ContextVar(
     "dsa_precision_staged_topk", default=MappingProxyType({})
 )
 
 
-@contextlib.contextmanager
-def _staging(layer: DSAttention, topk: torch.Tensor) -> Iterator[None]:
+class _Staging:
     """Stage ``topk`` for ``layer`` in this context (thread, task) until the block exits; other
-    layers' staged indices are kept, an outer staging of ``layer`` is shadowed and restored."""
-    token = _STAGED.set(MappingProxyType({**_STAGED.get(), layer: topk}))
-    try:
-        yield
-    finally:
-        _STAGED.reset(token)
+    layers' staged indices are kept, an outer staging of ``layer`` is shadowed and restored.
+    (A class, not a generator: it runs once per layer forward.)"""
+
+    __slots__ = ("_layer", "_token", "_topk")
+
+    def __init__(self, layer: DSAttention, topk: torch.Tensor) -> None:
+        self._layer, self._topk = layer, topk
+
+    def __enter__(self) -> None:
+        self._token = _STAGED.set(MappingProxyType({**_STAGED.get(), self._layer: self._topk}))
+
+    def __exit__(self, *exc: object) -> None:
+        _STAGED.reset(self._token)
 
 
 class PrecisionDSAttention(DSAttention):
@@ -108,7 +114,7 @@ class PrecisionDSAttention(DSAttention):
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
         self.topk_monitor = replay.TopkMonitor()
 
-    # -- Megatron's routing state: decided by its __init__, presented per call (see _staging) ---
+    # -- Megatron's routing state: decided by its __init__, presented per call (see _Staging) ---
 
     def _route(self, name: str, value: Any) -> None:
         built = self.__dict__.setdefault("_built", {})
@@ -216,7 +222,7 @@ class PrecisionDSAttention(DSAttention):
         if self._built["index_share"]:  # later layers of the group reuse these (Megatron's rule)
             holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
             holder[self.layer_number] = topk
-        with _staging(self, topk):
+        with _Staging(self, topk):
             return super().forward(*args, **kwargs)
 
     def _indexer_rows(self, x: torch.Tensor) -> int:
