@@ -29,6 +29,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import time
 import unittest.mock
 
@@ -326,6 +327,36 @@ def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
     return total * 1e3 / (steps * forwards)
 
 
+def topk_host_in_step_ms(trainer, batch, steps: int) -> float | None:
+    """Host ms per call of the layers' owned top-k (``compute_topk``) inside ``steps`` training
+    steps, untraced (a clock around each call; the device busy with the step, unlike the
+    ``indexer_ms`` timing). ``None`` for a configuration whose layers own no top-k computation."""
+    cores = [layer.self_attention.core_attention for layer in trainer.model.decoder.layers]
+    cores = [c for c in cores if c.owns_topk() and c.topk_source != "replay"]
+    if not cores:
+        return None
+    spent = []
+
+    def timed_topk(fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            spent.append(time.perf_counter() - t0)
+            return out
+
+        return call
+
+    for core in cores:  # an instance attribute of the package's own modules, removed below
+        core.compute_topk = timed_topk(core.compute_topk)
+    try:
+        for _ in range(steps):
+            trainer.step(*batch)
+    finally:
+        for core in cores:
+            del core.compute_topk
+    return statistics.median(spent) * 1e3 if spent else None
+
+
 def train(args, names: list[str]) -> list[dict]:
     """Train every configuration from the same weights and data, steps interleaved (step i of
     each configuration in turn), so that drift of the host or the clocks spreads evenly."""
@@ -363,13 +394,14 @@ def train(args, names: list[str]) -> list[dict]:
         index_ms = topk_host_ms = None  # a replaying configuration runs no indexer
         if engine is None:
             index_ms, topk_host_ms = indexer_ms(args, model, data[0][0])
-        busy = host_ms = None
+        busy = host_ms = in_step_ms = None
         with handed_in(engine, model, data[-1][0]):
             if args.device != "cpu" and args.profile_steps:
                 busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
             if args.profile_steps:
                 layers = len(model.decoder.layers)
                 host_ms = package_host_ms(run["trainer"], data[-1], args.profile_steps, layers)
+                in_step_ms = topk_host_in_step_ms(run["trainer"], data[-1], args.profile_steps)
         del run["model"], run["trainer"], run["engine"], model
         share_losses = []
         if engine is None:  # index sharing: layer 2 reuses layer 1's top-k (Megatron's rule)
@@ -398,6 +430,7 @@ def train(args, names: list[str]) -> list[dict]:
                 host_outside_gpu_ms=None if busy is None else step_ms - busy,
                 package_host_ms_per_layer_forward=host_ms,
                 topk_host_ms_per_layer=topk_host_ms,
+                topk_host_ms_in_step=in_step_ms,
                 indexer_ms=index_ms,
                 indexer_share=None if index_ms is None else index_ms / step_ms,
                 scoring_calls=run["calls"],
@@ -525,10 +558,11 @@ def _run(args: argparse.Namespace) -> int:
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
           f"per forward (host time in dsa_precision frames, sys.monitoring; target "
-          f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced (the "
-          f"owned top-k, or Megatron's indexer)")  # fmt: skip
+          f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced, the device "
+          f"idle (the owned top-k, or Megatron's indexer); in step: the owned top-k's host ms "
+          f"per call inside training steps, untraced")  # fmt: skip
     print(f"{'config':<21}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
-          f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}{'top-k host':>11}"
+          f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}{'top-k host':>11}{'in step':>8}"
           f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
         ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
@@ -544,7 +578,8 @@ def _run(args: argparse.Namespace) -> int:
               f"{busy if busy is not None else nan:>8.1f}{gpu_ratio:>8.2f}"
               f"{outside if outside is not None else nan:>9.2f}"
               f"{host if host is not None else nan:>9.3f}"
-              f"{_or_nan(r['topk_host_ms_per_layer']):>11.3f}{_or_nan(r['indexer_ms']):>11.2f}"
+              f"{_or_nan(r['topk_host_ms_per_layer']):>11.3f}"
+              f"{_or_nan(r['topk_host_ms_in_step']):>8.3f}{_or_nan(r['indexer_ms']):>11.2f}"
               f"{_or_nan(r['indexer_share']):>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "

@@ -36,6 +36,9 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert runs["rope_fp32+fp8"]["scoring_calls"]["fp8"] == 2 * 4  # 2 layers x 4 steps
     assert runs["replay"]["scoring_calls"]["total"] == 0  # its step scores nothing
     assert runs["replay"]["indexer_ms"] is None
+    assert runs["rope_fp32+fp8"]["topk_host_ms_in_step"] > 0  # its top-k, timed inside steps
+    assert runs["replay"]["topk_host_ms_in_step"] is None  # no top-k of its own
+    assert runs["baseline"]["topk_host_ms_in_step"] is None  # Megatron's, inside its forward
     assert runs["replay"]["package_host_ms_per_layer_forward"] > 0
     assert result["stock_equivalence"]["bit_identical_losses"] is True
     assert "replay" not in str(result["topk_identical_inputs"])
