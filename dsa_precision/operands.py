@@ -442,9 +442,6 @@ def prepare_indexer_operands(
     sm_scale, mscale = check_real("sm_scale", sm_scale), check_real("mscale", mscale)
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
-    if token_freqs is None:
-        rows = q_proj.shape[0]
-        token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
     n_heads, head_dim = q_proj.shape[-2], q_proj.shape[-1]
     with torch.no_grad():
         if not config.fp8:
@@ -470,6 +467,11 @@ def prepare_indexer_operands(
                 if not pre
                 else fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
             )
+            if token_freqs is None:  # the kernel reads every row's angles
+                rows = q_proj.shape[0]
+                token_freqs = (
+                    freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
+                )
             # The kernel writes the engine's lane order itself (no reordering copy).
             return _fused(
                 preprocess, q_proj, k_proj, w_pre, token_freqs, engine=engine, mscale=mscale,

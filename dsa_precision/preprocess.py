@@ -177,17 +177,21 @@ def thd_token_freqs(
             packed token).
         cu_seqlens: ``[n + 1]`` integer cumulative sequence lengths.
         total: the packed token count (the rows of ``q``). ``None``: ``cu_seqlens[-1]``, read on
-            the host (a synchronisation when ``cu_seqlens`` is on a device).
-        validate: check ``cu_seqlens`` on a device too (one synchronisation). On the CPU it is
-            always checked: at least ``total`` tokens, no sequence longer than ``freqs``.
-            Unchecked, a sequence longer than ``freqs`` fails the device's index bounds check.
+            the host (a synchronisation when ``cu_seqlens`` is on a device), and then checked.
+        validate: check ``cu_seqlens`` on a device too (one synchronisation). On the CPU, or
+            with ``total=None``, the lengths the angles are gathered by are always checked: at
+            least ``total`` tokens, no sequence longer than ``freqs``. Unchecked, a sequence
+            longer than ``freqs`` fails the device's index bounds check.
     """
     validate = check_bool("validate", validate)
     if total is None:
         total = int(cu_seqlens[-1])
+        validate = True  # read on the host already: check the lengths too
     total = check_positive_int("total", total) if total else 0
     if freqs.shape[0] == total:
-        return freqs
+        return freqs  # one row per packed token: cu_seqlens is not needed
+    if total == 0:
+        return freqs[:0]
     if validate or cu_seqlens.device.type == "cpu":
         _check_packed_lengths(cu_seqlens, total, freqs.shape[0])
     cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
@@ -540,7 +544,7 @@ class IndexerPreprocess(nn.Module):
             )
         if cu_seqlens is not None and b != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
-        if token_freqs is None:
+        if token_freqs is None and (self.rope_fp32 or self.rope_fn is None):  # used below
             token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, s)
         if self.rope_fp32:
             return self._engine_path(q, k, token_freqs[:s], mscale)

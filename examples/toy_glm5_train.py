@@ -282,13 +282,13 @@ ENGINE = CONFIGS["rope_fp32+fp8"]
 
 def handed_in(engine, model, tokens):
     """For a replaying configuration (``engine`` is its picks' model), a context that hands
-    ``engine``'s picks of ``tokens`` on ``model``'s current weights to the forwards inside it;
+    ``engine``'s picks of ``tokens`` on ``model``'s weights at this call to the forwards inside it;
     otherwise a no-op. The picks are captured when this is called, outside the timed step."""
     if engine is None:
         return contextlib.nullcontext()
     import dsa_precision.megatron as dsap
 
-    engine.load_state_dict(model.state_dict(), strict=False)
+    engine.load_state_dict(model.state_dict())
     with torch.no_grad(), dsap.capture_topk() as captured:
         pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         engine(tokens, pos, None)

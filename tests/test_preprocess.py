@@ -471,3 +471,24 @@ def test_packed_preprocess_reads_the_rows_from_q_not_cu_seqlens():
     assert out[0].shape == q.shape
     with pytest.raises(ValueError, match="packs 5 tokens but the input has 6 packed rows"):
         pre(q, k, freqs, cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32))
+
+
+def test_thd_token_freqs_of_no_rows_and_a_models_own_rope_with_padded_rows():
+    from dsa_precision.preprocess import IndexerPreprocess, thd_token_freqs
+
+    freqs = torch.randn(4, 1, 1, 16)
+    assert thd_token_freqs(freqs, torch.tensor([0]), 0).shape == (0, 1, 1, 16)
+    # A model's own RoPE (rope_fn) takes freqs and cu_seqlens itself: rows past cu_seqlens[-1]
+    # (padding) are its business, no per-token table is built.
+    seen = []
+
+    def rope_fn(x, f, mscale, cu):
+        seen.append(cu.tolist())
+        return x
+
+    pre = IndexerPreprocess(
+        head_dim=64, rope_dim=16, k_norm=torch.nn.LayerNorm(64), rope_fn=rope_fn
+    )
+    q, k = torch.randn(6, 1, 2, 64), torch.randn(6, 1, 64)
+    pre(q, k, freqs, cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32))
+    assert seen == [[0, 4, 5], [0, 4, 5]]

@@ -156,10 +156,12 @@ class EngineTopk:
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
         if self.layout.seq_len is not None:
-            idx = idx.to(device, non_blocking=True)
-            if positions is None:  # every row in order: the picks themselves, in their layout
-                picks = idx.reshape(batch, self.seq_len, -1).to(torch.int32, copy=True)
+            moved = idx.to(device, non_blocking=True)
+            if positions is None:  # every row in order: the picks themselves, in their layout,
+                # copied once (by the move, the cast, or else here: never the engine's tensor)
+                picks = moved.reshape(batch, self.seq_len, -1).to(torch.int32, copy=moved is idx)
             else:
+                idx = moved
                 tokens = torch.arange(batch, device=device).view(-1, 1) * self.seq_len + positions
                 picks = idx[tokens].to(torch.int32)
         else:

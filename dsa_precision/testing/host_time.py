@@ -31,12 +31,12 @@ __all__ = ["package_host_seconds"]
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _megatron_dir() -> str | None:
+def _megatron_dirs() -> tuple[str, ...]:
     try:
         import megatron
     except ImportError:
-        return None
-    return os.path.dirname(os.path.abspath(next(iter(megatron.__path__)))) + os.sep + "megatron"
+        return ()
+    return tuple(os.path.abspath(path) + os.sep for path in megatron.__path__)
 
 
 def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -50,7 +50,7 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
             f"sys.monitoring's profiler slot is taken by {mon.get_tool(tool)!r}; stop that "
             "profiler (cProfile, a debugger) before measuring the package's host time."
         )
-    megatron_dir = _megatron_dir()
+    megatron_dirs = _megatron_dirs()
     owners: dict[Any, str | None] = {}  # code object -> "pkg" / "meg" / None (inherit)
     stack: list[str | None] = [None]
     spent = {"pkg": 0.0, "meg": 0.0, None: 0.0}
@@ -65,7 +65,7 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
             path = os.path.abspath(code.co_filename)
             if path.startswith(_PACKAGE):
                 mine = "pkg"
-            elif megatron_dir is not None and path.startswith(megatron_dir):
+            elif path.startswith(megatron_dirs):
                 mine = "meg"
             else:
                 mine = None
