@@ -1,9 +1,11 @@
 """Where the package's top-k time goes beyond cuDNN's raw deterministic top-k (H200 probe).
 
-    python tools/probe_topk_overhead.py [--seq 8192 16384] [--topk 2048]
+    python tools/probe_topk_overhead.py [--seq 8192 16384] [--topk 2048] [--launch-shapes]
 
 Times, on the same causal float32 scores: the raw kernel without and with ``return_val``, the
-one-pass ``-inf``/NaN fix-up alone, and :func:`dsa_precision.indexer_topk`.
+one-pass ``-inf``/NaN fix-up alone, and :func:`dsa_precision.indexer_topk`; with
+``--launch-shapes`` also the fix-up at every block size and warp count beside ``torch.sum`` of the
+same picks' scores (a single read of them: the pass's floor).
 """
 
 import argparse
@@ -12,10 +14,11 @@ import torch
 
 from dsa_precision import _cudnn, indexer_topk
 from dsa_precision.cli.bench import _Timer
+from dsa_precision.kernels import topk_picks
 from dsa_precision.kernels.topk_picks import drop_invalid_picks
 
 
-def _row(s: int, topk: int, timer: _Timer) -> list[float]:
+def _row(s: int, topk: int, timer: _Timer, shapes: bool = False) -> list[float]:
     dsa = _cudnn.dsa()
     g = torch.Generator(device="cuda").manual_seed(0)
     scores = torch.randn(s, s, device="cuda", generator=g)
@@ -29,6 +32,22 @@ def _row(s: int, topk: int, timer: _Timer) -> list[float]:
 
     out = raw(True)
     idx, vals = out["indices"], out["values"]
+    if shapes:
+        n = idx.numel()
+        for block in (1024, 2048, 4096, 8192, 16384):
+            for warps in (4, 8, 16):
+                if block // (32 * warps) < 4:
+                    continue
+
+                def fixup(block=block, warps=warps):
+                    grid = (-(-n // block),)
+                    topk_picks._drop_invalid_picks_kernel[grid](
+                        idx, vals, n, BLOCK=block, num_warps=warps
+                    )
+
+                print(f"  S={s} fix-up BLOCK={block:>5} warps={warps:>2}: "
+                      f"{timer(fixup) * 1e3:7.1f} us")  # fmt: skip
+        print(f"  S={s} torch.sum of the picks' scores: {timer(vals.sum) * 1e3:7.1f} us")
     return [
         timer(lambda: raw(False)),
         timer(lambda: raw(True)),
@@ -42,11 +61,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--launch-shapes", action="store_true", help="time the fix-up's launch shapes")
     a = p.parse_args()
     timer = _Timer(a.reps, 3)
     print("S      raw(no val)  raw(val)  fix-up  indexer_topk  (ms)")
     for s in a.seq:
-        t = _row(s, a.topk, timer)
+        t = _row(s, a.topk, timer, a.launch_shapes)
         print(f"{s:<6} " + "  ".join(f"{x:9.3f}" for x in t), flush=True)
 
 
