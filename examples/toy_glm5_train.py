@@ -204,19 +204,29 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def step(self, tokens, labels) -> float:
+        loss = self.forward(tokens, labels)
+        self.backward(loss)
+        self.update()
+        return loss.item()
+
+    def forward(self, tokens, labels) -> torch.Tensor:
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).expand(b, s)
-        loss = self.model(tokens, pos, None, labels=labels).float().mean()
+        return self.model(tokens, pos, None, labels=labels).float().mean()
+
+    def backward(self, loss: torch.Tensor) -> None:
         for p in self.params:
             p.grad = None
         loss.backward()
+
+    def update(self) -> None:
+        """The optimizer step on the FP32 masters, copied back into the BF16 parameters."""
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master, strict=True):
                 p.copy_(m)
-        return loss.item()
 
 
 def timed(fn, device):

@@ -39,30 +39,6 @@ def host_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def step_split(model, tokens, pos, labels, reps: int = 10) -> dict[str, float]:
-    """Host and device milliseconds of a training step's forward and backward (median)."""
-    out = {"fwd host": [], "fwd gpu": [], "bwd host": [], "bwd gpu": []}
-    for i in range(reps + 2):
-        torch.cuda.synchronize()
-        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        t0 = time.perf_counter()
-        e[0].record()
-        loss = model(tokens, pos, None, labels=labels).float().mean()
-        e[1].record()
-        t1 = time.perf_counter()
-        loss.backward()
-        e[2].record()
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        model.zero_grad(set_to_none=True)
-        if i >= 2:
-            out["fwd host"].append((t1 - t0) * 1e3)
-            out["bwd host"].append((t2 - t1) * 1e3)
-            out["fwd gpu"].append(e[0].elapsed_time(e[1]))
-            out["bwd gpu"].append(e[1].elapsed_time(e[2]))
-    return {k: statistics.median(v) for k, v in out.items()}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seq", type=int, default=2048)
@@ -101,7 +77,9 @@ def main() -> int:
             model(tokens, pos, None)
         handle.remove()
         cores[name], inputs[name] = (core, model), captured
-        steps.append((name, step_split(model, tokens, pos, toy.copy_task(ns, vocab, 1)[0][1])))
+        trainer, labels = toy.Trainer(model, ns.lr), toy.copy_task(ns, vocab, 1)[0][1]
+        splits = [toy_session.step_phases(trainer, tokens, labels) for _ in range(12)][2:]
+        steps.append((name, {k: statistics.median(s[k] for s in splits) for k in splits[0]}))
 
     core, _ = cores["baseline"]
     c = inputs["baseline"]
@@ -220,7 +198,9 @@ def main() -> int:
           f"S={args.seq} H={args.heads} top-{args.topk}, layer 1 of the toy model")  # fmt: skip
     for label, us in rows:
         print(f"  {label:<48}{us:>10.1f}")
-    print("training step split (ms, median of 10): host = until the call returns, gpu = events")
+    print(
+        "training step split (ms, median of 10 after 2): host = until the call returns, gpu = events"
+    )
     for name, split in steps:
         print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
     sys.stdout.flush()

@@ -17,7 +17,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 
 import torch
 import toy_session
@@ -28,45 +27,6 @@ RUNTIME_CALLS = (
     "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
     "cudaEventSynchronize", "cudaMalloc", "cudaFree",
 )  # fmt: skip
-
-
-def phases(trainer, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """One training step of ``trainer``: the toy's ``Trainer.step``, line for line, with a clock
-    and a CUDA event between its phases (ms)."""
-    model = trainer.model
-    b, s = tokens.shape
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    t = [time.perf_counter()]
-    events[0].record()
-    pos = torch.arange(s, device=tokens.device).expand(b, s)
-    loss = model(tokens, pos, None, labels=labels).float().mean()
-    events[1].record()
-    t.append(time.perf_counter())
-    for p in trainer.params:
-        p.grad = None
-    loss.backward()
-    events[2].record()
-    t.append(time.perf_counter())
-    for p, m in zip(trainer.params, trainer.master, strict=True):
-        m.grad = None if p.grad is None else p.grad.float()
-    trainer.opt.step()
-    with torch.no_grad():
-        for p, m in zip(trainer.params, trainer.master, strict=True):
-            p.copy_(m)
-    events[3].record()
-    t.append(time.perf_counter())
-    loss.item()
-    t.append(time.perf_counter())
-    return {
-        "fwd host": (t[1] - t[0]) * 1e3,
-        "fwd gpu": events[0].elapsed_time(events[1]),
-        "bwd host": (t[2] - t[1]) * 1e3,
-        "bwd gpu": events[1].elapsed_time(events[2]),
-        "opt host": (t[3] - t[2]) * 1e3,
-        "opt gpu": events[2].elapsed_time(events[3]),
-        "step": (t[4] - t[0]) * 1e3,
-    }
 
 
 def main() -> int:
@@ -101,7 +61,7 @@ def main() -> int:
         try:
             for _ in range(args.steps):
                 for name, trainer in trainers.items():
-                    times[name].append(phases(trainer, *batch))
+                    times[name].append(toy_session.step_phases(trainer, *batch))
         finally:
             gc.enable()
         print(f"garbage collector {'on' if collect else 'off'}")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import time
 from types import ModuleType
+
+import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,3 +36,33 @@ def toy_args(seq: int, topk: int) -> argparse.Namespace:
     """The toy script's arguments for a full-size model on CUDA, batch 1, its default seed."""
     return argparse.Namespace(tiny=False, topk=topk, engine="vllm", device="cuda", seed=1234,
                               seq=seq, batch=1, lr=1e-3)  # fmt: skip
+
+
+def step_phases(trainer, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """One training step of the toy's ``trainer`` (its ``step``: forward, backward, update),
+    with a clock and a CUDA event between the phases: host ms until each returns, GPU ms of each
+    span, and the whole step's wall ms (the loss read back)."""
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    t = [time.perf_counter()]
+    events[0].record()
+    loss = trainer.forward(tokens, labels)
+    events[1].record()
+    t.append(time.perf_counter())
+    trainer.backward(loss)
+    events[2].record()
+    t.append(time.perf_counter())
+    trainer.update()
+    events[3].record()
+    t.append(time.perf_counter())
+    loss.item()
+    t.append(time.perf_counter())
+    return {
+        "fwd host": (t[1] - t[0]) * 1e3,
+        "fwd gpu": events[0].elapsed_time(events[1]),
+        "bwd host": (t[2] - t[1]) * 1e3,
+        "bwd gpu": events[1].elapsed_time(events[2]),
+        "opt host": (t[3] - t[2]) * 1e3,
+        "opt gpu": events[2].elapsed_time(events[3]),
+        "step": (t[4] - t[0]) * 1e3,
+    }
