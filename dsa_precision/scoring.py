@@ -348,11 +348,13 @@ def _deepgemm_varlen_windows(
     offsets: torch.Tensor,
     ratio: int,
     max_seqlen_k: int,
+    counts: torch.Tensor | None = None,
 ) -> _deepgemm.WindowLogits:
     """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
-    columns."""
+    columns. ``counts``: the rows' :func:`varlen_key_counts`, when the caller has them."""
     tq = ops.q.shape[1]
-    counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
+    if counts is None:
+        counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
     rows = torch.arange(tq, device=ops.device)
     start = cu_k.to(torch.int32)[packed_sequence_of(cu_q, rows)]
     return _deepgemm_scores(ops, start, start + counts, max_seqlen_k, counts)
@@ -365,18 +367,16 @@ def deepgemm_select_input(
     *,
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
-    validate: bool = False,
 ) -> _deepgemm.WindowLogits:
-    """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`): DeepGEMM's
-    uncleaned logits of ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM.
-    ``counts``: BSHD, the rows' causal key counts if the caller has them (read only)."""
-    if validate:  # the offsets were range-checked where they entered (indexer_select's _offsets)
-        _validate_finite(ops)
+    """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`, which has
+    checked the arguments and, with ``validate``, the operands): DeepGEMM's uncleaned logits of
+    ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM. ``counts``: the
+    rows' causal key counts if the caller has them (read only; BSHD then reads no offsets)."""
     record_scoring_call(ops.precision.value, "deepgemm")
     if varlen is None:
         return _deepgemm_causal_windows(ops, offsets, ratio, counts)
-    return _deepgemm_varlen_windows(ops, varlen[0], varlen[1], offsets, ratio, varlen[2])
+    return _deepgemm_varlen_windows(ops, varlen[0], varlen[1], offsets, ratio, varlen[2], counts)
 
 
 def _reference_scores(

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
-from ._deepgemm import WindowLogits
 from .config import IndexerPrecisionConfig
 from .operands import ScoringOperands, as_scoring_operands
 from .scoring import (
@@ -88,12 +87,6 @@ def _topk_backend(requested: str) -> str:
 def _buffer(n: int, backend: str, device: torch.device) -> torch.Tensor | None:
     """One score buffer reused by every chunk (the kernel writes into it); DeepGEMM allocates."""
     return None if backend == "deepgemm" else torch.empty(n, dtype=torch.float32, device=device)
-
-
-def _in_place(window: WindowLogits) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k's input from DeepGEMM's logits: their buffer's rows and each row's length (the
-    window itself is not kept, so its memory goes with the scores)."""
-    return window.rows_in_place(), window.counts
 
 
 def _window_topk_backend(scores: torch.Tensor, topk: int) -> str:
@@ -209,33 +202,27 @@ def indexer_select(
     for r0 in range(0, sq, step):
         r1 = min(r0 + step, sq)
         part = ops.rows(r0, r1)
-        if r0 == 0:
-            part_offsets = offsets
+        # Each row's visible keys: the top-k's lengths, and DeepGEMM's windows.
+        if start is None:
+            lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
         else:
-            part_offsets = (
-                offsets + r0 if start is None else _constant_offsets(start + r0, b, device)
-            )
+            lens = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
-            counts = None
-            if start is not None:
-                counts = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
-            scores, lens = _in_place(
-                deepgemm_select_input(part, part_offsets, ratio, counts=counts)
-            )  # (the window itself is not kept: its logits go with the scores)
-            picks = _select_rows(
-                scores, topk, lens, deterministic, _window_topk_backend(scores, topk)
-            )
-            picks = picks.view(b, r1 - r0, topk)
+            # The buffer's rows (the window itself is not kept: its logits go with the scores).
+            scores = deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
+            row_backend = _window_topk_backend(scores, topk)
         else:
+            if r0 == 0:
+                part_offsets = offsets
+            elif start is None:
+                part_offsets = offsets + r0
+            else:
+                part_offsets = _constant_offsets(start + r0, b, device)
             part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
             scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
             scores = scores.view(b * (r1 - r0), sk)
-            if start is None:
-                lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
-            else:
-                lens = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
-            picks = _select_rows(scores, topk, lens, deterministic, topk_backend)
-            picks = picks.view(b, r1 - r0, topk)
+            row_backend = topk_backend
+        picks = _select_rows(scores, topk, lens, deterministic, row_backend).view(b, r1 - r0, topk)
         gaps = _margins(scores, lens, picks.view(-1, topk)).view(b, -1) if margins else None
         if out is None:
             return _with_margins(picks, gaps)
@@ -319,12 +306,13 @@ def indexer_select_varlen(
         r1 = min(r0 + step, tq)
         cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
         part = ops.rows(r0, r1)
+        lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            scores, lens = _in_place(deepgemm_select_input(part, off_chunk, ratio, varlen=varlen))
-            picks = _select_rows(
-                scores, topk, lens, deterministic, _window_topk_backend(scores, topk)
-            )
+            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, counts=lens)
+            scores = window.rows_in_place()  # the window goes: its logits go with the scores
+            del window
+            row_backend = _window_topk_backend(scores, topk)
         else:
             scores = _thd_scores(
                 part,
@@ -337,8 +325,8 @@ def indexer_select_varlen(
                 backend,
                 buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
             )
-            lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
-            picks = _select_rows(scores, topk, lens, deterministic, topk_backend)
+            row_backend = topk_backend
+        picks = _select_rows(scores, topk, lens, deterministic, row_backend)
         gaps = _margins(scores, lens, picks) if margins else None
         if out is None:
             return _with_margins(picks, gaps)
