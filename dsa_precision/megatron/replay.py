@@ -155,22 +155,19 @@ class EngineTopk:
             )
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
-        if self.layout.seq_len is not None:
-            moved = idx.to(device, non_blocking=True)
-            if positions is None:  # every row in order: the picks themselves, in their layout,
-                # copied once (by the move, the cast, or else here: never the engine's tensor)
-                picks = moved.reshape(batch, self.seq_len, -1).to(torch.int32, copy=moved is idx)
-            else:
-                idx = moved
-                tokens = torch.arange(batch, device=device).view(-1, 1) * self.seq_len + positions
-                picks = idx[tokens].to(torch.int32)
+        moved = idx.to(device, non_blocking=True)
+        if positions is None:  # every row in order: the picks themselves, in their layout,
+            # copied once (by the move, the cast, or else here: never the engine's tensor)
+            picks = moved.reshape(batch, self.seq_len, -1).to(torch.int32, copy=moved is idx)
+        elif self.layout.seq_len is not None:
+            tokens = torch.arange(batch, device=device).view(-1, 1) * self.seq_len + positions
+            picks = moved[tokens].to(torch.int32)
         else:
-            idx = idx.to(positions.device, non_blocking=True)
-            cu = self.layout.cu_seqlens.to(device=idx.device, dtype=torch.int64, non_blocking=True)
+            cu = self.layout.cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
             start = cu[packed_sequence_of(cu, safe)]
-            picks = idx[safe].to(torch.int64)
+            picks = moved[safe].to(torch.int64)
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
         if picks.shape[-1] == topk:
