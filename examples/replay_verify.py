@@ -48,21 +48,8 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-ENGINE = dict(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
+ENGINE = toy.ENGINE  # the rope_fp32+fp8 fields
 BASELINE = dict(dsa_indexer_rope_fp32=False, dsa_indexer_scoring_precision="bf16")
-
-
-def capture(engine_model, model, tokens) -> dict[int, torch.Tensor]:
-    """Every layer's picks of a no-grad forward of ``engine_model`` (built with the engine's
-    fields; the precision fields of a built model are frozen) on ``model``'s current weights, as
-    engine indices ``(batch * S, k)``."""
-    import dsa_precision.megatron as dsap
-
-    engine_model.load_state_dict(model.state_dict(), strict=False)
-    with torch.no_grad(), dsap.capture_topk() as captured:
-        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        engine_model(tokens, pos, None)
-    return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
 
 
 def run(args, source: str, engine_fields: dict | None) -> dict:
@@ -76,7 +63,7 @@ def run(args, source: str, engine_fields: dict | None) -> dict:
     data = toy.copy_task(args, vocab, args.steps)
     times, metrics, losses = [], [], []
     for tokens, labels in data:
-        picks = capture(engine_model, model, tokens)
+        picks = toy.engine_picks(engine_model, model, tokens)
         with dsap.engine_topk(picks, seq_len=tokens.shape[1]):
             loss, ms = toy.timed(lambda t=tokens, y=labels: trainer.step(t, y), args.device)
         losses.append(loss)

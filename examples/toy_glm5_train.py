@@ -6,7 +6,8 @@
 copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
 (baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k replayed
 from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed in,
-captured untimed before each step, so the step runs no indexer, the bound of any) it trains ``--steps`` steps from the same initial
+captured untimed before each step, so the step runs no indexer, the bound of any) it trains
+``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
 scoring calls that ran in FP8 (and on the cuDNN kernel). The configurations train interleaved
@@ -298,12 +299,20 @@ def handed_in(engine, model, tokens):
         return contextlib.nullcontext()
     import dsa_precision.megatron as dsap
 
+    return dsap.engine_topk(engine_picks(engine, model, tokens), seq_len=tokens.shape[1])
+
+
+def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:
+    """Every layer's picks of a no-grad forward of ``engine`` (a model built with the engine's
+    fields: the precision fields of a built model are frozen) on ``model``'s current weights, as
+    engine indices ``(batch * S, k)``, tokens batch-major."""
+    import dsa_precision.megatron as dsap
+
     engine.load_state_dict(model.state_dict())
     with torch.no_grad(), dsap.capture_topk() as captured:
         pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         engine(tokens, pos, None)
-    picks = {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
-    return dsap.engine_topk(picks, seq_len=tokens.shape[1])
+    return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
 
 
 def gpu_busy_ms(trainer, batch, steps: int) -> float:
