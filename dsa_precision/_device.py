@@ -107,9 +107,9 @@ class DerivedCache:
     misses) and the same ``key`` (every other argument of the derivation); else it builds and
     remembers it (the ``size`` most recent entries; an entry whose source was freed is dropped
     at the next call, so a per-call source holds no memory). Inference tensors carry no version
-    counter and are not cached (nor is anything during a graph capture). Only for sources whose contents change through operations the version
-    counter sees: not for parameters, whose storage an optimizer may rewrite through ``.data``
-    or a flat buffer without a bump.
+    counter and are not cached (nor is anything during a graph capture). Only for sources whose
+    contents change through operations the version counter sees: not for parameters, whose
+    storage an optimizer may rewrite through ``.data`` or a flat buffer without a bump.
     """
 
     def __init__(self, size: int = 16) -> None:
