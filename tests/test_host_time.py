@@ -47,6 +47,22 @@ def test_counts_package_frames_and_not_the_megatron_frames_they_call():
     assert 0.03 <= seconds <= 0.045, seconds  # 0.02 + 0.01 of the package, not 0.03 / 0.04
 
 
+def test_by_function_splits_the_package_time_among_its_functions():
+    root = os.path.dirname(dsa_precision.__file__)
+    env = {"spin": _spin}
+    env["inner"] = _function_in(os.path.join(root, "fake_inner.py"), "inner", "    spin(0.03)", env)
+    pkg = _function_in(
+        os.path.join(root, "fake_module.py"), "pkg", "    spin(0.01)\n    inner()", env
+    )
+    split = {"earlier.py:1 kept": 1.0}
+    _, seconds = package_host_seconds(pkg, by_function=split)
+    assert split.pop("earlier.py:1 kept") == 1.0  # added to, not replaced
+    assert sorted(split) == ["fake_inner.py:1 inner", "fake_module.py:1 pkg"]
+    assert 0.03 <= split["fake_inner.py:1 inner"] <= 0.04, split
+    assert 0.01 <= split["fake_module.py:1 pkg"] <= 0.02, split
+    assert sum(split.values()) == pytest.approx(seconds)
+
+
 def test_fp8_layer_forward_host_time_is_nonzero_and_bounded(megatron_parallel, cpu_rotary):
     from tests.megatron_utils import attention_inputs, make_attention, make_config, run_attention
 

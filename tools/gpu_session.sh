@@ -105,6 +105,10 @@ for step in "$@"; do
       TAIL=12 run toy_8192 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
         --steps 8 --share-steps 1 --stock-steps 1 --profile-steps 1 --configs $configs \
         --out "$LOGS/toy_8192.json" ;;
+    host-profile)  # issue 19: host us of each piece of the owned top-k, the step's phases, the
+      # package's host time per layer split by function (S 2048, then 8192)
+      TAIL=80 run host_profile_2048 300 python tools/host_profile.py
+      TAIL=60 run host_profile_8192 300 python tools/host_profile.py --seq 8192 --topk 2048 ;;
     toy-long)  # issue 20: S = 32768 top-2048, FP8 beside its picks handed in (no indexer: its
       # share), and (if it fits) Megatron's BF16 baseline
       TAIL=10 run toy_32768_fp8 600 python examples/toy_glm5_train.py --seq 32768 --topk 2048 \

@@ -39,6 +39,25 @@ def host_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def package_host_split(model, tokens, labels, steps: int) -> tuple[float, dict[str, float]]:
+    """The package's host ms per DSA layer forward in ``steps`` training forwards (autograd on,
+    as the toy's "pkg host" column), and each package function's own share of it."""
+    from dsa_precision.testing.host_time import package_host_seconds
+
+    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    forwards = steps * len(model.decoder.layers)
+    by_function: dict[str, float] = {}
+    total = 0.0
+    for _ in range(steps):
+        _, seconds = package_host_seconds(
+            lambda: model(tokens, pos, None, labels=labels), by_function=by_function
+        )
+        total += seconds
+    torch.cuda.synchronize()
+    scale = 1e3 / forwards
+    return total * scale, {name: sec * scale for name, sec in by_function.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seq", type=int, default=2048)
@@ -46,6 +65,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--profile-calls", type=int, default=20)
+    p.add_argument("--split-steps", type=int, default=10)
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -59,6 +79,7 @@ def main() -> int:
 
     rows = []
     steps = []
+    splits_by_function = {}
     cores = {}
     inputs = {}
     for name in ("baseline", "rope_fp32+fp8", "rope_fp32+fp8+graph"):
@@ -80,6 +101,8 @@ def main() -> int:
         trainer, labels = toy.Trainer(model, ns.lr), toy.copy_task(ns, vocab, 1)[0][1]
         splits = [toy_session.step_phases(trainer, tokens, labels) for _ in range(12)][2:]
         steps.append((name, {k: statistics.median(s[k] for s in splits) for k in splits[0]}))
+        if name != "baseline":
+            splits_by_function[name] = package_host_split(model, tokens, labels, args.split_steps)
 
     core, _ = cores["baseline"]
     c = inputs["baseline"]
@@ -203,6 +226,11 @@ def main() -> int:
     )
     for name, split in steps:
         print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
+    for name, (total, by_function) in splits_by_function.items():
+        print(f"package host ms per layer forward in training forwards, {name}: {total:.3f}; "
+              "its functions by own ms")  # fmt: skip
+        for fn_name, ms in sorted(by_function.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"  {ms:8.4f}  {fn_name}")
     sys.stdout.flush()
 
     prof = cProfile.Profile()

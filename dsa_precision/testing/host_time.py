@@ -39,10 +39,13 @@ def _megatron_dirs() -> tuple[str, ...]:
     return tuple(os.path.abspath(path) + os.sep for path in megatron.__path__)
 
 
-def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
+def package_host_seconds(
+    fn: Callable[[], Any], by_function: dict[str, float] | None = None
+) -> tuple[Any, float]:
     """Run ``fn()`` on this thread, monitored: ``(fn's result, seconds of host time spent in
-    dsa_precision frames)``. Raises ``RuntimeError`` if another profiler holds
-    ``sys.monitoring``'s profiler slot."""
+    dsa_precision frames)``. ``by_function``, if given, gains each package function's own share
+    of those seconds (``"module.py:line name"`` -> seconds, added to what it holds). Raises
+    ``RuntimeError`` if another profiler holds ``sys.monitoring``'s profiler slot."""
     mon = sys.monitoring
     tool = mon.PROFILER_ID
     if mon.get_tool(tool) is not None:
@@ -53,7 +56,15 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
     megatron_dirs = _megatron_dirs()
     owners: dict[Any, str | None] = {}  # code object -> "pkg" / "meg" / None (inherit)
     stack: list[str | None] = [None]
+    codes: list[Any] = [None]  # the code object of each frame on ``stack``
     spent = {"pkg": 0.0, "meg": 0.0, None: 0.0}
+    per_code: dict[Any, float] = {}
+
+    def charge(seconds: float) -> None:
+        spent[stack[-1]] += seconds
+        if by_function is not None and stack[-1] == "pkg":
+            per_code[codes[-1]] = per_code.get(codes[-1], 0.0) + seconds
+
     clock = time.perf_counter
     mark = [clock()]
     me = threading.get_ident()
@@ -80,8 +91,9 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
         if mine is None:  # inherits its caller's owner: never pushed, never popped
             mark[0] += clock() - now
             return disable
-        spent[stack[-1]] += now - mark[0]
+        charge(now - mark[0])
         stack.append(mine)
+        codes.append(code)
         mark[0] = clock()
         return None
 
@@ -92,9 +104,10 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
         if owner(code) is None:
             mark[0] += clock() - now
             return disable
-        spent[stack[-1]] += now - mark[0]
+        charge(now - mark[0])
         if len(stack) > 1:
             stack.pop()
+            codes.pop()
         mark[0] = clock()
         return None
 
@@ -124,9 +137,14 @@ def package_host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
             result = fn()
         finally:
             mon.set_events(tool, 0)
-            spent[stack[-1]] += clock() - mark[0]
+            charge(clock() - mark[0])
     finally:
         for event in callbacks:
             mon.register_callback(tool, event, None)
         mon.free_tool_id(tool)
+    if by_function is not None:
+        for code, seconds in per_code.items():
+            name = f"{os.path.relpath(code.co_filename, _PACKAGE)}:{code.co_firstlineno} "
+            name += code.co_qualname
+            by_function[name] = by_function.get(name, 0.0) + seconds
     return result, spent["pkg"]
