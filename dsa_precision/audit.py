@@ -53,24 +53,30 @@ def strict_enabled() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-@contextlib.contextmanager
-def strict_precision(precision: str) -> Iterator[None]:
+class _Setting:
+    """``var`` set to ``value`` inside the block, restored after it (a class, not a generator:
+    the Megatron layer enters one per forward)."""
+
+    __slots__ = ("_token", "_value", "_var")
+
+    def __init__(self, var: contextvars.ContextVar, value: object) -> None:
+        self._var, self._value = var, value
+
+    def __enter__(self) -> None:
+        self._token = self._var.set(self._value)
+
+    def __exit__(self, *exc: object) -> None:
+        self._var.reset(self._token)
+
+
+def strict_precision(precision: str) -> contextlib.AbstractContextManager[None]:
     """Raise at the first scoring call inside the block whose precision is not ``precision``."""
-    token = _expected.set(str(precision))
-    try:
-        yield
-    finally:
-        _expected.reset(token)
+    return _Setting(_expected, str(precision))
 
 
-@contextlib.contextmanager
-def scoring_site(name: str) -> Iterator[None]:
+def scoring_site(name: str) -> contextlib.AbstractContextManager[None]:
     """Label the scoring calls made inside the block (e.g. ``"fused"`` or ``"split"``)."""
-    token = _site.set(name)
-    try:
-        yield
-    finally:
-        _site.reset(token)
+    return _Setting(_site, name)
 
 
 @contextlib.contextmanager

@@ -72,6 +72,13 @@ def parse() -> argparse.Namespace:
         "--engine", default="vllm", help="dsa_indexer_engine of the FP8 runs (default vllm)"
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--attention-heads",
+        type=int,
+        default=16,
+        help="attention heads (Megatron's unfused sparse attention holds B x heads x S x S "
+        "float32 scores: 4 fits S = 32768 on one H200)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
@@ -97,7 +104,7 @@ def model_config(args, **overrides):
         num_layers=2,
         hidden_size=256 if tiny else 1024,
         ffn_hidden_size=512 if tiny else 2816,
-        num_attention_heads=4 if tiny else 16,
+        num_attention_heads=4 if tiny else args.attention_heads,
         q_lora_rank=128 if tiny else 512,
         kv_lora_rank=64 if tiny else 512,
         qk_head_dim=64 if tiny else 128,

@@ -66,6 +66,9 @@ def _result(seq, chunked):
             e2e_bound=7.8 / 4.1,
             e2e_share_of_bound=2.0 / (7.8 / 4.1),
             api_ratio=7.0 / 4.0,
+            host_us=dict(
+                raw_score_fp8=60.0, score_fp8=90.0, raw_topk_val=70.0, topk=105.0, select_fp8=250.0
+            ),
         )
     return out
 
@@ -81,7 +84,11 @@ def test_table_layout():
     kernels = next(line for line in lines if line.lstrip().startswith("16384"))
     assert "4.600" in kernels and "1.02" in kernels and "1.08" in kernels  # raw, pkg, x
     assert kernels.split("|")[-1].split() == ["1.200", "1.250", "1.300", "1.08", "1.04"]
-    e2e = [line for line in lines if line.lstrip().startswith("16384")][1]
+    host = [line for line in lines if line.lstrip().startswith("16384")][1]
+    assert [part.split() for part in host.split("|")[1:]] == [
+        ["60.0", "90.0", "1.50"], ["70.0", "105.0", "1.50"], ["250.0"], ["-", "-"]
+    ]  # fmt: skip
+    e2e = [line for line in lines if line.lstrip().startswith("16384")][2]
     assert "2.00" in e2e and "1.90" in e2e and "105 %" in e2e and "1.75" in e2e
     chunked = next(line for line in lines if line.lstrip().startswith("65536"))
     assert "2100" in chunked and "1600" in chunked and chunked.count("-") >= 2

@@ -25,6 +25,10 @@ class _CountingTimer:
         self.calls += 1
         return 1.0
 
+    def host_us(self, fn):
+        fn()
+        return 10.0
+
 
 @pytest.fixture
 def cpu_bench(monkeypatch):
@@ -58,12 +62,15 @@ def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
                 "raw_topk", "raw_topk_val", "topk"):  # fmt: skip
         assert t[key] == 1.0, key
     assert r["overhead"]["score_dg"] == 1.0 and r["e2e_bound_dg"] > 0
+    assert set(r["host_us"]) == {"raw_score_fp8", "score_fp8", "raw_topk_val", "topk",
+                                 "select_fp8", "raw_score_dg", "select_fp8_dg"}  # fmt: skip
     assert report["long"] == [] and report["split"] == []
     # the raw DeepGEMM calls: compressed uncleaned (the select's input) and cleaned full scores
     raw = [c for c in dg.calls if c["q"].shape[0] == 256]
     assert {(c["max_seqlen_k"], c["clean_logits"]) for c in raw} >= {(256, False), (0, True)}
     text = bench.format_tables(report)
     assert "dg raw" in text and "dg fp8" in text and "long context" not in text
+    assert "host us per call" in text
 
 
 def test_long_profile_times_the_chunked_kernels(cpu_bench):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -24,14 +25,22 @@ import time
 import torch
 import toy_session
 
+# Device work queued before each "busy" call: about 20 ms of torch.cuda._sleep on an H200.
+_BUSY_CYCLES = 40_000_000
 
-def host_us(fn, reps: int) -> float:
-    """Median host microseconds of ``fn()``, the device idle before each call."""
+
+def host_us(fn, reps: int, busy: bool = False) -> float:
+    """Median host microseconds of ``fn()``, the device idle before each call, or with
+    ``busy`` behind ~20 ms of queued device work: a call that waits for the device (a
+    synchronisation the sync-debug mode does not see, inside a third-party library) takes that
+    long there, where a call that only launches takes its idle time."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(_BUSY_CYCLES)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -104,24 +113,19 @@ def main() -> int:
         if name != "baseline":
             splits_by_function[name] = package_host_split(model, tokens, labels, args.split_steps)
 
-    core, _ = cores["baseline"]
-    c = inputs["baseline"]
-    with torch.no_grad():
-        rows.append(
-            (
-                "megatron bf16 indexer (x, qr -> top-k)",
-                host_us(lambda: core.indexer(c["x"], c["qr"]), args.reps),
-            )
-        )
+    stock, _ = cores["baseline"]
+    b16 = inputs["baseline"]
+    rows.append(
+        ("megatron bf16 indexer (x, qr -> top-k)", lambda: stock.indexer(b16["x"], b16["qr"]))
+    )
     graphed, _ = cores["rope_fp32+fp8+graph"]
     g = inputs["rope_fp32+fp8+graph"]
-    with torch.no_grad():
-        rows.append(
-            (
-                "compute_topk from its CUDA graph (all of it)",
-                host_us(lambda: graphed.compute_topk(g["query"], g["x"], g["qr"], None), args.reps),
-            )
+    rows.append(
+        (
+            "compute_topk from its CUDA graph (all of it)",
+            lambda: graphed.compute_topk(g["query"], g["x"], g["qr"], None),
         )
+    )
     core, _ = cores["rope_fp32+fp8"]
     c = inputs["rope_fp32+fp8"]
     x, qr, query = c["x"], c["qr"], c["query"]
@@ -131,50 +135,48 @@ def main() -> int:
         rows.append(
             (
                 "compute_topk (owned, all of it)",
-                host_us(lambda: core.compute_topk(query, x, qr, None), args.reps),
+                lambda: core.compute_topk(query, x, qr, None),
             )
         )
-        rows.append(("  rank_layout", host_us(lambda: core.rank_layout(query, x, None), args.reps)))
+        rows.append(("  rank_layout", lambda: core.rank_layout(query, x, None)))
         rows.append(
             (
                 "  indexer._projections",
-                host_us(lambda: core.indexer._projections(x, qr, None, True), args.reps),
+                lambda: core.indexer._projections(x, qr, None, True),
             )
         )
         rows.append(
             (
                 "  indexer.scoring_operands",
-                host_us(lambda: core.indexer.scoring_operands(x, qr, None), args.reps),
+                lambda: core.indexer.scoring_operands(x, qr, None),
             )
         )
         ops = core.indexer.scoring_operands(x, qr, None)
         from dsa_precision.megatron.layout import owned_topk
 
-        rows.append(("  owned_topk", host_us(lambda: owned_topk(ops, layout, topk), args.reps)))
-        rows.append(
-            ("    indexer_select", host_us(lambda: dp.indexer_select(ops, topk=topk), args.reps))
-        )
+        rows.append(("  owned_topk", lambda: owned_topk(ops, layout, topk)))
+        rows.append(("    indexer_select", lambda: dp.indexer_select(ops, topk=topk)))
         s = ops.q.shape[1]
         offsets = torch.zeros(1, dtype=torch.int32, device="cuda")
         buf = torch.empty(s * s, dtype=torch.float32, device="cuda").view(1, s, s)
         rows.append(
             (
                 "      indexer_scores(out=)",
-                host_us(lambda: dp.indexer_scores(ops, out=buf), args.reps),
+                lambda: dp.indexer_scores(ops, out=buf),
             )
         )
         lens = causal_key_counts(offsets, 0, s, 1, s).view(-1)
         rows.append(
             (
                 "      causal_key_counts",
-                host_us(lambda: causal_key_counts(offsets, 0, s, 1, s), args.reps),
+                lambda: causal_key_counts(offsets, 0, s, 1, s),
             )
         )
         scores = buf.view(s, s)
         rows.append(
             (
                 "      indexer_topk(seq_lens=)",
-                host_us(lambda: dp.indexer_topk(scores, topk, seq_lens=lens), args.reps),
+                lambda: dp.indexer_topk(scores, topk, seq_lens=lens),
             )
         )
         dsa = _cudnn.dsa()
@@ -186,51 +188,58 @@ def main() -> int:
                 k_scale=ops.k_descale.unsqueeze(-1),
             )  # fmt: skip
 
-        rows.append(("raw cudnn indexer_forward_wrapper(out=)", host_us(raw_scores, args.reps)))
+        rows.append(("raw cudnn indexer_forward_wrapper(out=)", raw_scores))
         rows.append(
             (
                 "raw cudnn indexer_top_k_wrapper(+val)",
-                host_us(
-                    lambda: dsa.indexer_top_k_wrapper(
-                        scores, lens, top_k=topk, return_val=True, deterministic=True
-                    ),
-                    args.reps,
+                lambda: dsa.indexer_top_k_wrapper(
+                    scores, lens, top_k=topk, return_val=True, deterministic=True
                 ),
             )
         )
         rows.append(
             (
                 "raw cudnn indexer_top_k_wrapper(no val)",
-                host_us(
-                    lambda: dsa.indexer_top_k_wrapper(
-                        scores, lens, top_k=topk, return_val=False, deterministic=True
-                    ),
-                    args.reps,
+                lambda: dsa.indexer_top_k_wrapper(
+                    scores, lens, top_k=topk, return_val=False, deterministic=True
                 ),
             )
         )
         small = torch.empty(16, device="cuda")
-        rows.append(
-            ("torch: one small add_ (launch floor)", host_us(lambda: small.add_(1), args.reps))
-        )
-        rows.append(
-            ("torch: torch.empty(16)", host_us(lambda: torch.empty(16, device="cuda"), args.reps))
-        )
+        rows.append(("torch: one small add_ (launch floor)", lambda: small.add_(1)))
+        rows.append(("torch: torch.empty(16)", lambda: torch.empty(16, device="cuda")))
 
-    print(f"host microseconds per call (median of {args.reps}; device idle before each), "
-          f"S={args.seq} H={args.heads} top-{args.topk}, layer 1 of the toy model")  # fmt: skip
-    for label, us in rows:
-        print(f"  {label:<48}{us:>10.1f}")
+    print(f"host microseconds per call (median of {args.reps}), the device idle before each "
+          f"call, and busy (~20 ms of work queued), S={args.seq} H={args.heads} "
+          f"top-{args.topk}, layer 1 of the toy model")  # fmt: skip
+    print(f"  {'':<48}{'idle':>10}{'busy':>10}")
+    for label, fn in rows:
+        with torch.no_grad():
+            idle, busy = host_us(fn, args.reps), host_us(fn, args.reps, busy=True)
+        print(f"  {label:<48}{idle:>10.1f}{busy:>10.1f}")
     print(
         "training step split (ms, median of 10 after 2): host = until the call returns, gpu = events"
     )
     for name, split in steps:
         print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
+    from dsa_precision.testing.host_time import package_host_seconds
+
     for name, (total, by_function) in splits_by_function.items():
-        print(f"package host ms per layer forward in training forwards, {name}: {total:.3f}; "
-              "its functions by own ms")  # fmt: skip
+        layer, a = cores[name][0], inputs[name]
+        call = functools.partial(layer.compute_topk, a["query"], a["x"], a["qr"], None)
+        idle: dict[str, float] = {}
+        idle_total = 0.0
+        with torch.no_grad():
+            for _ in range(args.split_steps):
+                torch.cuda.synchronize()
+                idle_total += package_host_seconds(call, by_function=idle)[1]
+        torch.cuda.synchronize()
+        scale = 1e3 / args.split_steps
+        print(f"package host ms per layer forward, {name}: {total:.3f} in training forwards "
+              f"(all of the layer), {idle_total * scale:.3f} in compute_topk calls on an idle "
+              "device; own ms per function")  # fmt: skip
         for fn_name, ms in sorted(by_function.items(), key=lambda kv: -kv[1])[:25]:
-            print(f"  {ms:8.4f}  {fn_name}")
+            print(f"  {ms:8.4f}{idle.get(fn_name, 0.0) * scale:8.4f}  {fn_name}")
     sys.stdout.flush()
 
     prof = cProfile.Profile()

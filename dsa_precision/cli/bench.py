@@ -29,6 +29,7 @@ import dataclasses
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,9 @@ HEAD_DIM = 128
 ROPE_DIM = 64
 _FLUSH_BYTES = 256 << 20  # larger than the H200's L2 (60 MB)
 _BANDWIDTH_BYTES = 1 << 30
+# Device cycles the timer sleeps before each repetition (about 1 ms at the H200's ~1.98 GHz): more
+# than the host needs to queue any call measured here.
+_LEAD_CYCLES = 2_000_000
 _DEVICE = "cuda"  # where the operands live (the CPU tests run the measurement code on fakes)
 
 
@@ -157,7 +161,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 class _Timer:
-    """Median of CUDA-event timings after warm-up, the L2 flushed before each repetition."""
+    """Median of CUDA-event timings after warm-up, the L2 flushed before each repetition.
+
+    The device time of a call: behind the flush the device sleeps ``_LEAD_CYCLES`` (about 1 ms)
+    before the start event, so every launch of the call is queued before its first kernel runs
+    and the host's time before a launch (Python, checks, the launches themselves; measured
+    apart, :meth:`host_us`) is not counted for the package or for the raw kernels."""
 
     def __init__(self, reps: int, warmup: int) -> None:
         self.reps, self.warmup = reps, warmup
@@ -170,6 +179,7 @@ class _Timer:
         times = []
         for _ in range(self.reps):
             self._flush.zero_()
+            torch.cuda._sleep(_LEAD_CYCLES)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -177,6 +187,19 @@ class _Timer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def host_us(self, fn: Callable[[], Any]) -> float:
+        """Median host microseconds of ``fn()`` (until it returns), the device idle before
+        each of ``reps`` calls."""
+        fn()
+        times = []
+        for _ in range(self.reps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
         return statistics.median(times)
 
 
@@ -415,7 +438,18 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
         for key, val in (("raw_topk", False), ("raw_topk_val", True)):
             t[key] = timer(lambda val=val: raw.topk(scores, lens, val))
         t["topk"] = timer(lambda: indexer_topk(scores, cfg.topk, seq_lens=lens))
-        del scores
+        host = {
+            "raw_score_fp8": lambda: raw.cudnn_scores(ops8, offsets),
+            "score_fp8": lambda: indexer_scores(ops8),
+            "raw_topk_val": lambda: raw.topk(scores, lens, True),
+            "topk": lambda: indexer_topk(scores, cfg.topk, seq_lens=lens),
+            "select_fp8": lambda: indexer_select(ops8, topk=cfg.topk),
+        }
+        if "deepgemm" in backends:
+            host["raw_score_dg"] = lambda: raw.deepgemm_logits(ops8, lens)
+            host["select_fp8_dg"] = lambda: indexer_select(ops8, topk=cfg.topk, backend="deepgemm")
+        h = {name: timer.host_us(fn) for name, fn in host.items()}
+        del scores, host
         q32, k32 = work.pre8(work.q, work.k, work.freqs)
         car = (q32.transpose(0, 1), k32.transpose(0, 1), work.w8.transpose(0, 1))
         for p, config in (("bf16", work.cfg16), ("fp8", work.cfg8)):
@@ -442,6 +476,8 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
         "peak_extra_mib": mem,
         "e2e_ratio": t["e2e_bf16"] / t["e2e_fp8"],
     }
+    if not chunked:
+        out["host_us"] = h
     if "e2e_fp8_dg" in t:
         out["e2e_ratio_dg"] = t["e2e_bf16"] / t["e2e_fp8_dg"]
     if not chunked:
@@ -631,6 +667,8 @@ def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
         )
     lines += [
+        "times: device time of each call (its launches queued behind a ~1 ms device sleep: the "
+        "host's time before them not counted; host us below)",
         "dg raw: DeepGEMM's compressed uncleaned logits (what the select path reads); clean: "
         "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; dg/cu: "
         "dg raw / fp8 raw",
@@ -638,6 +676,31 @@ def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
         "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
         "over each",
     ]
+    return lines
+
+
+def _host_lines(full: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "host us per call until it returns, the device idle before each (median; x = package / "
+        "raw)",
+        f"{'S':>6} {'H':>3} | {'fp8 raw':>8} {'pkg':>7} {'x':>5} | {'top-k +val':>10} "
+        f"{'pkg':>7} {'x':>5} | {'select fp8':>10} | {'dg raw':>7} {'select dg':>9}",
+    ]
+    for r in full:
+        h = r.get("host_us")
+        if h is None:
+            continue
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {h['raw_score_fp8']:>8.1f} {h['score_fp8']:>7.1f} "
+            f"{h['score_fp8'] / h['raw_score_fp8']:>5.2f} | {h['raw_topk_val']:>10.1f} "
+            f"{h['topk']:>7.1f} {h['topk'] / h['raw_topk_val']:>5.2f} | "
+            f"{h['select_fp8']:>10.1f} | {_fmt(h.get('raw_score_dg'), '.1f'):>7} "
+            f"{_fmt(h.get('select_fp8_dg'), '.1f'):>9}"
+        )
+    lines.append(
+        "select: indexer_select from prepared operands (scoring, key counts, top-k, the "
+        "-inf/NaN pass)"
+    )
     return lines
 
 
@@ -748,6 +811,8 @@ def format_tables(report: dict[str, Any]) -> str:
     ]
     if full:
         lines += ["", *_kernel_lines(full)]
+        if any("host_us" in r for r in full):
+            lines += ["", *_host_lines(full)]
     if rows:
         lines += ["", *_e2e_lines(rows)]
     if report.get("long"):

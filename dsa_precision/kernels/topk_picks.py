@@ -20,7 +20,10 @@ _BLOCK = 2048
 
 @triton.jit
 def _drop_invalid_picks_kernel(idx_ptr, val_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # Last block first: the top-k kernel wrote the scores just before, and their tail is what
+    # the L2 cache still holds when the first programs of this pass run.
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < n
     v = tl.load(val_ptr + offs, mask=in_range, other=0.0)
     drop = (v != v) | (v == float("-inf"))  # NaN or -inf

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -104,6 +105,10 @@ class PrecisionDSAttention(DSAttention):
             and self._topk_source != "replay"
         )
         self._graphs = GraphedCalls() if graphed else None
+        # The indexer's parameters by name, looked up on every replay (a replaced Parameter
+        # object is read as the module now holds it): their addresses are part of a graph's key.
+        names = [name for name, _ in self.indexer.named_parameters()] if graphed else []
+        self._indexer_params = tuple(operator.attrgetter(name) for name in names)
         # The layer's process groups are fixed when it is built: their sizes and ranks too.
         pgs = self.pg_collection  # a collection may lack a group it does not use (Megatron's tests)
         tp, cp = getattr(pgs, "tp", None), getattr(pgs, "cp", None)
@@ -393,7 +398,7 @@ class PrecisionDSAttention(DSAttention):
         key = (
             layout,
             margins,
-            tuple(p.data_ptr() for p in indexer.parameters()),
+            tuple([param(indexer).data_ptr() for param in self._indexer_params]),
             id(indexer.preprocess()),
             self.index_topk,
             self.config.rope_type,

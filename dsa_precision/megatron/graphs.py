@@ -119,7 +119,7 @@ class GraphedCalls:
         if torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
         device = inputs[0].device
-        full = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))
+        full = (key, tuple([(t.shape, t.dtype, t.device) for t in inputs]))
         with self._lock, torch.cuda.device(device):
             entry = self._graphs.pop(full, None)
             if entry is None:

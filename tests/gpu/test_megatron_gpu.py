@@ -317,7 +317,8 @@ def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
 
 def test_graphed_top_k_follows_the_parameters(dsap):
     """An in-place update (the optimizer's) is read by the next replay; new storage for a
-    parameter captures again; another sequence length captures its own graph."""
+    parameter, or a new Parameter object, captures again; another sequence length captures its
+    own graph."""
     eager, graphed = _graph_pair(dsap)
     query, _, x, qr, _ = _inputs(seed=0)
     first = graphed.compute_topk(query, x, qr, None)
@@ -337,11 +338,19 @@ def test_graphed_top_k_follows_the_parameters(dsap):
         graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
     )
     assert len(graphed._graphs) == 2
-    query, _, x, qr, _ = _inputs(s=1024, seed=1)
+    with torch.no_grad():  # a new Parameter object (a reload that replaces the module's)
+        graphed.indexer.linear_wk.weight = torch.nn.Parameter(weight.data.clone())
+        graphed.indexer.linear_wk.weight.mul_(-1)
+        eager.indexer.linear_wk.weight.mul_(-1)
     assert torch.equal(
         graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
     )
     assert len(graphed._graphs) == 3
+    query, _, x, qr, _ = _inputs(s=1024, seed=1)
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 4
 
 
 @pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
