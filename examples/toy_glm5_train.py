@@ -91,6 +91,12 @@ def parse() -> argparse.Namespace:
         default=3,
         help="steps profiled per configuration for its GPU kernel time (0: skip; CUDA only)",
     )
+    p.add_argument(
+        "--host-steps",
+        type=int,
+        default=10,
+        help="forwards and steps per configuration for the pkg host and in-step times (0: skip)",
+    )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -415,22 +421,31 @@ def train(args, names: list[str]) -> list[dict]:
             ):
                 run["calls"][key] += count
     results = []
+    # Every configuration's host times before any profile runs (torch.profiler's CUDA activity
+    # tracing, CUPTI, can leave later launches slower).
+    for run in runs:
+        model, engine = run["model"], run["engine"]
+        run["index_ms"] = run["topk_host_ms"] = None  # a replaying configuration: no indexer
+        if engine is None:
+            run["index_ms"], run["topk_host_ms"] = indexer_ms(args, model, data[0][0])
+        run["host_ms"] = run["in_step_ms"] = None
+        if args.host_steps:
+            with handed_in(engine, model, data[-1][0]):
+                layers = len(model.decoder.layers)
+                run["host_ms"] = package_host_ms(run["trainer"], data[-1], args.host_steps, layers)
+                run["in_step_ms"] = topk_host_in_step_ms(run["trainer"], data[-1], args.host_steps)
     for run in runs:
         name, model, losses, engine = run["name"], run["model"], run["losses"], run["engine"]
-        index_ms = topk_host_ms = None  # a replaying configuration runs no indexer
-        if engine is None:
-            index_ms, topk_host_ms = indexer_ms(args, model, data[0][0])
-        busy = host_ms = in_step_ms = None
-        with handed_in(engine, model, data[-1][0]):
-            if args.device != "cpu" and args.profile_steps:
+        index_ms, topk_host_ms = run["index_ms"], run["topk_host_ms"]
+        host_ms, in_step_ms = run["host_ms"], run["in_step_ms"]
+        busy = None
+        if args.device != "cpu" and args.profile_steps:
+            with handed_in(engine, model, data[-1][0]):
                 busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
-            if args.profile_steps:
-                layers = len(model.decoder.layers)
-                host_ms = package_host_ms(run["trainer"], data[-1], args.profile_steps, layers)
-                in_step_ms = topk_host_in_step_ms(run["trainer"], data[-1], args.profile_steps)
         del run["model"], run["trainer"], run["engine"], model
         share_losses = []
-        if engine is None:  # index sharing: layer 2 reuses layer 1's top-k (Megatron's rule)
+        if engine is None and args.share_steps:  # index sharing: layer 2 reuses layer 1's
+            # top-k (Megatron's rule)
             share_model, _ = build_model(
                 args, model_config(args, dsa_indexer_topk_freq=2, **CONFIGS[name])
             )

@@ -21,7 +21,7 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
                MASTER_PORT=str(free_port()))  # fmt: skip
     out = tmp_path / "toy.json"
     args = ["--tiny", "--device", "cpu", "--steps", "4", "--share-steps", "1",
-            "--stock-steps", "1", "--profile-steps", "1",
+            "--stock-steps", "1", "--profile-steps", "1", "--host-steps", "1",
             "--configs", "baseline,rope_fp32+fp8,replay"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, "examples/toy_glm5_train.py", *args, "--out", str(out)],

@@ -103,7 +103,8 @@ for step in "$@"; do
           --out "$LOGS/toy_2048_$i.json"
       done
       TAIL=12 run toy_8192 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
-        --steps 8 --share-steps 1 --stock-steps 1 --profile-steps 1 --configs $configs \
+        --steps 8 --share-steps 1 --stock-steps 1 --profile-steps 1 --host-steps 3 \
+        --configs $configs \
         --out "$LOGS/toy_8192.json" ;;
     host-profile)  # issue 19: host us of each piece of the owned top-k, the step's phases, the
       # package's host time per layer split by function (S 2048, then 8192)
@@ -114,10 +115,11 @@ for step in "$@"; do
       # FP8 beside its picks handed in (no indexer: its share), then Megatron's BF16 baseline
       # (its indexer materialises S x 32 heads x S float32 scores, 128 GiB: expected to OOM)
       TAIL=10 run toy_32768_fp8 600 python examples/toy_glm5_train.py --seq 32768 --topk 2048 \
-        --attention-heads 4 --steps 4 --share-steps 0 --profile-steps 1 --stock-steps 0 \
+        --attention-heads 4 --steps 4 --share-steps 0 --profile-steps 1 --host-steps 1 \
+        --stock-steps 0 \
         --configs rope_fp32+fp8,replay --out "$LOGS/toy_32768_fp8.json"
       TAIL=10 run toy_32768_baseline 300 python examples/toy_glm5_train.py --seq 32768 \
-        --topk 2048 --attention-heads 4 --steps 2 --share-steps 0 --profile-steps 1 \
+        --topk 2048 --attention-heads 4 --steps 2 --share-steps 0 --profile-steps 1 --host-steps 1 \
         --stock-steps 0 --configs baseline --out "$LOGS/toy_32768_baseline.json" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \

@@ -127,8 +127,7 @@ class GraphedCalls:
                 if len(self._graphs) >= self._max:  # the least recently used goes
                     self._graphs.pop(next(iter(self._graphs)))
             self._graphs[full] = entry  # most recently used last
-            for static, value in zip(entry.inputs, inputs, strict=True):
-                static.copy_(value)
+            torch._foreach_copy_(entry.inputs, inputs)  # one launch for inputs of one dtype
             entry.graph.replay()
             output = _clone(entry.output)
         audit.record_scoring_calls(entry.calls)

@@ -333,12 +333,14 @@ def test_graphed_top_k_follows_the_parameters(dsap):
     assert len(graphed._graphs) == 1
     with torch.no_grad():
         weight = graphed.indexer.linear_wk.weight
-        weight.data = weight.data.clone()
+        first_storage = weight.data  # kept: the new storage cannot reuse its address
+        weight.data = first_storage.clone()
     assert torch.equal(
         graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
     )
     assert len(graphed._graphs) == 2
-    with torch.no_grad():  # a new Parameter object (a reload that replaces the module's)
+    with torch.no_grad():  # a new Parameter object (a reload that replaces the module's);
+        # `weight` keeps the second storage alive, so the new one has an address of its own
         graphed.indexer.linear_wk.weight = torch.nn.Parameter(weight.data.clone())
         graphed.indexer.linear_wk.weight.mul_(-1)
         eager.indexer.linear_wk.weight.mul_(-1)
