@@ -341,22 +341,30 @@ def gpu_busy_ms(trainer, batch, steps: int) -> float:
     return sum(e.device_time for e in kernels) / 1e3 / steps
 
 
-def package_host_ms(trainer, batch, steps: int, forwards: int) -> float:
+def package_host_ms(trainer, batch, steps: int, forwards: int, by_function=None) -> float:
     """The package's own host time per DSA layer forward, in ms: the time on the host in
     ``dsa_precision`` frames (``dsa_precision.testing.host_time``: its Python, checks and kernel
     launches; Megatron's frames behind the seam not counted) over ``steps`` forwards of the
     training step (autograd on, no backward) of ``forwards`` DSA layer forwards each, monitored
-    with ``sys.monitoring`` (one callback per package or Megatron frame, left out of the time)."""
+    with ``sys.monitoring`` (one callback per package or Megatron frame, left out of the time).
+    ``by_function``, if given, gains each package function's own ms of it per layer forward."""
     from dsa_precision.testing.host_time import package_host_seconds
 
     tokens, labels = batch
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).expand(b, s)
+    split: dict[str, float] = {}
     total = 0.0
     for _ in range(steps):
-        _, seconds = package_host_seconds(lambda: trainer.model(tokens, pos, None, labels=labels))
+        _, seconds = package_host_seconds(
+            lambda: trainer.model(tokens, pos, None, labels=labels), by_function=split
+        )
         total += seconds
-    return total * 1e3 / (steps * forwards)
+    scale = 1e3 / (steps * forwards)
+    if by_function is not None:
+        for name, seconds in split.items():
+            by_function[name] = by_function.get(name, 0.0) + seconds * scale
+    return total * scale
 
 
 def topk_host_in_step_ms(trainer, batch, steps: int) -> float | None:

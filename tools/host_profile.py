@@ -48,25 +48,6 @@ def host_us(fn, reps: int, busy: bool = False) -> float:
     return statistics.median(times)
 
 
-def package_host_split(model, tokens, labels, steps: int) -> tuple[float, dict[str, float]]:
-    """The package's host ms per DSA layer forward in ``steps`` training forwards (autograd on,
-    as the toy's "pkg host" column), and each package function's own share of it."""
-    from dsa_precision.testing.host_time import package_host_seconds
-
-    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    forwards = steps * len(model.decoder.layers)
-    by_function: dict[str, float] = {}
-    total = 0.0
-    for _ in range(steps):
-        _, seconds = package_host_seconds(
-            lambda: model(tokens, pos, None, labels=labels), by_function=by_function
-        )
-        total += seconds
-    torch.cuda.synchronize()
-    scale = 1e3 / forwards
-    return total * scale, {name: sec * scale for name, sec in by_function.items()}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seq", type=int, default=2048)
@@ -111,7 +92,10 @@ def main() -> int:
         splits = [toy_session.step_phases(trainer, tokens, labels) for _ in range(12)][2:]
         steps.append((name, {k: statistics.median(s[k] for s in splits) for k in splits[0]}))
         if name != "baseline":
-            splits_by_function[name] = package_host_split(model, tokens, labels, args.split_steps)
+            by_function: dict[str, float] = {}
+            total = toy.package_host_ms(trainer, (tokens, labels), args.split_steps,
+                                        len(model.decoder.layers), by_function)  # fmt: skip
+            splits_by_function[name] = (total, by_function)
 
     stock, _ = cores["baseline"]
     b16 = inputs["baseline"]
