@@ -1,8 +1,10 @@
 """Train a toy GLM-5-like DSA model with megatron-core under the four dsa-precision configurations.
 
 2 decoder layers, hidden 1024, MLA with kv_lora_rank 512 (absorbed DSA attention), DSA indexer
-32 heads x 128, random weights, TP = PP = 1, Megatron's own sparse attention
-(``dsa_kernel_backend="none"``: FlashMLA is not installed on the test host). The mock data is a
+32 heads x 128, random weights, TP = PP = 1, Megatron's own PyTorch indexer and sparse attention
+(``dsa_kernel_backend="none"``) or, ``--kernel-backend cudnn``, its fused kernels (cuDNN's BF16
+indexer and FlashMLA's sparse attention, which must be installed: ``tools/flashmla.sh``; the FP8
+configurations then score with the package and attend with FlashMLA). The mock data is a
 copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
 (baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k replayed
 from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed in,
@@ -79,6 +81,13 @@ def parse() -> argparse.Namespace:
         help="attention heads (Megatron's unfused sparse attention holds B x heads x S x S "
         "float32 scores and their softmax per layer: at S = 32768 on one H200, 2 fit, 4 do not)",
     )
+    p.add_argument(
+        "--kernel-backend",
+        choices=("none", "cudnn"),
+        default="none",
+        help="Megatron's dsa_kernel_backend (cudnn: its fused indexer and FlashMLA's sparse "
+        "attention, no S x S scores; needs flash_mla importable)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda")
@@ -96,6 +105,12 @@ def parse() -> argparse.Namespace:
         type=int,
         default=10,
         help="forwards and steps per configuration for the pkg host and in-step times (0: skip)",
+    )
+    p.add_argument(
+        "--top-kernels",
+        type=int,
+        default=0,
+        help="print each configuration's N kernels with the most device time in its profile",
     )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -137,6 +152,7 @@ def model_config(args, **overrides):
         dsa_indexer_loss_coeff=0.0,
         dsa_indexer_rotate_activation=False,
         dsa_indexer_engine=args.engine,
+        dsa_kernel_backend=args.kernel_backend,
     )
     fields.update(overrides)
     return dsap.DSAPrecisionTransformerConfig(**fields)
@@ -264,12 +280,17 @@ def _arg(args: tuple, kwargs: dict, name: str):
     return kwargs[name] if name in kwargs else args[_POSITION[name]]
 
 
-def indexer_ms(args, model, tokens) -> tuple[float, float]:
+def indexer_ms(args, model, tokens) -> tuple[float | None, float | None]:
     """The indexer's top-k of every layer, timed alone (median of 5) on the step's inputs:
     ``(ms of all layers, host ms per layer)``; the host time is until the calls return, the
-    device idle before them (the package's owned top-k, or Megatron's own indexer)."""
+    device idle before them (the package's owned top-k, or Megatron's own indexer; ``None``
+    for Megatron's fused kernels, which do not run it alone)."""
     captured = []
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    if args.kernel_backend != "none" and not all(core.owns_topk() for core in cores):
+        # Megatron's fused kernels score, select and attend in one call: its indexer cannot be
+        # timed alone (DSAIndexer.forward is the PyTorch path, S x heads x S float32 scores).
+        return None, None
 
     def hook(mod, a, kw):
         captured.append((mod, *(_arg(a, kw, n) for n in ("query", "x", "qr"))))
@@ -328,9 +349,10 @@ def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:
     return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
 
 
-def gpu_busy_ms(trainer, batch, steps: int) -> float:
+def gpu_busy_ms(trainer, batch, steps: int, top: int = 0) -> tuple[float, list]:
     """GPU kernel time of one step (median-free mean over ``steps`` profiled steps): what the step
-    costs the device, whatever the host's Python overhead around it."""
+    costs the device, whatever the host's Python overhead around it; and the ``top`` kernels
+    with the most of it, ``[(name, ms per step, launches per step)]``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -338,7 +360,14 @@ def gpu_busy_ms(trainer, batch, steps: int) -> float:
             trainer.step(*batch)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3 / steps
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += e.device_time / 1e3 / steps
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    table = [(name, ms, count // steps) for name, (ms, count) in ranked]
+    return sum(e.device_time for e in kernels) / 1e3 / steps, table
 
 
 def package_host_ms(trainer, batch, steps: int, forwards: int, by_function=None) -> float:
@@ -397,6 +426,30 @@ def topk_host_in_step_ms(trainer, batch, steps: int) -> float | None:
     return statistics.median(spent) * 1e3 if spent else None
 
 
+def attention_host_in_step_ms(trainer, batch, steps: int) -> float:
+    """Host ms per call of the DSA core attention's forward (every layer: the indexer, the
+    top-k and Megatron's sparse attention) inside ``steps`` training steps, untraced (a clock
+    between a forward pre-hook and a forward hook), for every configuration alike."""
+    cores = [layer.self_attention.core_attention for layer in trainer.model.decoder.layers]
+    spent, started = [], []
+
+    def pre(*_):
+        started.append(time.perf_counter())
+
+    def post(*_):
+        spent.append(time.perf_counter() - started.pop())
+
+    handles = [c.register_forward_pre_hook(pre) for c in cores]
+    handles += [c.register_forward_hook(post) for c in cores]
+    try:
+        for _ in range(steps):
+            trainer.step(*batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.median(spent) * 1e3
+
+
 def train(args, names: list[str]) -> list[dict]:
     """Train every configuration from the same weights and data, steps interleaved (step i of
     each configuration in turn), so that drift of the host or the clocks spreads evenly."""
@@ -416,6 +469,8 @@ def train(args, names: list[str]) -> list[dict]:
     for tokens, labels in data:
         for run in runs:
             picks = handed_in(run["engine"], run["model"], tokens)  # captured here, untimed
+            if args.device != "cpu":  # every step starts on an idle device (not behind the
+                torch.cuda.synchronize()  # capture's forward, which would hide host time)
             reset_scoring_calls()
             step = functools.partial(run["trainer"].step, tokens, labels)
             with picks:
@@ -436,20 +491,27 @@ def train(args, names: list[str]) -> list[dict]:
         run["index_ms"] = run["topk_host_ms"] = None  # a replaying configuration: no indexer
         if engine is None:
             run["index_ms"], run["topk_host_ms"] = indexer_ms(args, model, data[0][0])
-        run["host_ms"] = run["in_step_ms"] = None
+        run["host_ms"] = run["in_step_ms"] = run["attention_in_step_ms"] = None
         if args.host_steps:
             with handed_in(engine, model, data[-1][0]):
                 layers = len(model.decoder.layers)
-                run["host_ms"] = package_host_ms(run["trainer"], data[-1], args.host_steps, layers)
-                run["in_step_ms"] = topk_host_in_step_ms(run["trainer"], data[-1], args.host_steps)
+                trainer, batch = run["trainer"], data[-1]
+                run["host_ms"] = package_host_ms(trainer, batch, args.host_steps, layers)
+                run["in_step_ms"] = topk_host_in_step_ms(trainer, batch, args.host_steps)
+                run["attention_in_step_ms"] = attention_host_in_step_ms(
+                    trainer, batch, args.host_steps
+                )
     for run in runs:
         name, model, losses, engine = run["name"], run["model"], run["losses"], run["engine"]
         index_ms, topk_host_ms = run["index_ms"], run["topk_host_ms"]
         host_ms, in_step_ms = run["host_ms"], run["in_step_ms"]
-        busy = None
+        attention_ms = run["attention_in_step_ms"]
+        busy, kernels = None, []
         if args.device != "cpu" and args.profile_steps:
             with handed_in(engine, model, data[-1][0]):
-                busy = gpu_busy_ms(run["trainer"], data[-1], args.profile_steps)
+                busy, kernels = gpu_busy_ms(
+                    run["trainer"], data[-1], args.profile_steps, args.top_kernels
+                )
         del run["model"], run["trainer"], run["engine"], model
         share_losses = []
         if engine is None and args.share_steps:  # index sharing: layer 2 reuses layer 1's
@@ -476,10 +538,12 @@ def train(args, names: list[str]) -> list[dict]:
                 finite=finite,
                 step_ms_median=step_ms,
                 gpu_busy_ms=busy,
+                top_kernels=kernels,
                 host_outside_gpu_ms=None if busy is None else step_ms - busy,
                 package_host_ms_per_layer_forward=host_ms,
                 topk_host_ms_per_layer=topk_host_ms,
                 topk_host_ms_in_step=in_step_ms,
+                attention_host_ms_in_step=attention_ms,
                 indexer_ms=index_ms,
                 indexer_share=None if index_ms is None else index_ms / step_ms,
                 scoring_calls=run["calls"],
@@ -589,30 +653,35 @@ def _run(args: argparse.Namespace) -> int:
 
     results = {"runs": train(args, args.configs.split(","))}
     by_name = {r["name"]: r for r in results["runs"]}
-    if {"rope_fp32+fp8", "rope_fp32+fp8+graph"} <= set(by_name):
-        results["graph_losses_identical"] = (
-            by_name["rope_fp32+fp8"]["losses"] == by_name["rope_fp32+fp8+graph"]["losses"]
-        )
-    if {"rope_fp32+fp8", "replay"} <= set(by_name):
-        results["replay_losses_identical"] = (
-            by_name["rope_fp32+fp8"]["losses"] == by_name["replay"]["losses"]
-        )
+    # Megatron's fused kernels are not deterministic in the backward (cuDNN's SM90 sparse
+    # attention backward atomic-adds into dKV), so after the first update two runs of one
+    # configuration already differ: there only the first step's loss (the forward from the same
+    # weights) can be compared bit for bit.
+    compared = slice(None) if args.kernel_backend == "none" else slice(0, 1)
+    results["losses_compared"] = "all" if args.kernel_backend == "none" else "first"
+    for other, key in (("rope_fp32+fp8+graph", "graph"), ("replay", "replay")):
+        if {"rope_fp32+fp8", other} <= set(by_name):
+            results[f"{key}_losses_identical"] = (
+                by_name["rope_fp32+fp8"]["losses"][compared] == by_name[other]["losses"][compared]
+            )
     results["topk_identical_inputs"] = topk_on_identical_inputs(args)
     if args.stock_steps:
         results["stock_equivalence"] = stock_equivalence(args, args.stock_steps)
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
-          f"engine {args.engine}; median step of {args.steps} (first 3 skipped), configurations "
+          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}; median step of {args.steps} (first 3 skipped), configurations "
           f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
           f"per forward (host time in dsa_precision frames, sys.monitoring; target "
           f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced, the device "
           f"idle (the owned top-k, or Megatron's indexer); in step: the owned top-k's host ms "
-          f"per call inside training steps, untraced")  # fmt: skip
+          f"per call inside training steps, untraced; attn in step: the same for the whole DSA "
+          f"core attention forward (indexer, top-k, Megatron's sparse attention)")  # fmt: skip
     print(f"{'config':<21}{'loss[0]':>9}{'loss[-1]':>10}{'ms/step':>9}{'x base':>8}{'GPU ms':>8}"
           f"{'x base':>8}{'wall-GPU':>9}{'pkg host':>9}{'top-k host':>11}{'in step':>8}"
-          f"{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}{'on cuDNN':>9}")  # fmt: skip
+          f"{'attn in step':>13}{'indexer ms':>11}{'share':>7}{'fp8 calls':>10}"
+          f"{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
         ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
         nan = float("nan")
@@ -628,17 +697,24 @@ def _run(args: argparse.Namespace) -> int:
               f"{outside if outside is not None else nan:>9.2f}"
               f"{host if host is not None else nan:>9.3f}"
               f"{_or_nan(r['topk_host_ms_per_layer']):>11.3f}"
-              f"{_or_nan(r['topk_host_ms_in_step']):>8.3f}{_or_nan(r['indexer_ms']):>11.2f}"
+              f"{_or_nan(r['topk_host_ms_in_step']):>8.3f}"
+              f"{_or_nan(r['attention_host_ms_in_step']):>13.3f}{_or_nan(r['indexer_ms']):>11.2f}"
               f"{_or_nan(r['indexer_share']):>7.1%}{c['fp8']:>10}{c['fp8_cudnn']:>9}")  # fmt: skip
+    for r in results["runs"]:
+        if r["top_kernels"]:
+            print(f"{r['name']}: kernels with the most device time (ms per step, launches)")
+        for name, ms, count in r["top_kernels"]:
+            print(f"  {ms:9.2f} x{count:<4} {name[:100]}")
     for key, a in results["topk_identical_inputs"].items():
         print(f"top-k {key}: member agreement {a['member_agreement']:.4%}, rows identical "
               f"{a['rows_identical']:.2%}")  # fmt: skip
+    which = "" if results["losses_compared"] == "all" else " (first step's: fused backward)"
     if "graph_losses_identical" in results:
-        print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical "
+        print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical{which} "
               f"{results['graph_losses_identical']}")  # fmt: skip
     if "replay_losses_identical" in results:
-        print(f"rope_fp32+fp8 with its picks handed in (replay) vs computed: losses identical "
-              f"{results['replay_losses_identical']}")  # fmt: skip
+        print(f"rope_fp32+fp8 with its picks handed in (replay) vs computed: losses "
+              f"identical{which} {results['replay_losses_identical']}")  # fmt: skip
     s = results.get("stock_equivalence")
     if s is not None:
         print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "

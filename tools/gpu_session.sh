@@ -50,6 +50,11 @@ for step in "$@"; do
         run deepgemm 400 bash .dg/build.sh
         export PYTHONPATH=/root/dg/DeepGEMM:${PYTHONPATH:-}
       fi ;;
+    flashmla)  # build FlashMLA's SM90 kernels from the ignored .flashmla/ bundle (tools/flashmla.sh)
+      TAIL=5 run flashmla 580 bash .flashmla/build.sh
+      grep -v "ptxas info\|bytes stack frame\|Compiling entry\|Function properties\|Used [0-9]* registers" \
+        /root/flashmla/build.log 2> /dev/null | tail -60 > "$LOGS/flashmla_build_tail.log"
+      export PYTHONPATH=/root/flashmla/FlashMLA:${PYTHONPATH:-} ;;
     tests)
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
@@ -110,6 +115,8 @@ for step in "$@"; do
       # package's host time per layer split by function (S 2048, then 8192)
       TAIL=80 run host_profile_2048 300 python tools/host_profile.py
       TAIL=60 run host_profile_8192 300 python tools/host_profile.py --seq 8192 --topk 2048 ;;
+    step-gaps)  # issue 19: the step's phases, and where the device waits for the host (S 2048)
+      TAIL=70 run step_gaps 300 python tools/step_phases.py --gaps --steps 10 ;;
     toy-long)  # issue 20: S = 32768 top-2048 with 2 attention heads (Megatron's unfused sparse
       # attention holds B x heads x S x S float32 scores and their softmax per layer: 4 heads ran
       # out of memory on the H200, 16 need 64 GiB each): FP8 beside its picks handed in (no
@@ -121,6 +128,14 @@ for step in "$@"; do
       TAIL=10 run toy_32768_baseline 300 python examples/toy_glm5_train.py --seq 32768 \
         --topk 2048 --attention-heads 2 --steps 2 --share-steps 0 --profile-steps 1 --host-steps 1 \
         --stock-steps 0 --configs baseline --out "$LOGS/toy_32768_baseline.json" ;;
+    toy-long-fused)  # issue 20: S = 32768 top-2048 on Megatron's fused kernels (after `flashmla`):
+      # the baseline's cuDNN BF16 indexer and FlashMLA's sparse attention, no S x S scores, so the
+      # toy's 16 attention heads fit; FP8 (the package's scoring, FlashMLA's attention) beside it
+      # and beside its picks handed in (no indexer: its share)
+      TAIL=12 run toy_32768_fused 600 python examples/toy_glm5_train.py --seq 32768 --topk 2048 \
+        --kernel-backend cudnn --steps ${TOY_LONG_STEPS:-6} --share-steps 0 --stock-steps 0 \
+        --profile-steps 1 --host-steps 1 --top-kernels 12 --configs baseline,rope_fp32+fp8,replay \
+        --out "$LOGS/toy_32768_fused.json" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;

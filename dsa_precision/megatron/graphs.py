@@ -118,15 +118,17 @@ class GraphedCalls:
         """
         if torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
-        device = inputs[0].device
         full = (key, tuple([(t.shape, t.dtype, t.device) for t in inputs]))
-        with self._lock, torch.cuda.device(device):
+        with self._lock:
             entry = self._graphs.pop(full, None)
             if entry is None:
-                entry = self._capture(fn, inputs, keep())
+                with torch.cuda.device(inputs[0].device):
+                    entry = self._capture(fn, inputs, keep())
                 if len(self._graphs) >= self._max:  # the least recently used goes
                     self._graphs.pop(next(iter(self._graphs)))
             self._graphs[full] = entry  # most recently used last
+            # No device switch: the copies run on their tensors' device, and a replay on the
+            # current stream of the device it was captured on.
             torch._foreach_copy_(entry.inputs, inputs)  # one launch for inputs of one dtype
             entry.graph.replay()
             output = _clone(entry.output)
