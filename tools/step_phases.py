@@ -97,9 +97,10 @@ def main() -> int:
                 print_gaps(name, trainer, batch)
         sys.stdout.flush()
     for name, trainer in trainers.items():
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                trainer.step(*batch)
+        with picks.get(name, contextlib.nullcontext)():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    trainer.step(*batch)
         averages = prof.key_averages()
         print(f"{name}: host ms of 3 steps, the 20 operations with the most, and runtime calls")
         for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:20]:
