@@ -30,6 +30,7 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     result = json.loads(out.read_text())
     runs = {r["name"]: r for r in result["runs"]}
+    assert result["losses_compared"] == "all"  # Megatron's PyTorch path: a deterministic backward
     assert result["replay_losses_identical"] is True
     assert runs["replay"]["losses"] == runs["rope_fp32+fp8"]["losses"]
     assert runs["replay"]["losses"] != runs["baseline"]["losses"]  # FP8 picks differ from BF16's
@@ -40,5 +41,10 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert runs["replay"]["topk_host_ms_in_step"] is None  # no top-k of its own
     assert runs["baseline"]["topk_host_ms_in_step"] is None  # Megatron's, inside its forward
     assert runs["replay"]["package_host_ms_per_layer_forward"] > 0
+    # The whole core attention's host time in the step, for every configuration: without an
+    # indexer (its picks handed in) it costs the host less than computing them.
+    attention = {name: r["attention_host_ms_in_step"] for name, r in runs.items()}
+    assert all(ms > 0 for ms in attention.values()), attention
+    assert attention["replay"] < attention["rope_fp32+fp8"], attention
     assert result["stock_equivalence"]["bit_identical_losses"] is True
     assert "replay" not in str(result["topk_identical_inputs"])
