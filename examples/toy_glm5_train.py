@@ -114,7 +114,15 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.kernel_backend != "none" and args.stock_steps:
+        p.error(
+            f"--stock-steps {args.stock_steps} compares the default fields with stock Megatron "
+            f"bit for bit after updates, which Megatron's fused backward (--kernel-backend "
+            f"{args.kernel_backend}: atomic adds) does not reproduce run to run; pass "
+            f"--stock-steps 0 with it"
+        )
+    return args
 
 
 def model_config(args, **overrides):
@@ -670,8 +678,8 @@ def _run(args: argparse.Namespace) -> int:
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
-          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}; median step of {args.steps} (first 3 skipped), configurations "
-          f"interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
+          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}; median step of "
+          f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
           f"step's time outside its GPU time; pkg host: the package's own host time per layer "
           f"per forward (host time in dsa_precision frames, sys.monitoring; target "
           f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced, the device "

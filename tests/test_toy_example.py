@@ -48,3 +48,15 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert attention["replay"] < attention["rope_fp32+fp8"], attention
     assert result["stock_equivalence"]["bit_identical_losses"] is True
     assert "replay" not in str(result["topk_identical_inputs"])
+
+
+def test_toy_refuses_a_bitwise_stock_check_on_megatrons_fused_backward():
+    """``--kernel-backend cudnn`` runs Megatron's fused backward, whose atomic adds differ run to
+    run: the default-vs-stock bit check after updates cannot hold there, so it is refused."""
+    run = subprocess.run(
+        [sys.executable, "examples/toy_glm5_train.py", "--kernel-backend", "cudnn",
+         "--stock-steps", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--stock-steps 2" in run.stderr and "--stock-steps 0" in run.stderr, run.stderr[-2000:]
