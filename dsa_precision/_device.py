@@ -27,7 +27,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor"]
+__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor", "to_device"]
+
+
+def to_device(
+    t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``t`` on ``device`` (as ``dtype``, default its own), queued without a host
+    synchronisation: a host tensor's copy is ``non_blocking`` (a blocking ``Tensor.to`` from host
+    memory waits for the stream after the copy). A pageable source is staged before the call
+    returns; a pinned one is read when the stream reaches the copy, so it must not be changed in
+    place before then (PyTorch's rule for every ``non_blocking`` copy). A tensor already there
+    (and of that dtype) is returned as is."""
+    return t.to(device=device, dtype=dtype or t.dtype, non_blocking=True)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
-from ._device import device_constant
+from ._device import device_constant, to_device
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .hadamard import rotate_activation
 
@@ -194,7 +194,7 @@ def thd_token_freqs(
         return freqs[:0]
     if validate or cu_seqlens.device.type == "cpu":
         _check_packed_lengths(cu_seqlens, total, freqs.shape[0])
-    cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
+    cu = to_device(cu_seqlens, freqs.device, torch.int64)
     rows = torch.arange(total, device=freqs.device)
     # Each row's sequence (rows past cu_seqlens[-1] would map to the last one; checked above).
     sequence = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)

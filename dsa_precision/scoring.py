@@ -37,7 +37,7 @@ from ._checks import (
     check_tensor,
     takes_precision_config,
 )
-from ._device import shared_device_tensor
+from ._device import shared_device_tensor, to_device
 from .audit import record_scoring_call
 from .config import (
     FP8_HEAD_DIM,
@@ -612,8 +612,8 @@ def indexer_scores_varlen(
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
-    cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int32)
-    cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
+    cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
+    cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
     return _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
+from ._device import to_device
 from .config import IndexerPrecisionConfig
 from .operands import ScoringOperands, as_scoring_operands
 from .scoring import (
@@ -282,8 +283,8 @@ def indexer_select_varlen(
     offsets = _offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     ).to(torch.int64)
-    cu_q = cu_seqlens_q.to(device=ops.device, dtype=torch.int64)
-    cu_k = cu_seqlens_k.to(device=ops.device, dtype=torch.int32)
+    cu_q = to_device(cu_seqlens_q, ops.device, torch.int64)
+    cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
     requested, backend = backend, resolve_scoring_backend(backend, ops)
     margins = check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:

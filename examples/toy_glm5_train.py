@@ -61,6 +61,11 @@ REPLAYED = {
 }
 
 
+# Model options other scripts' argument namespaces may lack (tools/, replay_verify.py, the parity
+# runs): model_config reads them from here when absent.
+MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none")
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
@@ -77,14 +82,14 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--attention-heads",
         type=int,
-        default=16,
+        default=MODEL_DEFAULTS["attention_heads"],
         help="attention heads (Megatron's unfused sparse attention holds B x heads x S x S "
         "float32 scores and their softmax per layer: at S = 32768 on one H200, 2 fit, 4 do not)",
     )
     p.add_argument(
         "--kernel-backend",
         choices=("none", "cudnn"),
-        default="none",
+        default=MODEL_DEFAULTS["kernel_backend"],
         help="Megatron's dsa_kernel_backend (cudnn: its fused indexer and FlashMLA's sparse "
         "attention, no S x S scores; needs flash_mla importable)",
     )
@@ -126,14 +131,17 @@ def parse() -> argparse.Namespace:
 
 
 def model_config(args, **overrides):
+    """The toy's config for ``args`` (``tiny``, ``device``, ``topk``, ``engine``; the options of
+    :data:`MODEL_DEFAULTS` where given), with ``overrides`` of any field."""
     import dsa_precision.megatron as dsap
 
+    opts = {**MODEL_DEFAULTS, **vars(args)}
     tiny = args.tiny
     fields = dict(
         num_layers=2,
         hidden_size=256 if tiny else 1024,
         ffn_hidden_size=512 if tiny else 2816,
-        num_attention_heads=4 if tiny else args.attention_heads,
+        num_attention_heads=4 if tiny else opts["attention_heads"],
         q_lora_rank=128 if tiny else 512,
         kv_lora_rank=64 if tiny else 512,
         qk_head_dim=64 if tiny else 128,
@@ -160,7 +168,7 @@ def model_config(args, **overrides):
         dsa_indexer_loss_coeff=0.0,
         dsa_indexer_rotate_activation=False,
         dsa_indexer_engine=args.engine,
-        dsa_kernel_backend=args.kernel_backend,
+        dsa_kernel_backend=opts["kernel_backend"],
     )
     fields.update(overrides)
     return dsap.DSAPrecisionTransformerConfig(**fields)
@@ -295,7 +303,7 @@ def indexer_ms(args, model, tokens) -> tuple[float | None, float | None]:
     for Megatron's fused kernels, which do not run it alone)."""
     captured = []
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
-    if args.kernel_backend != "none" and not all(core.owns_topk() for core in cores):
+    if model.config.dsa_kernel_backend != "none" and not all(core.owns_topk() for core in cores):
         # Megatron's fused kernels score, select and attend in one call: its indexer cannot be
         # timed alone (DSAIndexer.forward is the PyTorch path, S x heads x S float32 scores).
         return None, None

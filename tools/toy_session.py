@@ -35,8 +35,7 @@ def start(port: int) -> ModuleType:
 def toy_args(seq: int, topk: int) -> argparse.Namespace:
     """The toy script's arguments for a full-size model on CUDA, batch 1, its default seed."""
     return argparse.Namespace(tiny=False, topk=topk, engine="vllm", device="cuda", seed=1234,
-                              seq=seq, batch=1, lr=1e-3, attention_heads=16,
-                              kernel_backend="none")  # fmt: skip
+                              seq=seq, batch=1, lr=1e-3)  # fmt: skip
 
 
 def step_phases(trainer, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

@@ -41,6 +41,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
 from .. import audit
+from .._device import to_device
 from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
 from ..scoring import packed_sequence_of
@@ -281,7 +282,7 @@ class PrecisionDSAttention(DSAttention):
             seq = rows * layout.cp_size
             tokens = torch.arange(topk.shape[0], device=topk.device).view(-1, 1) * seq + positions
             return replay.CapturedTopk(tokens.reshape(-1), topk.reshape(-1, topk.shape[-1]))
-        cu = layout.cu_seqlens.to(device=topk.device, dtype=torch.int64)
+        cu = to_device(layout.cu_seqlens, topk.device, torch.int64)
         start = cu[packed_sequence_of(cu, positions)]
         local = torch.where(topk[0] >= 0, topk[0] - start[:, None].to(topk.dtype), -1)
         return replay.CapturedTopk(positions, local)

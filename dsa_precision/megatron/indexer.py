@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
+from .._device import to_device
 from ..config import IndexerPrecisionConfig
 from ..operands import ScoringOperands, prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
@@ -152,7 +153,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         """Angles of every packed row: its position inside its sequence (the rank's zigzag chunks
         of each sequence under context parallelism, from Megatron's layout helper)."""
         cp = self.pg_collection.cp
-        cu = cu_seqlens.to(device=freqs.device, dtype=torch.int64)
+        cu = to_device(cu_seqlens, freqs.device, torch.int64)
         if freqs.size(0) == rows and cp.size() == 1:
             return freqs  # one angle row per packed token already
         packed_pos = dsa_layout.build_packed_allgather_cp_local_positions(

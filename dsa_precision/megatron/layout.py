@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
+from .._device import to_device
 from ..operands import ScoringOperands
 from ..scoring import packed_sequence_of, varlen_row_slice
 from ..select import indexer_select, indexer_select_varlen
@@ -68,7 +69,7 @@ def query_positions(layout: RankLayout, rows: int, device: torch.device) -> torc
         )
     else:
         positions = dsa_layout.build_packed_allgather_cp_local_positions(
-            layout.cu_seqlens.to(device),
+            to_device(layout.cu_seqlens, device),
             layout.cp_size,
             layout.cp_rank,
             device,
@@ -138,7 +139,7 @@ def _thd_pseudo_sequences(layout: RankLayout, rows: int, device: torch.device):
     and ``(2 cp - 1 - rank) * half`` of the sequence), in Megatron's local order. Rows past the
     last chunk (padding) form a final pseudo-sequence that sees no key.
     """
-    cu = layout.cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = to_device(layout.cu_seqlens, device, torch.int64)
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     seqs = torch.arange(n, device=device)
@@ -185,7 +186,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     rows = keys.q.shape[1]
     device = keys.device
     start, stop = layout.query_start, layout.query_stop(rows)
-    cu = layout.cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = to_device(layout.cu_seqlens, device, torch.int64)
     total_k = keys.k.shape[1]
     cu_q, offsets, seq_of, n_pseudo = _thd_pseudo_sequences(layout, rows, device)
     # Every pseudo-sequence reads its sequence's keys [cu[i], cu[i + 1]); with CP the two chunks

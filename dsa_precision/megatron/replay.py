@@ -55,6 +55,7 @@ from typing import Literal
 
 import torch
 
+from .._device import to_device
 from ..agreement import _agreement_and_identical_rows
 from ..scoring import packed_sequence_of
 from ..topk_layout import TokenLayout
@@ -155,7 +156,7 @@ class EngineTopk:
             )
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
-        moved = idx.to(device, non_blocking=True)
+        moved = to_device(idx, device)
         if positions is None:  # every row in order: the picks themselves, in their layout,
             # copied once (by the move, the cast, or else here: never the engine's tensor)
             picks = moved.reshape(batch, self.seq_len, -1).to(torch.int32, copy=moved is idx)
@@ -163,7 +164,7 @@ class EngineTopk:
             tokens = torch.arange(batch, device=device).view(-1, 1) * self.seq_len + positions
             picks = moved[tokens].to(torch.int32)
         else:
-            cu = self.layout.cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
+            cu = to_device(self.layout.cu_seqlens, device, torch.int64)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
             start = cu[packed_sequence_of(cu, safe)]
@@ -206,9 +207,9 @@ class EngineTopk:
         device = tokens.device
         inside = tokens < total
         safe = tokens.clamp(max=max(total - 1, 0))
-        theirs = digests.to(device, non_blocking=True)[safe]
+        theirs = to_device(digests, device)[safe]
         if self.engine_rows is not None:
-            inside = inside & self.engine_rows.to(device, non_blocking=True)[safe]
+            inside = inside & to_device(self.engine_rows, device)[safe]
         return theirs, inside
 
 

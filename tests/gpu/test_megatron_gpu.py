@@ -160,8 +160,13 @@ def test_fp8_owned_top_k_on_cudnn(dsap, record, engine):
     assert agreement["member_agreement"] >= 0.9999
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
-def test_owned_top_k_never_waits_for_the_host(dsap, packed):
+@pytest.mark.parametrize(
+    "packed, lengths", [(False, None), (True, "cuda"), (True, "cpu")],
+    ids=["bshd", "thd", "thd_host_lengths"],
+)  # fmt: skip
+def test_owned_top_k_never_waits_for_the_host(dsap, packed, lengths):
+    """No host synchronisation in the owned top-k, packed lengths on the device or on the host
+    (checked there, then copied without waiting for the stream)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     config = _config(dsap, dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
@@ -169,7 +174,7 @@ def test_owned_top_k_never_waits_for_the_host(dsap, packed):
     query, _, x, qr, _ = _inputs()
     psp = None
     if packed:
-        cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device=lengths)
         psp = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1100,
             max_seqlen_kv=1100,
