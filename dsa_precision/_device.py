@@ -15,6 +15,9 @@ While the current CUDA stream is being captured into a graph, :func:`shared_devi
 :class:`DerivedCache` build nothing into their caches (a capture records a build instead of
 running it) and serve nothing from them either: each call builds its own tensor, inside the
 graph, as before these caches, since a replay must not read an entry evicted since.
+
+:func:`to_device` is the hot path's one way to move a tensor it is handed (packed lengths,
+engine picks) onto the device: without the stream synchronisation of a blocking copy.
 """
 
 from __future__ import annotations
