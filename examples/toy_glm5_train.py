@@ -687,8 +687,9 @@ def _run(args: argparse.Namespace) -> int:
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
           f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}; median step of "
-          f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: kernel time of a step (profiled); wall-GPU: the "
-          f"step's time outside its GPU time; pkg host: the package's own host time per layer "
+          f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: "
+          f"kernel time of a step (profiled); wall-GPU: the step's time outside its GPU time; "
+          f"pkg host: the package's own host time per layer "
           f"per forward (host time in dsa_precision frames, sys.monitoring; target "
           f"<= 0.3 ms); top-k host: host ms per layer of the top-k alone, untraced, the device "
           f"idle (the owned top-k, or Megatron's indexer); in step: the owned top-k's host ms "
@@ -700,18 +701,15 @@ def _run(args: argparse.Namespace) -> int:
           f"{'on cuDNN':>9}")  # fmt: skip
     for r in results["runs"]:
         ratio = base["step_ms_median"] / r["step_ms_median"] if base else float("nan")
-        nan = float("nan")
         busy = r["gpu_busy_ms"]
         base_busy = base["gpu_busy_ms"] if base else None
-        gpu_ratio = base_busy / busy if busy and base_busy else nan
+        gpu_ratio = base_busy / busy if busy and base_busy else float("nan")
         outside = r["host_outside_gpu_ms"]
         host = r["package_host_ms_per_layer_forward"]
         c = r["scoring_calls"]
         print(f"{r['name']:<21}{r['first_loss']:>9.3f}{r['last_loss']:>10.3f}"
               f"{r['step_ms_median']:>9.1f}{ratio:>8.2f}"
-              f"{busy if busy is not None else nan:>8.1f}{gpu_ratio:>8.2f}"
-              f"{outside if outside is not None else nan:>9.2f}"
-              f"{host if host is not None else nan:>9.3f}"
+              f"{_or_nan(busy):>8.1f}{gpu_ratio:>8.2f}{_or_nan(outside):>9.2f}{_or_nan(host):>9.3f}"
               f"{_or_nan(r['topk_host_ms_per_layer']):>11.3f}"
               f"{_or_nan(r['topk_host_ms_in_step']):>8.3f}"
               f"{_or_nan(r['attention_host_ms_in_step']):>13.3f}{_or_nan(r['indexer_ms']):>11.2f}"

@@ -201,9 +201,8 @@ def main() -> int:
         with torch.no_grad():
             idle, busy = host_us(fn, args.reps), host_us(fn, args.reps, busy=True)
         print(f"  {label:<48}{idle:>10.1f}{busy:>10.1f}")
-    print(
-        "training step split (ms, median of 10 after 2): host = until the call returns, gpu = events"
-    )
+    print("training step split (ms, median of 10 after 2): host = until the call returns, "
+          "gpu = events")  # fmt: skip
     for name, split in steps:
         print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
     from dsa_precision.testing.host_time import package_host_seconds

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import contextlib
 import gc
 import json
 import os
@@ -57,17 +56,21 @@ def main() -> int:
     toy = toy_session.start(29534)
     ns = toy_session.toy_args(args.seq, args.topk)
     configs = CONFIGS + (("replay",) if args.gaps else ())
-    trainers, picks = {}, {}
+    trainers, engines = {}, {}
     for name in configs:
         model, vocab = toy.build_model(ns, toy.model_config(ns, **toy.CONFIGS[name]))
         trainers[name] = toy.Trainer(model, ns.lr)
+        if name in toy.REPLAYED:  # its picks come from a model of rope_fp32+fp8's fields
+            engines[name] = toy.build_model(ns, toy.model_config(ns, **toy.ENGINE))[0]
     batch = toy.copy_task(ns, vocab, 1)[0]
-    if "replay" in trainers:  # the engine's picks of the replaying model's (fixed) first weights
-        engine = toy.build_model(ns, toy.model_config(ns, **toy.ENGINE))[0]
-        picks["replay"] = lambda: toy.handed_in(engine, trainers["replay"].model, batch[0])
+
+    def picks(name: str):
+        """The replaying configuration's picks on its current weights (a no-op for others)."""
+        return toy.handed_in(engines.get(name), trainers[name].model, batch[0])
+
     for _ in range(args.warmup):
         for name, trainer in trainers.items():
-            with picks.get(name, contextlib.nullcontext)():
+            with picks(name):
                 trainer.step(*batch)
     print(f"S={args.seq} top-{args.topk}: median ms of {args.steps} interleaved steps "
           f"(host: until the call returns; gpu: CUDA events)")  # fmt: skip
@@ -79,7 +82,7 @@ def main() -> int:
         try:
             for _ in range(args.steps):
                 for name, trainer in trainers.items():
-                    with picks.get(name, contextlib.nullcontext)():
+                    with picks(name):
                         times[name].append(toy_session.step_phases(trainer, *batch))
         finally:
             gc.enable()
@@ -93,11 +96,11 @@ def main() -> int:
 
     if args.gaps:
         for name, trainer in trainers.items():
-            with picks.get(name, contextlib.nullcontext)():
+            with picks(name):
                 print_gaps(name, trainer, batch)
         sys.stdout.flush()
     for name, trainer in trainers.items():
-        with picks.get(name, contextlib.nullcontext)():
+        with picks(name):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     trainer.step(*batch)
@@ -171,7 +174,8 @@ def print_gaps(name: str, trainer, batch, steps: int = 3, top: int = 14) -> None
         busy_end = max(busy_end, e["ts"] + e["dur"])
     busy = sum(e["dur"] for e in device)
     print(f"{name}: device idle {total_idle / 1e3 / steps:.2f} ms per step (busy "
-          f"{busy / 1e3 / steps:.2f}; profiled with stacks), by who launched the work after it:")  # fmt: skip
+          f"{busy / 1e3 / steps:.2f}; profiled with stacks), by who launched the work after "
+          f"it:")  # fmt: skip
     for who, us in idle.most_common(top):
         print(f"  {us / 1e3 / steps:7.3f}  {who[:110]}")
 
