@@ -17,8 +17,9 @@ from .quantize import dequantize_fp8, quantize_e4m3_ue8m0, quantize_fp8, ue8m0_d
 # Preprocessing (key LayerNorm -> RoPE -> Hadamard, query RoPE -> Hadamard)
 from .preprocess import IndexerPreprocess
 
-# Scoring operands: where the precision is decided
-from .operands import ScoringOperands, prepare_indexer_operands, prepare_scoring_operands
+# Scoring operands: where the precision is visible, and how they are built
+from .operands import ScoringOperands
+from .prepare import prepare_indexer_operands, prepare_scoring_operands
 
 # Scoring, top-k, and both in one pass (BSHD and packed THD)
 from .scoring import indexer_scores, indexer_scores_varlen

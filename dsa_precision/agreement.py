@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from ._checks import check_tensor
+from .checks import check_tensor
 
 __all__ = [
     "TopkAgreement",

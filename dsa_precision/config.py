@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_bool, check_positive_int
+from .checks import check_bool, check_positive_int
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 
 __all__ = [

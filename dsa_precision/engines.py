@@ -149,7 +149,7 @@ class EngineProfile:
                     f"EngineProfile {self.name!r}: {name}={getattr(self, name)!r} is not one of "
                     f"{get_args(kind)}."
                 )
-        if not isinstance(self.fma, bool):  # _checks.check_bool's message (no package imports)
+        if not isinstance(self.fma, bool):  # checks.check_bool's message (no package imports)
             raise TypeError(
                 f"EngineProfile {self.name!r}: fma must be a bool, got {self.fma!r} "
                 f"({type(self.fma).__name__}); pass True or False."

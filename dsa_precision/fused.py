@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._checks import (
+from .checks import (
     INT32_MAX,
     check_positive_int,
     check_real,

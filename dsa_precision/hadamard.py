@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._device import device_constant
+from .devices import device_constant
 
 __all__ = ["HAVE_FAST_HADAMARD", "hadamard_transform", "rotate_activation"]
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor
-from ._device import device_constant
+from .checks import check_tensor
 from .config import QUANT_BLOCK
+from .devices import device_constant
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
 __all__ = [

@@ -2,9 +2,7 @@
 
     score[b, s, t] = sum_h relu(q[b, s, h] . k[b, t]) * w[b, s, h] * (sm_scale | k_descale[b, t])
 
-with ``-inf`` at every key ``t >= limit(b, s) = min(floor((offset_b + s + 1) / ratio), S_k)``
-(top-left causal; ``offset_b`` is the global position of batch row ``b``'s first query, for row
-chunks and context parallelism). Packed (THD) input counts positions per sequence.
+with ``-inf`` at every key ``t >= limit(b, s)`` (the causal rows of :mod:`dsa_precision.rows`).
 
 - :func:`indexer_scores`: BSHD, ``(B, S_q, S_k)``.
 - :func:`indexer_scores_varlen`: packed THD, ``(T_q, max_seqlen_k)`` with sequence-local keys.
@@ -15,30 +13,27 @@ precision is the operands'; this module only chooses a kernel, and calls each in
 ``_cudnn_scores`` (cuDNN's SM90 indexer, BF16 or FP8), ``_deepgemm_scores`` (DeepGEMM's MQA
 logits, the engines' kernel: one launch per call, batch rows flattened into key windows) and
 ``_reference_scores`` (exact, float64, any device); :func:`deepgemm_select_input` hands
-DeepGEMM's logits to the top-k unmasked, with each row's length.
+DeepGEMM's logits to the top-k unmasked, with each row's length. :func:`bshd_scores` and
+:func:`thd_scores` are the entry points past their checks (for :mod:`dsa_precision.select`,
+which checks once per call, not once per chunk).
 Nothing here waits for the host: lengths are Python ints, offsets stay on the device, and the
 data-dependent checks run only with ``validate=True``.
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Literal
 
 import torch
 
-from . import _cudnn, _deepgemm
-from ._checks import (
+from .audit import record_scoring_call
+from .backends import cudnn, deepgemm
+from .checks import (
     INT32_MAX,
-    as_int32_tensor,
-    check_int_fits,
-    check_int_tensor,
     check_positive_int,
     check_tensor,
     takes_precision_config,
 )
-from ._device import shared_device_tensor, to_device
-from .audit import record_scoring_call
 from .config import (
     FP8_HEAD_DIM,
     FP8_N_HEADS,
@@ -46,17 +41,27 @@ from .config import (
     IndexerPrecisionConfig,
     ScoringPrecision,
 )
-from .operands import ScoringOperands, as_scoring_operands
+from .devices import to_device
+from .operands import ScoringOperands
+from .prepare import as_scoring_operands
+from .rows import (
+    causal_key_counts,
+    causal_offsets,
+    check_varlen_args,
+    constant_offsets,
+    packed_sequence_of,
+    validate_cu_seqlens,
+    varlen_key_counts,
+)
 
 __all__ = [
     "Backend",
-    "causal_key_counts",
+    "bshd_scores",
+    "deepgemm_select_input",
     "indexer_scores",
     "indexer_scores_varlen",
-    "packed_sequence_of",
     "resolve_scoring_backend",
-    "varlen_key_counts",
-    "varlen_row_slice",
+    "thd_scores",
 ]
 
 Backend = Literal["auto", "cudnn", "deepgemm", "torch"]
@@ -72,75 +77,6 @@ _ALIGN_BYTES = 16
 # ------------------------------------------------------------------------------------ helpers
 
 
-def causal_key_counts(
-    q_causal_offsets: torch.Tensor, row_start: int, rows: int, ratio: int, sk: int
-) -> torch.Tensor:
-    """``(B, rows)`` int32 visible keys ``min(floor((offset_b + s + 1) / ratio), S_k)`` of query
-    rows ``s`` in ``[row_start, row_start + rows)`` (the top-k ``seq_lens`` of causal scores)."""
-    s = torch.arange(row_start + 1, row_start + rows + 1, device=q_causal_offsets.device)
-    counts = torch.div(
-        q_causal_offsets.view(-1, 1).to(torch.int64) + s, ratio, rounding_mode="floor"
-    )
-    return counts.clamp_(0, sk).to(torch.int32)
-
-
-@shared_device_tensor
-def _constant_offsets(value: int, n: int, device: torch.device) -> torch.Tensor:
-    """``(n,)`` int32 ``value`` on ``device``, shared read-only (a Python int offset's tensor)."""
-    return torch.full((n,), value, dtype=torch.int32, device=device)
-
-
-@shared_device_tensor
-def _constant_key_counts(
-    offset: int, batch: int, row_start: int, rows: int, ratio: int, sk: int, device: torch.device
-) -> torch.Tensor:
-    """``(batch * rows,)`` int32 :func:`causal_key_counts` of ``batch`` rows that all start at the
-    Python int ``offset``, flattened; built once per arguments and shared: read it, never write
-    into it."""
-    offsets = _constant_offsets(offset, batch, device)
-    return causal_key_counts(offsets, row_start, rows, ratio, sk).view(-1)
-
-
-def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """int64 index of the packed sequence that holds each of ``rows`` (packed row numbers, on
-    ``cu_seqlens``' device); rows at or past ``cu_seqlens[-1]`` map to the last sequence."""
-    cu = cu_seqlens.to(torch.int64)
-    return torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
-
-
-def varlen_key_counts(
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    q_causal_offsets: torch.Tensor,
-    ratio: int,
-    total_q: int,
-) -> torch.Tensor:
-    """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit)."""
-    rows = torch.arange(total_q, device=cu_seqlens_q.device)
-    cu_q = cu_seqlens_q.to(torch.int64)
-    seq = packed_sequence_of(cu_q, rows)
-    local = rows - cu_q[seq]
-    len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)[seq]
-    off = q_causal_offsets.to(torch.int64)[seq]
-    counts = torch.div(off + local + 1, ratio, rounding_mode="floor")
-    return torch.minimum(counts.clamp_(min=0), len_k).to(torch.int32)
-
-
-def varlen_row_slice(
-    cu_seqlens_q: torch.Tensor, q_causal_offsets: torch.Tensor, start: int, stop: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cu_seqlens_q, q_causal_offsets)`` of packed rows ``[start, stop)``, on the device.
-
-    The sequences the slice cuts keep their global causal rows: each one's first row in the
-    slice is at position ``offset + max(start - cu_seqlens_q[i], 0)`` of its sequence; sequences
-    outside the slice get length 0.
-    """
-    cu = cu_seqlens_q.to(torch.int64)
-    sliced = (cu - start).clamp_(0, stop - start).to(torch.int32)
-    offsets = q_causal_offsets.to(torch.int64) + (start - cu[:-1]).clamp_(min=0)
-    return sliced, offsets
-
-
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous with a 16-byte aligned base (a row slice may start anywhere)."""
     if t is None:
@@ -148,45 +84,6 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     if t.is_contiguous() and t.data_ptr() % _ALIGN_BYTES == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _offsets(
-    q_causal_offsets: torch.Tensor | int | None,
-    n: int,
-    device: torch.device,
-    what: str,
-    *,
-    rows: int,
-    validate: bool,
-) -> torch.Tensor:
-    """``(n,)`` int32 offsets on ``device``. Each offset plus the ``rows`` query rows after it
-    must fit int32: always checked for a Python int, with ``validate=True`` for a tensor (before
-    its cast to int32, one host sync). For an int or ``None`` the tensor is shared read-only
-    (built once per value, batch and device); a tensor comes back as :func:`as_int32_tensor`
-    gives it."""
-    if q_causal_offsets is None:
-        return _constant_offsets(0, n, device)
-    fix = (
-        f"pass the global index of each {what}'s first query row: non-negative, and with its "
-        f"{rows} rows added still within int32"
-    )
-    if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
-        value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
-        return _constant_offsets(value, n, device)
-    check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
-    if q_causal_offsets.shape[0] != n:
-        raise ValueError(
-            f"q_causal_offsets has {q_causal_offsets.shape[0]} entries; expected one per {what} "
-            f"({n})."
-        )
-    return as_int32_tensor(
-        "q_causal_offsets",
-        q_causal_offsets,
-        device=device,
-        validate=validate,
-        high=INT32_MAX - rows,
-        fix=fix,
-    )
 
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
@@ -216,24 +113,6 @@ def _empty_scores(
     return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
 
-def _validate_finite(ops: ScoringOperands) -> None:
-    """``validate=True``: reject non-finite operands, naming the first bad row or key."""
-    checks = [
-        ("q", ops.q.float().isfinite().all(-1).all(-1)),
-        ("k", ops.k.float().isfinite().all(-1)),
-    ]
-    if ops.k_descale is not None:
-        checks[1] = ("k", checks[1][1] & ops.k_descale.isfinite())
-    checks.append(("weights", ops.weights.float().isfinite().all(-1)))
-    for name, ok in checks:
-        if not bool(ok.all()):
-            where = tuple(int(i) for i in (~ok).nonzero()[0])
-            raise ValueError(
-                f"{name} has a non-finite vector at (batch, row) {where}; its scores would be NaN "
-                "(or, for BF16 keys on cuDNN, silently finite). Fix the inputs upstream."
-            )
-
-
 def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> str:
     """``"cudnn"``, ``"deepgemm"`` or ``"torch"`` for ``ops``; an explicit kernel backend that
     cannot run raises ``RuntimeError`` with the reason (it never falls back)."""
@@ -250,13 +129,13 @@ def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> str:
     if backend == "torch":
         return "torch"
     if backend == "deepgemm":
-        reason = _deepgemm.mqa_logits_unsupported_reason(
+        reason = deepgemm.mqa_logits_unsupported_reason(
             device=ops.device, precision=ops.precision, n_heads=h, head_dim=d
         )
         if reason is not None:
             raise RuntimeError(f"backend='deepgemm' cannot score this call: {reason}.")
         return "deepgemm"
-    reason = _cudnn.scoring_reason(ops.device, ops.precision, h, d, 1)
+    reason = cudnn.scoring_reason(ops.device, ops.precision, h, d, 1)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -286,8 +165,8 @@ def _cudnn_scores(
     if thd:
         q, k, w = q[0], k[0], w[0]
         qs, ks = (None, None) if qs is None else (qs[0], ks[0])
-    with _cudnn.device_scope(q.device):
-        return _cudnn.dsa().indexer_forward_wrapper(
+    with cudnn.device_scope(q.device):
+        return cudnn.dsa().indexer_forward_wrapper(
             _aligned(q),
             _aligned(k),
             _aligned(w),
@@ -308,7 +187,7 @@ def _deepgemm_scores(
     key_end: torch.Tensor,
     columns: int,
     counts: torch.Tensor,
-) -> _deepgemm.WindowLogits:
+) -> deepgemm.WindowLogits:
     """One DeepGEMM launch for every query row of ``ops`` (with the ``B = 1`` scores of
     :func:`indexer_scores`, the only DeepGEMM call here): batch rows flattened, row
     ``b * S_q + s`` against its window ``[key_start, key_end)`` of the flattened keys
@@ -320,13 +199,13 @@ def _deepgemm_scores(
     w = _aligned(ops.weights.reshape(b * sq, h))
     start = key_start.to(torch.int32).contiguous()
     end = key_end.to(torch.int32).contiguous()
-    with _cudnn.device_scope(ops.device):
-        return _deepgemm.window_logits(q, kv, w, start, end, columns, counts)
+    with cudnn.device_scope(ops.device):
+        return deepgemm.window_logits(q, kv, w, start, end, columns, counts)
 
 
 def _deepgemm_causal_windows(
     ops: ScoringOperands, offsets: torch.Tensor, ratio: int, counts: torch.Tensor | None = None
-) -> _deepgemm.WindowLogits:
+) -> deepgemm.WindowLogits:
     """BSHD: each row ``(b, s)`` against keys ``[0, limit(b, s))`` of batch row ``b``; column ``j``
     is key ``j``. With ``seq_lens=counts`` the top-k reads the logits in place. ``counts``: the
     ``(B * S_q,)`` int32 limits, when the caller has them (shared constants of an int offset);
@@ -336,7 +215,7 @@ def _deepgemm_causal_windows(
     if counts is None:
         counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
     if b == 1:  # windows [0, count): the shared zeros, and the counts themselves as their ends
-        return _deepgemm_scores(ops, _constant_offsets(0, sq, ops.device), counts, sk, counts)
+        return _deepgemm_scores(ops, constant_offsets(0, sq, ops.device), counts, sk, counts)
     start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
     return _deepgemm_scores(ops, start, start + counts, sk, counts)
 
@@ -349,7 +228,7 @@ def _deepgemm_varlen_windows(
     ratio: int,
     max_seqlen_k: int,
     counts: torch.Tensor | None = None,
-) -> _deepgemm.WindowLogits:
+) -> deepgemm.WindowLogits:
     """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
     columns. ``counts``: the rows' :func:`varlen_key_counts`, when the caller has them."""
     tq = ops.q.shape[1]
@@ -367,7 +246,7 @@ def deepgemm_select_input(
     *,
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
-) -> _deepgemm.WindowLogits:
+) -> deepgemm.WindowLogits:
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`, which has
     checked the arguments and, with ``validate``, the operands): DeepGEMM's uncleaned logits of
     ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q, cu_seqlens_k,
@@ -470,17 +349,19 @@ def indexer_scores(
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    offsets = _offsets(q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate)
+    offsets = causal_offsets(
+        q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate
+    )
     if validate:
-        _validate_finite(ops)
+        ops.check_finite()
     _check_out(out, (b, sq, sk), ops.device)
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
-    return _bshd_scores(ops, offsets, ratio, backend, out)
+    return bshd_scores(ops, offsets, ratio, backend, out)
 
 
-def _bshd_scores(
+def bshd_scores(
     ops: ScoringOperands,
     offsets: torch.Tensor,
     ratio: int,
@@ -502,8 +383,8 @@ def _bshd_scores(
         if b == 1:  # windows from key 0: DeepGEMM's own cleaning, one launch each
             ends = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
             kv = (_aligned(ops.k[0]), _aligned(ops.k_descale[0]))
-            with _cudnn.device_scope(ops.device):
-                logits = _deepgemm.causal_logits(
+            with cudnn.device_scope(ops.device):
+                logits = deepgemm.causal_logits(
                     _aligned(ops.q[0]), kv, _aligned(ops.weights[0]), ends
                 )
             return logits.unsqueeze(0)
@@ -514,40 +395,6 @@ def _bshd_scores(
 
 
 # -------------------------------------------------------------------------------------- THD
-
-
-def _check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor:
-    check_int_tensor(name, cu, ndim=1)
-    if cu.numel() < 2:
-        raise ValueError(f"{name} must hold at least [0, total]; got {cu.numel()} entries.")
-    if n is not None and cu.numel() != n:
-        raise ValueError(
-            f"cu_seqlens_q describes {n - 1} sequences and {name} {cu.numel() - 1}; they must "
-            "describe the same sequences."
-        )
-    return cu
-
-
-def _validate_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_len: int) -> None:
-    lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or bool((lens < 0).any()) or int(cu[-1]) != total:
-        raise ValueError(
-            f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
-            f"got {cu.tolist()}."
-        )
-    if int(lens.max()) > max_len:
-        raise ValueError(f"{name} has a sequence of {int(lens.max())} tokens, above {max_len}.")
-
-
-def _check_varlen_args(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
-) -> None:
-    """The data-free checks of the packed-sequence arguments."""
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
-            raise ValueError(f"{name}={value!r} must be a non-negative Python int within int32.")
 
 
 @takes_precision_config
@@ -598,26 +445,26 @@ def indexer_scores_varlen(
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
-    offsets = _offsets(
+    offsets = causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     )
     if validate:
-        _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
-        _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
-        _validate_finite(ops)
+        validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
+        validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
+        ops.check_finite()
     _check_out(out, (tq, max_seqlen_k), ops.device)
     backend = resolve_scoring_backend(backend, ops)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
     cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
-    return _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+    return thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
 
 
-def _thd_scores(
+def thd_scores(
     ops: ScoringOperands,
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,

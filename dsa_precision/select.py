@@ -29,42 +29,50 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
-from ._device import to_device
+from .checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
 from .config import IndexerPrecisionConfig
-from .operands import ScoringOperands, as_scoring_operands
-from .scoring import (
-    Backend,
-    _bshd_scores,
-    _check_varlen_args,
-    _constant_key_counts,
-    _constant_offsets,
-    _offsets,
-    _thd_scores,
-    _validate_cu_seqlens,
-    _validate_finite,
+from .devices import to_device
+from .operands import ScoringOperands
+from .prepare import as_scoring_operands
+from .rows import (
     causal_key_counts,
-    deepgemm_select_input,
-    resolve_scoring_backend,
+    causal_offsets,
+    check_varlen_args,
+    constant_key_counts,
+    constant_offsets,
+    validate_cu_seqlens,
     varlen_key_counts,
     varlen_row_slice,
 )
-from .topk import _select_rows, resolve_topk_backend
+from .scoring import (
+    Backend,
+    bshd_scores,
+    deepgemm_select_input,
+    resolve_scoring_backend,
+    thd_scores,
+)
+from .topk import resolve_topk_backend, select_rows
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "indexer_select", "indexer_select_varlen"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "SELECT_BYTES_PER_SCORE",
+    "chunk_rows",
+    "indexer_select",
+    "indexer_select_varlen",
+]
 
 # Working-set budget of one chunk by default: the extra memory of a call is at most this plus
 # the chunk's picks (docs/benchmarks.md, "Peak extra memory").
 DEFAULT_CHUNK_BYTES = 4 << 30
 # Bytes per score while a chunk is selected: the float32 score plus cuDNN's radix top-k scratch.
-_SELECT_BYTES_PER_SCORE = 4 + 8
+SELECT_BYTES_PER_SCORE = 4 + 8
 # Chunks start on multiples of this many rows when the budget allows, and of the kernel's query
 # tile otherwise.
 _CHUNK_ROW_ALIGNMENT = 512
 _CHUNK_ROW_MIN_ALIGNMENT = 8
 
 
-def _chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
+def chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
     """Query rows per chunk: the whole call when it fits in ``budget`` (``None``:
     :data:`DEFAULT_CHUNK_BYTES`), else as many as fit, aligned to whole kernel tiles."""
     budget = DEFAULT_CHUNK_BYTES if budget is None else budget
@@ -181,7 +189,7 @@ def indexer_select(
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     device = ops.device
-    offsets = _offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
+    offsets = causal_offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
     requested, backend = backend, resolve_scoring_backend(backend, ops)
     margins = check_bool("margins", margins)
     if sq == 0 or sk == 0:
@@ -190,13 +198,13 @@ def indexer_select(
     # Checked once for every chunk: the operands (validate), the top-k's backend (every chunk's
     # scores are float32 rows of S_k keys), the offsets (in range with all S_q rows added).
     if validate:
-        _validate_finite(ops)
+        ops.check_finite()
     if backend != "deepgemm":
         topk_backend = resolve_topk_backend(
             _topk_backend(requested), device=device, k=min(topk, sk), dtype=torch.float32
         )
     start = _int_offset(q_causal_offsets)  # a Python int offset: shared constant tensors
-    step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
+    step = chunk_rows(chunk_bytes, sq, b * sk * SELECT_BYTES_PER_SCORE)
     out = _picks((b, sq, topk), step < sq, device)
     out_margins = _margin_rows((b, sq), margins and step < sq, device)
     buf = _buffer(b * min(step, sq) * sk, backend, device)
@@ -207,7 +215,7 @@ def indexer_select(
         if start is None:
             lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
         else:
-            lens = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
+            lens = constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             # The buffer's rows (the window itself is not kept: its logits go with the scores).
             scores = deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
@@ -218,12 +226,12 @@ def indexer_select(
             elif start is None:
                 part_offsets = offsets + r0
             else:
-                part_offsets = _constant_offsets(start + r0, b, device)
+                part_offsets = constant_offsets(start + r0, b, device)
             part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
-            scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
+            scores = bshd_scores(part, part_offsets, ratio, backend, part_out)
             scores = scores.view(b * (r1 - r0), sk)
             row_backend = topk_backend
-        picks = _select_rows(scores, topk, lens, deterministic, row_backend).view(b, r1 - r0, topk)
+        picks = select_rows(scores, topk, lens, deterministic, row_backend).view(b, r1 - r0, topk)
         gaps = _margins(scores, lens, picks.view(-1, topk)).view(b, -1) if margins else None
         if out is None:
             return _with_margins(picks, gaps)
@@ -275,12 +283,12 @@ def indexer_select_varlen(
         weights = None if weights is None else weights.unsqueeze(0)
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     tq, tk = ops.q.shape[1], ops.k.shape[1]
-    _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if validate:  # the caller's lengths (each chunk's launch then validates its own)
-        _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
-        _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
+        validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
+        validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
     n_seq = cu_seqlens_q.numel() - 1
-    offsets = _offsets(
+    offsets = causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     ).to(torch.int64)
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int64)
@@ -293,13 +301,13 @@ def indexer_select_varlen(
     # Checked once for every chunk (as in indexer_select); a chunk's lengths and offsets are
     # derived from the caller's, checked above.
     if validate:
-        _validate_finite(ops)
+        ops.check_finite()
     if backend != "deepgemm":
         topk_backend = resolve_topk_backend(
             _topk_backend(requested), device=ops.device, k=min(topk, max_seqlen_k),
             dtype=torch.float32,
         )  # fmt: skip
-    step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
+    step = chunk_rows(chunk_bytes, tq, max_seqlen_k * SELECT_BYTES_PER_SCORE)
     out = _picks((tq, topk), step < tq, ops.device)
     out_margins = _margin_rows((tq,), margins and step < tq, ops.device)
     buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
@@ -315,7 +323,7 @@ def indexer_select_varlen(
             del window
             row_backend = _window_topk_backend(scores, topk)
         else:
-            scores = _thd_scores(
+            scores = thd_scores(
                 part,
                 cu_chunk,
                 cu_k,
@@ -327,7 +335,7 @@ def indexer_select_varlen(
                 buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
             )
             row_backend = topk_backend
-        picks = _select_rows(scores, topk, lens, deterministic, row_backend)
+        picks = select_rows(scores, topk, lens, deterministic, row_backend)
         gaps = _margins(scores, lens, picks) if margins else None
         if out is None:
             return _with_margins(picks, gaps)

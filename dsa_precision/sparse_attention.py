@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from . import _cudnn
-from ._checks import (
+from .backends import cudnn
+from .checks import (
     check_int_tensor,
     check_positive_int,
     check_real,
@@ -167,7 +167,7 @@ def _flash_mla_forward(
 def _cudnn_backward_usable(q: torch.Tensor) -> bool:
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return _cudnn.dsa_available()
+    return cudnn.dsa_available()
 
 
 def _cudnn_backward(
@@ -185,8 +185,8 @@ def _cudnn_backward(
     length = (idx >= 0).sum(-1).to(torch.int32)
     rows = torch.nonzero(length > 0).flatten()
     sink = torch.full((heads,), float("-inf"), dtype=torch.float32, device=q.device)
-    with _cudnn.device_scope(q.device):
-        res = _cudnn.dsa().sparse_attention_backward_wrapper(
+    with cudnn.device_scope(q.device):
+        res = cudnn.dsa().sparse_attention_backward_wrapper(
             _pad_heads(q, heads).index_select(0, rows).contiguous(),
             kv.contiguous(),
             _pad_heads(out, heads).index_select(0, rows).contiguous(),

@@ -20,8 +20,8 @@ from typing import Literal
 
 import torch
 
-from . import _cudnn
-from ._checks import (
+from .backends import cudnn
+from .checks import (
     INT32_MAX,
     as_int32_tensor,
     check_float_dtype,
@@ -30,9 +30,9 @@ from ._checks import (
     check_tensor,
 )
 from .config import TOPK_BACKENDS
-from .operands import triton_unavailable_reason
+from .kernels import triton_unavailable_reason
 
-__all__ = ["indexer_topk", "resolve_topk_backend"]
+__all__ = ["indexer_topk", "resolve_topk_backend", "select_rows"]
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows per torch-path chunk are bounded so the int64 sort keys stay under this many bytes.
@@ -71,7 +71,7 @@ def _cudnn_topk(
 ) -> torch.Tensor:
     """cuDNN's radix top-k (the only call of that kernel): ``(rows, min(k, S_k))`` int32.
 
-    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision._cudnn.topk_plan`) into
+    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision.backends.cudnn.topk_plan`) into
     buffers allocated here, as ``indexer_top_k_wrapper`` would run it, without the wrapper's
     per-call staging and cache key: ``scores`` are bound contiguous and 32-byte aligned (a copy
     otherwise, as the wrapper makes), ``seq_lens`` contiguous. Deterministic mode returns each
@@ -81,12 +81,12 @@ def _cudnn_topk(
     """
     rows, sk = scores.shape
     top_k = min(k, sk)
-    if not scores.is_contiguous() or scores.data_ptr() % _cudnn.TOPK_INPUT_ALIGN:
+    if not scores.is_contiguous() or scores.data_ptr() % cudnn.TOPK_INPUT_ALIGN:
         scores = scores.clone(memory_format=torch.contiguous_format)
     seq_lens = seq_lens.contiguous()
     device = scores.device
-    with _cudnn.device_scope(device):
-        plan = _cudnn.topk_plan(scores, seq_lens, top_k, deterministic)
+    with cudnn.device_scope(device):
+        plan = cudnn.topk_plan(scores, seq_lens, top_k, deterministic)
         indices = torch.empty((rows, top_k), dtype=torch.int32, device=device)
         values = torch.empty((rows, top_k), dtype=scores.dtype, device=device)
         workspace = torch.empty(plan.scratch_workspace_bytes(), dtype=torch.uint8, device=device)
@@ -104,7 +104,7 @@ def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: t
         raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {TOPK_BACKENDS}.")
     if backend == "torch":
         return "torch"
-    reason = _cudnn.topk_reason(device, k, dtype)
+    reason = cudnn.topk_reason(device, k, dtype)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -131,7 +131,7 @@ def indexer_topk(
         k: keys per row, ``k >= 1``.
         seq_lens: optional ``scores.shape[:-1]`` integer tensor in ``[0, S_k]``: keys
             ``>= seq_lens`` are not valid, and the kernel never reads them (for causal scores,
-            :func:`dsa_precision.scoring.causal_key_counts`). Without it every key is read.
+            :func:`dsa_precision.rows.causal_key_counts`). Without it every key is read.
         deterministic: ties break toward the lower key index (default). ``False`` lets ties
             resolve arbitrarily (cuDNN's faster mode; the order within a row is then arbitrary).
         backend: ``"cudnn"`` (SM90 radix top-k, ``k <= 2048``), ``"torch"`` or ``"auto"``.
@@ -174,11 +174,11 @@ def indexer_topk(
     backend = resolve_topk_backend(
         backend, device=scores.device, k=min(k, max(sk, 1)), dtype=scores.dtype
     )
-    picked = _select_rows(flat, k, lens, deterministic, backend)
+    picked = select_rows(flat, k, lens, deterministic, backend)
     return picked if len(lead) == 1 else picked.reshape(*lead, k)
 
 
-def _select_rows(
+def select_rows(
     scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool, backend: str
 ) -> torch.Tensor:
     """:func:`indexer_topk` of score rows once its arguments are checked (for

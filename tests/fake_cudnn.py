@@ -304,14 +304,14 @@ class FakeIndexerTopK:
 
 def install(monkeypatch) -> FakeDSA:
     """Stand a FakeDSA in for the hardware this machine lacks, and nothing else: the library
-    imports (``_cudnn._import_dsa`` answers with the fake) and CPU tensors sit on an SM90 device
-    (``_cudnn``'s device check and ``torch.cuda.get_device_capability`` of a CPU device). Whether
+    imports (``cudnn_backend._import_dsa`` answers with the fake) and CPU tensors sit on an SM90 device
+    (``cudnn_backend``'s device check and ``torch.cuda.get_device_capability`` of a CPU device). Whether
     cuDNN can serve a call (head count, head width, k, dtype) is still the package's decision,
     computed by its own code from the real arguments."""
-    from dsa_precision import _cudnn
+    from dsa_precision.backends import cudnn as cudnn_backend
 
     fake = FakeDSA()
-    device_reason = _cudnn._device_reason
+    device_reason = cudnn_backend._device_reason
     capability = torch.cuda.get_device_capability
 
     def sm90_capability(device=None):
@@ -319,9 +319,9 @@ def install(monkeypatch) -> FakeDSA:
             return (9, 0)
         return capability(device)
 
-    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (fake, None))
+    monkeypatch.setattr(cudnn_backend, "_import_dsa", lambda: (fake, None))
     monkeypatch.setattr(
-        _cudnn,
+        cudnn_backend,
         "_device_reason",
         lambda device: None if device.type == "cpu" else device_reason(device),
     )

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from dsa_precision import _deepgemm
+from dsa_precision.backends import deepgemm as deepgemm_backend
 
 from .fake_cudnn import stand_in_scores
 
@@ -105,6 +105,6 @@ class FakeMqaLogits:
 
 
 def install(monkeypatch, fn, name="deep_gemm.fp8_fp4_mqa_logits", clean=True, switch=None):
-    entry = _deepgemm._EntryPoint(fn, name, fn.q_pair, clean, switch)
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
-    monkeypatch.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
+    entry = deepgemm_backend._EntryPoint(fn, name, fn.q_pair, clean, switch)
+    monkeypatch.setattr(deepgemm_backend, "_import", lambda: (entry, None))
+    monkeypatch.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)

@@ -9,7 +9,8 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.engines import DEFAULT_ENGINE, EngineProfile
-from dsa_precision.operands import ScoringOperands, prepare_indexer_operands
+from dsa_precision.operands import ScoringOperands
+from dsa_precision.prepare import prepare_indexer_operands
 from dsa_precision.preprocess import IndexerPreprocess
 
 ROPE_DIM = 64

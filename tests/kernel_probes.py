@@ -8,10 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsa_precision.kernels import interpreting
 from dsa_precision.kernels.preprocess_quantize import (
     _e4m3_codes,
     _hadamard,
-    _interpreted,
     _pairwise_sum,
     _round_bf16,
 )
@@ -49,7 +49,7 @@ def e4m3_bits(x: torch.Tensor, hw_cast: bool | None = None) -> torch.Tensor:
     always in the interpreter)."""
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     n = x.numel()
-    hw = not _interpreted() if hw_cast is None else hw_cast
+    hw = not interpreting() if hw_cast is None else hw_cast
     _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=0, HW_CAST=hw, BLOCK=_BLOCK)
     return out
 
@@ -59,7 +59,7 @@ def round_bf16(x: torch.Tensor, hw_cast: bool | None = None) -> torch.Tensor:
     (default on a GPU) or the integer emulation (``hw_cast=False``, and in the interpreter)."""
     out = torch.empty_like(x)
     n = x.numel()
-    hw = not _interpreted() if hw_cast is None else hw_cast
+    hw = not interpreting() if hw_cast is None else hw_cast
     _elementwise_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, OP=1, HW_CAST=hw, BLOCK=_BLOCK)
     return out
 

@@ -23,7 +23,7 @@ from dsa_precision import (
     ue8m0_descale,
 )
 from dsa_precision.engines import Fp8Rule
-from dsa_precision.operands import as_scoring_operands
+from dsa_precision.prepare import as_scoring_operands
 
 from .helpers import cu_seqlens
 

@@ -1,4 +1,4 @@
-"""The shared argument checks (``dsa_precision._checks``) and the public surface they guard:
+"""The shared argument checks (``dsa_precision.checks``) and the public surface they guard:
 ints are range-checked before any int32 cast, numbers are numbers, and every public entry point
 that quantizes takes the one precision object."""
 
@@ -10,7 +10,7 @@ import torch
 
 import dsa_precision
 from dsa_precision import IndexerPrecisionConfig, indexer_scores, indexer_select, indexer_topk
-from dsa_precision._checks import (
+from dsa_precision.checks import (
     INT32_MAX,
     as_int32_tensor,
     check_bool,

@@ -10,7 +10,6 @@ import torch
 
 from dsa_precision import (
     IndexerPrecisionConfig,
-    _cudnn,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -21,6 +20,7 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
+from dsa_precision.backends import cudnn as cudnn_backend
 from dsa_precision.config import ScoringPrecision
 
 from . import fake_cudnn
@@ -230,9 +230,9 @@ def test_topk_plans_get_aligned_contiguous_scores_and_are_reused(fake):
     class API binds only contiguous, 32-byte aligned scores (the fake asserts both), so a strided
     or misaligned view is copied first, as indexer_top_k_wrapper would; a plan is built once per
     shape, k and mode, and its picks are the torch path's (tie-free scores)."""
-    from dsa_precision import _cudnn
+    from dsa_precision.backends import cudnn as cudnn_backend
 
-    _cudnn._TOPK_PLANS.clear()
+    cudnn_backend._TOPK_PLANS.clear()
     g = torch.Generator().manual_seed(4)
     base = torch.rand(6 * 40 + 1, generator=g).argsort().float()  # distinct values: no ties
     aligned = base[:240].view(6, 40)
@@ -245,11 +245,11 @@ def test_topk_plans_get_aligned_contiguous_scores_and_are_reused(fake):
         want = indexer_topk(scores, 5, seq_lens=seq, backend="torch")
         assert torch.equal(got, want)
         assert_bitwise_equal(fake.topk_calls[-1]["values"], scores.contiguous(), "bound scores")
-    assert len(_cudnn._TOPK_PLANS) == 2  # (6, 40) twice, (6, 20)
+    assert len(cudnn_backend._TOPK_PLANS) == 2  # (6, 40) twice, (6, 20)
     indexer_topk(aligned, 5, seq_lens=lens, backend="cudnn", deterministic=False)
     indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
     indexer_topk(aligned, 7, seq_lens=lens, backend="cudnn")
-    assert len(_cudnn._TOPK_PLANS) == 4  # another mode, another k; the last one reused
+    assert len(cudnn_backend._TOPK_PLANS) == 4  # another mode, another k; the last one reused
     assert [c["top_k"] for c in fake.topk_calls] == [5, 5, 5, 5, 7, 7]
 
 
@@ -343,28 +343,28 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
     cpu = torch.device("cpu")
     fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
     args = dict(n_heads=64, head_dim=128, n_kv_heads=1)
-    assert "on cpu" in _cudnn.scoring_unsupported_reason(device=cpu, precision=fp8, **args)
-    assert "on cpu" in _cudnn.topk_unsupported_reason(device=cpu, k=8, dtype=torch.float32)
+    assert "on cpu" in cudnn_backend.scoring_unsupported_reason(device=cpu, precision=fp8, **args)
+    assert "on cpu" in cudnn_backend.topk_unsupported_reason(device=cpu, k=8, dtype=torch.float32)
     # A CUDA device of a given architecture, without touching a GPU.
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capability = [(8, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (object(), None))
-    assert "SM80" in _cudnn.scoring_unsupported_reason(device=cuda, precision=fp8, **args)
-    assert "SM80" in _cudnn.topk_unsupported_reason(device=cuda, k=8, dtype=torch.float32)
+    monkeypatch.setattr(cudnn_backend, "_import_dsa", lambda: (object(), None))
+    assert "SM80" in cudnn_backend.scoring_unsupported_reason(device=cuda, precision=fp8, **args)
+    assert "SM80" in cudnn_backend.topk_unsupported_reason(device=cuda, k=8, dtype=torch.float32)
     capability[0] = (9, 0)
-    reason = _cudnn.scoring_unsupported_reason
+    reason = cudnn_backend.scoring_unsupported_reason
     assert reason(device=cuda, precision=fp8, **args) is None
     assert "n_heads=16" in reason(device=cuda, precision=fp8, **{**args, "n_heads": 16})
     assert reason(device=cuda, precision=bf16, **{**args, "n_heads": 16}) is None
     assert "head_dim=64" in reason(device=cuda, precision=bf16, **{**args, "head_dim": 64})
     assert "2 heads" in reason(device=cuda, precision=bf16, **{**args, "n_kv_heads": 2})
-    assert "k=4096" in _cudnn.topk_unsupported_reason(device=cuda, k=4096, dtype=torch.float32)
+    assert "k=4096" in cudnn_backend.topk_unsupported_reason(device=cuda, k=4096, dtype=torch.float32)
     capability[0] = (10, 0)  # Blackwell: BF16 yes, the per-128-vector FP8 kernel no
     assert "SM100" in reason(device=cuda, precision=fp8, **args)
     assert reason(device=cuda, precision=bf16, **args) is None
-    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (None, "not importable (hint)"))
+    monkeypatch.setattr(cudnn_backend, "_import_dsa", lambda: (None, "not importable (hint)"))
     assert reason(device=cuda, precision=bf16, **args) == "not importable (hint)"
 
 
@@ -382,32 +382,32 @@ def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    monkeypatch.setattr(_cudnn, "_import_dsa", lambda: (object(), None))
-    _cudnn._cuda_scoring_reason.cache_clear()
-    _cudnn._cuda_topk_reason.cache_clear()
+    monkeypatch.setattr(cudnn_backend, "_import_dsa", lambda: (object(), None))
+    cudnn_backend._cuda_scoring_reason.cache_clear()
+    cudnn_backend._cuda_topk_reason.cache_clear()
     try:
-        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
-        assert _cudnn.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert cudnn_backend.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert cudnn_backend.scoring_reason(cuda, fp8, 64, 128, 1) is None
         assert len(queries) == 1  # remembered
-        assert "n_heads=16" in _cudnn.scoring_reason(cuda, fp8, 16, 128, 1)  # another key
-        assert _cudnn.scoring_reason(cuda, bf16, 16, 128, 1) is None
-        assert "head_dim=64" in _cudnn.scoring_reason(cuda, bf16, 16, 64, 1)
-        assert "k=4096" in _cudnn.topk_reason(cuda, 4096, torch.float32)
-        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
-        assert _cudnn.topk_reason(cuda, 2048, torch.float32) is None
+        assert "n_heads=16" in cudnn_backend.scoring_reason(cuda, fp8, 16, 128, 1)  # another key
+        assert cudnn_backend.scoring_reason(cuda, bf16, 16, 128, 1) is None
+        assert "head_dim=64" in cudnn_backend.scoring_reason(cuda, bf16, 16, 64, 1)
+        assert "k=4096" in cudnn_backend.topk_reason(cuda, 4096, torch.float32)
+        assert cudnn_backend.topk_reason(cuda, 2048, torch.float32) is None
+        assert cudnn_backend.topk_reason(cuda, 2048, torch.float32) is None
         assert len(queries) == 6
         # the public functions are not cached: they see the architecture change
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-        assert "SM80" in _cudnn.scoring_unsupported_reason(
+        assert "SM80" in cudnn_backend.scoring_unsupported_reason(
             device=cuda, precision=fp8, n_heads=64, head_dim=128, n_kv_heads=1
         )
         cpu = torch.device("cpu")
-        assert "on cpu" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)
-        monkeypatch.setattr(_cudnn, "_device_reason", lambda device: None)
-        assert "SM80" in _cudnn.scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
+        assert "on cpu" in cudnn_backend.scoring_reason(cpu, fp8, 64, 128, 1)
+        monkeypatch.setattr(cudnn_backend, "_device_reason", lambda device: None)
+        assert "SM80" in cudnn_backend.scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
     finally:  # no answer of this fake CUDA device outlives the test
-        _cudnn._cuda_scoring_reason.cache_clear()
-        _cudnn._cuda_topk_reason.cache_clear()
+        cudnn_backend._cuda_scoring_reason.cache_clear()
+        cudnn_backend._cuda_topk_reason.cache_clear()
 
 
 def test_cudnn_entry_points_are_looked_up_once():
@@ -422,14 +422,14 @@ def test_cudnn_entry_points_are_looked_up_once():
                 raise AttributeError(name)
             return f"<{name}>"
 
-    dsa = _cudnn._Resolved(Namespace())
+    dsa = cudnn_backend._Resolved(Namespace())
     assert dsa.indexer_forward_wrapper == "<indexer_forward_wrapper>"
     assert dsa.indexer_forward_wrapper == dsa.indexer_forward_wrapper
     assert dsa.indexer_top_k_wrapper == "<indexer_top_k_wrapper>"
     assert lookups == ["indexer_forward_wrapper", "indexer_top_k_wrapper"]
     with pytest.raises(AttributeError):
         dsa.missing  # noqa: B018
-    assert _cudnn.dsa_available() == (_cudnn.dsa_unavailable_reason() is None)
+    assert cudnn_backend.dsa_available() == (cudnn_backend.dsa_unavailable_reason() is None)
 
 
 def test_auto_select_scores_on_cudnn_and_selects_beyond_its_top_k_with_torch(fake):

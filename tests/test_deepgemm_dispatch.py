@@ -1,5 +1,5 @@
 """What reaches DeepGEMM's MQA-logits kernel, checked on the CPU with recording fakes injected
-through ``dsa_precision._deepgemm._import``: DeepGEMM 54e2261's
+through ``dsa_precision.deepgemm_backend._import``: DeepGEMM 54e2261's
 ``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, clean_logits, max_seqlen_k)``
 (and its legacy name ``fp8_mqa_logits(q, ...)``, and 2.8's form without ``clean_logits``).
 
@@ -22,7 +22,6 @@ import torch
 
 from dsa_precision import (
     IndexerPrecisionConfig,
-    _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -32,6 +31,7 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
+from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision import select as select_module
 from dsa_precision.config import ScoringPrecision
 
@@ -179,13 +179,13 @@ def topk_inputs(monkeypatch):
     """Record what reaches the top-k from ``indexer_select``."""
     seen = []
 
-    select_rows = select_module._select_rows
+    select_rows = select_module.select_rows
 
     def recording_topk(scores, k, seq_lens, deterministic, backend):
         seen.append(dict(scores=scores, seq_lens=seq_lens.clone(), backend=backend))
         return select_rows(scores, k, seq_lens, deterministic, backend)
 
-    monkeypatch.setattr(select_module, "_select_rows", recording_topk)
+    monkeypatch.setattr(select_module, "select_rows", recording_topk)
     return seen
 
 
@@ -345,7 +345,7 @@ def test_the_determinism_switch_is_set_before_every_launch(monkeypatch):
     assert events == [("deterministic", True), "launch"] * 4
 
 
-@pytest.mark.parametrize("name", _deepgemm.DETERMINISM_SWITCHES)
+@pytest.mark.parametrize("name", deepgemm_backend.DETERMINISM_SWITCHES)
 def test_the_determinism_switch_is_detected(fresh_import, name):
     calls = []
     legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
@@ -382,29 +382,29 @@ def test_explicit_deepgemm_raises_with_the_reason():
 
 
 def test_unsupported_reasons(monkeypatch):
-    reason = _deepgemm.mqa_logits_unsupported_reason
+    reason = deepgemm_backend.mqa_logits_unsupported_reason
     fp8 = ScoringPrecision.FP8
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capability = [(10, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (object(), None))
+    monkeypatch.setattr(deepgemm_backend, "_import", lambda: (object(), None))
     assert "SM100" in reason(device=cuda, precision=fp8, n_heads=64, head_dim=128)
     capability[0] = (9, 0)
     assert reason(device=cuda, precision=fp8, n_heads=64, head_dim=128) is None
     assert "16 heads" in reason(device=cuda, precision=fp8, n_heads=16, head_dim=128)
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (None, "not importable (hint)"))
+    monkeypatch.setattr(deepgemm_backend, "_import", lambda: (None, "not importable (hint)"))
     assert reason(device=cuda, precision=fp8, n_heads=64, head_dim=128) == "not importable (hint)"
 
 
 @pytest.fixture
 def fresh_import(monkeypatch):
-    """Run ``_deepgemm._import`` against stand-in modules, uncached, and restore it after."""
-    for name in _deepgemm._MODULES:
+    """Run ``deepgemm_backend._import`` against stand-in modules, uncached, and restore it after."""
+    for name in deepgemm_backend._MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    _deepgemm._import.cache_clear()
+    deepgemm_backend._import.cache_clear()
     yield monkeypatch
-    _deepgemm._import.cache_clear()
+    deepgemm_backend._import.cache_clear()
 
 
 # Never read: the call must fail before it reaches a kernel.
@@ -443,8 +443,8 @@ def _call():
 def _detected(fresh_import, module):
     fresh_import.setitem(sys.modules, "deep_gemm", module)
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
-    fresh_import.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
-    return _deepgemm._import()
+    fresh_import.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)
+    return deepgemm_backend._import()
 
 
 def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_import):
@@ -453,9 +453,9 @@ def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_impo
     fresh_import.setitem(sys.modules, "vllm", _module("vllm"))
     fresh_import.setitem(sys.modules, "vllm.third_party", _module("vllm.third_party"))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", _module("vdg", fp4=fn))
-    fresh_import.setattr(_deepgemm, "mqa_logits_unsupported_reason", lambda **kw: None)
-    assert _deepgemm.deepgemm_available()
-    assert _deepgemm.entry_point() == "vllm.third_party.deep_gemm.fp8_fp4_mqa_logits"
+    fresh_import.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)
+    assert deepgemm_backend.deepgemm_available()
+    assert deepgemm_backend.entry_point() == "vllm.third_party.deep_gemm.fp8_fp4_mqa_logits"
     _call()
     assert len(fn.calls) == 1
 
@@ -493,7 +493,7 @@ def test_deepgemm_2_8_is_called_without_clean_logits(fresh_import):
 
     entry, _ = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
     assert entry.q_pair and not entry.clean_logits_arg
-    assert _deepgemm.entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
+    assert deepgemm_backend.entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
     got = _call()
     assert calls == [dict(max_seqlen_k=3, schedule_meta=None)]
     assert got[0].tolist() == [[i * 1000 + j if j <= i else float("-inf") for j in range(3)]
@@ -506,12 +506,12 @@ def test_feature_detection_reports_each_failure(fresh_import):
 
     fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm", unknown))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
-    assert not _deepgemm.deepgemm_available() and _deepgemm.entry_point() is None
-    _, reason = _deepgemm._import()
+    assert not deepgemm_backend.deepgemm_available() and deepgemm_backend.entry_point() is None
+    _, reason = deepgemm_backend._import()
     assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
     assert "vllm.third_party.deep_gemm" in reason and "DeepGEMM" in reason
     with pytest.raises(ImportError, match="not importable"):
-        _deepgemm.window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
+        deepgemm_backend.window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
 
 
 def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
@@ -532,5 +532,5 @@ def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
     assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
     assert "DeepGEMM 2.2 and later" in reason
     with pytest.raises(ImportError, match="takes no max_seqlen_k"):
-        _deepgemm.causal_logits(*_NO_OPERANDS)
+        deepgemm_backend.causal_logits(*_NO_OPERANDS)
     assert not called

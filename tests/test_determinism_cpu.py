@@ -163,7 +163,7 @@ def test_fused_attention_replays_bit_exact():
     assert_replays_bit_exact(run, inputs, backward=True, what="fused indexer + attention")
 
 
-# -------------------------------------------------- _cudnn.py, _deepgemm.py (fake hardware)
+# -------------------------------------------------- cudnn_backend.py, deepgemm_backend.py (fake hardware)
 
 
 def test_cudnn_launches_replay_through_the_recording_fake(monkeypatch):

@@ -1,4 +1,4 @@
-"""The hot path's caches (``dsa_precision._device``) and the tensors the package shares through them:
+"""The hot path's caches (``dsa_precision.devices``) and the tensors the package shares through them:
 a cached value is never stale (a changed source, another source object or other arguments miss),
 shared tensors are built outside inference mode, and nothing the caller gets back aliases them."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from dsa_precision import IndexerPrecisionConfig, indexer_select
-from dsa_precision._device import DerivedCache, shared_device_tensor
-from dsa_precision.operands import _engine_lanes, _kernel_rope_tables
-from dsa_precision.preprocess import rope_tables
-from dsa_precision.scoring import (
-    _constant_key_counts,
-    _constant_offsets,
-    _offsets,
+from dsa_precision.devices import DerivedCache, shared_device_tensor
+from dsa_precision.prepare import _engine_lanes, _kernel_rope_tables
+from dsa_precision.rope import rope_tables
+from dsa_precision.rows import (
     causal_key_counts,
+    causal_offsets,
+    constant_key_counts,
+    constant_offsets,
 )
 
 CPU = torch.device("cpu")
@@ -119,14 +119,14 @@ def test_constant_offsets_and_key_counts_match_their_uncached_builds():
     for offset, b, r0, rows, ratio, sk in cases:
         offsets = torch.full((b,), offset, dtype=torch.int32)
         want = causal_key_counts(offsets, r0, rows, ratio, sk).view(-1)
-        got = _constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
+        got = constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
         assert got.dtype == torch.int32 and torch.equal(got, want), (offset, b, r0, rows)
-        assert torch.equal(_constant_offsets(offset, b, CPU), offsets)
+        assert torch.equal(constant_offsets(offset, b, CPU), offsets)
         assert torch.equal(
-            _offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
+            causal_offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
         )
     assert torch.equal(
-        _offsets(None, 3, CPU, "batch row", rows=4, validate=False),
+        causal_offsets(None, 3, CPU, "batch row", rows=4, validate=False),
         torch.zeros(3, dtype=torch.int32),
     )
 
@@ -197,7 +197,7 @@ def test_a_graph_capture_bypasses_both_caches(monkeypatch):
     """While a CUDA graph is being captured (a stand-in here; the real capture is the GPU test
     ``test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture``) every call
     builds its own value and nothing is read from or stored into the caches."""
-    from dsa_precision import _device
+    from dsa_precision import devices
 
     calls = []
 
@@ -210,7 +210,7 @@ def test_a_graph_capture_bypasses_both_caches(monkeypatch):
     x = torch.ones(2)
     before = ones(2, CPU)
     cached = cache.get(x, "k", _Builds(x))
-    monkeypatch.setattr(_device, "_capturing", lambda device: True)
+    monkeypatch.setattr(devices, "_capturing", lambda device: True)
     assert ones(2, CPU) is not before and ones(3, CPU) is not ones(3, CPU)
     assert cache.get(x, "k", _Builds(x)) is not cached
     monkeypatch.undo()

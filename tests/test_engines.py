@@ -14,7 +14,7 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, EngineProfile, IndexerPrecisionConfig, quantize_fp8
 from dsa_precision.engines import DEFAULT_ENGINE, Fp8Rule
-from dsa_precision.operands import fold_head_weights
+from dsa_precision.prepare import fold_head_weights
 
 PROFILES = sorted(ENGINE_PROFILES)
 

@@ -225,7 +225,7 @@ def test_forward_before_topk_per_configuration(name):
 def test_fp32_weights_engine_folds_the_float32_weights_projection():
     """sglang-unfused's weights GEMM outputs FP32: the folded FP8 weights come from the float32
     product of linear_weights_proj, not from its BF16 output."""
-    from dsa_precision.operands import fold_head_weights
+    from dsa_precision.prepare import fold_head_weights
 
     config = make_config(
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8",

@@ -23,10 +23,11 @@ from dsa_precision import (
     quantize_e4m3_ue8m0,
     quantize_fp8,
 )
-from dsa_precision import operands as operands_module
+from dsa_precision import fused_path
+from dsa_precision import prepare as prepare_module
 from dsa_precision.config import ScoringPrecision
 from dsa_precision.engines import DEFAULT_ENGINE
-from dsa_precision.operands import as_scoring_operands, fused_unsupported_reason
+from dsa_precision.prepare import as_scoring_operands, fused_unsupported_reason
 from dsa_precision.preprocess import indexer_head_weights
 
 from .fused_cases import make_case
@@ -198,10 +199,10 @@ def test_as_scoring_operands_passes_operands_through_and_prepares_carriers():
 def test_auto_on_cpu_is_the_reference(monkeypatch):
     """impl='auto' launches the fused kernel only where it runs: never for CPU tensors, but under
     Triton's interpreter (which runs it on CPU tensors). A recorder stands in for the launch."""
-    from dsa_precision.operands import triton_unavailable_reason
+    from dsa_precision.kernels import triton_unavailable_reason
 
     launches = []
-    monkeypatch.setattr(operands_module, "_quantize_triton", lambda *a: launches.append(a) or "k")
+    monkeypatch.setattr(prepare_module, "_quantize_triton", lambda *a: launches.append(a) or "k")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, w = _carriers()
     auto = prepare_scoring_operands(q, k, w, config=FP8, impl="auto")
@@ -346,7 +347,7 @@ def test_fused_kernel_reasons(monkeypatch):
     rms = IndexerPreprocess(128, 64, rope_fp32=True, k_norm=torch.nn.RMSNorm(128))
     assert "RMSNorm" in fused_unsupported_reason(rms, q, k, w, config=fp8)
     plain = IndexerPreprocess(128, 64, rope_fp32=False, rotate_activation=True)
-    monkeypatch.setattr(operands_module, "HAVE_FAST_HADAMARD", True)
+    monkeypatch.setattr(fused_path, "HAVE_FAST_HADAMARD", True)
     cfg = IndexerPrecisionConfig(rope_fp32=False, scoring_precision="fp8")
     assert "fast_hadamard_transform" in fused_unsupported_reason(plain, q, k, w, config=cfg)
 
@@ -401,15 +402,15 @@ def test_fp8_operands_keep_interleaved_rope_pairs_in_place(rope_fp32):
 def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
     """The demo's independent engine model (``cli/engine_model.py``) rotates pairs in place; with
     ``rope_fp32`` the package's FP8 operands are its operands bit for bit, lane by lane."""
-    from dsa_precision.cli.demo import Model, training_operands
-    from dsa_precision.cli.engine_model import engine_operands
-    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+    from dsa_precision.oracles.training import IndexerFields, training_operands
+    from dsa_precision.oracles.engine_model import engine_operands
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
     engine = ENGINE_PROFILES["sglang-fused"]
     inputs = synthetic_indexer_inputs(64, n_heads=32, head_dim=128, rope_dim=64, seed=3)
     ref = engine_operands(inputs, engine, hadamard=False, interleaved=True)
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=engine)
-    got = training_operands(inputs, config, Model(rope_interleaved=True))
+    got = training_operands(inputs, config, IndexerFields(rope_interleaved=True))
     assert_bitwise_equal(got.q[0], ref.q, "q")
     assert_bitwise_equal(got.k[0], ref.k, "k")
     assert_bitwise_equal(got.k_descale[0], ref.k_descale, "k descale")
@@ -444,14 +445,11 @@ def test_rows_of_every_row_are_the_operands_themselves():
 def test_the_kernel_writes_input_lane_order_only_for_interleaved_pairs(interleaved, hadamard):
     """The fused kernel's in-place lane order (the engines' order of interleaved RoPE pairs) is a
     permutation that undoes the de-interleaving: without it, or with the Hadamard mixing lanes,
-    it is refused before any launch."""
-    pytest.importorskip("triton")
-    from dsa_precision.kernels.preprocess_quantize import preprocess_quantize
+    the rules refuse it before any launch."""
+    from dsa_precision.kernels.rules import PreprocessRules
 
-    x = torch.zeros(2, 1, 128)
-    cos = sin = torch.ones(2, 64)
     with pytest.raises(ValueError, match=r"input_lane_order .* needs interleaved=True and no Had"):
-        preprocess_quantize(
-            x, rope_dim=64, cos=cos, sin=sin, interleaved=interleaved, hadamard=hadamard,
-            bf16_math=False, rule=DEFAULT_ENGINE.k_quant, input_lane_order=True,
+        PreprocessRules(
+            DEFAULT_ENGINE.q_quant, DEFAULT_ENGINE.k_quant, rope_dim=64, interleaved=interleaved,
+            hadamard=hadamard, input_lane_order=True,
         )  # fmt: skip

@@ -105,7 +105,7 @@ def test_every_public_name_resolves_once_and_is_documented():
             undocumented.append(name)
     assert not undocumented, f"public names without a docstring: {undocumented}"
     # The scoring API is exported from the top level, the same objects as in its modules.
-    from dsa_precision import operands, scoring, select, topk
+    from dsa_precision import operands, prepare, scoring, select, topk
 
     for module, name in (
         (scoring, "indexer_scores"),
@@ -113,7 +113,8 @@ def test_every_public_name_resolves_once_and_is_documented():
         (select, "indexer_select"),
         (select, "indexer_select_varlen"),
         (topk, "indexer_topk"),
-        (operands, "prepare_scoring_operands"),
+        (prepare, "prepare_scoring_operands"),
+        (prepare, "prepare_indexer_operands"),
         (operands, "ScoringOperands"),
     ):
         assert name in names and getattr(dsa_precision, name) is getattr(module, name), name

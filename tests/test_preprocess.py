@@ -224,7 +224,7 @@ def _python_pairwise(values: list[float]) -> float:
 
 
 def test_pairwise_sum_has_a_fixed_order():
-    from dsa_precision.preprocess import pairwise_sum
+    from dsa_precision.exact_math import pairwise_sum
 
     x = torch.randn(6, 128, dtype=torch.float64) * torch.logspace(-30, 30, 128, dtype=torch.float64)
     got = pairwise_sum(x)[:, 0].tolist()
@@ -272,7 +272,7 @@ def test_fma_fp32_rounds_once():
     float64 sum to float32 rounds twice (the exact value just off a float32 midpoint)."""
     from fractions import Fraction
 
-    from dsa_precision.preprocess import fma_fp32
+    from dsa_precision.exact_math import fma_fp32
 
     g = torch.Generator().manual_seed(3)
     a = torch.randn(4000, generator=g)
@@ -328,7 +328,7 @@ def _warp_sum(values, *, squares: bool, fma: bool):
 
 @pytest.mark.parametrize("fma", [False, True])
 def test_triton_block_sum_is_tritons_reduction_order(fma):
-    from dsa_precision.preprocess import pairwise_sum, triton_block_sum
+    from dsa_precision.exact_math import pairwise_sum, triton_block_sum
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 128, generator=g) * 2.0 ** torch.randint(-12, 12, (6, 128), generator=g)
@@ -345,7 +345,7 @@ def test_triton_block_sum_is_tritons_reduction_order(fma):
 @pytest.mark.parametrize("fma", [False, True])
 def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
     """layer_norm_fp32_ops against the float32 operations written out (CPU rsqrt: 1 / sqrt)."""
-    from dsa_precision.preprocess import (
+    from dsa_precision.exact_math import (
         fma_fp32,
         layer_norm_fp32,
         layer_norm_fp32_ops,

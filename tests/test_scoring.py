@@ -15,7 +15,7 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
-from dsa_precision.scoring import causal_key_counts, varlen_key_counts, varlen_row_slice
+from dsa_precision.rows import causal_key_counts, varlen_key_counts, varlen_row_slice
 
 from .helpers import (
     CONTRACTS,

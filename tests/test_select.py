@@ -16,7 +16,7 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
-from dsa_precision.scoring import causal_key_counts
+from dsa_precision.rows import causal_key_counts
 
 from .helpers import causal_counts, cu_seqlens, reference_topk_rows
 
@@ -204,18 +204,18 @@ def test_non_finite_keys_and_queries_are_never_selected(precision):
 
 
 def test_default_chunking_is_one_launch_up_to_4_gib_then_4_gib_chunks():
-    from dsa_precision.select import DEFAULT_CHUNK_BYTES, _chunk_rows
+    from dsa_precision.select import DEFAULT_CHUNK_BYTES, chunk_rows
 
     assert DEFAULT_CHUNK_BYTES == 4 << 30
     per_row = 16384 * 12  # S_k = 16384, 12 bytes per score
-    assert _chunk_rows(None, 16384, per_row) == 16384  # S = 16384: 3 GiB, one launch
-    assert _chunk_rows(None, 0, per_row) == 1
+    assert chunk_rows(None, 16384, per_row) == 16384  # S = 16384: 3 GiB, one launch
+    assert chunk_rows(None, 0, per_row) == 1
     for s in (32768, 65536, 131072):  # 4 GiB chunks of whole 512-row tiles
-        rows = _chunk_rows(None, s, s * 12)
+        rows = chunk_rows(None, s, s * 12)
         assert rows * s * 12 <= DEFAULT_CHUNK_BYTES < (rows + 512) * s * 12 and rows % 512 == 0
-    assert _chunk_rows(None, 65536, 65536 * 12) == 5120  # 13 chunks at S = 65536
-    assert _chunk_rows(1 << 30, 16384, per_row) == 5120  # an explicit budget binds
-    assert _chunk_rows(1 << 30, 1000, 1 << 20) == 1000  # a call that fits is one chunk
+    assert chunk_rows(None, 65536, 65536 * 12) == 5120  # 13 chunks at S = 65536
+    assert chunk_rows(1 << 30, 16384, per_row) == 5120  # an explicit budget binds
+    assert chunk_rows(1 << 30, 1000, 1 << 20) == 1000  # a call that fits is one chunk
 
 
 # ---------------------------------------------------------------- margins from the one selection
@@ -336,7 +336,7 @@ def test_margins_on_the_gpu_keep_the_picks_without_a_sync(backend, record):
     """On the H200: the picks with margins are the plain picks bit for bit (cuDNN's radix top-k,
     k = 2048, or DeepGEMM's logits read in place), the margins are the sorted scores' gap
     exactly, and the call never waits for the host; the cost of the margins is recorded."""
-    from dsa_precision._deepgemm import mqa_logits_unsupported_reason
+    from dsa_precision.backends.deepgemm import mqa_logits_unsupported_reason
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, h, topk = 1, 4096, 64, 2048

@@ -1,7 +1,7 @@
 """Conformance of the package's engine profiles with the engines' own kernels, on the GPU.
 
 For each model (H heads, RoPE layout) and each profile with a kernel oracle
-(``dsa_precision.cli.engine_kernels``): the engine's unmodified Triton kernels build their FP8
+(``dsa_precision.oracles.engine_kernels``): the engine's unmodified Triton kernels build their FP8
 operands from the package's synthetic BF16 projections; the package builds its ``rope_fp32+fp8``
 operands with the same profile (fused kernel and torch reference); bytes are compared, then both
 sides are scored by DeepGEMM's ``fp8_mqa_logits`` and selected top-k (ties to the lower key) and
@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.cli import engine_kernels as ek
-from dsa_precision.cli.engine_model import engine_scores, engine_topk
-from dsa_precision.cli.synthetic import synthetic_indexer_inputs
-from dsa_precision.preprocess import _layer_norm_params, apply_rope, layer_norm_fp32_ops
+from dsa_precision.oracles import engine_kernels as ek
+from dsa_precision.oracles.engine_model import engine_scores, engine_select
+from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.exact_math import layer_norm_fp32_ops
+from dsa_precision.preprocess import layer_norm_params
+from dsa_precision.rope import apply_rope
 
 MODELS = ((32, True), (64, False), (32, False), (64, True))  # (heads, interleaved RoPE)
 
@@ -63,7 +65,7 @@ def _engine_lane_keys(k: torch.Tensor, interleaved: bool, rope_dim: int) -> torc
 def _key_diagnostics(inputs, profile, interleaved, k_engine: torch.Tensor) -> dict:
     """vLLM's float32 keys after LayerNorm + RoPE against the package's, with the contracted
     square in the variance sum taken from the lower (lane 0) or the upper (lane 16) half."""
-    w, b, eps = _layer_norm_params(inputs.k_norm)
+    w, b, eps = layer_norm_params(inputs.k_norm)
     k = inputs.k[:, 0].float()
     out = {}
     for side in ("low", "high"):
@@ -199,7 +201,7 @@ def _record(inputs, heads: int, interleaved: bool, name: str, args) -> dict:
     t0 = time.perf_counter()
     oracle_profile = ENGINE_PROFILES["vllm" if name == "vllm-exact" else name]
     run = ek.engine_kernel_operands(inputs, oracle_profile, interleaved=interleaved)
-    eng_top = engine_topk(engine_scores(run.operands, kernel=args.scores), args.topk)
+    eng_top = engine_select(engine_scores(run.operands, kernel=args.scores), args.topk)
     profile = ENGINE_PROFILES[name]
     rec = {"heads": heads, "layout": layout, "profile": name,
            "engine_kernel": f"{oracle_profile.name}: {run.source}"}  # fmt: skip
@@ -207,7 +209,7 @@ def _record(inputs, heads: int, interleaved: bool, name: str, args) -> dict:
     for impl in ("triton", "torch"):
         ops = built[impl] = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
         diff = ek.operand_diff(ops, run.operands)
-        top = engine_topk(engine_scores(ops, kernel=args.scores), args.topk)
+        top = engine_select(engine_scores(ops, kernel=args.scores), args.topk)
         frac, n_bad = _rows_identical(top, eng_top)
         rec[impl] = {**diff, "rows_identical": frac, "rows_differ": n_bad}
     rec["triton_vs_torch"] = ek.operand_diff(built["triton"], built["torch"])

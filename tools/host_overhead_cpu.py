@@ -39,10 +39,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
 import dsa_precision as dp  # noqa: E402
-from dsa_precision import _cudnn  # noqa: E402
+from dsa_precision.backends import cudnn  # noqa: E402
 from dsa_precision.kernels import preprocess_quantize as pq  # noqa: E402
 from dsa_precision.preprocess import IndexerPreprocess  # noqa: E402
-from dsa_precision.scoring import causal_key_counts  # noqa: E402
+from dsa_precision.rows import causal_key_counts  # noqa: E402
 
 _VIEWS = {
     "view", "unsqueeze", "squeeze", "transpose", "permute", "slice", "select", "t", "expand",
@@ -144,8 +144,8 @@ def main() -> int:
     rows = []
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         fake = _NullDSA()
-        mp.setattr(_cudnn, "_import_dsa", lambda: (fake, None))
-        mp.setattr(_cudnn, "_device_reason", lambda device: None)
+        mp.setattr(cudnn, "_import_dsa", lambda: (fake, None))
+        mp.setattr(cudnn, "_device_reason", lambda device: None)
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         mp.setattr(pq, "_preprocess_quantize_kernel", _NullLaunch())
 

@@ -64,8 +64,8 @@ def main() -> int:
     ns = toy_session.toy_args(args.seq, args.topk)
 
     import dsa_precision as dp
-    from dsa_precision import _cudnn
-    from dsa_precision.scoring import causal_key_counts
+    from dsa_precision.backends import cudnn
+    from dsa_precision.rows import causal_key_counts
 
     rows = []
     steps = []
@@ -163,7 +163,7 @@ def main() -> int:
                 lambda: dp.indexer_topk(scores, topk, seq_lens=lens),
             )
         )
-        dsa = _cudnn.dsa()
+        dsa = cudnn.dsa()
 
         def raw_scores():
             return dsa.indexer_forward_wrapper(

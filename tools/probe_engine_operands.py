@@ -15,15 +15,15 @@ import argparse
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.cli.demo import Model, training_operands
-from dsa_precision.cli.engine_model import engine_operands
-from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+from dsa_precision.oracles.training import IndexerFields, training_operands
+from dsa_precision.oracles.engine_model import engine_operands
+from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
 
 def _package(inputs, engine, interleaved, hadamard, impl):
     """The demo's training side (rope_fp32+fp8), by ``impl`` (the fused kernel or the reference)."""
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=engine)
-    model = Model(hadamard=hadamard, rope_interleaved=interleaved)
+    model = IndexerFields(hadamard=hadamard, rope_interleaved=interleaved)
     ops = training_operands(inputs, config, model, impl=impl)
     return dict(q=ops.q[0], k=ops.k[0], k_descale=ops.k_descale[0], weights=ops.weights[0])
 

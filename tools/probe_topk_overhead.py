@@ -12,14 +12,15 @@ import argparse
 
 import torch
 
-from dsa_precision import _cudnn, indexer_topk
+from dsa_precision import indexer_topk
+from dsa_precision.backends import cudnn
 from dsa_precision.cli.bench import _Timer
 from dsa_precision.kernels import topk_picks
 from dsa_precision.kernels.topk_picks import drop_invalid_picks
 
 
 def _row(s: int, topk: int, timer: _Timer, shapes: bool = False) -> list[float]:
-    dsa = _cudnn.dsa()
+    dsa = cudnn.dsa()
     g = torch.Generator(device="cuda").manual_seed(0)
     scores = torch.randn(s, s, device="cuda", generator=g)
     scores = scores.masked_fill(torch.ones(s, s, device="cuda").triu(1).bool(), float("-inf"))

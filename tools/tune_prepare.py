@@ -18,23 +18,22 @@ import torch
 from dsa_precision.cli.bench import _inputs, _Timer
 from dsa_precision.engines import DEFAULT_ENGINE
 from dsa_precision.kernels import preprocess_quantize as kernel
-from dsa_precision.preprocess import rope_tables
+from dsa_precision.kernels.rules import PreprocessRules
+from dsa_precision.rope import rope_tables
 
 SHAPES = ((16, 2), (16, 4), (8, 1), (8, 2), (32, 4), (32, 8), (4, 1))
 
 
 def _launch(q, k, cos, sin, rope_fp32, hadamard, block_rows, num_warps):
-    common = dict(
-        rope_dim=cos.shape[-1], cos=cos, sin=sin, interleaved=False, hadamard=hadamard,
-        bf16_math=not rope_fp32, out_bf16=not rope_fp32, block_rows=block_rows,
-        num_warps=num_warps,
+    rules = PreprocessRules(
+        DEFAULT_ENGINE.q_quant, DEFAULT_ENGINE.k_quant, rope_dim=cos.shape[-1], hadamard=hadamard,
+        bf16_math=not rope_fp32, q_out_bf16=not rope_fp32, k_out_bf16=not rope_fp32,
     )  # fmt: skip
-    q8, qs, _ = kernel.preprocess_quantize(q, rule=DEFAULT_ENGINE.q_quant, **common)
+    common = dict(cos=cos, sin=sin, block_rows=block_rows, num_warps=num_warps)
+    q8, qs, _ = kernel.preprocess_quantize(q, rules, **common)
     # rope_fp32 keys take the LayerNorm in the kernel (unit weight, zero bias here).
     layer_norm = (None, None, 1e-6) if rope_fp32 else None
-    k8, ks, _ = kernel.preprocess_quantize(
-        k, rule=DEFAULT_ENGINE.k_quant, layer_norm=layer_norm, **common
-    )
+    k8, ks, _ = kernel.preprocess_quantize(k, rules, layer_norm=layer_norm, **common)
     return q8.view(torch.uint8), qs, k8.view(torch.uint8), ks
 
 

@@ -272,12 +272,12 @@ def _check_environment(cfg: BenchConfig) -> None:
     ):
         if any(s < 1 for s in seqs):
             raise CliError(f"--{flag} values must be >= 1.")
-    from .. import _cudnn
+    from ..backends import cudnn
     from ..config import ScoringPrecision
-    from ..operands import triton_unavailable_reason
+    from ..kernels import triton_unavailable_reason
 
     reason = (
-        _cudnn.scoring_unsupported_reason(
+        cudnn.scoring_unsupported_reason(
             device=torch.device("cuda"),
             precision=ScoringPrecision.FP8,
             n_heads=cfg.heads[0],
@@ -295,7 +295,7 @@ class _Workload:
 
     def __init__(self, cfg: BenchConfig, seq: int, heads: int, gen: torch.Generator) -> None:
         from ..config import IndexerPrecisionConfig
-        from ..operands import prepare_indexer_operands
+        from ..prepare import prepare_indexer_operands
         from ..preprocess import indexer_head_weights
 
         self.seq, self.heads = seq, heads
@@ -346,11 +346,11 @@ class _Raw:
     path but the operands it prepared): the columns the package is measured against."""
 
     def __init__(self, topk: int) -> None:
-        from .. import _cudnn, _deepgemm
+        from ..backends import cudnn, deepgemm
 
         self.k = topk
-        self.dsa = _cudnn.dsa()
-        entry = _deepgemm._import()[0]
+        self.dsa = cudnn.dsa()
+        entry = deepgemm._import()[0]
         self.dg = entry  # None without DeepGEMM
 
     def cudnn_scores(self, ops, offsets: torch.Tensor, out: torch.Tensor | None = None):
@@ -383,8 +383,8 @@ class _Raw:
     def select(self, ops, step: int, backend: str, buf: torch.Tensor | None, score_only=False):
         """Chunked scoring + top-k over rows ``[0, S)`` of batch 1 in chunks of ``step`` rows,
         nothing kept: the raw-kernel bound of ``indexer_select``."""
-        from .._deepgemm import WindowLogits
-        from ..scoring import causal_key_counts
+        from ..backends.deepgemm import WindowLogits
+        from ..rows import causal_key_counts
 
         b, sq = ops.q.shape[:2]
         sk = ops.k.shape[1]
@@ -407,7 +407,8 @@ def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
 
 
 def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
-    from ..scoring import causal_key_counts, indexer_scores
+    from ..rows import causal_key_counts
+    from ..scoring import indexer_scores
     from ..select import indexer_select
     from ..topk import indexer_topk
 
@@ -514,9 +515,9 @@ def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]
 
 
 def _select_step(cfg: BenchConfig, seq: int) -> int:
-    from ..select import _SELECT_BYTES_PER_SCORE, _chunk_rows
+    from ..select import SELECT_BYTES_PER_SCORE, chunk_rows
 
-    return _chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * _SELECT_BYTES_PER_SCORE)
+    return chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * SELECT_BYTES_PER_SCORE)
 
 
 def _measure_long(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
@@ -830,11 +831,11 @@ def run_bench(
     _check_environment(cfg)
     from importlib import metadata
 
-    from .. import _deepgemm
+    from ..backends import deepgemm
 
     gen = torch.Generator(device=_DEVICE).manual_seed(cfg.seed)
     timer = _Timer(cfg.reps, cfg.warmup)
-    versions = {"torch": torch.__version__, "deepgemm": _deepgemm.entry_point()}
+    versions = {"torch": torch.__version__, "deepgemm": deepgemm.entry_point()}
     for dist in ("triton", "nvidia-cudnn-frontend"):
         try:
             versions[dist] = metadata.version(dist)

@@ -1,6 +1,6 @@
 """``python -m dsa_precision demo``: how often training picks the keys inference picked.
 
-From one set of structured BF16 projection outputs (:mod:`dsa_precision.cli.synthetic`), the demo
+From one set of structured BF16 projection outputs (:mod:`dsa_precision.oracles.synthetic`), the demo
 computes the inference engine's top-k and the training top-k of the four configurations the
 Megatron integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
 
@@ -26,18 +26,19 @@ from typing import Any
 
 import torch
 
-from .. import _deepgemm
 from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
+from ..backends import deepgemm
 from ..config import FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
-from ..operands import Impl, ScoringOperands, prepare_indexer_operands
-from ..preprocess import IndexerPreprocess
+from ..fused_path import Impl
+from ..operands import ScoringOperands
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
+from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select, inference_operands
+from ..oracles.synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
+from ..oracles.training import IndexerFields, training_operands
 from . import CliError, print_json, progress, seed
-from .engine_model import MODEL_SOURCE, engine_scores, engine_topk, inference_operands
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
-from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
 __all__ = ["ConfigResult", "DemoRun", "configs", "register", "run_demo"]
 
@@ -55,37 +56,6 @@ def configs(engine: EngineProfile) -> tuple[IndexerPrecisionConfig, ...]:
     return tuple(
         IndexerPrecisionConfig(rope_fp32=r, scoring_precision=p, engine=engine)
         for r, p in ((False, "bf16"), (True, "bf16"), (False, "fp8"), (True, "fp8"))
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """The model's indexer fields (both sides): Hadamard rotation and RoPE layout."""
-
-    hadamard: bool = False
-    rope_interleaved: bool = False
-
-
-def training_operands(
-    inputs: SyntheticIndexerInputs,
-    config: IndexerPrecisionConfig,
-    model: Model,
-    impl: Impl = "auto",
-) -> ScoringOperands:
-    """The package's operands for one configuration (as the Megatron integration builds them:
-    Megatron's BF16 preprocessing unless rope_fp32, the engine's rules for FP8); ``impl`` as for
-    :func:`~dsa_precision.prepare_indexer_operands`."""
-    pre = IndexerPreprocess(
-        inputs.head_dim,
-        inputs.rope_dim,
-        k_norm=inputs.k_norm,
-        rope_interleaved=model.rope_interleaved,
-        rotate_activation=model.hadamard,
-        rope_fp32=config.rope_fp32,
-        engine=config.engine,
-    )
-    return prepare_indexer_operands(
-        pre, inputs.q, inputs.k, inputs.w, inputs.freqs, config=config, impl=impl
     )
 
 
@@ -126,7 +96,7 @@ class DemoRun:
     backend: str
     inference_kernel: str
     engine: EngineProfile
-    model: Model
+    model: IndexerFields
     inference_margin: float
     inference_indices: torch.Tensor  # int32 [rows, topk], compared rows only
     configs: list[ConfigResult]
@@ -174,14 +144,14 @@ def run_demo(
     device: str = "cpu",
     backend: str | None = None,
     engine: EngineProfile = DEFAULT_ENGINE,
-    model: Model | None = None,
+    model: IndexerFields | None = None,
 ) -> DemoRun:
     """Run the comparison; see the module docstring. Rows ``< topk`` (which select every visible
     key on both sides) are left out of every metric."""
     start = time.monotonic()
-    model = model or Model()
+    model = model or IndexerFields()
     backend = backend or ("torch" if device == "cpu" else "cudnn")
-    kernel = "deepgemm" if device == "cuda" and _deepgemm.deepgemm_available() else "exact"
+    kernel = "deepgemm" if device == "cuda" and deepgemm.deepgemm_available() else "exact"
     inputs = synthetic_indexer_inputs(
         seq_len, n_heads=n_heads, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, seed=seed
     ).to(device)
@@ -191,7 +161,7 @@ def run_demo(
             inputs, engine, hadamard=model.hadamard, interleaved=model.rope_interleaved
         )
         ref_scores = engine_scores(ref_ops, kernel=kernel)[rows]
-        ref_indices = engine_topk(ref_scores, topk)
+        ref_indices = engine_select(ref_scores, topk)
         scale = row_scale(ref_scores)
         results = []
         for config in progress(configs(engine), desc="demo"):
@@ -237,14 +207,14 @@ def format_run(run: DemoRun) -> str:
     """The human-readable report."""
     e, m = run.engine, run.model
     scores = (
-        f"DeepGEMM {_deepgemm.entry_point()} (the engines' kernel)"
+        f"DeepGEMM {deepgemm.entry_point()} (the engines' kernel)"
         if run.inference_kernel == "deepgemm"
         else "exact (float64 sums of the E4M3 products)"
     )
     training = {
         "torch": "the exact torch reference",
         "cudnn": "cuDNN's SM90 kernels",
-        "deepgemm": f"DeepGEMM {_deepgemm.entry_point()} (FP8 rows; BF16 rows by cuDNN)",
+        "deepgemm": f"DeepGEMM {deepgemm.entry_point()} (FP8 rows; BF16 rows by cuDNN)",
     }[run.backend]
     rows = run.inference_indices.shape[0]
     header = [
@@ -406,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
     if args.backend in ("cudnn", "deepgemm") and args.device != "cuda":
         raise CliError(f"--backend {args.backend} runs on --device cuda")
     engine = ENGINE_PROFILES[args.engine]
-    model = Model(hadamard=args.hadamard, rope_interleaved=args.rope_interleaved)
+    model = IndexerFields(hadamard=args.hadamard, rope_interleaved=args.rope_interleaved)
     mismatch = engine.model_mismatch(
         rotate_activation=model.hadamard, rope_interleaved=model.rope_interleaved
     )

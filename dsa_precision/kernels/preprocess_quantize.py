@@ -50,16 +50,17 @@ reference performs, on the same values, in the same order, with the same roundin
 from __future__ import annotations
 
 import functools
-import os
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from .._device import device_constant
-from .._device import f32 as _f32
+from ..devices import device_constant
+from ..devices import f32 as _f32
 from ..engines import Fp8Rule
+from . import interpreting
+from .rules import PreprocessRules
 
 __all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
 
@@ -443,11 +444,6 @@ BLOCK_ROWS = 8
 NUM_WARPS = 2
 
 
-def _interpreted() -> bool:
-    """Triton's CPU interpreter: its float casts round half up, so the integer encoders run."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
     """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`device_constant`)."""
     return device_constant((eps, d**-0.5), torch.float64, device)
@@ -464,21 +460,11 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def preprocess_quantize(
     x: torch.Tensor,
+    rules: PreprocessRules,
     *,
-    rope_dim: int,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    interleaved: bool,
-    hadamard: bool,
-    input_lane_order: bool = False,
-    bf16_math: bool,
-    rule: Fp8Rule,
     layer_norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
-    ln_out_bf16: bool = False,
-    out_bf16: bool = False,
-    layer_norm_ops: bool = False,
-    fma: bool = False,
-    hadamard_scale_fp32: bool = False,
     weights: torch.Tensor | None = None,
     fold_scales: tuple[float, ...] = (),
     block_rows: int = BLOCK_ROWS,
@@ -488,32 +474,14 @@ def preprocess_quantize(
 
     Args:
         x: ``[S, B, H, 128]`` queries or ``[S, B, 128]`` keys (``H = 1``), BF16 or float32, on
-            CUDA; the last dimension contiguous.
-        rope_dim: width of the RoPE slice; 0 quantizes without RoPE (preprocessed carriers).
-        cos, sin: ``[S, rope_dim]`` RoPE tables from :func:`dsa_precision.preprocess.rope_tables`,
-            float32 (``bf16_math=False``) or BF16 (``bf16_math=True``); unused when
-            ``rope_dim == 0``.
-        interleaved: Megatron's ``dsa_indexer_rope_interleaved``.
-        input_lane_order: with ``interleaved`` (and no ``hadamard``), write each value back in
-            the lane its input came from (the RoPE pairs interleaved, as the engines store them)
-            instead of the rotate-half order: the bytes of
-            :func:`dsa_precision.operands._engine_lane_order`, without its copy.
-        hadamard: apply the Hadamard rotation after RoPE.
-        bf16_math: RoPE in BF16 arithmetic (each product and the sum rounded to BF16), as
-            Megatron's BF16 path does (``x`` and the tables must then hold BF16 values);
-            otherwise float32.
-        rule: the quantization rule (:class:`dsa_precision.engines.Fp8Rule`); its floor at least
-            :data:`MIN_AMAX_FLOOR` once rounded to float32.
+            CUDA; the last dimension contiguous. Keys take ``rules.k_quant`` and
+            ``rules.k_out_bf16``, queries the ``q_`` rules.
+        rules: the arithmetic (:class:`~dsa_precision.kernels.rules.PreprocessRules`); its
+            quantization floors at least :data:`MIN_AMAX_FLOOR` once rounded to float32.
+        cos, sin: ``[S, rope_dim]`` RoPE tables from :func:`dsa_precision.rope.rope_tables` in
+            ``rules.math_dtype``; unused when ``rules.rope_dim == 0``.
         layer_norm: ``(weight, bias, eps)`` of the ``rope_fp32`` key LayerNorm (``weight``
             already ``zero_centered_gamma``-adjusted; either may be ``None``), applied first.
-        ln_out_bf16: round the LayerNorm output to BF16 (an engine's rule).
-        out_bf16: round the vector to BF16 after RoPE and after the Hadamard rotation.
-        layer_norm_ops: the LayerNorm float32 operation by operation
-            (:func:`dsa_precision.preprocess.layer_norm_fp32_ops`), not float64 rounded once.
-        fma: the engine's contracted multiply-adds (:attr:`EngineProfile.fma`): the float32
-            RoPE and, with ``layer_norm_ops``, the LayerNorm's variance step and affine map.
-        hadamard_scale_fp32: the Hadamard sums rounded to float32 and scaled by
-            ``fl32(128**-0.5)`` in float32.
         weights: ``[S, B, H]`` head weights (BF16 or float32) to fold the q descale into.
         fold_scales: up to three float32 scalars multiplied into the folded weights, in order,
             after the descale (a multiplication by 1.0 is exact).
@@ -532,13 +500,12 @@ def preprocess_quantize(
         raise ValueError(f"expected 128-wide vectors, got {tuple(x.shape)}")
     if x4.stride(3) != 1:
         x4 = x4.contiguous()
+    rope_dim = rules.rope_dim
     if rope_dim and (cos is None or sin is None or cos.shape[-1] != rope_dim):
         raise ValueError(f"rope_dim={rope_dim} needs cos and sin tables [S, {rope_dim}].")
-    if input_lane_order and (not interleaved or hadamard):
-        raise ValueError(
-            "input_lane_order puts interleaved RoPE pairs back; it needs interleaved=True and "
-            "no Hadamard rotation (which mixes the lanes)."
-        )
+    rule = rules.k_quant if keys else rules.q_quant
+    out_bf16 = rules.k_out_bf16 if keys else rules.q_out_bf16
+    ln_out_bf16 = rules.ln_out_bf16 and layer_norm is not None
     ln_w, ln_b, eps = layer_norm if layer_norm is not None else (None, None, 0.0)
     device = x.device
     consts = _float64_constants(float(eps), d, device)
@@ -546,10 +513,11 @@ def preprocess_quantize(
     ln_b, b_kind = _layer_norm_param(ln_b, device, consts)
     scalars, constexprs = _launch_constants(
         rule, tuple(fold_scales), float(eps), d,
-        (rope_dim, interleaved, hadamard, layer_norm is not None, w_kind, b_kind,
-         x.dtype == torch.bfloat16, bf16_math, ln_out_bf16, out_bf16, weights is not None,
-         weights is not None and weights.dtype == torch.bfloat16, layer_norm_ops, fma,
-         hadamard_scale_fp32, block_rows, num_warps, not _interpreted(), input_lane_order),
+        (rope_dim, rules.interleaved, rules.hadamard, layer_norm is not None, w_kind, b_kind,
+         x.dtype == torch.bfloat16, rules.bf16_math, ln_out_bf16, out_bf16, weights is not None,
+         weights is not None and weights.dtype == torch.bfloat16, rules.layer_norm_ops,
+         rules.fma, rules.hadamard_scale_fp32, block_rows, num_warps, not interpreting(),
+         rules.input_lane_order),
     )  # fmt: skip
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((batch, n_seq, n_heads), dtype=torch.float32, device=device)

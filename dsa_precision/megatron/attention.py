@@ -41,10 +41,10 @@ from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
 from .. import audit
-from .._device import to_device
 from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
-from ..scoring import packed_sequence_of
+from ..devices import to_device
+from ..rows import packed_sequence_of
 from ..topk_layout import TokenLayout
 from . import compat, replay
 from .config import DSAPrecisionTransformerConfig, layer_decisions

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from .. import _cudnn
+from ..backends import cudnn
 from ..config import IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
 from .replay import TOPK_SOURCES
@@ -187,9 +187,9 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
                 "dsa_indexer_scoring_relu=False: the FP8 indexer kernels apply ReLU per head; "
                 "set dsa_indexer_scoring_relu=True"
             )
-        if torch.cuda.is_available() and not _cudnn.dsa_available():
+        if torch.cuda.is_available() and not cudnn.dsa_available():
             problems.append(
-                f"dsa_indexer_scoring_precision='fp8' on this GPU: {_cudnn.dsa_unavailable_reason()}"
+                f"dsa_indexer_scoring_precision='fp8' on this GPU: {cudnn.dsa_unavailable_reason()}"
             )
     # An MLA model without a DSA indexer (no indexer heads or width): nothing for the fields to
     # act on here; a spec builder refuses a spec with no DSA layer for them (specs.py).

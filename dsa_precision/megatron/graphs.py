@@ -17,7 +17,7 @@ What a replay reads, and when a layer captures again:
   key, so the layer captures again;
 - **tensors built before the capture** that the computation reads: Megatron's cached RoPE
   angles (kept alive by the graph, ``keep``) and the package's device constants (never evicted),
-  pure functions of the key. The package's other caches (``dsa_precision._device``) are bypassed
+  pure functions of the key. The package's other caches (``dsa_precision.devices``) are bypassed
   while a stream is captured, so what they would serve is built inside the graph, every replay.
 
 Every graph of a device shares one memory pool. That is safe because each replay's result is

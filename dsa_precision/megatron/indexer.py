@@ -26,11 +26,13 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
-from .._device import to_device
 from ..config import IndexerPrecisionConfig
-from ..operands import ScoringOperands, prepare_indexer_operands
+from ..devices import to_device
+from ..operands import ScoringOperands
+from ..prepare import prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
-from ..scoring import indexer_scores, packed_sequence_of
+from ..rows import packed_sequence_of
+from ..scoring import indexer_scores
 from ..topk import indexer_topk
 from . import compat
 from .config import layer_decisions

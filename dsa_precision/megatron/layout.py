@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-from .._device import to_device
+from ..devices import to_device
 from ..operands import ScoringOperands
-from ..scoring import packed_sequence_of, varlen_row_slice
+from ..rows import packed_sequence_of, varlen_row_slice
 from ..select import indexer_select, indexer_select_varlen
 
 __all__ = ["RankLayout", "gather_keys", "owned_topk", "owned_topk_with_margins", "query_positions"]

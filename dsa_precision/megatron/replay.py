@@ -55,9 +55,9 @@ from typing import Literal
 
 import torch
 
-from .._device import to_device
 from ..agreement import _agreement_and_identical_rows
-from ..scoring import packed_sequence_of
+from ..devices import to_device
+from ..rows import packed_sequence_of
 from ..topk_layout import TokenLayout
 
 __all__ = [

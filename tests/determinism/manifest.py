@@ -23,8 +23,9 @@ A module *dispatches kernels* when it
   Questions asked of a kernel module (``*_reason``, ``*_available``, ``entry_point``,
   ``device_scope``) launch nothing.
 
-Commands (``cli/``) time or compare kernels and never feed training; ``testing/`` is the replay
-helper itself. :data:`REGISTERED_BEYOND_THE_SCAN` lists hot-path modules registered although they
+Commands (``cli/``) time or compare kernels and the references (``oracles/``) are checked
+against, neither feeds training; ``testing/`` is the replay helper itself. Type annotations name
+classes without calling them: they are not calls. :data:`REGISTERED_BEYOND_THE_SCAN` lists hot-path modules registered although they
 only compose torch operations.
 
     python -m tests.determinism.manifest      # the scan and the registry, side by side
@@ -45,8 +46,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "dsa_precision"
 
 KERNEL_LIBRARIES = ("triton", "cudnn", "deep_gemm", "flash_mla", "fast_hadamard_transform")
-# Commands time or compare kernels; they never feed training. testing/ holds the replay helper and the test utilities.
-EXCLUDED = ("dsa_precision/cli/", "dsa_precision/testing/")
+# Commands time or compare kernels and oracles are references; neither feeds training. testing/
+# holds the replay helper.
+EXCLUDED = ("dsa_precision/cli/", "dsa_precision/oracles/", "dsa_precision/testing/")
 # Functions of a kernel module that answer a question and launch nothing.
 QUERY = re.compile(r"(_reason|_available|^entry_point|^device_scope)$")
 ACCUMULATING = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce_"}
@@ -60,13 +62,13 @@ INTERPRETER = "tests/interpreter/test_replays.py"
 
 # source -> replay tests (pytest node ids "path::function"; every parametrization runs)
 REGISTRY: dict[str, tuple[str, ...]] = {
-    "dsa_precision/_cudnn.py": (
+    "dsa_precision/backends/cudnn.py": (
         f"{CPU}::test_cudnn_launches_replay_through_the_recording_fake",
         f"{GPU}::test_scoring_replays_bit_exact",
         f"{GPU}::test_topk_replays_bit_exact",
         f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
     ),
-    "dsa_precision/_deepgemm.py": (
+    "dsa_precision/backends/deepgemm.py": (
         f"{CPU}::test_deepgemm_launches_replay_through_a_recording_fake",
         f"{GPU}::test_deepgemm_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
@@ -108,7 +110,7 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{CPU}::test_indexer_operands_replay_bit_exact",
         f"{GPU}::test_fp32_preprocessing_route_replays_and_keeps_dtypes",
     ),
-    "dsa_precision/operands.py": (
+    "dsa_precision/prepare.py": (
         f"{CPU}::test_indexer_operands_replay_bit_exact",
         f"{GPU}::test_prepare_scoring_operands_replays_bit_exact",
     ),
@@ -285,6 +287,23 @@ def _target(modules: dict[str, _Module], mod: str, name: str, depth: int = 0) ->
     return mod, name
 
 
+def _annotation_nodes(definition: ast.AST) -> set[int]:
+    """The nodes of every type annotation inside ``definition`` (arguments, returns, annotated
+    assignments): an annotation names a class, it calls nothing."""
+    found: set[int] = set()
+    for node in ast.walk(definition):
+        hints = []
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            hints.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            hints.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            hints.append(node.annotation)
+        for hint in hints:
+            found.update(id(n) for n in ast.walk(hint))
+    return found
+
+
 def scan(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
     """Every kernel-dispatching source file (relative path) -> why (the first reasons found)."""
     modules = _read(root)
@@ -298,7 +317,10 @@ def scan(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
             key = (m.name, name)
             calls[key] = set()
             for d in defs:
+                hints = _annotation_nodes(d)
                 for node in ast.walk(d):
+                    if id(node) in hints:
+                        continue
                     reached = []
                     if isinstance(node, ast.Call):
                         why = _launches(node, m)

@@ -11,7 +11,6 @@ import torch
 
 from dsa_precision import (
     IndexerPrecisionConfig,
-    _deepgemm,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -22,7 +21,8 @@ from dsa_precision import (
     scoring_calls,
     topk_agreement,
 )
-from dsa_precision.scoring import causal_key_counts, varlen_key_counts
+from dsa_precision.backends import deepgemm as deepgemm_backend
+from dsa_precision.rows import causal_key_counts, varlen_key_counts
 
 from ..helpers import (
     CALC_DIFF_MAX,
@@ -295,9 +295,9 @@ def test_topk_plan_is_the_wrapper_bit_for_bit(dtype, deterministic):
     aligned, misaligned (a copy) and strided (a copy) scores, several k, repeated calls.
     Deterministic mode: scores with ties and -inf, equal index for index; the fast mode (ties
     resolved arbitrarily): distinct finite scores, equal as sets."""
-    from dsa_precision import _cudnn
+    from dsa_precision.backends import cudnn as cudnn_backend
 
-    dsa = _cudnn.dsa()
+    dsa = cudnn_backend.dsa()
     g = torch.Generator(device=DEV).manual_seed(8)
     n = 2048 * 3000 + 8
     if deterministic:
@@ -356,13 +356,13 @@ def test_cudnn_topk_deterministic_ties_signed_zeros_and_nan():
 # --------------------------------------------------------------------------------- DeepGEMM
 
 needs_deepgemm = pytest.mark.skipif(
-    not _deepgemm.deepgemm_available(),
-    reason=f"DeepGEMM is not importable: {_deepgemm._import()[1]}",
+    not deepgemm_backend.deepgemm_available(),
+    reason=f"DeepGEMM is not importable: {deepgemm_backend._import()[1]}",
 )
 
 
 def _deepgemm_module():
-    return importlib.import_module(_deepgemm.entry_point().rsplit(".", 1)[0])
+    return importlib.import_module(deepgemm_backend.entry_point().rsplit(".", 1)[0])
 
 
 def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
@@ -370,7 +370,7 @@ def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
     module = _deepgemm_module()
     kv = (ops.k[b].contiguous(), ops.k_descale[b].contiguous())
     args = ((ops.q[b].contiguous(), None), kv, ops.weights[b].contiguous(), ks, ke)
-    if _deepgemm._import()[0].clean_logits_arg:
+    if deepgemm_backend._import()[0].clean_logits_arg:
         return module.fp8_fp4_mqa_logits(*args, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     return module.fp8_fp4_mqa_logits(*args, max_seqlen_k=max_seqlen_k or kv[0].shape[0])
 
@@ -459,13 +459,13 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
         picks = indexer_select(ops, topk=512, q_causal_offsets=offsets, backend="deepgemm")
         return bshd, packed, picks
 
-    detected, _ = _deepgemm._import()
+    detected, _ = deepgemm_backend._import()
     assert detected.q_pair  # fp8_fp4_mqa_logits is preferred
     current = run()
     legacy = types.SimpleNamespace(fp8_mqa_logits=module.fp8_mqa_logits)
-    entry, reason = _deepgemm._resolve(legacy, module.__name__)
+    entry, reason = deepgemm_backend._resolve(legacy, module.__name__)
     assert entry is not None and not entry.q_pair, reason
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
+    monkeypatch.setattr(deepgemm_backend, "_import", lambda: (entry, None))
     old = run()
     for name, a, b in zip(("BSHD", "packed", "picks"), current, old, strict=True):
         assert_bitwise_equal(a, b, f"{name}: fp8_fp4_mqa_logits vs fp8_mqa_logits")

@@ -9,7 +9,6 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
-    _deepgemm,
     fused_indexer_sparse_attention,
     indexer_scores,
     indexer_scores_varlen,
@@ -18,6 +17,7 @@ from dsa_precision import (
     indexer_topk,
     prepare_scoring_operands,
 )
+from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision.preprocess import indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
 
@@ -153,12 +153,12 @@ def test_chunked_select_varlen_replays_bit_exact():
     assert_replays_bit_exact(select, (q, k, w), contention=True, what="chunked THD select")
 
 
-# ---------------------------------------------------------------------- _deepgemm.py
+# ---------------------------------------------------------------------- deepgemm_backend.py
 
 
 needs_deepgemm = pytest.mark.skipif(
-    not _deepgemm.deepgemm_available(),
-    reason=f"DeepGEMM is not importable: {_deepgemm._import()[1]}",
+    not deepgemm_backend.deepgemm_available(),
+    reason=f"DeepGEMM is not importable: {deepgemm_backend._import()[1]}",
 )
 
 
@@ -177,14 +177,14 @@ def test_deepgemm_replays_bit_exact():
 def _legacy_entry_point(monkeypatch) -> None:
     """Make the package call the legacy name ``fp8_mqa_logits(q, ..., max_seqlen_k)`` (a wrapper
     of ``fp8_fp4_mqa_logits`` in 54e2261) through the host build."""
-    name = _deepgemm.entry_point().rsplit(".", 1)[0]
+    name = deepgemm_backend.entry_point().rsplit(".", 1)[0]
     module = __import__(name, fromlist=["fp8_mqa_logits"])
     if not hasattr(module, "fp8_mqa_logits"):
         pytest.skip(f"{name} has no fp8_mqa_logits")
     legacy = type("Legacy", (), {"fp8_mqa_logits": staticmethod(module.fp8_mqa_logits)})
-    entry, reason = _deepgemm._resolve(legacy, name)
+    entry, reason = deepgemm_backend._resolve(legacy, name)
     assert entry is not None and not entry.q_pair, reason
-    monkeypatch.setattr(_deepgemm, "_import", lambda: (entry, None))
+    monkeypatch.setattr(deepgemm_backend, "_import", lambda: (entry, None))
 
 
 @needs_deepgemm

@@ -8,8 +8,8 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
-from dsa_precision.operands import fused_unsupported_reason
-from dsa_precision.preprocess import pairwise_sum
+from dsa_precision.fused_path import fused_unsupported_reason
+from dsa_precision.exact_math import pairwise_sum
 
 from ..fused_cases import (
     PROFILES,
@@ -166,13 +166,13 @@ def test_production_shape_and_replays(record, rope_fp32, hadamard, interleaved):
 def test_launch_shapes_give_the_same_bits(shape):
     """The launch shape (vectors per program, warps) is a tuning knob, never a numerics one."""
     from dsa_precision.kernels.preprocess_quantize import preprocess_quantize
+    from dsa_precision.kernels.rules import PreprocessRules
 
     case = make_case(seq=1000, batch=2, heads=64, rope_fp32=True, hadamard=True, device=DEV)
-    rule = case.pre.engine.q_quant
-    common = dict(rope_dim=0, interleaved=False, hadamard=False, bf16_math=False, rule=rule)
-    want = preprocess_quantize(case.q, weights=case.w, **common)
+    rules = PreprocessRules.carriers(case.pre.engine)
+    want = preprocess_quantize(case.q, rules, weights=case.w)
     got = preprocess_quantize(
-        case.q, weights=case.w, block_rows=shape[0], num_warps=shape[1], **common
+        case.q, rules, weights=case.w, block_rows=shape[0], num_warps=shape[1]
     )
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -278,7 +278,7 @@ def test_freqs_must_cover_the_tokens_on_both_paths():
 
 
 def _engine_kernels_reason(engine: str) -> str | None:
-    from dsa_precision.cli import engine_kernels
+    from dsa_precision.oracles import engine_kernels
 
     return engine_kernels.missing_reason(engine)
 
@@ -290,9 +290,9 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     by this host's Triton, against the package's fused kernel and torch reference with the
     profile: every q / k byte, k descale and folded weight (tools/engine_conformance.py adds the
     top-k rows at S=8192)."""
-    from dsa_precision.cli import engine_kernels as ek
-    from dsa_precision.cli.engine_model import inference_operands
-    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles.engine_model import inference_operands
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
     profile = ENGINE_PROFILES[name]
     reason = _engine_kernels_reason(ek.oracle_for(profile))

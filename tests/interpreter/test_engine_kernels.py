@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dsa_precision import ENGINE_PROFILES, quantize_fp8
-from dsa_precision.cli import engine_kernels as ek
-from dsa_precision.cli.engine_model import EngineOperands
-from dsa_precision.cli.synthetic import synthetic_indexer_inputs
+from dsa_precision.oracles import engine_kernels as ek
+from dsa_precision.oracles.engine_model import EngineOperands
+from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
 from .engine_oracles import cast_probe_values, hardware_casts, interpreter_cast_errors
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.operands import fused_unsupported_reason, prepare_scoring_operands
+from dsa_precision.fused_path import fused_unsupported_reason
+from dsa_precision.prepare import prepare_scoring_operands
 
 from ..fused_cases import (
     PROFILES,

@@ -62,7 +62,7 @@ def device_constant(
         return torch.tensor(value, dtype=dtype, device=device)
 
 
-class _Lru:
+class Lru:
     """A small LRU map whose lookups do not build (what a graph capture may read)."""
 
     def __init__(self, size: int) -> None:
@@ -96,7 +96,7 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
     built once per argument tuple and shared read-only (see the module docstring): for small
     index tensors of the hot path that depend only on Python values (causal offsets, key counts,
     lane orders), whose build is a few device launches per call otherwise."""
-    cache = _Lru(256)
+    cache = Lru(256)
 
     @functools.wraps(build)
     def wrapper(*args: Hashable) -> torch.Tensor:
@@ -128,7 +128,7 @@ class DerivedCache:
     """
 
     def __init__(self, size: int = 16) -> None:
-        self._cache = _Lru(size)
+        self._cache = Lru(size)
         self._dead: list[tuple] = []  # keys whose source was freed (dropped at the next call)
 
     def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:

@@ -15,8 +15,8 @@ separated) holding the wheels' relative paths; ``docs/gpu-validation.md`` has th
 oracle reports the SHA-256 of the file it ran, so a result names the engine release it checked.
 
 Entry points build the engine's FP8 operands from the same BF16 projections as the training side
-(:class:`~dsa_precision.cli.synthetic.SyntheticIndexerInputs`) in the layout of
-:class:`~dsa_precision.cli.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
+(:class:`~dsa_precision.oracles.synthetic.SyntheticIndexerInputs`) in the layout of
+:class:`~dsa_precision.oracles.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
 differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until an oracle runs.
 """
 
@@ -35,9 +35,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import IndexerPrecisionConfig
 from ..engines import EngineProfile
 from .engine_model import EngineOperands
 from .synthetic import SyntheticIndexerInputs
+from .training import IndexerFields, training_operands
 
 __all__ = [
     "ENGINE_FILES",
@@ -379,11 +381,8 @@ def package_operands(
     """The package's ``rope_fp32+fp8`` operands of ``inputs`` under ``profile`` (batch 1), as the
     Megatron integration builds them, in the layout of the engines' (what :func:`operand_diff`
     compares with :func:`engine_kernel_operands`)."""
-    from ..config import IndexerPrecisionConfig
-    from .demo import Model, training_operands
-
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
-    ops = training_operands(inputs, config, Model(rope_interleaved=interleaved), impl=impl)
+    ops = training_operands(inputs, config, IndexerFields(rope_interleaved=interleaved), impl=impl)
     return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
 
 

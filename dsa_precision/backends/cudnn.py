@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ._device import _Lru
-from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+from ..devices import Lru
 
 __all__ = [
     "CUDNN_BF16_N_HEADS",
@@ -240,7 +240,7 @@ def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
 # cuDNN's top-k plans (IndexerTopK), checked and compiled once per class, device, dtype, shape,
 # k and mode: what indexer_top_k_wrapper caches for itself, kept here so that the package's top-k
 # can pass its own buffers to execute() (no staging, no per-call cache key of the wrapper).
-_TOPK_PLANS = _Lru(256)
+_TOPK_PLANS = Lru(256)
 
 
 def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool) -> Any:

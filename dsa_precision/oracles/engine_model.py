@@ -1,4 +1,4 @@
-"""The demo's inference side: the engine's own kernels on CUDA when they are present
+"""The inference side of the comparisons: the engine's own kernels on CUDA when they are present
 (:mod:`.engine_kernels`, :func:`inference_operands`), otherwise an independent model of the
 engine's FP8 indexer.
 
@@ -26,11 +26,11 @@ __all__ = [
     "EngineOperands",
     "engine_operands",
     "engine_scores",
-    "engine_topk",
+    "engine_select",
     "inference_operands",
 ]
 
-MODEL_SOURCE = "an independent model of its operands (dsa_precision.cli.engine_model)"
+MODEL_SOURCE = "an independent model of its operands (dsa_precision.oracles.engine_model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,7 @@ def inference_operands(
     inputs: SyntheticIndexerInputs, engine: EngineProfile, *, hadamard: bool, interleaved: bool
 ) -> tuple[EngineOperands, str]:
     """The inference side's operands and what built them: the engine's own kernels
-    (:func:`~dsa_precision.cli.engine_kernels.engine_kernel_operands`) when the inputs are on
+    (:func:`~dsa_precision.oracles.engine_kernels.engine_kernel_operands`) when the inputs are on
     CUDA and the profile's kernels are in ``DSA_ENGINE_KERNELS``, otherwise
     :func:`engine_operands`, with the reason in the description."""
     from . import engine_kernels
@@ -176,9 +176,9 @@ def engine_scores(ops: EngineOperands, *, kernel: str = "exact") -> torch.Tensor
     s = ops.q.shape[0]
     keys = torch.arange(s, device=ops.q.device)
     if kernel == "deepgemm":
-        from .. import _deepgemm
+        from ..backends import deepgemm
 
-        logits = _deepgemm.causal_logits(
+        logits = deepgemm.causal_logits(
             ops.q.contiguous(),
             (ops.k.contiguous(), ops.k_descale.contiguous()),
             ops.weights.contiguous(),
@@ -193,7 +193,7 @@ def engine_scores(ops: EngineOperands, *, kernel: str = "exact") -> torch.Tensor
     return scores.masked_fill(keys[None, :] > keys[:, None], float("-inf"))
 
 
-def engine_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def engine_select(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Exact top-k of each row (ties toward the lower key; -inf never selected): ``(S, k)`` int32,
     keys ascending, ``-1`` padded."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True)

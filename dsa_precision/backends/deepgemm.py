@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 
 __all__ = [
     "DETERMINISM_SWITCHES",
@@ -191,10 +191,10 @@ class WindowLogits:
         """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores (on
         CUDA one Triton pass that stores only the tails, :mod:`~dsa_precision.kernels.mask_tails`).
         """
-        from .operands import triton_unavailable_reason
+        from ..kernels import triton_unavailable_reason
 
         if self.logits.is_cuda and triton_unavailable_reason() is None:
-            from .kernels.mask_tails import mask_tails
+            from ..kernels.mask_tails import mask_tails
 
             return mask_tails(self.logits, self.counts.to(torch.int32))
         cols = torch.arange(self.logits.shape[1], device=self.logits.device)

@@ -1,0 +1,196 @@
+"""Emulated float32 arithmetic: the exact operations the engine profiles name.
+
+Each function fixes an order or a rounding that ``torch``'s own kernels leave to the device, so
+that the torch reference, the fused Triton kernel and an engine's kernel agree bit for bit on
+every device: a fused multiply-add rounded once (:func:`fma_fp32`), sums in a fixed tree
+(:func:`pairwise_sum`, :func:`triton_block_sum`), and the key LayerNorm evaluated in float64
+rounded once (:func:`layer_norm_fp32`) or float32 operation by operation as the engines' Triton
+kernels do (:func:`layer_norm_fp32_ops`). Why each order is the engine's: docs/numerics.md,
+"The engines' float32 arithmetic".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .devices import device_constant
+
+__all__ = [
+    "TRITON_SUM_DISTANCES_128",
+    "fma_fp32",
+    "layer_norm_fp32",
+    "layer_norm_fp32_ops",
+    "pairwise_sum",
+    "rsqrt_fp32",
+    "triton_block_sum",
+]
+
+
+class _Fma32(torch.autograd.Function):
+    """Exact float32 fused multiply-add; the gradient of ``a * b + c``."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.shapes = (a.shape, b.shape, c.shape)
+        a64, b64, c64 = a.double(), b.double(), c.double()
+        p = a64 * b64  # exact
+        s = p + c64
+        bp = s - p
+        err = (p - (s - bp)) + (c64 - bp)  # TwoSum: s + err is exact
+        bits = s.view(torch.int64)
+        # Round to odd: inexact with an even last bit -> one ulp toward the exact value.
+        step = torch.where((err > 0) == (s > 0), 1, -1)
+        odd = torch.where((err != 0) & (bits & 1 == 0), bits + step, bits)
+        return odd.view(torch.float64).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        sa, sb, sc = ctx.shapes
+        return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
+
+
+def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors with one rounding (a fused multiply-add, ``fma.rn.f32``).
+
+    Computed in float64, where ``a * b`` is exact, with the sum rounded to odd (the float64 sum,
+    its error recovered by TwoSum, the last bit forced odd when inexact); rounding that to float32
+    is then the correctly rounded result. The same bits on every device; broadcasts;
+    differentiable (the gradient of ``a * b + c``).
+    """
+    a, b, c = torch.broadcast_tensors(a, b, c)
+    return _Fma32.apply(a, b, c)
+
+
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in a fixed order, keeping it (size 1).
+
+    For a power-of-two width the order is a tree of adjacent pairs: ``x[2i] + x[2i+1]``, then
+    the same on the results, and so on. Unlike ``torch.sum``, whose order depends on the device,
+    the memory layout and the kernel, this order is part of the definition, so a fused kernel can
+    reproduce every rounding. Other widths fall back to ``torch.sum`` (order unspecified).
+    """
+    n = x.shape[-1]
+    if n == 0 or n & (n - 1):
+        return x.sum(dim=-1, keepdim=True)
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
+
+
+def layer_norm_fp32(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm of ``x`` ``[..., d]`` over the last dimension, float32 out.
+
+    Statistics and the affine map are evaluated in float64 from the exact values of ``x``,
+    ``weight`` and ``bias`` and rounded to float32 once. The sums of the mean and the variance
+    run in the fixed order of :func:`pairwise_sum` (the sum of squares is not exact in float64,
+    so a device-chosen reduction order would leak into the last float32 bit once in ~2**29
+    values): the result is the same on every device, and a fused kernel reproduces it bit for bit.
+    Differentiable.
+    """
+    d = x.shape[-1]
+    x64 = x.to(torch.float64)
+    mean = pairwise_sum(x64) / d
+    centered = x64 - mean
+    var = pairwise_sum(centered * centered) / d
+    y = centered / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(torch.float64)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32)
+
+
+# Triton's tl.sum over one 128-vector laid out one element per thread on 4 warps (vLLM's
+# fused_norm_rope and LMDeploy's k-cache kernel, num_warps=4): a butterfly over the lanes
+# (shfl.bfly 16, 8, 4, 2, 1: element distances 16 ... 1), then over the 4 warp partials read back
+# from shared memory (xor 2, 1: distances 64, 32). Each step adds elements this far apart.
+TRITON_SUM_DISTANCES_128 = (16, 8, 4, 2, 1, 64, 32)
+
+
+def _pair_step(x: torch.Tensor, distance: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two operands of one tree step over the last dimension: the elements whose index has
+    the bit ``distance`` clear, and their partners ``distance`` further on."""
+    n = x.shape[-1]
+    y = x.reshape(*x.shape[:-1], n // (2 * distance), 2, distance)
+    flat = (*x.shape[:-1], n // 2)
+    return y[..., 0, :].reshape(flat), y[..., 1, :].reshape(flat)
+
+
+def _tree_distances(distances: tuple[int, ...]) -> list[int]:
+    """The distances of the same tree after each step removed its index bit (what a reshape of
+    the shrinking tensor needs)."""
+    out, removed = [], []
+    for d in distances:
+        bit = d.bit_length() - 1
+        out.append(1 << (bit - sum(r < bit for r in removed)))
+        removed.append(bit)
+    return out
+
+
+def triton_block_sum(
+    x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
+) -> torch.Tensor:
+    """float32 sum over the last dimension (128) in the order of :data:`TRITON_SUM_DISTANCES_128`.
+
+    ``squares_of=d``: the sum of ``d * d`` (``x`` unused); with ``fma`` its first step is what a
+    contracting compiler emits, ``fma(d_i, d_i, fl(d_j * d_j))`` for the lower lane ``i`` of each
+    pair ``(i, j = i + 16)``, the value the warp's lane 0 holds. Returns ``[..., 1]``.
+    """
+    src = x if squares_of is None else squares_of
+    if src.shape[-1] != 128:
+        raise ValueError(f"triton_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    distances = _tree_distances(TRITON_SUM_DISTANCES_128)
+    if squares_of is not None:
+        lo, hi = _pair_step(squares_of, distances[0])
+        x = fma_fp32(lo, lo, hi * hi) if fma else lo * lo + hi * hi
+        distances = distances[1:]
+    for d in distances:
+        lo, hi = _pair_step(x, d)
+        x = lo + hi
+    return x
+
+
+def rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 / sqrt(x)`` as the engines' Triton kernels get it: on CUDA ``torch.rsqrt``
+    (the hardware's ``rsqrt.approx``, as Triton's ``tl.rsqrt``); elsewhere the IEEE square
+    root and the IEEE division (what Triton's interpreter computes)."""
+    if x.is_cuda:
+        return torch.rsqrt(x)
+    return 1.0 / torch.sqrt(x)
+
+
+def layer_norm_fp32_ops(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    fma: bool,
+) -> torch.Tensor:
+    """The key LayerNorm float32 operation by operation, as vLLM 0.33's ``fused_norm_rope`` and
+    LMDeploy 0.18's k-cache kernel evaluate it (``x``: ``[..., 128]``; float32 out)::
+
+        mean = fl(tree_sum(x) / 128);  d = fl(x - mean)
+        var = fl(tree_sum(d * d) / 128);  rstd = rsqrt(fl(var + fl32(eps)))
+        y = fl(fl(fl(d * rstd) * w) + b)      (fma: fma(fl(d * rstd), w, b))
+
+    ``tree_sum`` is :func:`triton_block_sum` (the first step of the variance contracted under
+    ``fma``); ``rsqrt`` as :func:`rsqrt_fp32`. Differentiable.
+    """
+    x = x.to(torch.float32)
+    mean = triton_block_sum(x) / 128.0
+    d = x - mean
+    var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
+    eps32 = device_constant(float(eps), torch.float32, x.device)
+    y = d * rsqrt_fp32(var + eps32)
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    if w is not None and b is not None and fma:
+        return fma_fp32(y, w, b)
+    if w is not None:
+        y = y * w
+    return y if b is None else y + b

@@ -1,0 +1,176 @@
+"""Row arithmetic of causal and packed scoring: which keys each query row sees.
+
+A query row ``s`` of batch row ``b`` sees keys ``t < limit(b, s) = min(floor((offset_b + s + 1)
+/ ratio), S_k)`` (top-left causal; ``offset_b`` is the global position of the row's first query:
+row chunks, context parallelism). Packed (THD) rows count positions per sequence, their
+cumulative lengths ``cu_seqlens`` checked here. Everything runs on the device without a host
+synchronisation, except the ``validate_*`` checks, which read the data.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .checks import INT32_MAX, as_int32_tensor, check_int_fits, check_int_tensor
+from .devices import shared_device_tensor
+
+__all__ = [
+    "causal_key_counts",
+    "causal_offsets",
+    "check_cu_seqlens",
+    "check_varlen_args",
+    "constant_key_counts",
+    "constant_offsets",
+    "packed_sequence_of",
+    "validate_cu_seqlens",
+    "varlen_key_counts",
+    "varlen_row_slice",
+]
+
+
+def causal_key_counts(
+    q_causal_offsets: torch.Tensor, row_start: int, rows: int, ratio: int, sk: int
+) -> torch.Tensor:
+    """``(B, rows)`` int32 visible keys ``min(floor((offset_b + s + 1) / ratio), S_k)`` of query
+    rows ``s`` in ``[row_start, row_start + rows)`` (the top-k ``seq_lens`` of causal scores)."""
+    s = torch.arange(row_start + 1, row_start + rows + 1, device=q_causal_offsets.device)
+    counts = torch.div(
+        q_causal_offsets.view(-1, 1).to(torch.int64) + s, ratio, rounding_mode="floor"
+    )
+    return counts.clamp_(0, sk).to(torch.int32)
+
+
+@shared_device_tensor
+def constant_offsets(value: int, n: int, device: torch.device) -> torch.Tensor:
+    """``(n,)`` int32 ``value`` on ``device``, shared read-only (a Python int offset's tensor)."""
+    return torch.full((n,), value, dtype=torch.int32, device=device)
+
+
+@shared_device_tensor
+def constant_key_counts(
+    offset: int, batch: int, row_start: int, rows: int, ratio: int, sk: int, device: torch.device
+) -> torch.Tensor:
+    """``(batch * rows,)`` int32 :func:`causal_key_counts` of ``batch`` rows that all start at the
+    Python int ``offset``, flattened; built once per arguments and shared: read it, never write
+    into it."""
+    offsets = constant_offsets(offset, batch, device)
+    return causal_key_counts(offsets, row_start, rows, ratio, sk).view(-1)
+
+
+def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int64 index of the packed sequence that holds each of ``rows`` (packed row numbers, on
+    ``cu_seqlens``' device); rows at or past ``cu_seqlens[-1]`` map to the last sequence."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
+
+
+def varlen_key_counts(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_causal_offsets: torch.Tensor,
+    ratio: int,
+    total_q: int,
+) -> torch.Tensor:
+    """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit)."""
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    cu_q = cu_seqlens_q.to(torch.int64)
+    seq = packed_sequence_of(cu_q, rows)
+    local = rows - cu_q[seq]
+    len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)[seq]
+    off = q_causal_offsets.to(torch.int64)[seq]
+    counts = torch.div(off + local + 1, ratio, rounding_mode="floor")
+    return torch.minimum(counts.clamp_(min=0), len_k).to(torch.int32)
+
+
+def varlen_row_slice(
+    cu_seqlens_q: torch.Tensor, q_causal_offsets: torch.Tensor, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens_q, q_causal_offsets)`` of packed rows ``[start, stop)``, on the device.
+
+    The sequences the slice cuts keep their global causal rows: each one's first row in the
+    slice is at position ``offset + max(start - cu_seqlens_q[i], 0)`` of its sequence; sequences
+    outside the slice get length 0.
+    """
+    cu = cu_seqlens_q.to(torch.int64)
+    sliced = (cu - start).clamp_(0, stop - start).to(torch.int32)
+    offsets = q_causal_offsets.to(torch.int64) + (start - cu[:-1]).clamp_(min=0)
+    return sliced, offsets
+
+
+def causal_offsets(
+    q_causal_offsets: torch.Tensor | int | None,
+    n: int,
+    device: torch.device,
+    what: str,
+    *,
+    rows: int,
+    validate: bool,
+) -> torch.Tensor:
+    """``(n,)`` int32 offsets on ``device``. Each offset plus the ``rows`` query rows after it
+    must fit int32: always checked for a Python int, with ``validate=True`` for a tensor (before
+    its cast to int32, one host sync). For an int or ``None`` the tensor is shared read-only
+    (built once per value, batch and device); a tensor comes back as :func:`as_int32_tensor`
+    gives it."""
+    if q_causal_offsets is None:
+        return constant_offsets(0, n, device)
+    fix = (
+        f"pass the global index of each {what}'s first query row: non-negative, and with its "
+        f"{rows} rows added still within int32"
+    )
+    if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
+        value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
+        return constant_offsets(value, n, device)
+    check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
+    if q_causal_offsets.shape[0] != n:
+        raise ValueError(
+            f"q_causal_offsets has {q_causal_offsets.shape[0]} entries; expected one per {what} "
+            f"({n})."
+        )
+    return as_int32_tensor(
+        "q_causal_offsets",
+        q_causal_offsets,
+        device=device,
+        validate=validate,
+        high=INT32_MAX - rows,
+        fix=fix,
+    )
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor:
+    """Host checks of cumulative lengths: a 1-D integer tensor of at least ``[0, total]``, with
+    ``n`` entries when given (the same sequences as ``cu_seqlens_q``)."""
+    check_int_tensor(name, cu, ndim=1)
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must hold at least [0, total]; got {cu.numel()} entries.")
+    if n is not None and cu.numel() != n:
+        raise ValueError(
+            f"cu_seqlens_q describes {n - 1} sequences and {name} {cu.numel() - 1}; they must "
+            "describe the same sequences."
+        )
+    return cu
+
+
+def validate_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_len: int) -> None:
+    """``validate=True``: ``cu`` starts at 0, does not decrease, ends at ``total`` and holds no
+    sequence longer than ``max_len`` (reads the data: one host synchronisation)."""
+    lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((lens < 0).any()) or int(cu[-1]) != total:
+        raise ValueError(
+            f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
+            f"got {cu.tolist()}."
+        )
+    if int(lens.max()) > max_len:
+        raise ValueError(f"{name} has a sequence of {int(lens.max())} tokens, above {max_len}.")
+
+
+def check_varlen_args(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+) -> None:
+    """The data-free checks of the packed-sequence arguments."""
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+            raise ValueError(f"{name}={value!r} must be a non-negative Python int within int32.")
