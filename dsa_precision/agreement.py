@@ -9,7 +9,7 @@ Definitions, over the rows whose inference set ``I`` is non-empty (``T`` is the 
 
 Index tensors are ``[..., k]`` integer tensors (``k >= 1``), in any order, on any device. **The
 index rule** (the same for :func:`topk_agreement`, ``dsa-precision agree`` and the replay layout
-of :class:`dsa_precision.topk_layout.TokenLayout`): an entry is a key ``>= 0`` or ``-1``
+of :class:`dsa_precision.picks.TokenLayout`): an entry is a key ``>= 0`` or ``-1``
 (padding); a row holds each key at most once (``-1`` may repeat). A negative other than ``-1`` or
 a repeated key is an error, never read as padding or counted twice.
 
@@ -29,9 +29,11 @@ import dataclasses
 import torch
 
 from .checks import check_tensor
+from .picks import repeated_keys, sorted_keys
 
 __all__ = [
     "TopkAgreement",
+    "agreement_and_identical_rows",
     "boundary_margin",
     "row_scale",
     "score_error",
@@ -40,8 +42,6 @@ __all__ = [
 ]
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
-# Padding sorts last, as a value no key takes.
-_PAD = torch.iinfo(torch.int64).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def topk_agreement(
     if validate:
         for name, idx in (("train_idx", train_idx), ("infer_idx", infer_idx)):
             validate_index_rows(name, idx)
-    return _agreement_and_identical_rows(train_idx, infer_idx)[0]
+    return agreement_and_identical_rows(train_idx, infer_idx)[0]
 
 
 def _check_index_tensor(name: str, idx: object) -> torch.Tensor:
@@ -104,21 +104,10 @@ def _check_index_tensor(name: str, idx: object) -> torch.Tensor:
     return idx.reshape(-1, k).to(torch.int64)
 
 
-def _sorted_keys(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``int64 [rows, k]`` sorted, negatives (padding) last as ``_PAD``."""
-    return torch.where(rows < 0, _PAD, rows).sort(dim=-1).values
-
-
-def _repeated_keys(ordered: torch.Tensor) -> torch.Tensor:
-    """bool ``[rows]``: the row holds a key twice; ``ordered`` is :func:`_sorted_keys` of the
-    rows (padding never counts). The duplicate rule of every index check of the package."""
-    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != _PAD)).any(-1)
-
-
 def _broken_rows(rows: torch.Tensor, ordered: torch.Tensor) -> torch.Tensor:
     """bool ``[rows]``: the row breaks the index rule (a negative other than -1, or a key twice);
-    ``ordered`` is :func:`_sorted_keys` of ``rows``."""
-    return (rows < -1).any(-1) | _repeated_keys(ordered)
+    ``ordered`` is :func:`~dsa_precision.picks.sorted_keys` of ``rows``."""
+    return (rows < -1).any(-1) | repeated_keys(ordered)
 
 
 def validate_index_rows(name: str, idx: torch.Tensor) -> None:
@@ -130,7 +119,7 @@ def validate_index_rows(name: str, idx: torch.Tensor) -> None:
             values. One host synchronisation.
     """
     rows = _check_index_tensor(name, idx)
-    broken = _broken_rows(rows, _sorted_keys(rows))
+    broken = _broken_rows(rows, sorted_keys(rows))
     if not bool(broken.any()):  # the one synchronisation
         return
     row = int(broken.nonzero()[0])
@@ -146,7 +135,7 @@ def validate_index_rows(name: str, idx: torch.Tensor) -> None:
     )
 
 
-def _agreement_and_identical_rows(
+def agreement_and_identical_rows(
     train_idx: torch.Tensor, infer_idx: torch.Tensor
 ) -> tuple[TopkAgreement, torch.Tensor]:
     """:func:`topk_agreement`, and a bool ``[...]`` tensor: whether each row's two sets are equal
@@ -163,7 +152,7 @@ def _agreement_and_identical_rows(
     k = t.shape[-1]
     # Membership of each inference pick in the training row: binary search in the sorted row.
     # O(rows * k log k), no host sync.
-    t_sorted, i_sorted = _sorted_keys(t), _sorted_keys(i)
+    t_sorted, i_sorted = sorted_keys(t), sorted_keys(i)
     broken_rows = _broken_rows(t, t_sorted) | _broken_rows(i, i_sorted)
     broken = broken_rows.any()
     pos = torch.searchsorted(t_sorted, i).clamp_max(k - 1)

@@ -52,7 +52,7 @@ With ``--nproc-per-node 1`` only the reference layouts run.
 
 What is measured, per layout, configuration and layer, against the reference:
 
-- top-k: every rank records its picks with ``dsa_precision.megatron.capture_topk()`` (the
+- top-k: every rank records its picks with ``dsa_precision.megatron.record_topk()`` (the
   engines' layout: each query row's global token and its sequence-relative keys) on the first
   micro-batch, before training; rank 0 gathers them and assembles them by global token.
   ``rows identical`` is the share of rows whose top-k *set* equals the reference's (order and

@@ -1,7 +1,7 @@
 """Top-k replay and verification on the toy GLM-5-like model (examples/toy_glm5_train.py).
 
 Stands in for an RL step: before each training step an "engine" forward of the current weights
-captures every layer's top-k (``dsa_precision.megatron.capture_topk``: the picks of a
+captures every layer's top-k (``dsa_precision.megatron.record_topk``: the picks of a
 ``rope_fp32+fp8`` forward, or of the baseline's for comparison), and the training step runs with
 those indices handed in (``engine_topk``). It reports, side by side:
 

@@ -359,10 +359,10 @@ def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:
     import dsa_precision.megatron as dsap
 
     engine.load_state_dict(model.state_dict())
-    with torch.no_grad(), dsap.capture_topk() as captured:
+    with torch.no_grad(), dsap.record_topk() as recorder:
         pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         engine(tokens, pos, None)
-    return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
+    return dict(recorder.picks.indices)
 
 
 def gpu_busy_ms(trainer, batch, steps: int, top: int = 0) -> tuple[float, list]:

@@ -190,7 +190,7 @@ def causal_selections(batch: int = 2, seq_len: int = 20, k: int = 8, seed: int =
 
 
 def save_replay(path: Path, layers: dict, **layout) -> Path:
-    """A replay file as ``save_topk`` writes it, without importing Megatron."""
+    """A replay file as ``save_picks`` writes it, built by hand."""
     tensors = {f"layer_{n:02d}": t for n, t in layers.items()} if layers else {}
     tensors |= {
         k: v if isinstance(v, torch.Tensor) else torch.tensor([v]) for k, v in layout.items()
@@ -200,12 +200,13 @@ def save_replay(path: Path, layers: dict, **layout) -> Path:
 
 
 def test_replay_files_are_compared_layer_by_layer(tmp_path):
-    from dsa_precision.megatron.replay import save_topk
+    from dsa_precision.capture import TokenLayout, TopkPicks, save_picks
 
     train1, infer1 = causal_selections(seed=1)
     train2, infer2 = causal_selections(seed=2)
-    save_topk(tmp_path / "train.pt", {1: train1, 2: train2}, seq_len=20)
-    save_topk(tmp_path / "infer.pt", {1: infer1, 2: infer2}, seq_len=20)
+    layout = TokenLayout(seq_len=20)
+    save_picks(tmp_path / "train.pt", TopkPicks({1: train1, 2: train2}, layout))
+    save_picks(tmp_path / "infer.pt", TopkPicks({1: infer1, 2: infer2}, layout))
     code, out, err = run_cli(
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt",
         "--engine", "vllm", "--json",
@@ -327,10 +328,10 @@ def test_json_carries_the_package_version(tmp_path):
 
 
 def test_a_replay_file_against_a_plain_file_is_refused(tmp_path):
-    from dsa_precision.megatron.replay import save_topk
+    from dsa_precision.capture import TokenLayout, TopkPicks, save_picks
 
     train, infer = causal_selections()
-    save_topk(tmp_path / "train.pt", {1: train}, seq_len=20)
+    save_picks(tmp_path / "train.pt", TopkPicks({1: train}, TokenLayout(seq_len=20)))
     torch.save(infer, tmp_path / "infer.pt")
     code, _, err = run_cli(
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"

@@ -27,7 +27,7 @@ from dsa_precision.capture import (
     load_engine_output,
     pack_requests,
 )
-from dsa_precision.topk_layout import TokenLayout
+from dsa_precision.picks import TokenLayout
 
 K = 8
 
@@ -220,8 +220,9 @@ def test_load_engine_output_reads_saved_responses(tmp_path):
     fulls = [engine_rows(6, 2, seed=14), engine_rows(5, 2, seed=15)]
     path = tmp_path / "sglang.jsonl"
     path.write_text("\n".join(json.dumps(sglang_response(f)) for f in fulls))
-    layers, layout = load_engine_output(path, engine="sglang")
-    assert layout["cu_seqlens"].tolist() == [0, 6, 11]
+    picks = load_engine_output(path, engine="sglang")
+    layers = picks.indices
+    assert picks.cu_seqlens.tolist() == [0, 6, 11]
     assert torch.equal(layers[2][:5], fulls[0][:5, 1])
     vllm = tmp_path / "vllm.json"
     vllm.write_text(
@@ -235,9 +236,9 @@ def test_load_engine_output_reads_saved_responses(tmp_path):
             ]
         )
     )
-    layers_v, layout_v = load_engine_output(vllm, engine="vllm")
-    assert torch.equal(layout_v["cu_seqlens"], layout["cu_seqlens"])
-    assert all(torch.equal(layers_v[n], layers[n]) for n in (1, 2))
+    picks_v = load_engine_output(vllm, engine="vllm")
+    assert torch.equal(picks_v.cu_seqlens, picks.cu_seqlens)
+    assert all(torch.equal(picks_v.indices[n], layers[n]) for n in (1, 2))
     with pytest.raises(ValueError, match=r"vllm.json: .*request 1: 4 rows"):
         broken = json.loads(vllm.read_text())
         broken[1]["usage"]["completion_tokens"] = 5
@@ -431,23 +432,24 @@ def test_agree_reads_an_engine_output_through_the_adapters(tmp_path, capsys):
     """``agree --infer-format sglang``: the engine's responses against training's replay file of
     the same packed requests; one swapped pick in layer 2 fails the gate there, and only there."""
     from dsa_precision import cli
-    from dsa_precision.megatron.replay import save_topk
+    from dsa_precision.capture import TopkPicks, save_picks
 
     fulls = [engine_rows(6, 2, seed=16), engine_rows(5, 2, seed=17)]
     infer = tmp_path / "sglang.jsonl"
     infer.write_text("\n".join(json.dumps(sglang_response(f)) for f in fulls))
-    layers, layout = load_engine_output(infer, engine="sglang")
+    engine = load_engine_output(infer, engine="sglang")
+    layers, cu = engine.indices, engine.cu_seqlens
     train = tmp_path / "train.pt"
-    save_topk(train, layers, cu_seqlens=layout["cu_seqlens"])
+    save_picks(train, engine)
     args = ["agree", "--train", train, "--infer", infer, "--infer-format", "sglang", "--json"]
     assert cli.main([str(a) for a in args]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [c["name"] for c in report["configs"]] == ["layer 1", "layer 2", "all"]
     assert all(c["rows_identical"] == 1.0 for c in report["configs"])
     changed = {n: t.clone() for n, t in layers.items()}
-    row = int(layout["cu_seqlens"][1]) + 3  # request 1, position 3 (its last token has no picks)
+    row = int(cu[1]) + 3  # request 1, position 3 (its last token has no picks)
     changed[2][row, 0] = -1
-    save_topk(train, changed, cu_seqlens=layout["cu_seqlens"])
+    save_picks(train, TopkPicks(changed, engine.layout))
     assert cli.main([str(a) for a in [*args, "--min-agreement", "1.0"]]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["failed"] == ["layer 2", "all"]

@@ -4,7 +4,7 @@ buffer holds them (chunked prefill), go through the adapters into ``engine_topk`
 agrees with them on every row the engine computed, and replay attends exactly those keys.
 
 Reference: the layer's own FP8 selection of the same micro-batch (captured with
-``capture_topk``), and the same layer replaying the captured picks directly. The digest path:
+``record_topk``), and the same layer replaying the captured picks directly. The digest path:
 the engine's per-row digests of those picks (``digest_rows`` per request, ``pack_digests``) in
 ``engine_topk(engine_digests=...)``; verify counts the rows whose digest differs, per layer.
 """
@@ -33,10 +33,9 @@ CU = [0, 5, 16]
 
 
 def _own_picks(attn, kw):
-    with dsap.capture_topk() as captured:
+    with dsap.record_topk() as recorder:
         run_attention(attn, attention_inputs(b=1, packed=True), **kw)
-    c = captured[attn.layer_number]
-    return c.indices[c.tokens.argsort()]  # (T, k) sequence-relative, packed order
+    return recorder.picks.indices[attn.layer_number]  # (T, k) sequence-relative, packed order
 
 
 def _sglang(picks):
@@ -108,10 +107,10 @@ def _two_layers():
 
 def _own(layers, inputs, kw):
     """Each layer's own picks ``(T, k)``, sequence-relative, in token order."""
-    with dsap.capture_topk() as captured:
+    with dsap.record_topk() as recorder:
         for attn in layers:
             run_attention(attn, inputs(), **kw)
-    return {n: c.indices[c.tokens.argsort()] for n, c in captured.items()}
+    return dict(recorder.picks.indices)
 
 
 def _verify(layers, inputs, kw, **engine):

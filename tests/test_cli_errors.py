@@ -105,8 +105,8 @@ def test_help_is_plain_text(command, capsys):
         (":func:`~dsa_precision.indexer_scores`", "indexer_scores"),
         (":func:`dsa_precision.topk_agreement`", "dsa_precision.topk_agreement"),
         (":mod:`.synthetic`, :class:`CliError`", "synthetic, CliError"),
-        (":meth:`dsa_precision.topk_layout.TokenLayout.validate_indices`",
-         "dsa_precision.topk_layout.TokenLayout.validate_indices"),
+        (":meth:`dsa_precision.picks.TokenLayout.validate_indices`",
+         "dsa_precision.picks.TokenLayout.validate_indices"),
         ("**kernels vs package**: x", "kernels vs package: x"),
     ],
 )  # fmt: skip

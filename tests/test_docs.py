@@ -121,17 +121,17 @@ def test_readme_megatron_snippet_trains_with_fp8_scoring(megatron_parallel, cpu_
     model = _gpt(config, spec)
     tokens = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
     reset_scoring_calls()
-    with dsap.capture_topk() as captured:
+    with dsap.record_topk() as recorder:
         loss = _loss(model, tokens)
     loss.backward()
     assert torch.isfinite(loss)
     # Both layers selected their top-k with one FP8 scoring call each, and none ran in BF16.
     assert scoring_calls("fp8") == 2 and scoring_calls("bf16") == 0
-    assert sorted(captured) == [1, 2]
-    for picks in captured.values():
-        assert picks.indices.shape == (32, config.dsa_indexer_topk)
+    assert sorted(recorder.picks.indices) == [1, 2]
+    for picks in recorder.picks.indices.values():
+        assert picks.shape == (32, config.dsa_indexer_topk)
         row = torch.arange(32)[:, None]
-        assert bool(((picks.indices == -1) | ((picks.indices >= 0) & (picks.indices <= row))).all())
+        assert bool(((picks == -1) | ((picks >= 0) & (picks <= row))).all())
     grads = [p.grad for n, p in model.named_parameters() if "indexer" not in n]
     assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
 

@@ -27,15 +27,15 @@ SEQ = 16
 
 
 def _captured(attn, inputs, **kw):
-    with dsap.capture_topk() as captured:
+    """The layer's recorded picks, (T, k) in token order."""
+    with dsap.record_topk() as recorder:
         run_attention(attn, inputs, **kw)
-    return captured[attn.layer_number]
+    return recorder.picks.indices[attn.layer_number]
 
 
 def _engine(capture, batch):
-    """The captured picks as engine indices: (T, k), tokens batch-major."""
-    order = capture.tokens.argsort()
-    return capture.indices[order].reshape(batch * SEQ, -1)
+    """The recorded picks as engine indices: (T, k), tokens batch-major."""
+    return capture.reshape(batch * SEQ, -1)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
@@ -45,7 +45,7 @@ def test_replay_attends_exactly_the_engine_keys(packed):
     # Engine picks: those of an FP8 layer of another seed (a different, valid causal selection).
     other = make_attention(make_config(dsa_indexer_scoring_precision="fp8"), seed=7)
     engine = _captured(other, attention_inputs(b=batch, packed=packed, seed=3), **kw)
-    indices = engine.indices[engine.tokens.argsort()]
+    indices = engine
     layout = dict(cu_seqlens=torch.tensor([0, 5, 16])) if packed else dict(seq_len=SEQ)
     replaying = make_attention(make_config(dsa_indexer_topk_source="replay"))
     stock = make_attention(
@@ -226,8 +226,8 @@ def validation_switch(monkeypatch):
 
 @pytest.mark.parametrize("picks, match", DATA_ERRORS)
 def test_data_checks_are_a_debug_opt_in(validation_switch, picks, match):
-    with dsap.engine_topk({1: picks}, seq_len=SEQ) as engine:  # the step: no data check
-        assert not engine.validate
+    with dsap.engine_topk({1: picks}, seq_len=SEQ):  # the step: no data check
+        assert not dsap.replay.current_handed_in().validate
     for switch_on in (
         lambda: None,  # validate=True below
         lambda: dsap.set_replay_validation(True),
@@ -240,8 +240,8 @@ def test_data_checks_are_a_debug_opt_in(validation_switch, picks, match):
             with dsap.engine_topk({1: picks}, seq_len=SEQ, **explicit):
                 pass
     dsap.set_replay_validation(False)  # beats the environment
-    with dsap.engine_topk({1: picks}, seq_len=SEQ) as engine:
-        assert not engine.validate
+    with dsap.engine_topk({1: picks}, seq_len=SEQ):
+        assert not dsap.replay.current_handed_in().validate
     with pytest.raises(TypeError, match=r"set_replay_validation\(enabled='yes'\)"):
         dsap.set_replay_validation("yes")
 
@@ -315,12 +315,15 @@ def test_config_validation_and_flag():
 
 
 def test_replay_files_round_trip(tmp_path):
+    from dsa_precision.capture import TokenLayout, TopkPicks, load_picks, save_picks
+
     picks = {1: torch.randint(0, 3, (8, 2)), 3: torch.randint(0, 3, (8, 2))}
     for name in ("r.pt", "r.safetensors"):
-        dsap.save_topk(tmp_path / name, picks, cu_seqlens=torch.tensor([0, 3, 8]))
-        layers, layout = dsap.load_topk(tmp_path / name)
-        assert sorted(layers) == [1, 3] and torch.equal(layers[3], picks[3])
-        assert torch.equal(layout["cu_seqlens"], torch.tensor([0, 3, 8]))
+        layout = TokenLayout(cu_seqlens=torch.tensor([0, 3, 8]))
+        save_picks(tmp_path / name, TopkPicks(picks, layout))
+        loaded = load_picks(tmp_path / name)
+        assert sorted(loaded.indices) == [1, 3] and torch.equal(loaded.indices[3], picks[3])
+        assert torch.equal(loaded.cu_seqlens, torch.tensor([0, 3, 8]))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
@@ -336,7 +339,7 @@ def test_verify_scores_once_per_chunk(packed):
         attn = make_attention(config)
         inp = attention_inputs(b=batch, packed=packed)
         engine = _captured(attn, attention_inputs(b=batch, packed=packed), **kw)
-        indices = engine.indices[engine.tokens.argsort()]
+        indices = engine
         reset_scoring_calls()
         with dsap.engine_topk({1: indices}, **layout):
             run_attention(attn, inp, **kw)
@@ -351,11 +354,12 @@ def test_every_row_in_order_is_the_picks_themselves_copied():
     """One CP rank, the whole sequence: rows(positions=None) are the picks as handed in, in the
     layer's (batch, rows, topk) layout, padded to topk, a copy; the same as the rows gathered by
     their positions."""
-    from dsa_precision.topk_layout import TokenLayout
+    from dsa_precision.picks import TokenLayout
 
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(-1, SEQ, (2 * SEQ, 3), generator=g)  # int64 picks, 3 of topk 4
-    with dsap.engine_topk({1: idx}, seq_len=SEQ) as engine:
+    with dsap.engine_topk({1: idx}, seq_len=SEQ):
+        engine = dsap.replay.current_handed_in()
         own = TokenLayout(seq_len=SEQ)
         fast = engine.rows(1, None, 2, 4, own, device=torch.device("cpu"))
         by_position = engine.rows(1, torch.arange(SEQ), 2, 4, own)
@@ -367,7 +371,8 @@ def test_every_row_in_order_is_the_picks_themselves_copied():
         full.fill_(7)  # the caller's copy: the engine's picks stay
         assert torch.equal(engine.rows(1, None, 2, 3, own, device=torch.device("cpu")),
                            idx.view(2, SEQ, 3).to(torch.int32))  # fmt: skip
-    with dsap.engine_topk({1: idx.to(torch.int32)}, cu_seqlens=torch.tensor([0, 32])) as packed:
+    with dsap.engine_topk({1: idx.to(torch.int32)}, cu_seqlens=torch.tensor([0, 32])):
+        packed = dsap.replay.current_handed_in()
         with pytest.raises(ValueError, match="positions=None"):
             packed.rows(1, None, 1, 4, TokenLayout(cu_seqlens=torch.tensor([0, 32])),
                         device=torch.device("cpu"))  # fmt: skip

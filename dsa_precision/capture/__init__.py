@@ -1,35 +1,35 @@
 """Capture: the inference engines' top-k outputs into replay, verify and ``agree``.
 
-- :mod:`.adapters`: SGLang's ``return_indexer_topk``, vLLM's indexer top-k (PR 49555's
-  per-request output, the 0.33 per-step buffer, NeMo-RL payloads) -> :class:`ReplayInput`
-  (``{layer_number: (T, k) int32}`` + ``cu_seqlens``), checked against the micro-batch.
-- :mod:`.compact`: compact storage / transfer of picks, decoded on the device.
-- :mod:`.digest`: a 64-bit digest per row, to verify without moving the picks.
-- :func:`load_engine_output`: a saved engine output file, for ``dsa-precision agree``.
+Every adapter returns a :class:`~dsa_precision.picks.TopkPicks` (``{layer_number: (T, k)
+int32}`` with the packed layout), checked against the micro-batch:
+
+- :mod:`.pack`: per-request rows -> one packed micro-batch (:func:`pack_requests`,
+  :func:`pack_digests`);
+- :mod:`.sglang`: SGLang's ``return_indexer_topk``;
+- :mod:`.vllm`: vLLM's indexer top-k (PR 49555's per-request output, the 0.33 per-step buffer,
+  NeMo-RL payloads);
+- :mod:`.compact`: compact storage / transfer of picks, decoded on the device;
+- :mod:`.digest`: a 64-bit digest per row, to verify without moving the picks;
+- :mod:`.files`: replay files (:func:`save_picks`, :func:`load_picks`) and saved engine outputs
+  (:func:`load_engine_output`), for ``dsa-precision agree``.
 
 Layouts and sources: docs/capture.md. Imports no Megatron.
 """
 
-from .adapters import (
-    ReplayInput,
-    VllmStep,
-    decode_sglang_indexer_topk,
-    decode_vllm_indexer_topk,
-    from_sglang,
-    from_vllm,
-    from_vllm_steps,
-    pack_digests,
-    pack_requests,
-)
+from ..picks import TokenLayout, TopkPicks
 from .compact import FORMATS, CompactPicks, decode_picks, encode_picks
 from .digest import digest_mismatches, digest_row_reference, digest_rows
-from .files import ENGINE_FORMATS, load_engine_output
+from .files import ENGINE_FORMATS, load_engine_output, load_picks, save_picks
+from .pack import pack_digests, pack_requests
+from .sglang import decode_sglang_indexer_topk, from_sglang
+from .vllm import VllmStep, decode_vllm_indexer_topk, from_vllm, from_vllm_steps
 
 __all__ = [
     "ENGINE_FORMATS",
     "FORMATS",
     "CompactPicks",
-    "ReplayInput",
+    "TokenLayout",
+    "TopkPicks",
     "VllmStep",
     "decode_picks",
     "decode_sglang_indexer_topk",
@@ -42,6 +42,17 @@ __all__ = [
     "from_vllm",
     "from_vllm_steps",
     "load_engine_output",
+    "load_picks",
     "pack_digests",
     "pack_requests",
+    "save_picks",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ReplayInput":
+        raise AttributeError(
+            "dsa_precision.capture.ReplayInput is gone; the adapters return "
+            "dsa_precision.picks.TopkPicks (.indices, .cu_seqlens, .request_ids, .engine_rows)."
+        )
+    raise AttributeError(f"module 'dsa_precision.capture' has no attribute {name!r}")

@@ -1,23 +1,184 @@
-"""Saved engine outputs -> the per-layer picks ``agree`` and replay read.
+"""Picks on disk: replay files (:func:`save_picks` / :func:`load_picks`) and the engines' saved
+responses (:func:`load_engine_output`), each read into a :class:`~dsa_precision.picks.TopkPicks`.
 
-:func:`load_engine_output` returns what :func:`dsa_precision.megatron.load_topk` returns for a
-replay file (``({layer_number: (T, k)}, {"cu_seqlens": ...})``), so ``agree`` can compare an
-engine's own output with a training capture layer by layer.
+A replay file is a ``.pt`` or ``.safetensors`` dict of ``layer_NN`` -> ``(T, k)`` integer tensors
+plus ``cu_seqlens`` (THD) or ``seq_len`` (BSHD); ``dsa-precision agree`` compares two of them, or
+one with an engine's output, layer by layer. Reading checks host facts only (file type, tensor
+names, dtypes, shapes, the layout); the causal range of the picks is
+:meth:`~dsa_precision.picks.TokenLayout.validate_indices`'. Errors are ``ValueError`` naming the
+file. Needs no Megatron.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from .adapters import decode_vllm_indexer_topk, from_sglang, from_vllm
+from ..picks import TokenLayout, TopkPicks
+from .sglang import from_sglang
+from .vllm import decode_vllm_indexer_topk, from_vllm
 
-__all__ = ["ENGINE_FORMATS", "load_engine_output"]
+__all__ = [
+    "ENGINE_FORMATS",
+    "TENSOR_SUFFIXES",
+    "integer_indices",
+    "load_engine_output",
+    "load_picks",
+    "picks_from_tensors",
+    "read_tensors",
+    "save_picks",
+]
 
 ENGINE_FORMATS = ("sglang", "vllm")
+TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
+# Integer dtypes a saved selection may hold (read as int64).
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_LAYER = re.compile(r"layer_(\d+)")
+_LAYOUT_KEYS = ("cu_seqlens", "seq_len")
+
+
+# ------------------------------------------------------------------------------ replay files
+
+
+def save_picks(path: str | Path, picks: TopkPicks) -> None:
+    """Write ``picks`` as a replay file (``.safetensors`` by suffix, else ``torch.save``):
+    ``layer_NN`` -> ``(T, k)`` tensors, plus ``cu_seqlens`` or ``seq_len`` when it has a layout."""
+    if not isinstance(picks, TopkPicks):
+        raise TypeError(
+            f"save_picks takes a TopkPicks (record_topk's .picks, the capture adapters' result), "
+            f"got {type(picks).__name__}."
+        )
+    tensors = {
+        f"layer_{n:02d}": t.detach().cpu().contiguous() for n, t in sorted(picks.indices.items())
+    }
+    if picks.cu_seqlens is not None:
+        tensors["cu_seqlens"] = picks.cu_seqlens.detach().cpu().to(torch.int64)
+    if picks.seq_len is not None:
+        tensors["seq_len"] = torch.tensor([picks.seq_len], dtype=torch.int64)
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path))
+    else:
+        torch.save(tensors, path)
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:
+    """The tensor, or the dict of tensors, saved in ``path`` (``.pt`` / ``.pth`` through
+    ``torch.load(weights_only=True)``, or ``.safetensors``), on the CPU."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in TENSOR_SUFFIXES:
+        raise ValueError(f"{path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    if suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ValueError(
+                f"{path}: reading .safetensors needs the safetensors package "
+                "(pip install 'dsa-precision[io]')"
+            ) from None
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle / zip errors, or objects weights_only refuses
+        msg = " ".join(str(exc).split())[:200]
+        raise ValueError(f"{path}: not a readable torch file ({msg})") from None
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        for key in obj:
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"{path}: key {key!r} ({type(key).__name__}) is not a string; name "
+                    "the tensors with strings (layer_NN in a replay file)"
+                )
+        return obj
+    raise ValueError(f"{path}: holds a {type(obj).__name__}; save a tensor or a dict of tensors")
+
+
+def integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """Host-side facts of a saved selection: an integer tensor ``[..., k]``, k >= 1; as int64."""
+    if tensor.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"{where}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
+            "must be an integer tensor (int32 or int64, -1 = padding)"
+        )
+    if tensor.ndim == 0:
+        raise ValueError(f"{where}: a 0-d tensor; expected [..., k] indices")
+    if tensor.shape[-1] == 0:
+        raise ValueError(
+            f"{where}: shape {tuple(tensor.shape)} has k = 0 slots per row; a top-k selection "
+            "holds at least one (-1 pads a row with fewer keys)"
+        )
+    return tensor.to(torch.int64)
+
+
+def _layout(loaded: Mapping[str, torch.Tensor], where: str) -> TokenLayout | None:
+    if not any(key in loaded for key in _LAYOUT_KEYS):
+        return None
+    seq_len = loaded.get("seq_len")
+    if seq_len is not None:
+        if seq_len.numel() != 1 or seq_len.dtype not in _INT_DTYPES:
+            raise ValueError(
+                f"{where}: seq_len is a {str(seq_len.dtype).removeprefix('torch.')} tensor of "
+                f"shape {tuple(seq_len.shape)}; save one integer (tokens per sequence)"
+            )
+        seq_len = int(seq_len.reshape(()))
+    try:
+        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=seq_len)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def picks_from_tensors(loaded: Mapping[str, torch.Tensor], where: str) -> TopkPicks | None:
+    """The picks of a replay file's tensors (``layer_NN`` int64, and the layout when it has one),
+    or ``None`` when they are not a replay file (no ``layer_NN`` tensor); ``where`` names the
+    file in errors."""
+    if not any(k.startswith("layer_") for k in loaded):
+        return None
+    layers: dict[int, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for key, tensor in loaded.items():
+        if key in _LAYOUT_KEYS:
+            continue
+        match = _LAYER.fullmatch(key)
+        if match is None:
+            raise ValueError(
+                f"{where}: entry {key!r} is not a layer_NN tensor (NN the layer number) nor "
+                f"{' / '.join(_LAYOUT_KEYS)}; a replay file holds only those"
+            )
+        n = int(match.group(1))
+        if n in layers:
+            raise ValueError(
+                f"{where}: {names[n]!r} and {key!r} both name layer {n}; save each layer once"
+            )
+        layers[n], names[n] = integer_indices(tensor, f"{where} layer {n}"), key
+    return TopkPicks(layers, _layout(loaded, where))
+
+
+def load_picks(path: str | Path) -> TopkPicks:
+    """The picks of a replay file (:func:`save_picks`'s format), host facts checked."""
+    loaded = read_tensors(path)
+    picks = picks_from_tensors(loaded, str(path)) if isinstance(loaded, dict) else None
+    if picks is None:
+        raise ValueError(
+            f"{path}: not a replay file (it holds no layer_NN tensor); save_picks writes them"
+        )
+    return picks
+
+
+# ----------------------------------------------------------------------- engines' responses
 
 
 def _records(path: Path) -> list[dict]:
@@ -60,9 +221,7 @@ def _vllm_request(path: Path, i: int, record: Mapping) -> tuple[torch.Tensor, in
     return decode_vllm_indexer_topk(payload), tokens
 
 
-def load_engine_output(
-    path: str | Path, *, engine: str, **kw
-) -> tuple[dict[int, torch.Tensor], dict[str, object]]:
+def load_engine_output(path: str | Path, *, engine: str, **kw) -> TopkPicks:
     """The engine's per-layer picks of the responses saved in ``path``, packed in file order.
 
     Args:
@@ -74,7 +233,8 @@ def load_engine_output(
             ``last_row``, ``first_rows``, ``validate``...).
 
     Returns:
-        ``({layer_number: (T, k) int32}, {"cu_seqlens": (n + 1,) int64})``.
+        :class:`~dsa_precision.picks.TopkPicks` (``{layer_number: (T, k) int32}``, packed
+        ``cu_seqlens``).
     """
     if engine not in ENGINE_FORMATS:
         raise ValueError(f"engine={engine!r}: use one of {ENGINE_FORMATS}.")
@@ -82,12 +242,10 @@ def load_engine_output(
     records = _records(path)
     try:
         if engine == "sglang":
-            out = from_sglang(records, **kw)
-        else:
-            rows, lens = {}, {}
-            for i, record in enumerate(records):
-                rows[i], lens[i] = _vllm_request(path, i, record)
-            out = from_vllm(rows, lens, **kw)
+            return from_sglang(records, **kw)
+        rows, lens = {}, {}
+        for i, record in enumerate(records):
+            rows[i], lens[i] = _vllm_request(path, i, record)
+        return from_vllm(rows, lens, **kw)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    return out.indices, {"cu_seqlens": out.cu_seqlens}

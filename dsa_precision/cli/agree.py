@@ -5,9 +5,9 @@ Each file holds one integer index tensor ``[..., k]`` (the index rule of
 captured from an inference engine and from a training step on the same tokens: ``.pt``
 (``torch.save`` of a tensor or of a dict of tensors) or ``.safetensors``. A file with several
 tensors needs ``--key``. Replay files (``layer_NN`` tensors ``(T, k)``, plus ``cu_seqlens`` or
-``seq_len``, as :func:`dsa_precision.megatron.save_topk` writes them) are compared layer by
+``seq_len``, as :func:`dsa_precision.capture.save_picks` writes them) are compared layer by
 layer; their picks are checked against their token layout
-(:meth:`dsa_precision.topk_layout.TokenLayout.validate_indices`: causal, sequence-relative).
+(:meth:`dsa_precision.picks.TokenLayout.validate_indices`: causal, sequence-relative).
 Every file is checked before anything is compared; a selection that compares no row (every row
 padding) is an error.
 
@@ -19,8 +19,6 @@ agreement (``sum |T & I| / sum |I|``), flipped picks per row (``|I - T|``, mean 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,126 +26,43 @@ from typing import Any
 import torch
 
 from ..agreement import topk_agreement, validate_index_rows
-from ..capture import ENGINE_FORMATS, load_engine_output
+from ..capture.files import (
+    ENGINE_FORMATS,
+    integer_indices,
+    load_engine_output,
+    picks_from_tensors,
+    read_tensors,
+)
 from ..engines import ENGINE_PROFILES
-from ..topk_layout import TokenLayout
+from ..picks import TokenLayout, TopkPicks
 from . import CliError, print_json
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 
 __all__ = ["load_indices", "register"]
 
-_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-_SUFFIXES = (".pt", ".pth", ".safetensors")
-_LAYER = re.compile(r"layer_(\d+)")
-_LAYOUT_KEYS = ("cu_seqlens", "seq_len")
+
+
+def _cli(flag: str, exc: Exception) -> CliError:
+    """A loader's one-line error, as ``agree`` reports it (the flag first, no trailing period)."""
+    return CliError(f"{flag} {' '.join(str(exc).split()).rstrip('.')}")
 
 
 def _load_tensors(path: Path, flag: str) -> dict[str, torch.Tensor] | torch.Tensor:
-    suffix = path.suffix.lower()
-    if suffix not in _SUFFIXES:
-        raise CliError(
-            f"{flag} {path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors"
-        )
-    if not path.is_file():
-        raise CliError(f"{flag} {path}: no such file")
-    if suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise CliError(
-                f"{flag} {path}: reading .safetensors needs the safetensors package "
-                "(pip install 'dsa-precision[io]')"
-            ) from None
-        try:
-            return load_file(str(path), device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise CliError(f"{flag} {path}: not a readable safetensors file ({exc})") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle / zip errors, or objects weights_only refuses
-        msg = " ".join(str(exc).split())[:200]
-        raise CliError(f"{flag} {path}: not a readable torch file ({msg})") from None
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        for key in obj:
-            if not isinstance(key, str):
-                raise CliError(
-                    f"{flag} {path}: key {key!r} ({type(key).__name__}) is not a string; name "
-                    "the tensors with strings (layer_NN in a replay file)"
-                )
-        return obj
-    raise CliError(
-        f"{flag} {path}: holds a {type(obj).__name__}; save a tensor or a dict of tensors"
-    )
+        return read_tensors(path)
+    except ValueError as exc:
+        raise _cli(flag, exc) from None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Replay:
-    """A replay file: ``(T, k)`` picks per layer number, and the token layout when it has one."""
-
-    layers: dict[int, torch.Tensor]
-    layout: TokenLayout | None
-
-
-def _layout(loaded: dict[str, torch.Tensor], where: str) -> TokenLayout | None:
-    if not any(key in loaded for key in _LAYOUT_KEYS):
-        return None
-    seq_len = loaded.get("seq_len")
-    if seq_len is not None:
-        if seq_len.numel() != 1 or seq_len.dtype not in _INT_DTYPES:
-            raise CliError(
-                f"{where}: seq_len is a {str(seq_len.dtype).removeprefix('torch.')} tensor of "
-                f"shape {tuple(seq_len.shape)}; save one integer (tokens per sequence)"
-            )
-        seq_len = int(seq_len.reshape(()))
-    try:
-        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=seq_len)
-    except (TypeError, ValueError) as exc:
-        raise CliError(f"{where}: {exc}") from None
-
-
-def _replay(path: Path, flag: str) -> _Replay | None:
+def _replay(path: Path, flag: str) -> TopkPicks | None:
     """The layers and layout of a replay file, or ``None`` for a plain index file."""
     loaded = _load_tensors(path, flag)
-    if not isinstance(loaded, dict) or not any(k.startswith("layer_") for k in loaded):
+    if not isinstance(loaded, dict):
         return None
-    where = f"{flag} {path}"
-    layers: dict[int, torch.Tensor] = {}
-    names: dict[int, str] = {}
-    for key, tensor in loaded.items():
-        if key in _LAYOUT_KEYS:
-            continue
-        match = _LAYER.fullmatch(key)
-        if match is None:
-            raise CliError(
-                f"{where}: entry {key!r} is not a layer_NN tensor (NN the layer number) nor "
-                f"{' / '.join(_LAYOUT_KEYS)}; a replay file holds only those"
-            )
-        n = int(match.group(1))
-        if n in layers:
-            raise CliError(
-                f"{where}: {names[n]!r} and {key!r} both name layer {n}; save each layer once"
-            )
-        layers[n], names[n] = _integer_indices(tensor, f"{where} layer {n}"), key
-    return _Replay(layers, _layout(loaded, where))
-
-
-def _integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    """Host-side facts of a saved selection: an integer tensor ``[..., k]``, k >= 1; as int64."""
-    if tensor.dtype not in _INT_DTYPES:
-        raise CliError(
-            f"{where}: dtype {str(tensor.dtype).removeprefix('torch.')}; top-k indices "
-            "must be an integer tensor (int32 or int64, -1 = padding)"
-        )
-    if tensor.ndim == 0:
-        raise CliError(f"{where}: a 0-d tensor; expected [..., k] indices")
-    if tensor.shape[-1] == 0:
-        raise CliError(
-            f"{where}: shape {tuple(tensor.shape)} has k = 0 slots per row; a top-k selection "
-            "holds at least one (-1 pads a row with fewer keys)"
-        )
-    return tensor.to(torch.int64)
+    try:
+        return picks_from_tensors(loaded, str(path))
+    except ValueError as exc:
+        raise _cli(flag, exc) from None
 
 
 def _validated(tensor: torch.Tensor, where: str, layout: TokenLayout | None) -> torch.Tensor:
@@ -195,7 +110,11 @@ def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None
     else:
         tensor = loaded
     where = f"{flag} {path}"
-    return _validated(_integer_indices(tensor, where), where, None)
+    try:
+        tensor = integer_indices(tensor, where)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return _validated(tensor, where, None)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -230,13 +149,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def _engine_output(path: Path, engine: str) -> _Replay:
+def _engine_output(path: Path, engine: str) -> TopkPicks:
     """The picks of an engine's saved responses, packed as a replay file (capture adapters)."""
     try:
-        layers, layout = load_engine_output(path, engine=engine)
+        return load_engine_output(path, engine=engine)
     except (OSError, TypeError, ValueError) as exc:
         raise CliError(f"--infer {path} (--infer-format {engine}): {exc}") from None
-    return _Replay(dict(layers), TokenLayout(cu_seqlens=layout["cu_seqlens"]))
 
 
 def _same_layout(a: TokenLayout, b: TokenLayout) -> bool:
@@ -280,7 +198,7 @@ def _compare(
         if train_replay is None:
             raise CliError(
                 f"--infer-format {infer_format}: --train {train_path} must be a replay file "
-                "(layer_NN tensors with cu_seqlens, e.g. dsa_precision.megatron.save_topk) of the "
+                "(layer_NN tensors with cu_seqlens, e.g. dsa_precision.capture.save_picks) of the "
                 "same packed requests"
             )
     else:
@@ -304,18 +222,18 @@ def _compare(
             f"--key {key}: replay files (layer_NN tensors) are compared layer by layer, every "
             "layer; --key picks the tensor of a plain index file"
         )
-    if sorted(train_replay.layers) != sorted(infer_replay.layers):
+    if sorted(train_replay.indices) != sorted(infer_replay.indices):
         raise CliError(
-            f"layers differ: --train has {sorted(train_replay.layers)}, "
-            f"--infer {sorted(infer_replay.layers)}"
+            f"layers differ: --train has {sorted(train_replay.indices)}, "
+            f"--infer {sorted(infer_replay.indices)}"
         )
     # Each file's picks against its own layout (the other's when it has none), then the layouts.
     train_layout = train_replay.layout or infer_replay.layout
     infer_layout = infer_replay.layout or train_replay.layout
     layers = {}
-    for n in sorted(train_replay.layers):
-        train = _validated(train_replay.layers[n], f"--train {train_path} layer {n}", train_layout)
-        infer = _validated(infer_replay.layers[n], f"--infer {infer_path} layer {n}", infer_layout)
+    for n in sorted(train_replay.indices):
+        train = _validated(train_replay.indices[n], f"--train {train_path} layer {n}", train_layout)
+        infer = _validated(infer_replay.indices[n], f"--infer {infer_path} layer {n}", infer_layout)
         if train.shape != infer.shape:
             raise CliError(
                 f"layer {n}: shape mismatch --train {tuple(train.shape)} vs --infer "

@@ -30,13 +30,11 @@ from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
 from ..backends import deepgemm
 from ..config import FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
-from ..fused_path import Impl
-from ..operands import ScoringOperands
+from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select, inference_operands
+from ..oracles.synthetic import synthetic_indexer_inputs
+from ..oracles.training import IndexerFields, training_operands
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
-from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select, inference_operands
-from ..oracles.synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
-from ..oracles.training import IndexerFields, training_operands
 from . import CliError, print_json, progress, seed
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 

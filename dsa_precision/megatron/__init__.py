@@ -26,14 +26,9 @@ check_megatron_core()
 from .config import DSAPrecisionTransformerConfig, add_dsa_precision_args, config_from_args
 from .indexer import PrecisionDSAIndexer
 from .attention import PrecisionDSAttention
-from .replay import (
-    capture_topk,
-    engine_topk,
-    load_topk,
-    save_topk,
-    set_replay_validation,
-    topk_metrics,
-)
+from .replay import engine_topk, set_replay_validation
+from .record import record_topk
+from .monitor import topk_metrics
 from .specs import (
     LocalDSASpecProvider,
     get_dsa_precision_module_spec,
@@ -48,14 +43,27 @@ __all__ = [
     "PrecisionDSAIndexer",
     "PrecisionDSAttention",
     "add_dsa_precision_args",
-    "capture_topk",
     "config_from_args",
     "engine_topk",
     "get_dsa_precision_module_spec",
     "get_gpt_dsa_precision_block_spec",
-    "load_topk",
-    "save_topk",
+    "record_topk",
     "set_replay_validation",
     "topk_metrics",
     "with_dsa_precision",
 ]
+
+# Names of earlier releases, and the one to use now (0.x: no aliases, a pointer).
+_RENAMED = {
+    "capture_topk": "dsa_precision.megatron.record_topk (its .picks is a TopkPicks)",
+    "save_topk": "dsa_precision.capture.save_picks(path, picks)",
+    "load_topk": "dsa_precision.capture.load_picks(path)",
+    "EngineTopk": "dsa_precision.picks.TopkPicks",
+    "CapturedTopk": "dsa_precision.picks.TopkPicks (record_topk's .picks)",
+}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        raise AttributeError(f"dsa_precision.megatron.{name} is gone; use {_RENAMED[name]}.")
+    raise AttributeError(f"module 'dsa_precision.megatron' has no attribute {name!r}")

@@ -44,13 +44,16 @@ from .. import audit
 from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
 from ..devices import to_device
+from ..picks import TokenLayout
 from ..rows import packed_sequence_of
-from ..topk_layout import TokenLayout
-from . import compat, replay
+from . import compat
 from .config import DSAPrecisionTransformerConfig, layer_decisions
 from .graphs import GraphedCalls
 from .indexer import PrecisionDSAIndexer
 from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
+from .monitor import TopkMonitor
+from .record import current_recorder
+from .replay import HandedIn, current_handed_in
 
 __all__ = ["PrecisionDSAttention"]
 
@@ -118,7 +121,7 @@ class PrecisionDSAttention(DSAttention):
         self._cp_size = cp.size() if cp is not None else 1
         self._cp_rank = cp.rank() if self._cp_size > 1 else 0
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
-        self.topk_monitor = replay.TopkMonitor()
+        self.topk_monitor = TopkMonitor()
 
     # -- Megatron's routing state: decided by its __init__, presented per call (see _Staging) ---
 
@@ -197,9 +200,9 @@ class PrecisionDSAttention(DSAttention):
         if self._built["skip_topk"]:  # index sharing: Megatron's rule, whatever the source's picks
             return super().forward(*args, **kwargs)
         source = self._topk_source
-        engine, capture = replay.current_engine_topk(), replay.current_capture()
+        engine, recorder = current_handed_in(), current_recorder()
         owned = self._owns_topk
-        if not (owned or source == "verify" or capture is not None):
+        if not (owned or source == "verify" or recorder is not None):
             return super().forward(*args, **kwargs)
         layout = self.rank_layout(query, x, packed_seq_params)
         if source == "replay":
@@ -216,14 +219,17 @@ class PrecisionDSAttention(DSAttention):
             )
             topk, margins = topk if with_margins else (topk, None)
             if engine is not None and (with_margins or owned):  # owned: FP8 here
-                if engine.indices:
+                if engine.picks.indices:
                     picks = self._engine_picks(engine, layout, query, x)
                     self.topk_monitor.update(topk, picks, margins)
-                if engine.digests is not None:
+                if engine.picks.digests is not None:
                     self._compare_digests(engine, topk, layout, x)
-        if capture is not None:
-            capture[self.layer_number] = self._captured(topk, layout, x)
-        if not owned:  # BF16 verify / capture: Megatron selects and attends as configured
+        if recorder is not None:
+            tokens, local = self._engines_layout(topk, layout, x)
+            own, _ = self._token_layout(layout, x)
+            every_row = self._every_row_in_order(layout, x)
+            recorder.record(self.layer_number, local, None if every_row else tokens, own)
+        if not owned:  # BF16 verify / record: Megatron selects and attends as configured
             return super().forward(*args, **kwargs)
         if self._built["index_share"]:  # later layers of the group reuse these (Megatron's rule)
             holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
@@ -237,21 +243,26 @@ class PrecisionDSAttention(DSAttention):
         return x.size(0) * self._tp_size if sequence_parallel else x.size(0)
 
     def _engine_picks(
-        self, engine: replay.EngineTopk, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
+        self, engine: HandedIn, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
         """The engine's picks of this rank's query rows, in the layout Megatron consumes, checked
         against this layer's own layout: its global sequence length (BSHD) or the ``cu_seqlens``
         of its ``PackedSeqParams`` (THD)."""
         rows = self._indexer_rows(x)
         own, batch = self._token_layout(layout, x)
-        every_row = layout.cu_seqlens is None and layout.cp_size == 1
-        if every_row and layout.query_start == 0 and layout.query_stop(rows) == rows:
+        if layout.cu_seqlens is None and self._every_row_in_order(layout, x):
             positions = None  # every row of each sequence, in order: the picks as handed in
         else:
             positions = query_positions(layout, rows, query.device)
         return engine.rows(
             self.layer_number, positions, batch, self.index_topk, own, device=query.device
         )
+
+    def _every_row_in_order(self, layout: RankLayout, x: torch.Tensor) -> bool:
+        """Whether this rank's query rows are every row of the micro-batch, in order (one CP
+        rank, no sequence-parallel slice): a host fact."""
+        rows = self._indexer_rows(x)
+        return layout.cp_size == 1 and layout.query_start == 0 and layout.query_stop(rows) == rows
 
     def _token_layout(self, layout: RankLayout, x: torch.Tensor) -> tuple[TokenLayout, int]:
         """This layer's own token layout (its global sequence length, or the ``cu_seqlens`` of
@@ -261,31 +272,32 @@ class PrecisionDSAttention(DSAttention):
         return TokenLayout(cu_seqlens=layout.cu_seqlens), 1
 
     def _compare_digests(
-        self, engine: replay.EngineTopk, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
+        self, engine: HandedIn, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
     ) -> None:
         """Count, on the device, this rank's rows whose digest of the layer's own picks (in the
         engines' sequence-relative layout) differs from the engine's digest of the row."""
-        mine = self._captured(topk, layout, x)
+        tokens, local = self._engines_layout(topk, layout, x)
         own, batch = self._token_layout(layout, x)
         n = self.layer_number
-        theirs, compared = engine.digest_rows(n, mine.tokens, batch, own)
-        differs = digest_mismatches({n: mine.indices}, {n: theirs}, compared)[n]
+        theirs, compared = engine.digest_rows(n, tokens, batch, own)
+        differs = digest_mismatches({n: local}, {n: theirs}, compared)[n]
         self.topk_monitor.update_digests(differs, compared)
 
-    def _captured(
+    def _engines_layout(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
-    ) -> replay.CapturedTopk:
-        """``topk`` ``(b, rows, k)`` in the engines' layout, with each row's global token."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk`` ``(b, rows, k)`` in the engines' layout: ``(tokens (b * rows,) int64, picks
+        (b * rows, k))``, each row's global token and its sequence-relative picks."""
         rows = self._indexer_rows(x)
         positions = query_positions(layout, rows, topk.device)
         if layout.cu_seqlens is None:
             seq = rows * layout.cp_size
             tokens = torch.arange(topk.shape[0], device=topk.device).view(-1, 1) * seq + positions
-            return replay.CapturedTopk(tokens.reshape(-1), topk.reshape(-1, topk.shape[-1]))
+            return tokens.reshape(-1), topk.reshape(-1, topk.shape[-1])
         cu = to_device(layout.cu_seqlens, topk.device, torch.int64)
         start = cu[packed_sequence_of(cu, positions)]
         local = torch.where(topk[0] >= 0, topk[0] - start[:, None].to(topk.dtype), -1)
-        return replay.CapturedTopk(positions, local)
+        return positions, local
 
     def rank_layout(
         self, query: torch.Tensor, x: torch.Tensor, packed_seq_params: PackedSeqParams | None

@@ -405,10 +405,11 @@ def capture(args, layout: Layout, name: str, model, lb: LocalBatch) -> dict:
         inputs[mod.layer_number] = (_arg(a, kw, "x"), _arg(a, kw, "qr"))
 
     handles = [c.register_forward_pre_hook(hook, with_kwargs=True) for c in cores(model)]
-    with torch.no_grad(), dsap.capture_topk() as captured:
+    with torch.no_grad(), dsap.record_topk() as recorder:
         run_model(model, lb, labels=False)
     for h in handles:
         h.remove()
+    recorded = recorder.picks
     psp = lb.packed_seq_params
     cp_rank = parallel_state.get_context_parallel_rank()
     out = {}
@@ -433,9 +434,13 @@ def capture(args, layout: Layout, name: str, model, lb: LocalBatch) -> dict:
             else:
                 ops = _ops_dict(core.indexer.scoring_operands(x, qr, psp, core.precision))
         entry = {"positions": positions, "ops": ops}
-        if n in captured:
-            entry["tokens"] = captured[n].tokens.cpu()
-            entry["picks"] = captured[n].indices.cpu()
+        if n in recorded.indices:
+            picks = recorded.indices[n]
+            tokens = recorded.tokens
+            if tokens is None:  # every token, in order
+                tokens = torch.arange(picks.shape[0], device=picks.device)
+            entry["tokens"] = tokens.cpu()
+            entry["picks"] = picks.cpu()
         out[n] = entry
     return out
 

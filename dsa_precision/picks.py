@@ -1,10 +1,13 @@
-"""The engines' top-k layout, and the one check of picks that enter from outside.
+"""The picks: one micro-batch's top-k per layer in the engines' layout, and the one check of picks
+that enter from outside.
 
-Replay (``dsa_precision.megatron.engine_topk``), capture adapters (engine outputs -> replay input)
-and ``dsa-precision agree`` read the same layout: per token, ``k`` sequence-relative key positions
+:class:`TopkPicks` is what the capture adapters return (:mod:`dsa_precision.capture`), what replay
+and verify take (``dsa_precision.megatron.engine_topk``), what training records
+(``dsa_precision.megatron.record_topk``), what :func:`dsa_precision.capture.save_picks` writes and
+``dsa-precision agree`` compares. The layout: per token, ``k`` sequence-relative key positions
 (``0 <= key <= the token's position``, causal), ``-1`` padding, keys distinct within a row; the
 ``T`` tokens either packed across sequences (THD, ``cu_seqlens`` ``(n + 1,)``) or batch-major
-(BSHD, ``seq_len`` tokens per sequence, ``T = batch * seq_len``).
+(BSHD, ``seq_len`` tokens per sequence, ``T = batch * seq_len``): a :class:`TokenLayout`.
 
 Two levels of checks, as everywhere in the package (docs/robustness.md):
 
@@ -23,16 +26,16 @@ Two levels of checks, as everywhere in the package (docs/robustness.md):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from .agreement import _repeated_keys, _sorted_keys
-
-__all__ = ["INDEX_DTYPES", "TokenLayout"]
+__all__ = ["INDEX_DTYPES", "PAD", "TokenLayout", "TopkPicks", "repeated_keys", "sorted_keys"]
 
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+# Padding sorts last, as a value no key takes.
+PAD = torch.iinfo(torch.int64).max
 _CU_DTYPES = (torch.int32, torch.int64)
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -231,7 +234,7 @@ class TokenLayout:
                 )
         position = self.positions(total, idx.device)
         bad = ((idx < -1) | (idx > position[:, None])).any(-1)
-        repeated = _repeated_keys(_sorted_keys(idx.to(torch.int64)))
+        repeated = repeated_keys(sorted_keys(idx.to(torch.int64)))
         flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
         if flags[0]:
             row = int(bad.nonzero()[0])
@@ -248,6 +251,80 @@ class TokenLayout:
                 f"{name}: row {row}{where} repeats a key ({idx[row].tolist()[:8]}); a top-k row holds "
                 "distinct keys."
             )
+
+
+def sorted_keys(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``int64 [rows, k]`` sorted, negatives (padding) last as :data:`PAD`."""
+    return torch.where(rows < 0, PAD, rows).sort(dim=-1).values
+
+
+def repeated_keys(ordered: torch.Tensor) -> torch.Tensor:
+    """bool ``[rows]``: the row holds a key twice; ``ordered`` is :func:`sorted_keys` of the
+    rows (padding never counts). The duplicate rule of every index check of the package."""
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != PAD)).any(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkPicks:
+    """One micro-batch's top-k, layer by layer, in the engines' layout (module docstring).
+
+    Attributes:
+        indices: layer number (1-based, Megatron's) -> ``(T, k)`` integer picks,
+            sequence-relative, ``-1`` padding; empty when only ``digests`` are given.
+        layout: the ``T`` tokens' :class:`TokenLayout`; ``None`` for a saved selection that does
+            not say (``agree`` then checks the index rule only; replay needs a layout).
+        engine_rows: ``(T,)`` bool, the rows the engine computed (``False``: a sequence's last
+            token, which the engine never runs); ``None``: every row.
+        digests: layer number -> ``(T,)`` int64 row digests
+            (:func:`dsa_precision.capture.digest_rows` of each row's picks), to verify without
+            the picks; ``None``: none.
+        request_ids: the packed requests, in order (the capture adapters'); ``None``: unnamed.
+        tokens: ``(rows,)`` int64 global token of each row, ascending, when the picks hold only
+            some rows of the micro-batch (one context-parallel rank's, as recorded); ``None``:
+            every one of the ``T`` tokens, in order.
+    """
+
+    indices: Mapping[int, torch.Tensor]
+    layout: TokenLayout | None
+    engine_rows: torch.Tensor | None = None
+    digests: Mapping[int, torch.Tensor] | None = None
+    request_ids: tuple[object, ...] | None = None
+    tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.indices, Mapping):
+            raise TypeError(
+                f"TopkPicks.indices takes {{layer_number: (T, k) indices}}, got "
+                f"{type(self.indices).__name__}."
+            )
+        if self.layout is not None and not isinstance(self.layout, TokenLayout):
+            raise TypeError(
+                f"TopkPicks.layout is a TokenLayout (or None), got {type(self.layout).__name__}; "
+                "pass TokenLayout(cu_seqlens=...) or TokenLayout(seq_len=...)."
+            )
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        """THD: ``(n + 1,)`` cumulative lengths of the ``T`` tokens."""
+        return None if self.layout is None else self.layout.cu_seqlens
+
+    @property
+    def seq_len(self) -> int | None:
+        """BSHD: tokens per sequence (``T = batch * seq_len``)."""
+        return None if self.layout is None else self.layout.seq_len
+
+    def describe_row(self, row: int) -> str:
+        """``"request <id> token <position>"`` (or ``"sequence <i> token <position>"``) of a
+        packed row; ``"token <row>"`` without a packed layout."""
+        cu = self.cu_seqlens
+        if cu is None:
+            return f"token {row}"
+        starts = cu.tolist()
+        seq = next((i for i in range(len(starts) - 1) if starts[i] <= row < starts[i + 1]), None)
+        if seq is None:
+            return f"token {row} (past the packed sequences)"
+        who = f"request {self.request_ids[seq]!r}" if self.request_ids else f"sequence {seq}"
+        return f"{who} token {row - starts[seq]}"
 
 
 def _head(t: torch.Tensor) -> str:
