@@ -360,7 +360,9 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
     assert reason(device=cuda, precision=bf16, **{**args, "n_heads": 16}) is None
     assert "head_dim=64" in reason(device=cuda, precision=bf16, **{**args, "head_dim": 64})
     assert "2 heads" in reason(device=cuda, precision=bf16, **{**args, "n_kv_heads": 2})
-    assert "k=4096" in cudnn_backend.topk_unsupported_reason(device=cuda, k=4096, dtype=torch.float32)
+    assert "k=4096" in cudnn_backend.topk_unsupported_reason(
+        device=cuda, k=4096, dtype=torch.float32
+    )
     capability[0] = (10, 0)  # Blackwell: BF16 yes, the per-128-vector FP8 kernel no
     assert "SM100" in reason(device=cuda, precision=fp8, **args)
     assert reason(device=cuda, precision=bf16, **args) is None

@@ -31,8 +31,8 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
-from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision import select as select_module
+from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision.config import ScoringPrecision
 
 from .fake_cudnn import stand_in_scores

@@ -17,13 +17,13 @@ from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
     ScoringOperands,
+    fused_path,
     indexer_scores,
     prepare_indexer_operands,
     prepare_scoring_operands,
     quantize_e4m3_ue8m0,
     quantize_fp8,
 )
-from dsa_precision import fused_path
 from dsa_precision import prepare as prepare_module
 from dsa_precision.config import ScoringPrecision
 from dsa_precision.engines import DEFAULT_ENGINE
@@ -402,9 +402,9 @@ def test_fp8_operands_keep_interleaved_rope_pairs_in_place(rope_fp32):
 def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
     """The demo's independent engine model (``cli/engine_model.py``) rotates pairs in place; with
     ``rope_fp32`` the package's FP8 operands are its operands bit for bit, lane by lane."""
-    from dsa_precision.oracles.training import IndexerFields, training_operands
     from dsa_precision.oracles.engine_model import engine_operands
     from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+    from dsa_precision.oracles.training import IndexerFields, training_operands
 
     engine = ENGINE_PROFILES["sglang-fused"]
     inputs = synthetic_indexer_inputs(64, n_heads=32, head_dim=128, rope_dim=64, seed=3)

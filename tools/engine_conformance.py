@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from dsa_precision import ENGINE_PROFILES
+from dsa_precision.exact_math import layer_norm_fp32_ops
 from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.oracles.engine_model import engine_scores, engine_select
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-from dsa_precision.exact_math import layer_norm_fp32_ops
 from dsa_precision.preprocess import layer_norm_params
 from dsa_precision.rope import apply_rope
 

@@ -74,7 +74,9 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in TENSOR_SUFFIXES:
-        raise ValueError(f"{path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors")
+        raise ValueError(
+            f"{path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors"
+        )
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if suffix == ".safetensors":

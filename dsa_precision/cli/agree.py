@@ -41,7 +41,6 @@ from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format
 __all__ = ["load_indices", "register"]
 
 
-
 def _cli(flag: str, exc: Exception) -> CliError:
     """A loader's one-line error, as ``agree`` reports it (the flag first, no trailing period)."""
     return CliError(f"{flag} {' '.join(str(exc).split()).rstrip('.')}")

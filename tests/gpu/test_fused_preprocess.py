@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
-from dsa_precision.fused_path import fused_unsupported_reason
 from dsa_precision.exact_math import pairwise_sum
+from dsa_precision.fused_path import fused_unsupported_reason
+from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
 
 from ..fused_cases import (
     PROFILES,

@@ -2,8 +2,8 @@
 
 import torch
 
-from dsa_precision.hadamard import hadamard_transform
 from dsa_precision.exact_math import pairwise_sum
+from dsa_precision.hadamard import hadamard_transform
 
 from .. import kernel_probes
 from ..helper_cases import bf16_rounding_inputs, e4m3_inputs, order_sensitive_rows
