@@ -23,8 +23,8 @@ addition: Megatron's torch norm refuses ``sequence_parallel`` without TE or Apex
 are the same torch RMSNorm / LayerNorm with their parameters marked ``sequence_parallel`` (what
 Megatron's fused norms do), see ``dsa_precision.testing.megatron.SequenceParallelTorchNorm``.
 
-This file is the launcher: the runs are ``dsa_precision.testing.parallel_runs`` and the
-comparisons and verdicts ``dsa_precision.testing.parity`` (tested in
+This file is the launcher: the runs are ``parallel_runs.py`` beside it and the
+comparisons and verdicts ``parity_checks.py`` (tested in
 ``tests/test_parallel_parity.py``). On the CPU the run happens inside
 ``dsa_precision.testing.megatron.megatron_on_cpu()``, which answers megatron-core's few
 requests for a GPU on the CPU for the duration of the run and restores torch on exit.
@@ -122,10 +122,10 @@ from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from dsa_precision.testing import parallel_runs as runs  # noqa: E402
 from dsa_precision.testing.megatron import megatron_on_cpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import parallel_runs as runs  # noqa: E402
 import toy_glm5_train as toy  # noqa: E402
 
 CONFIGS = {**toy.CONFIGS, "stock": {}}

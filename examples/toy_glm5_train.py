@@ -388,12 +388,12 @@ def gpu_busy_ms(trainer, batch, steps: int, top: int = 0) -> tuple[float, list]:
 
 def package_host_ms(trainer, batch, steps: int, forwards: int, by_function=None) -> float:
     """The package's own host time per DSA layer forward, in ms: the time on the host in
-    ``dsa_precision`` frames (``dsa_precision.testing.host_time``: its Python, checks and kernel
+    ``dsa_precision`` frames (``examples/host_time.py``: its Python, checks and kernel
     launches; Megatron's frames behind the seam not counted) over ``steps`` forwards of the
     training step (autograd on, no backward) of ``forwards`` DSA layer forwards each, monitored
     with ``sys.monitoring`` (one callback per package or Megatron frame, left out of the time).
     ``by_function``, if given, gains each package function's own ms of it per layer forward."""
-    from dsa_precision.testing.host_time import package_host_seconds
+    from host_time import package_host_seconds
 
     tokens, labels = batch
     b, s = tokens.shape

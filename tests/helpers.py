@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def import_example(name: str) -> ModuleType:
+    """A module of ``examples/`` (the examples import their neighbours by name, so the folder
+    goes on the import path once)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

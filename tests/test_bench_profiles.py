@@ -36,7 +36,7 @@ def cpu_bench(monkeypatch):
     dg = FakeMqaLogits(mode="operands")
     install(monkeypatch, dg)
     monkeypatch.setattr(bench, "_DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_Timer", _CountingTimer)
+    monkeypatch.setattr(bench, "Timer", _CountingTimer)
     monkeypatch.setattr(bench, "_BANDWIDTH_BYTES", 1 << 12)
     monkeypatch.setattr(bench, "_peak_extra_mib", lambda fn: (fn(), 2.0)[1])
     monkeypatch.setattr(bench, "_check_environment", lambda cfg: None)

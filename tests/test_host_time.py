@@ -1,4 +1,4 @@
-"""The package's own host time (dsa_precision.testing.host_time), as the toy prints it."""
+"""The package's own host time (examples/host_time.py), as the toy prints it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import dsa_precision
-from dsa_precision.testing.host_time import package_host_seconds
+
+from .helpers import import_example
+
+package_host_seconds = import_example("host_time").package_host_seconds
 
 
 def _function_in(path: str, name: str, body: str, env: dict):

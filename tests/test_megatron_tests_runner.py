@@ -1,4 +1,4 @@
-"""tools/megatron_tests/run.py: how a difference between the stock and a swapped run is judged.
+"""tests/megatron_lm/run.py: how a difference between the stock and a swapped run is judged.
 
 A difference is expected only for the field set, test, outcomes and failure message its
 ``EXPECTED`` entry names; anything else is reported as unexpected (exit code 2). Pure logic: no
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "megatron_tests" / "run.py"
+_PATH = Path(__file__).resolve().parents[1] / "tests" / "megatron_lm" / "run.py"
 _SPEC = importlib.util.spec_from_file_location("megatron_tests_run", _PATH)
 run = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = run  # its dataclasses look their module up

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import free_port
+from .helpers import free_port, import_example
 
 pytest.importorskip("megatron.core")
 
@@ -121,7 +121,7 @@ def _part(tokens, picks):
 
 
 def test_assemble_picks_orders_by_token_and_compares_duplicate_rows():
-    from dsa_precision.testing.parity import assemble_picks
+    assemble_picks = import_example("parity_checks").assemble_picks
 
     a, b = _part([2, 0], [[1, 0], [0, -1]]), _part([1, 3], [[0, 1], [2, -1]])
     picks, agree = assemble_picks([a, b])
@@ -134,7 +134,7 @@ def test_assemble_picks_orders_by_token_and_compares_duplicate_rows():
 
 
 def test_assemble_ops_puts_rows_back_and_compares_duplicates():
-    from dsa_precision.testing.parity import assemble_ops
+    assemble_ops = import_example("parity_checks").assemble_ops
 
     rows = torch.arange(8.0).view(1, 4, 2)
     parts = [
@@ -157,7 +157,7 @@ def test_checks_do_not_require_identical_operands():
     """The verdicts are the package's guarantees: operands that Megatron's (or the BLAS
     library's) arithmetic changed upstream, with other picks, pass; a split that changes picks,
     or other picks from identical operands, fail."""
-    from dsa_precision.testing.parity import checks
+    checks = import_example("parity_checks").checks
 
     assert checks([_row("fp8", identical=False, rows_identical=0.9)])["ok"]
     assert checks([_row("stock", split=float("nan"), rows_identical=0.5)])["ok"]
@@ -170,7 +170,8 @@ def test_checks_do_not_require_identical_operands():
 
 
 def test_score_rel_and_bits_equal():
-    from dsa_precision.testing.parity import bits_equal, score_rel
+    bits_equal = import_example("parity_checks").bits_equal
+    score_rel = import_example("parity_checks").score_rel
 
     ref = torch.tensor([[1.0, float("-inf")], [4.0, 2.0]])
     assert score_rel(ref + torch.tensor([[0.0, 0.0], [0.5, 0.0]]), ref) == 0.125

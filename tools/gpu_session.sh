@@ -31,7 +31,7 @@ bench_step() {  # bench_step NAME TIMEOUT ARGS...: the JSON report in NAME.log, 
   TAIL=3 run "$name" "$limit" python -m dsa_precision bench --json "$@"
   python - "$LOGS/$name.log" <<'PY' | tee "$LOGS/$name.txt"
 import json, sys
-from dsa_precision.cli.bench import format_tables
+from dsa_precision.cli.bench_tables import format_tables
 text = open(sys.argv[1]).read()
 start = 0 if text.startswith("{\n") else text.index("\n{\n") + 1  # warnings may precede it
 print(format_tables(json.JSONDecoder().raw_decode(text[start:])[0]))
@@ -148,9 +148,9 @@ for step in "$@"; do
         --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384,32768} \
         --json "$LOGS/throughput.json" ;;
     megatron-tests)
-      # MEGATRON_LM: the Megatron-LM tests export (tools/megatron_tests/slim.sh makes one small
+      # MEGATRON_LM: the Megatron-LM tests export (tests/megatron_lm/slim.sh makes one small
       # enough to carry)
-      TAIL=30 run megatron_tests 900 python tools/megatron_tests/run.py \
+      TAIL=30 run megatron_tests 900 python tests/megatron_lm/run.py \
         --megatron-lm "${MEGATRON_LM:-.megatron-lm}" --timeout "${MEGATRON_TIMEOUT:-600}" \
         --jobs "${MEGATRON_JOBS:-1}" --out "$LOGS/megatron_tests" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -205,7 +205,7 @@ def main() -> int:
           "gpu = events")  # fmt: skip
     for name, split in steps:
         print(f"  {name:<16}" + "  ".join(f"{k} {v:7.2f}" for k, v in split.items()))
-    from dsa_precision.testing.host_time import package_host_seconds
+    from host_time import package_host_seconds  # examples/, on the path through toy_session
 
     for name, (total, by_function) in splits_by_function.items():
         layer, a = cores[name][0], inputs[name]

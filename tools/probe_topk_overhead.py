@@ -14,12 +14,12 @@ import torch
 
 from dsa_precision import indexer_topk
 from dsa_precision.backends import cudnn
-from dsa_precision.cli.bench import _Timer
+from dsa_precision.cli.bench import Timer
 from dsa_precision.kernels import topk_picks
 from dsa_precision.kernels.topk_picks import drop_invalid_picks
 
 
-def _row(s: int, topk: int, timer: _Timer, shapes: bool = False) -> list[float]:
+def _row(s: int, topk: int, timer: Timer, shapes: bool = False) -> list[float]:
     dsa = cudnn.dsa()
     g = torch.Generator(device="cuda").manual_seed(0)
     scores = torch.randn(s, s, device="cuda", generator=g)
@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--launch-shapes", action="store_true", help="time the fix-up's launch shapes")
     a = p.parse_args()
-    timer = _Timer(a.reps, 3)
+    timer = Timer(a.reps, 3)
     print("S      raw(no val)  raw(val)  fix-up  indexer_topk  (ms)")
     for s in a.seq:
         t = _row(s, a.topk, timer, a.launch_shapes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import time
 from types import ModuleType
 
@@ -24,8 +25,11 @@ def start(port: int) -> ModuleType:
 
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    examples = os.path.join(_ROOT, "examples")
+    if examples not in sys.path:  # the toy imports its neighbours (host_time)
+        sys.path.insert(0, examples)
     spec = importlib.util.spec_from_file_location(
-        "toy_glm5_train", os.path.join(_ROOT, "examples", "toy_glm5_train.py")
+        "toy_glm5_train", os.path.join(examples, "toy_glm5_train.py")
     )
     toy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(toy)

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from dsa_precision.cli.bench import _inputs, _Timer
+from dsa_precision.cli.bench import Timer, bench_inputs
 from dsa_precision.engines import DEFAULT_ENGINE
 from dsa_precision.kernels import preprocess_quantize as kernel
 from dsa_precision.kernels.rules import PreprocessRules
@@ -45,8 +45,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the timings and the best shape (JSON)")
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, _, freqs = _inputs(a.seq, 1, a.heads, gen)
-    timer = _Timer(a.reps, 2)
+    q, k, _, freqs = bench_inputs(a.seq, 1, a.heads, gen)
+    timer = Timer(a.reps, 2)
     results = []
     print(f"S={a.seq} H={a.heads}: fused q+k preprocess+quantize (ms)")
     for rope_fp32, hadamard in itertools.product((True, False), (True, False)):

@@ -47,10 +47,12 @@ from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 
 __all__ = [
     "DETERMINISM_SWITCHES",
+    "EntryPoint",
     "WindowLogits",
     "causal_logits",
     "deepgemm_available",
     "entry_point",
+    "kernel_entry",
     "mqa_logits_unsupported_reason",
     "window_logits",
 ]
@@ -67,7 +69,7 @@ DETERMINISM_SWITCHES = ("use_deterministic_algorithms", "set_deterministic")
 
 
 @dataclasses.dataclass(frozen=True)
-class _EntryPoint:
+class EntryPoint:
     """A resolved DeepGEMM function and how to call it."""
 
     fn: Callable[..., torch.Tensor]
@@ -85,7 +87,7 @@ def _parameter_names(fn: Callable) -> str | None:
         return fn.__doc__ or None
 
 
-def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
+def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
     switch = next(
         (getattr(module, s) for s in DETERMINISM_SWITCHES if callable(getattr(module, s, None))),
         None,
@@ -102,7 +104,7 @@ def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
                 "package calls the compressed form (DeepGEMM 2.2 and later)"
             )
             continue
-        entry = _EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, switch)
+        entry = EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, switch)
         return entry, None
     if not reasons:
         return None, f"{name} has neither fp8_fp4_mqa_logits nor fp8_mqa_logits"
@@ -110,7 +112,7 @@ def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
 
 
 @functools.cache
-def _import() -> tuple[_EntryPoint | None, str | None]:
+def _import() -> tuple[EntryPoint | None, str | None]:
     errors = []
     for name in _MODULES:
         try:
@@ -128,6 +130,12 @@ def _import() -> tuple[_EntryPoint | None, str | None]:
 def deepgemm_available() -> bool:
     """Whether a DeepGEMM MQA-logits entry point imports."""
     return _import()[0] is not None
+
+
+def kernel_entry() -> EntryPoint | None:
+    """The resolved DeepGEMM entry point (function, name, calling convention), or ``None`` when
+    DeepGEMM is not importable: what a caller of the raw kernel (``bench``) calls."""
+    return _import()[0]
 
 
 def entry_point() -> str | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import time
@@ -36,50 +35,24 @@ from typing import Any
 import torch
 
 from . import CliError, print_json, progress, seed
+from .bench_config import (
+    FUSED_THRESHOLD,
+    HEAD_DIM,
+    LONG_SEQS,
+    ROPE_DIM,
+    SPLIT_SEQS,
+    BenchConfig,
+)
+from .bench_tables import format_tables
 
-__all__ = ["BenchConfig", "format_tables", "register", "run_bench"]
+__all__ = ["BenchConfig", "Timer", "bench_inputs", "format_tables", "register", "run_bench"]
 
-HEAD_DIM = 128
-ROPE_DIM = 64
 _FLUSH_BYTES = 256 << 20  # larger than the H200's L2 (60 MB)
 _BANDWIDTH_BYTES = 1 << 30
 # Device cycles the timer sleeps before each repetition (about 1 ms at the H200's ~1.98 GHz): more
 # than the host needs to queue any call measured here.
 _LEAD_CYCLES = 2_000_000
 _DEVICE = "cuda"  # where the operands live (the CPU tests run the measurement code on fakes)
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """What to measure (the command's flags)."""
-
-    seqs: tuple[int, ...] = (8192, 16384)
-    heads: tuple[int, ...] = (32, 64)
-    batch: int = 1
-    topk: int = 2048
-    reps: int = 20
-    warmup: int = 3
-    chunked_from: int = 32768
-    chunk_bytes: int | None = None  # indexer_select's default
-    rope_fp32: bool = True
-    # Off by default: Megatron's BF16 Hadamard is fast_hadamard_transform's kernel; where that
-    # extension is missing, the BF16 side would time the package's float64 transform instead and
-    # the BF16 / FP8 ratio would measure that, not the precision. vLLM's path has no Hadamard.
-    hadamard: bool = False
-    torch_reference: bool = False
-    seed: int = 0
-    # The long-context profile (--long): chunked select only, beside the raw chunked kernels.
-    long_seqs: tuple[int, ...] = ()
-    long_reps: int = 5
-    # The time split of FP8 selection (--split): scoring, top-k, score traffic, at these S.
-    split_seqs: tuple[int, ...] = ()
-
-
-LONG_SEQS = (32768, 65536, 131072)
-SPLIT_SEQS = (16384, 65536)
-# The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
-# costs more than this share of FP8 end-to-end time at S = 65536.
-FUSED_THRESHOLD = 0.20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -160,7 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # measurement
 
 
-class _Timer:
+class Timer:
     """Median of CUDA-event timings after warm-up, the L2 flushed before each repetition.
 
     The device time of a call: behind the flush the device sleeps ``_LEAD_CYCLES`` (about 1 ms)
@@ -223,7 +196,7 @@ def _peak_extra_mib(fn: Callable[[], Any]) -> float:
     return max(extra, 0) / 2**20
 
 
-def _inputs(seq: int, batch: int, heads: int, gen: torch.Generator):
+def bench_inputs(seq: int, batch: int, heads: int, gen: torch.Generator):
     """Megatron-layout BF16 projections (q, k, raw head weights) and RoPE angles."""
 
     def nonzero(*shape: int) -> torch.Tensor:
@@ -299,7 +272,7 @@ class _Workload:
         from ..preprocess import indexer_head_weights
 
         self.seq, self.heads = seq, heads
-        self.q, self.k, w_raw, self.freqs = _inputs(seq, cfg.batch, heads, gen)
+        self.q, self.k, w_raw, self.freqs = bench_inputs(seq, cfg.batch, heads, gen)
         self.pre16 = _preprocess(False, cfg.hadamard)
         self.pre8 = _preprocess(cfg.rope_fp32, cfg.hadamard)
         self.cfg16 = IndexerPrecisionConfig()
@@ -350,8 +323,7 @@ class _Raw:
 
         self.k = topk
         self.dsa = cudnn.dsa()
-        entry = deepgemm._import()[0]
-        self.dg = entry  # None without DeepGEMM
+        self.dg = deepgemm.kernel_entry()  # None without DeepGEMM
 
     def cudnn_scores(self, ops, offsets: torch.Tensor, out: torch.Tensor | None = None):
         ks = None if ops.k_descale is None else ops.k_descale.unsqueeze(-1)
@@ -406,7 +378,7 @@ def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
     return ("cudnn", "deepgemm") if raw.dg is not None and batch == 1 else ("cudnn",)
 
 
-def _measure(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
+def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     from ..rows import causal_key_counts
     from ..scoring import indexer_scores
     from ..select import indexer_select
@@ -520,7 +492,7 @@ def _select_step(cfg: BenchConfig, seq: int) -> int:
     return chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * SELECT_BYTES_PER_SCORE)
 
 
-def _measure_long(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str, Any]:
+def _measure_long(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     """Chunked select at long S: the package end to end and from prepared operands, the raw
     chunked kernels (the bound), and the peak memory each adds."""
     from ..select import indexer_select
@@ -575,7 +547,7 @@ def _measure_long(cfg: BenchConfig, timer: _Timer, work: _Workload) -> dict[str,
     return out
 
 
-def _bandwidth(timer: _Timer) -> tuple[float, float]:
+def _bandwidth(timer: Timer) -> tuple[float, float]:
     """The card's achieved write and read bandwidth, bytes per ms (a 1 GiB fill and sum)."""
     x = torch.empty(_BANDWIDTH_BYTES // 4, dtype=torch.float32, device=_DEVICE)
     write = timer(lambda: x.fill_(0.5))
@@ -584,7 +556,7 @@ def _bandwidth(timer: _Timer) -> tuple[float, float]:
 
 
 def _measure_split(
-    cfg: BenchConfig, timer: _Timer, work: _Workload, bandwidth: tuple[float, float]
+    cfg: BenchConfig, timer: Timer, work: _Workload, bandwidth: tuple[float, float]
 ) -> dict[str, Any]:
     """Where FP8 selection's time goes, per backend: scoring alone (writing the scores), the
     top-k (raw select minus scoring), and the scores' memory traffic at the measured bandwidth
@@ -636,193 +608,6 @@ def _measure_split(
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# output
-
-
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f} %"
-
-
-def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "kernels vs package (same operands; x = package / raw)",
-        f"{'S':>6} {'H':>3} | {'bf16 raw':>8} {'pkg':>7} {'x':>5} | {'fp8 raw':>8} {'pkg':>7} "
-        f"{'x':>5} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'dg/cu':>5} | "
-        f"{'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} {'x val':>5}",
-    ]
-    for r in full:
-        t, o = r["times_ms"], r["overhead"]
-        lines.append(
-            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['raw_score_bf16']):>8} "
-            f"{_fmt(t['score_bf16']):>7} {o['score_bf16']:>5.2f} | {_fmt(t['raw_score_fp8']):>8} "
-            f"{_fmt(t['score_fp8']):>7} {o['score_fp8']:>5.2f} | "
-            f"{_fmt(t.get('raw_score_dg')):>7} {_fmt(t.get('raw_score_dg_clean')):>7} "
-            f"{_fmt(t.get('score_fp8_deepgemm')):>7} {_fmt(o.get('score_dg'), '.2f'):>5} "
-            f"{_fmt(o.get('dg_vs_cudnn'), '.2f'):>5} | {_fmt(t['raw_topk']):>9} "
-            f"{_fmt(t.get('raw_topk_val')):>6} {_fmt(t['topk']):>7} {o['topk']:>5.2f} "
-            f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
-        )
-    lines += [
-        "times: device time of each call (its launches queued behind a ~1 ms device sleep: the "
-        "host's time before them not counted; host us below)",
-        "dg raw: DeepGEMM's compressed uncleaned logits (what the select path reads); clean: "
-        "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; dg/cu: "
-        "dg raw / fp8 raw",
-        "top-k raw: indices only (return_val=False); +val: with each pick's score, the "
-        "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
-        "over each",
-    ]
-    return lines
-
-
-def _host_lines(full: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "host us per call until it returns, the device idle before each (median; x = package / "
-        "raw)",
-        f"{'S':>6} {'H':>3} | {'fp8 raw':>8} {'pkg':>7} {'x':>5} | {'top-k +val':>10} "
-        f"{'pkg':>7} {'x':>5} | {'select fp8':>10} | {'dg raw':>7} {'select dg':>9}",
-    ]
-    for r in full:
-        h = r.get("host_us")
-        if h is None:
-            continue
-        lines.append(
-            f"{r['seq']:>6} {r['heads']:>3} | {h['raw_score_fp8']:>8.1f} {h['score_fp8']:>7.1f} "
-            f"{h['score_fp8'] / h['raw_score_fp8']:>5.2f} | {h['raw_topk_val']:>10.1f} "
-            f"{h['topk']:>7.1f} {h['topk'] / h['raw_topk_val']:>5.2f} | "
-            f"{h['select_fp8']:>10.1f} | {_fmt(h.get('raw_score_dg'), '.1f'):>7} "
-            f"{_fmt(h.get('select_fp8_dg'), '.1f'):>9}"
-        )
-    lines.append(
-        "select: indexer_select from prepared operands (scoring, key counts, top-k, the "
-        "-inf/NaN pass)"
-    )
-    return lines
-
-
-def _e2e_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "end to end from the projections (prep + indexer_select; x = BF16 / FP8)",
-        f"{'S':>6} {'H':>3} | {'prep bf16':>9} {'prep fp8':>8} | {'e2e bf16':>8} {'e2e fp8':>8} "
-        f"{'x':>5} | {'raw bound x':>11} {'of bound':>8} {'/raw':>5} | {'dg fp8':>8} {'x':>5} "
-        f"{'bound':>5} {'of b.':>5} {'/raw':>5} {'dg/cu':>5} | {'api x':>5} | "
-        f"{'peak MiB bf16':>13} {'fp8':>6} {'dg':>6}",
-    ]
-    for r in rows:
-        t, m, o = r["times_ms"], r["peak_extra_mib"], r.get("overhead", {})
-        lines.append(
-            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['prep_bf16']):>9} {_fmt(t['prep_fp8']):>8} | "
-            f"{_fmt(t['e2e_bf16']):>8} {_fmt(t['e2e_fp8']):>8} {r['e2e_ratio']:>5.2f} | "
-            f"{_fmt(r.get('e2e_bound'), '.2f'):>11} {_pct(r.get('e2e_share_of_bound')):>8} "
-            f"{_fmt(o.get('e2e_fp8'), '.2f'):>5} | {_fmt(t.get('e2e_fp8_dg')):>8} "
-            f"{_fmt(r.get('e2e_ratio_dg'), '.2f'):>5} {_fmt(r.get('e2e_bound_dg'), '.2f'):>5} "
-            f"{_pct(r.get('e2e_share_of_bound_dg')):>5} {_fmt(o.get('e2e_fp8_dg'), '.2f'):>5} "
-            f"{_fmt(o.get('e2e_dg_vs_cudnn'), '.2f'):>5} | "
-            f"{_fmt(r.get('api_ratio'), '.2f'):>5} | "
-            f"{m['e2e_bf16']:>13.0f} {m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6}"
-        )
-    lines += [
-        "raw bound = (prep bf16 + raw bf16 scoring + raw top-k) / (prep fp8 + raw fp8 scoring + "
-        "raw top-k); /raw = e2e fp8 / (prep fp8 + raw scoring + raw top-k +val); dg: "
-        "backend='deepgemm' (bound with dg raw); api = indexer_topk(indexer_scores(carriers)), "
-        "BF16 / FP8",
-    ]
-    return lines
-
-
-def _long_lines(rows: list[dict[str, Any]], reps: int | None) -> list[str]:
-    lines = [
-        f"long context, median of {reps} reps: chunked indexer_select (x = BF16 / FP8; bound = "
-        "(prep + raw chunked kernels) BF16 / FP8)",
-        f"{'S':>6} {'H':>3} {'chunks':>6} | {'e2e bf16':>8} {'fp8':>8} {'dg':>8} | {'x fp8':>5} "
-        f"{'x dg':>5} | {'bound fp8':>9} {'dg':>5} | {'of bound':>8} {'dg':>5} | "
-        f"{'sel/raw bf16':>12} {'fp8':>5} {'dg':>5} | {'peak MiB sel bf16':>17} {'fp8':>6} "
-        f"{'dg':>6} | {'e2e bf16':>8} {'fp8':>6} {'dg':>6} | {'chunk MiB':>9}",
-    ]
-    for r in rows:
-        t, m = r["times_ms"], r["peak_extra_mib"]
-        lines.append(
-            f"{r['seq']:>6} {r['heads']:>3} {r['chunks']:>6} | {_fmt(t['e2e_bf16'], '.2f'):>8} "
-            f"{_fmt(t['e2e_fp8'], '.2f'):>8} {_fmt(t.get('e2e_fp8_dg'), '.2f'):>8} | "
-            f"{_fmt(r.get('ratio_fp8'), '.2f'):>5} {_fmt(r.get('ratio_fp8_dg'), '.2f'):>5} | "
-            f"{_fmt(r.get('bound_fp8'), '.2f'):>9} {_fmt(r.get('bound_fp8_dg'), '.2f'):>5} | "
-            f"{_pct(r.get('of_bound_fp8')):>8} {_pct(r.get('of_bound_fp8_dg')):>5} | "
-            f"{_fmt(r.get('select_vs_raw_bf16'), '.2f'):>12} "
-            f"{_fmt(r.get('select_vs_raw_fp8'), '.2f'):>5} "
-            f"{_fmt(r.get('select_vs_raw_fp8_dg'), '.2f'):>5} | "
-            f"{m['select_bf16']:>17.0f} {m['select_fp8']:>6.0f} "
-            f"{_fmt(m.get('select_fp8_dg'), '.0f'):>6} | {m['e2e_bf16']:>8.0f} "
-            f"{m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6} | "
-            f"{r['chunk_budget_mib']:>9.0f}"
-        )
-    lines += [
-        "sel/raw: indexer_select from prepared operands / the raw chunked kernels (scoring + "
-        "top-k +val per chunk); peak MiB: allocator peak beyond inputs and output, select alone "
-        "and end to end; chunk MiB: rows per chunk x S x 12 bytes (scores + top-k scratch)",
-    ]
-    return lines
-
-
-def _split_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "time split of FP8 selection (raw chunked kernels; traffic = scores written once + read "
-        "once at the measured bandwidth)",
-        f"{'S':>6} {'H':>3} {'backend':>8} | {'prep':>6} {'score':>8} {'top-k':>8} {'e2e':>8} "
-        f"{'pkg adds':>8} | {'written GiB':>11} {'read':>6} {'traffic':>8} {'share':>6} "
-        f"{'top-k reads':>11} | {'fused x traffic':>15} {'max':>5} | build fused",
-    ]
-    for r in rows:
-        for backend in ("cudnn", "deepgemm"):
-            x = r.get(backend)
-            if x is None:
-                continue
-            lines.append(
-                f"{r['seq']:>6} {r['heads']:>3} {backend:>8} | {r['prep_fp8_ms']:>6.3f} "
-                f"{x['score_ms']:>8.3f} {x['topk_ms']:>8.3f} {x['e2e_ms']:>8.3f} "
-                f"{x['package_ms']:>8.3f} | {x['written_gib']:>11.2f} {x['read_gib']:>6.2f} "
-                f"{x['traffic_ms']:>8.3f} {_pct(x['traffic_share']):>6} "
-                f"{x['topk_reads']:>11.1f} | {x['fused_speedup_traffic']:>15.2f} "
-                f"{x['fused_speedup_max']:>5.2f} | "
-                f"{'yes' if x['build_fused'] else 'no'}"
-            )
-    if rows:
-        bw = rows[0]["bandwidth_gbs"]
-        lines.append(
-            f"bandwidth: write {bw['write']:.0f} GB/s, read {bw['read']:.0f} GB/s (1 GiB fill / "
-            f"sum); build fused: traffic > {100 * FUSED_THRESHOLD:.0f} % of e2e; fused x: e2e / "
-            "(e2e - traffic), max: e2e / (prep + score - its writes)"
-        )
-    return lines
-
-
-def format_tables(report: dict[str, Any]) -> str:
-    """The human-readable tables of a :func:`run_bench` report (times in ms)."""
-    cfg = report["config"]
-    rows = report.get("results", [])
-    full = [r for r in rows if not r["chunked"]]
-    lines = [
-        f"{report['device']}: B={cfg['batch']} D={HEAD_DIM} causal, top-k {cfg['topk']}, "
-        f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
-        f"{cfg['reps']} reps (ms)",
-    ]
-    if full:
-        lines += ["", *_kernel_lines(full)]
-        if any("host_us" in r for r in full):
-            lines += ["", *_host_lines(full)]
-    if rows:
-        lines += ["", *_e2e_lines(rows)]
-    if report.get("long"):
-        lines += ["", *_long_lines(report["long"], cfg.get("long_reps"))]
-    if report.get("split"):
-        lines += ["", *_split_lines(report["split"])]
-    return "\n".join(lines)
-
-
 def run_bench(
     cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
@@ -834,7 +619,7 @@ def run_bench(
     from ..backends import deepgemm
 
     gen = torch.Generator(device=_DEVICE).manual_seed(cfg.seed)
-    timer = _Timer(cfg.reps, cfg.warmup)
+    timer = Timer(cfg.reps, cfg.warmup)
     versions = {"torch": torch.__version__, "deepgemm": deepgemm.entry_point()}
     for dist in ("triton", "nvidia-cudnn-frontend"):
         try:
@@ -846,7 +631,7 @@ def run_bench(
         "versions": versions,
         "config": dataclasses.asdict(cfg),
     }
-    long_timer = _Timer(cfg.long_reps, 1)  # --long and --split: seconds per call at S >= 65536
+    long_timer = Timer(cfg.long_reps, 1)  # --long and --split: seconds per call at S >= 65536
     bandwidth = _bandwidth(long_timer) if cfg.split_seqs else (0.0, 0.0)
     plans = [
         ("results", cfg.seqs, lambda w: _measure(cfg, timer, w)),

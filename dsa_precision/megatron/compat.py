@@ -47,9 +47,7 @@ _LAYOUT = f"{_EAV}.dsa_layout"
 # name that is only referenced (a class subclassed or annotated, a flag read).
 Call = tuple[int, tuple[str, ...]]
 CALLS: dict[str, tuple[Call, ...]] = {
-    "megatron.core.packed_seq_params.PackedSeqParams": (
-        (0, ("cu_seqlens_kv", "cu_seqlens_q", "max_seqlen_kv", "max_seqlen_q", "qkv_format")),
-    ),  # built by the test utilities
+    "megatron.core.packed_seq_params.PackedSeqParams": (),
     "megatron.core.tensor_parallel.mappings.gather_from_sequence_parallel_region": (
         (1, ("group",)),
     ),
@@ -109,32 +107,13 @@ CALLS: dict[str, tuple[Call, ...]] = {
     "megatron.core.tensor_parallel.layers.ColumnParallelLinear": (),
     f"{_EAV}.absorbed_mla.AbsorbedMLASelfAttentionSubmodules": (),
     "megatron.core.post_training.modelopt.layers.Linear": (),
-    # The test utilities (dsa_precision.testing: the parallel parity runs, the CPU redirect).
-    "megatron.core.models.gpt.GPTModel": (
-        (0, ("config", "max_sequence_length", "position_embedding_type", "transformer_layer_spec",
-             "vocab_size")),
-    ),
-    "megatron.core.parallel_state": (),
-    "megatron.core.parallel_state.destroy_model_parallel": ((0, ()),),
-    "megatron.core.parallel_state.get_context_parallel_group": ((0, ()),),
-    "megatron.core.parallel_state.get_context_parallel_rank": ((0, ()),),
-    "megatron.core.parallel_state.get_tensor_model_parallel_group": ((0, ()),),
-    "megatron.core.parallel_state.get_tensor_model_parallel_rank": ((0, ()),),
-    "megatron.core.parallel_state.initialize_model_parallel": (
-        (0, ("context_parallel_size", "tensor_model_parallel_size")),
-    ),
-    "megatron.core.parallel_state.model_parallel_is_initialized": ((0, ()),),
-    "megatron.core.tensor_parallel": (),
-    "megatron.core.tensor_parallel.model_parallel_cuda_manual_seed": ((1, ()),),
+    # The CPU redirect of dsa_precision.testing.megatron.
     "megatron.core.tensor_parallel.random": (),
     "megatron.core.tensor_parallel.random.initialize_rng_tracker": (
         (0, ("force_reset",)),
         (0, ("force_reset", "inference_rng_tracker")),
     ),
-    f"{_DSA}": (),
-    f"{_DSA}.fused_qk_topk_naive": ((4, ("use_relu",)), (4, ("use_relu", "varlen_ends", "varlen_starts"))),
     "megatron.core.transformer.torch_norm.WrappedTorchNorm": (),
-    "megatron.core.utils.get_batch_on_this_cp_rank": ((1, ("cp_group", "is_hybrid_cp")),),
 }  # fmt: skip
 # Names that exist only when a flag of their module is set (Transformer Engine installed).
 _PRESENT_IF = {f"{_SPECS}.TESpecProvider": f"{_SPECS}.HAVE_TE"}
@@ -193,7 +172,7 @@ CONFIG_FIELDS = (
     "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_fp32",
     "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved",
     "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
-    "layernorm_epsilon", "normalization", "qk_layernorm", "rope_type", "sequence_parallel",
+    "layernorm_epsilon", "normalization", "rope_type", "sequence_parallel",
 )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """pytest plugin: run Megatron-LM's unit tests in one CPU process (both modes of ``run.py``).
 
-Loaded with ``-p cpu_plugin`` (``tools/megatron_tests`` on ``PYTHONPATH``, Megatron-LM's checkout
+Loaded with ``-p cpu_plugin`` (``tests/megatron_lm`` on ``PYTHONPATH``, Megatron-LM's checkout
 as the working directory), in the stock and the swapped run alike, so that whatever it changes is
 the same in both and a difference between the modes can only come from the drop-ins. It changes
 only Megatron-LM's *test* side -- never an attribute of a ``megatron`` module: names inside the

@@ -26,9 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import dsa_precision
+
 __all__ = ["package_host_seconds"]
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The package's folder (what counts as its frames); names of its functions are relative to it.
+_PACKAGE = os.path.dirname(os.path.abspath(dsa_precision.__file__)) + os.sep
 
 
 def _megatron_dirs() -> tuple[str, ...]:
@@ -126,7 +129,7 @@ def package_host_seconds(
         ev.PY_YIELD: leave,
         ev.PY_UNWIND: unwind,
     }
-    mon.use_tool_id(tool, "dsa_precision.testing.host_time")
+    mon.use_tool_id(tool, "host_time (examples)")
     try:
         for event, callback in callbacks.items():
             mon.register_callback(tool, event, callback)

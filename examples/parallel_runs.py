@@ -1,16 +1,16 @@
 """Parallel parity runs: a toy DSA GPT model under Megatron's TP, SP and CP on 1 or 2 ranks.
 
 The machinery of ``examples/parallel_parity.py`` (see its docstring for what runs and what is
-measured), kept here so that it is importable and tested; the verdicts are :mod:`.parity`'s.
+measured), importable apart so that ``tests/test_parallel_parity.py`` tests it; the verdicts are
+``parity_checks``'.
 Every layout initialises Megatron's ``parallel_state`` (``destroy_model_parallel`` then
 ``initialize_model_parallel``), builds the model of a configuration with the reference model's
 weights (their TP slices), shards the same micro-batches the way Megatron's data pipeline does,
 captures each layer's picks and indexer operands, trains a few steps with Megatron's gradient
 reductions (no DDP wrapper) and gathers everything on rank 0.
 
-The model comes from the caller (:class:`ToyModel`, on ``args.model``): a test utility does not
-import the examples. On the CPU run everything inside
-:func:`dsa_precision.testing.megatron.megatron_on_cpu`.
+The model comes from the caller (:class:`ToyModel`, on ``args.model``). On the CPU run
+everything inside :func:`dsa_precision.testing.megatron.megatron_on_cpu`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+from parity_checks import checks, compare_layer, rel
 
-from .megatron import local_sp_backend
-from .parity import checks, compare_layer, rel
+from dsa_precision.testing.megatron import local_sp_backend
 
 __all__ = [
     "LAYOUTS",

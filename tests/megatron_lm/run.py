@@ -1,6 +1,6 @@
 """Run Megatron-LM's own DSA unit tests stock and with the dsa-precision drop-ins; compare.
 
-    python tools/megatron_tests/run.py --megatron-lm PATH [--mode stock|swapped|both]
+    python tests/megatron_lm/run.py --megatron-lm PATH [--mode stock|swapped|both]
         [--fields none] [--fields rope_fp32] [--out DIR] [--jobs N]
 
 ``PATH`` is a Megatron-LM checkout (or an export of one: only its ``tests/`` tree is used) of the

@@ -1,0 +1,43 @@
+"""What ``bench`` measures: :class:`BenchConfig` (the command's flags) and the shapes it uses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["FUSED_THRESHOLD", "HEAD_DIM", "LONG_SEQS", "ROPE_DIM", "SPLIT_SEQS", "BenchConfig"]
+
+HEAD_DIM = 128
+ROPE_DIM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to measure (the command's flags)."""
+
+    seqs: tuple[int, ...] = (8192, 16384)
+    heads: tuple[int, ...] = (32, 64)
+    batch: int = 1
+    topk: int = 2048
+    reps: int = 20
+    warmup: int = 3
+    chunked_from: int = 32768
+    chunk_bytes: int | None = None  # indexer_select's default
+    rope_fp32: bool = True
+    # Off by default: Megatron's BF16 Hadamard is fast_hadamard_transform's kernel; where that
+    # extension is missing, the BF16 side would time the package's float64 transform instead and
+    # the BF16 / FP8 ratio would measure that, not the precision. vLLM's path has no Hadamard.
+    hadamard: bool = False
+    torch_reference: bool = False
+    seed: int = 0
+    # The long-context profile (--long): chunked select only, beside the raw chunked kernels.
+    long_seqs: tuple[int, ...] = ()
+    long_reps: int = 5
+    # The time split of FP8 selection (--split): scoring, top-k, score traffic, at these S.
+    split_seqs: tuple[int, ...] = ()
+
+
+LONG_SEQS = (32768, 65536, 131072)
+SPLIT_SEQS = (16384, 65536)
+# The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
+# costs more than this share of FP8 end-to-end time at S = 65536.
+FUSED_THRESHOLD = 0.20

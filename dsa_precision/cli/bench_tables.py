@@ -1,0 +1,194 @@
+"""The tables of a ``bench`` report (:func:`format_tables`): the package beside the raw kernels
+it wraps, as ratios, then end to end, long context and the FP8 time split."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .bench_config import FUSED_THRESHOLD, HEAD_DIM
+
+__all__ = ["format_tables"]
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
+
+
+def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "kernels vs package (same operands; x = package / raw)",
+        f"{'S':>6} {'H':>3} | {'bf16 raw':>8} {'pkg':>7} {'x':>5} | {'fp8 raw':>8} {'pkg':>7} "
+        f"{'x':>5} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'dg/cu':>5} | "
+        f"{'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} {'x val':>5}",
+    ]
+    for r in full:
+        t, o = r["times_ms"], r["overhead"]
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['raw_score_bf16']):>8} "
+            f"{_fmt(t['score_bf16']):>7} {o['score_bf16']:>5.2f} | {_fmt(t['raw_score_fp8']):>8} "
+            f"{_fmt(t['score_fp8']):>7} {o['score_fp8']:>5.2f} | "
+            f"{_fmt(t.get('raw_score_dg')):>7} {_fmt(t.get('raw_score_dg_clean')):>7} "
+            f"{_fmt(t.get('score_fp8_deepgemm')):>7} {_fmt(o.get('score_dg'), '.2f'):>5} "
+            f"{_fmt(o.get('dg_vs_cudnn'), '.2f'):>5} | {_fmt(t['raw_topk']):>9} "
+            f"{_fmt(t.get('raw_topk_val')):>6} {_fmt(t['topk']):>7} {o['topk']:>5.2f} "
+            f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
+        )
+    lines += [
+        "times: device time of each call (its launches queued behind a ~1 ms device sleep: the "
+        "host's time before them not counted; host us below)",
+        "dg raw: DeepGEMM's compressed uncleaned logits (what the select path reads); clean: "
+        "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; dg/cu: "
+        "dg raw / fp8 raw",
+        "top-k raw: indices only (return_val=False); +val: with each pick's score, the "
+        "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
+        "over each",
+    ]
+    return lines
+
+
+def _host_lines(full: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "host us per call until it returns, the device idle before each (median; x = package / "
+        "raw)",
+        f"{'S':>6} {'H':>3} | {'fp8 raw':>8} {'pkg':>7} {'x':>5} | {'top-k +val':>10} "
+        f"{'pkg':>7} {'x':>5} | {'select fp8':>10} | {'dg raw':>7} {'select dg':>9}",
+    ]
+    for r in full:
+        h = r.get("host_us")
+        if h is None:
+            continue
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {h['raw_score_fp8']:>8.1f} {h['score_fp8']:>7.1f} "
+            f"{h['score_fp8'] / h['raw_score_fp8']:>5.2f} | {h['raw_topk_val']:>10.1f} "
+            f"{h['topk']:>7.1f} {h['topk'] / h['raw_topk_val']:>5.2f} | "
+            f"{h['select_fp8']:>10.1f} | {_fmt(h.get('raw_score_dg'), '.1f'):>7} "
+            f"{_fmt(h.get('select_fp8_dg'), '.1f'):>9}"
+        )
+    lines.append(
+        "select: indexer_select from prepared operands (scoring, key counts, top-k, the "
+        "-inf/NaN pass)"
+    )
+    return lines
+
+
+def _e2e_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "end to end from the projections (prep + indexer_select; x = BF16 / FP8)",
+        f"{'S':>6} {'H':>3} | {'prep bf16':>9} {'prep fp8':>8} | {'e2e bf16':>8} {'e2e fp8':>8} "
+        f"{'x':>5} | {'raw bound x':>11} {'of bound':>8} {'/raw':>5} | {'dg fp8':>8} {'x':>5} "
+        f"{'bound':>5} {'of b.':>5} {'/raw':>5} {'dg/cu':>5} | {'api x':>5} | "
+        f"{'peak MiB bf16':>13} {'fp8':>6} {'dg':>6}",
+    ]
+    for r in rows:
+        t, m, o = r["times_ms"], r["peak_extra_mib"], r.get("overhead", {})
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t['prep_bf16']):>9} {_fmt(t['prep_fp8']):>8} | "
+            f"{_fmt(t['e2e_bf16']):>8} {_fmt(t['e2e_fp8']):>8} {r['e2e_ratio']:>5.2f} | "
+            f"{_fmt(r.get('e2e_bound'), '.2f'):>11} {_pct(r.get('e2e_share_of_bound')):>8} "
+            f"{_fmt(o.get('e2e_fp8'), '.2f'):>5} | {_fmt(t.get('e2e_fp8_dg')):>8} "
+            f"{_fmt(r.get('e2e_ratio_dg'), '.2f'):>5} {_fmt(r.get('e2e_bound_dg'), '.2f'):>5} "
+            f"{_pct(r.get('e2e_share_of_bound_dg')):>5} {_fmt(o.get('e2e_fp8_dg'), '.2f'):>5} "
+            f"{_fmt(o.get('e2e_dg_vs_cudnn'), '.2f'):>5} | "
+            f"{_fmt(r.get('api_ratio'), '.2f'):>5} | "
+            f"{m['e2e_bf16']:>13.0f} {m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6}"
+        )
+    lines += [
+        "raw bound = (prep bf16 + raw bf16 scoring + raw top-k) / (prep fp8 + raw fp8 scoring + "
+        "raw top-k); /raw = e2e fp8 / (prep fp8 + raw scoring + raw top-k +val); dg: "
+        "backend='deepgemm' (bound with dg raw); api = indexer_topk(indexer_scores(carriers)), "
+        "BF16 / FP8",
+    ]
+    return lines
+
+
+def _long_lines(rows: list[dict[str, Any]], reps: int | None) -> list[str]:
+    lines = [
+        f"long context, median of {reps} reps: chunked indexer_select (x = BF16 / FP8; bound = "
+        "(prep + raw chunked kernels) BF16 / FP8)",
+        f"{'S':>6} {'H':>3} {'chunks':>6} | {'e2e bf16':>8} {'fp8':>8} {'dg':>8} | {'x fp8':>5} "
+        f"{'x dg':>5} | {'bound fp8':>9} {'dg':>5} | {'of bound':>8} {'dg':>5} | "
+        f"{'sel/raw bf16':>12} {'fp8':>5} {'dg':>5} | {'peak MiB sel bf16':>17} {'fp8':>6} "
+        f"{'dg':>6} | {'e2e bf16':>8} {'fp8':>6} {'dg':>6} | {'chunk MiB':>9}",
+    ]
+    for r in rows:
+        t, m = r["times_ms"], r["peak_extra_mib"]
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} {r['chunks']:>6} | {_fmt(t['e2e_bf16'], '.2f'):>8} "
+            f"{_fmt(t['e2e_fp8'], '.2f'):>8} {_fmt(t.get('e2e_fp8_dg'), '.2f'):>8} | "
+            f"{_fmt(r.get('ratio_fp8'), '.2f'):>5} {_fmt(r.get('ratio_fp8_dg'), '.2f'):>5} | "
+            f"{_fmt(r.get('bound_fp8'), '.2f'):>9} {_fmt(r.get('bound_fp8_dg'), '.2f'):>5} | "
+            f"{_pct(r.get('of_bound_fp8')):>8} {_pct(r.get('of_bound_fp8_dg')):>5} | "
+            f"{_fmt(r.get('select_vs_raw_bf16'), '.2f'):>12} "
+            f"{_fmt(r.get('select_vs_raw_fp8'), '.2f'):>5} "
+            f"{_fmt(r.get('select_vs_raw_fp8_dg'), '.2f'):>5} | "
+            f"{m['select_bf16']:>17.0f} {m['select_fp8']:>6.0f} "
+            f"{_fmt(m.get('select_fp8_dg'), '.0f'):>6} | {m['e2e_bf16']:>8.0f} "
+            f"{m['e2e_fp8']:>6.0f} {_fmt(m.get('e2e_fp8_dg'), '.0f'):>6} | "
+            f"{r['chunk_budget_mib']:>9.0f}"
+        )
+    lines += [
+        "sel/raw: indexer_select from prepared operands / the raw chunked kernels (scoring + "
+        "top-k +val per chunk); peak MiB: allocator peak beyond inputs and output, select alone "
+        "and end to end; chunk MiB: rows per chunk x S x 12 bytes (scores + top-k scratch)",
+    ]
+    return lines
+
+
+def _split_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "time split of FP8 selection (raw chunked kernels; traffic = scores written once + read "
+        "once at the measured bandwidth)",
+        f"{'S':>6} {'H':>3} {'backend':>8} | {'prep':>6} {'score':>8} {'top-k':>8} {'e2e':>8} "
+        f"{'pkg adds':>8} | {'written GiB':>11} {'read':>6} {'traffic':>8} {'share':>6} "
+        f"{'top-k reads':>11} | {'fused x traffic':>15} {'max':>5} | build fused",
+    ]
+    for r in rows:
+        for backend in ("cudnn", "deepgemm"):
+            x = r.get(backend)
+            if x is None:
+                continue
+            lines.append(
+                f"{r['seq']:>6} {r['heads']:>3} {backend:>8} | {r['prep_fp8_ms']:>6.3f} "
+                f"{x['score_ms']:>8.3f} {x['topk_ms']:>8.3f} {x['e2e_ms']:>8.3f} "
+                f"{x['package_ms']:>8.3f} | {x['written_gib']:>11.2f} {x['read_gib']:>6.2f} "
+                f"{x['traffic_ms']:>8.3f} {_pct(x['traffic_share']):>6} "
+                f"{x['topk_reads']:>11.1f} | {x['fused_speedup_traffic']:>15.2f} "
+                f"{x['fused_speedup_max']:>5.2f} | "
+                f"{'yes' if x['build_fused'] else 'no'}"
+            )
+    if rows:
+        bw = rows[0]["bandwidth_gbs"]
+        lines.append(
+            f"bandwidth: write {bw['write']:.0f} GB/s, read {bw['read']:.0f} GB/s (1 GiB fill / "
+            f"sum); build fused: traffic > {100 * FUSED_THRESHOLD:.0f} % of e2e; fused x: e2e / "
+            "(e2e - traffic), max: e2e / (prep + score - its writes)"
+        )
+    return lines
+
+
+def format_tables(report: dict[str, Any]) -> str:
+    """The human-readable tables of a :func:`run_bench` report (times in ms)."""
+    cfg = report["config"]
+    rows = report.get("results", [])
+    full = [r for r in rows if not r["chunked"]]
+    lines = [
+        f"{report['device']}: B={cfg['batch']} D={HEAD_DIM} causal, top-k {cfg['topk']}, "
+        f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
+        f"{cfg['reps']} reps (ms)",
+    ]
+    if full:
+        lines += ["", *_kernel_lines(full)]
+        if any("host_us" in r for r in full):
+            lines += ["", *_host_lines(full)]
+    if rows:
+        lines += ["", *_e2e_lines(rows)]
+    if report.get("long"):
+        lines += ["", *_long_lines(report["long"], cfg.get("long_reps"))]
+    if report.get("split"):
+        lines += ["", *_split_lines(report["split"])]
+    return "\n".join(lines)
