@@ -25,7 +25,7 @@ Megatron's fused norms do), see ``dsa_precision.testing.megatron.SequenceParalle
 
 This file is the launcher: the runs are ``parallel_runs.py`` beside it and the
 comparisons and verdicts ``parity_checks.py`` (tested in
-``tests/test_parallel_parity.py``). On the CPU the run happens inside
+``tests/examples/test_parallel_parity.py``). On the CPU the run happens inside
 ``dsa_precision.testing.megatron.megatron_on_cpu()``, which answers megatron-core's few
 requests for a GPU on the CPU for the duration of the run and restores torch on exit.
 

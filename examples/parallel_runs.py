@@ -1,7 +1,7 @@
 """Parallel parity runs: a toy DSA GPT model under Megatron's TP, SP and CP on 1 or 2 ranks.
 
 The machinery of ``examples/parallel_parity.py`` (see its docstring for what runs and what is
-measured), importable apart so that ``tests/test_parallel_parity.py`` tests it; the verdicts are
+measured), importable apart so that ``tests/examples/test_parallel_parity.py`` tests it; the verdicts are
 ``parity_checks``'.
 Every layout initialises Megatron's ``parallel_state`` (``destroy_model_parallel`` then
 ``initialize_model_parallel``), builds the model of a configuration with the reference model's

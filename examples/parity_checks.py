@@ -1,6 +1,6 @@
 """Parallel parity: the verdicts of a parallel run's top-k against a single-process reference.
 
-What ``examples/parallel_parity.py`` (and ``tests/test_parallel_parity.py``) compare, as plain
+What ``examples/parallel_parity.py`` (and ``tests/examples/test_parallel_parity.py``) compare, as plain
 functions of what every rank recorded (``parallel_runs``): per layer, each rank's picks in the
 engines' layout (``tokens``: each query row's global token, ``picks``: its sequence-relative keys)
 and its indexer operands with each row's global position (``positions``, ``ops``: the FP8 bytes

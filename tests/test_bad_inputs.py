@@ -25,12 +25,12 @@ from dsa_precision import (
 from dsa_precision.engines import Fp8Rule
 from dsa_precision.prepare import as_scoring_operands
 
-from .helpers import cu_seqlens
+from .support.configs import CONFIGS
+from .support.helpers import cu_seqlens
 
 META = torch.device("meta")
 BF16 = IndexerPrecisionConfig()
 FP8 = IndexerPrecisionConfig(scoring_precision="fp8")
-CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 
 def qkw(b=1, sq=8, sk=8, h=32, d=128):

@@ -49,7 +49,7 @@ def block_with(doc: str, needle: str) -> str:
 
 def _mla_dsa_fields(**overrides) -> dict:
     """The small CPU MLA + DSA config of the Megatron tests, without the dsa-precision fields."""
-    from .megatron_utils import make_config
+    from .support.megatron import make_config
 
     base, ours = make_config(**overrides), _precision_fields()
     return {

@@ -118,3 +118,12 @@ def test_every_public_name_resolves_once_and_is_documented():
         (operands, "ScoringOperands"),
     ):
         assert name in names and getattr(dsa_precision, name) is getattr(module, name), name
+
+
+def test_capture_imports_no_megatron():
+    import subprocess
+    import sys
+
+    code = "import sys, dsa_precision.capture; print(any(m.startswith('megatron') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,12 +1,11 @@
 """indexer_scores / indexer_scores_varlen on the torch backend (CPU) against independent float64
-evaluations of the contract (tests/helpers.py), and the rules the kernels share with it: causal
+evaluations of the contract (tests/support/helpers.py), and the rules the kernels share with it: causal
 limits, per-batch offsets, packed sequences, ``out=``, non-finite operands, empty inputs."""
 
 import pytest
 import torch
 
 from dsa_precision import (
-    IndexerPrecisionConfig,
     ScoringOperands,
     indexer_scores,
     indexer_scores_varlen,
@@ -15,9 +14,9 @@ from dsa_precision import (
     reset_scoring_calls,
     scoring_calls,
 )
-from dsa_precision.rows import causal_key_counts, varlen_key_counts, varlen_row_slice
 
-from .helpers import (
+from .support.configs import BF16, CONFIGS, FP8
+from .support.helpers import (
     CONTRACTS,
     assert_bitwise_equal,
     causal_counts,
@@ -25,9 +24,6 @@ from .helpers import (
     reference_topk_rows,
     rel_err,
 )
-
-BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
-CONFIGS = {"bf16": BF16, "fp8": FP8}
 
 # The torch backend rounds one exact float64 sum per score to float32; the contract is float64.
 TORCH_REL_ERR = 1e-6
@@ -162,30 +158,6 @@ def test_row_slice_with_shifted_offsets_equals_the_rows_of_the_full_call(precisi
     full = indexer_scores(ops, ratio=2, q_causal_offsets=offsets, backend="torch")
     part = indexer_scores(ops.rows(r0, r1), ratio=2, q_causal_offsets=offsets + r0, backend="torch")
     assert_bitwise_equal(part, full[:, r0:r1], f"rows {r0}:{r1}")
-
-
-@pytest.mark.parametrize("ratio", [1, 3])
-def test_causal_key_counts_follow_the_formula(ratio):
-    offsets = torch.tensor([0, 7, 100], dtype=torch.int32)
-    got = causal_key_counts(offsets, 4, 9, ratio, 30)
-    assert got.dtype == torch.int32 and got.shape == (3, 9)
-    want = [causal_counts(off, range(4, 13), ratio, 30) for off in (0, 7, 100)]
-    assert got.tolist() == want
-
-
-def test_varlen_key_counts_and_row_slices_follow_the_formula():
-    lens_q, lens_k = [5, 0, 17, 9], [5, 0, 17, 12]
-    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    offsets = torch.tensor([0, 4, 2, 3])
-    got = varlen_key_counts(cu_q, cu_k, offsets, 2, sum(lens_q))
-    want = []
-    for i, n in enumerate(lens_q):
-        want += [min(c, lens_k[i]) for c in causal_counts(int(offsets[i]), range(n), 2, 10**9)]
-    assert got.tolist() == want
-    # Rows [8, 20) of the packing: sequence 2's rows 3..14, sequence 3 untouched.
-    sliced_cu, sliced_off = varlen_row_slice(cu_q, offsets, 8, 20)
-    assert sliced_cu.tolist() == [0, 0, 0, 12, 12] and sliced_cu.dtype == torch.int32
-    assert sliced_off.tolist()[2:] == [2 + 3, 3]  # sequence 2 starts at its local row 3
 
 
 # -------------------------------------------------------------------------------- out=

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from dsa_precision import (
-    IndexerPrecisionConfig,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -18,10 +17,8 @@ from dsa_precision import (
 )
 from dsa_precision.rows import causal_key_counts
 
-from .helpers import causal_counts, cu_seqlens, reference_topk_rows
-
-BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
-CONFIGS = {"bf16": BF16, "fp8": FP8}
+from .support.configs import BF16, CONFIGS, FP8
+from .support.helpers import causal_counts, cu_seqlens, reference_topk_rows
 
 # 8-row chunks (the smallest), a few 8-row tiles, and one chunk.
 CHUNK_BYTES = [1, 40 * 2 * 41 * 12, 1 << 30]
@@ -244,7 +241,7 @@ def _tricky(q, k):
 @pytest.fixture(params=["torch", "cudnn"], ids=["torch", "fake_cudnn"])
 def select_backend(request, monkeypatch):
     if request.param == "cudnn":
-        from . import fake_cudnn
+        from .support import fake_cudnn
 
         fake_cudnn.install(monkeypatch)
     return request.param
@@ -309,8 +306,8 @@ def test_margins_of_an_empty_call_are_nan():
 def test_deepgemm_margins_read_the_logits_in_place_within_each_row(monkeypatch):
     """DeepGEMM's fake leaves a huge finite value past each row's window: the margins must not
     see it (the reference: the stand-in logits under the causal windows, sorted)."""
-    from .fake_cudnn import stand_in_scores
-    from .fake_deepgemm import FakeMqaLogits, install
+    from .support.fake_cudnn import stand_in_scores
+    from .support.fake_deepgemm import FakeMqaLogits, install
 
     fn = FakeMqaLogits(q_pair=True)
     install(monkeypatch, fn, "deep_gemm.fp8_fp4_mqa_logits", clean=True)

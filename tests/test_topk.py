@@ -8,7 +8,7 @@ import torch
 from dsa_precision import indexer_topk
 from dsa_precision import topk as topk_module
 
-from .helpers import reference_topk_rows
+from .support.helpers import reference_topk_rows
 
 
 def check(scores, k, seq_lens=None, **kw):

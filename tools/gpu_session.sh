@@ -59,7 +59,7 @@ for step in "$@"; do
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
       TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
-        tests/gpu/test_cudnn_scoring.py tests/gpu/test_determinism.py \
+        tests/gpu/test_scoring.py tests/gpu/test_determinism.py \
         -k "deepgemm or entry_points or select or topk or never_waits or cuda_graph" ;;
     tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
       TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
@@ -143,7 +143,7 @@ for step in "$@"; do
       TAIL=40 run parity 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
         --json "$LOGS/parity.json"
       TAIL=20 run replay_parity 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/test_megatron_replay_parallel.py
+        tests/megatron/test_replay_parallel.py
       TAIL=20 run parity_throughput 900 torchrun --nproc-per-node 2 examples/parallel_parity.py \
         --throughput --throughput-seqs ${THROUGHPUT_SEQS:-16384,32768} \
         --json "$LOGS/throughput.json" ;;

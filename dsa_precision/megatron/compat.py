@@ -9,7 +9,7 @@ megatron-core is replaced or reassigned. :func:`check_megatron_core` (run when
 ``dsa_precision.megatron`` is imported) checks the classes, functions, signatures and fields;
 :func:`check_built` checks the instance attributes on each layer as it is built (they exist only
 on a constructed object). Either raises one ``ImportError`` naming the installed megatron-core
-version, the tested one and everything that changed. ``tests/test_megatron_compat.py`` pins this
+version, the tested one and everything that changed. ``tests/megatron/test_compat.py`` pins this
 list against the package's source (its imports, calls and attribute reads), so a name used and
 not listed, or listed and no longer used, fails the suite. Tested: megatron-core 0.19.2.
 """

@@ -2,7 +2,7 @@
 
 A replay test runs the code twice (or more) on the same inputs and compares the outputs bit for
 bit through :func:`dsa_precision.testing.assert_replays_bit_exact`. The CPU gate
-(``tests/test_determinism_gate.py``) checks *coverage*, not edits:
+(``tests/determinism/test_gate.py``) checks *coverage*, not edits:
 
 (a) every kernel-dispatching module of ``dsa_precision`` (:func:`dispatch_sources`, found by
     reading the package's code, so a new module cannot slip by) is in :data:`REGISTRY`;
@@ -56,8 +56,8 @@ DYNAMIC_IMPORTS = {"importlib.import_module", "__import__", "import_module"}
 REPLAY_HELPER = "assert_replays_bit_exact"
 
 GPU = "tests/gpu/test_determinism.py"
-MEGATRON_GPU = "tests/gpu/test_megatron_gpu.py"
-CPU = "tests/test_determinism_cpu.py"
+MEGATRON_GPU = "tests/gpu/test_megatron.py"
+CPU = "tests/determinism/test_cpu_replays.py"
 INTERPRETER = "tests/interpreter/test_replays.py"
 
 # source -> replay tests (pytest node ids "path::function"; every parametrization runs)

@@ -21,8 +21,7 @@ from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision.preprocess import indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
 
-BF16, FP8 = IndexerPrecisionConfig(), IndexerPrecisionConfig(scoring_precision="fp8")
-CONFIGS = {"bf16": BF16, "fp8": FP8}
+from ..support.configs import CONFIGS, FP8
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

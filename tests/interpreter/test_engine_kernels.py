@@ -21,7 +21,7 @@ from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.oracles.engine_model import EngineOperands
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
-from .engine_oracles import cast_probe_values, hardware_casts, interpreter_cast_errors
+from ..support.engine_oracles import cast_probe_values, hardware_casts, interpreter_cast_errors
 
 
 def test_the_replaced_casts_round_as_the_hardware():

@@ -191,6 +191,7 @@ def _cpu_manual_seed(
 
 def _patch_utils() -> None:
     import megatron.core.parallel_state as ps
+
     from tests.unit_tests import test_utilities
 
     utils = test_utilities.Utils

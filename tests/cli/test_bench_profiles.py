@@ -1,0 +1,134 @@
+"""``python -m dsa_precision bench``'s measurement code on the CPU, on the fakes of cuDNN and
+DeepGEMM (tests/support/fake_cudnn.py, tests/support/fake_deepgemm.py) with a timer that only counts calls: every
+profile (default, ``--long``, ``--split``) runs end to end, times the raw kernels it claims to (one
+raw scoring launch per chunk), and prints its table. Timings themselves need the H200."""
+
+import argparse
+
+import pytest
+import torch
+
+from dsa_precision.cli import bench
+
+from ..support import fake_cudnn
+from ..support.fake_deepgemm import FakeMqaLogits, install
+
+
+class _CountingTimer:
+    """Calls each function once; every call 'takes' 1 ms."""
+
+    def __init__(self, reps, warmup):
+        self.calls = 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return 1.0
+
+    def host_us(self, fn):
+        fn()
+        return 10.0
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    dsa = fake_cudnn.install(monkeypatch)
+    dg = FakeMqaLogits(mode="operands")
+    install(monkeypatch, dg)
+    monkeypatch.setattr(bench, "_DEVICE", "cpu")
+    monkeypatch.setattr(bench, "Timer", _CountingTimer)
+    monkeypatch.setattr(bench, "_BANDWIDTH_BYTES", 1 << 12)
+    monkeypatch.setattr(bench, "_peak_extra_mib", lambda fn: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "_check_environment", lambda cfg: None)
+    monkeypatch.setattr(bench, "_verify", lambda work: {"operands_bit_identical": True})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    prep = bench._Workload.prep
+    monkeypatch.setattr(bench._Workload, "prep", lambda self, fp8, impl="auto": prep(self, fp8))
+    return dsa, dg
+
+
+def _cfg(**kw):
+    base = dict(seqs=(), heads=(32,), topk=16, reps=1, warmup=0, chunked_from=10**9)
+    return bench.BenchConfig(**(base | kw))
+
+
+def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
+    _, dg = cpu_bench
+    report = bench.run_bench(_cfg(seqs=(256,)))
+    (r,) = report["results"]
+    t = r["times_ms"]
+    for key in ("raw_score_dg", "raw_score_dg_clean", "score_fp8_deepgemm", "e2e_fp8_dg",
+                "raw_topk", "raw_topk_val", "topk"):  # fmt: skip
+        assert t[key] == 1.0, key
+    assert r["overhead"]["score_dg"] == 1.0 and r["e2e_bound_dg"] > 0
+    assert set(r["host_us"]) == {"raw_score_fp8", "score_fp8", "raw_topk_val", "topk",
+                                 "select_fp8", "raw_score_dg", "select_fp8_dg"}  # fmt: skip
+    assert report["long"] == [] and report["split"] == []
+    # the raw DeepGEMM calls: compressed uncleaned (the select's input) and cleaned full scores
+    raw = [c for c in dg.calls if c["q"].shape[0] == 256]
+    assert {(c["max_seqlen_k"], c["clean_logits"]) for c in raw} >= {(256, False), (0, True)}
+    text = bench.format_tables(report)
+    assert "dg raw" in text and "dg fp8" in text and "long context" not in text
+    assert "host us per call" in text
+
+
+def test_long_profile_times_the_chunked_kernels(cpu_bench):
+    dsa, dg = cpu_bench
+    chunk_bytes = 64 * 512 * 12  # 64-row chunks of S = 512
+    report = bench.run_bench(_cfg(long_seqs=(512,), chunk_bytes=chunk_bytes))
+    assert report["results"] == []
+    (r,) = report["long"]
+    assert r["chunks"] == 8 and r["chunk_rows"] == 64
+    for key in ("raw_bf16", "raw_fp8", "raw_fp8_dg", "select_fp8_dg", "e2e_fp8_dg"):
+        assert r["times_ms"][key] == 1.0, key
+    assert set(r["peak_extra_mib"]) == {
+        f"{w}_{k}" for w in ("select", "e2e") for k in ("bf16", "fp8", "fp8_dg")
+    }
+    # Each raw or package select launches once per 64-row chunk, cuDNN and DeepGEMM.
+    assert len(dg.calls) % 8 == 0 and all(c["q"].shape[0] == 64 for c in dg.calls)
+    assert len(dsa.forward_calls) % 8 == 0
+    assert all(c["q"].shape[1] == 64 for c in dsa.forward_calls)
+    assert r["bound_fp8_dg"] == 1.0 and r["of_bound_fp8"] == 1.0
+    assert "long context" in bench.format_tables(report)
+
+
+def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
+    done = []
+    cfg = _cfg(split_seqs=(256,), chunk_bytes=128 * 256 * 12)
+    report = bench.run_bench(cfg, lambda r: done.append(sorted(k for k in r if r[k])))
+    assert done == [["config", "device", "split", "versions"]]  # once, after the split profile
+    (r,) = report["split"]
+    assert r["chunks"] == 2
+    for backend in ("cudnn", "deepgemm"):
+        x = r[backend]
+        assert x["score_ms"] == x["raw_select_ms"] == x["e2e_ms"] == 1.0
+        assert x["read_gib"] == 256 * 257 // 2 * 4 / 2**30
+        # Bandwidth 4 KiB per ms: the scores' traffic dwarfs the 1 ms e2e, so build it.
+        assert x["traffic_share"] > bench.FUSED_THRESHOLD and x["build_fused"]
+    assert r["cudnn"]["written_gib"] == 256 * 256 * 4 / 2**30  # -inf included
+    assert r["deepgemm"]["written_gib"] == r["deepgemm"]["read_gib"]  # the windows only
+    text = bench.format_tables(report)
+    assert "time split" in text and "yes" in text
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+def test_profiles_are_separate_flags(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
+    monkeypatch.setattr(bench, "format_tables", lambda report: "")
+    runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
+            ("--seq", "8192", "--long", "--split"))  # fmt: skip
+    for argv in runs:
+        bench.main(_parse(*argv))
+    default, long, split, long_seq, everything = seen
+    assert default.seqs == (8192, 16384) and not default.long_seqs and not default.split_seqs
+    assert long.seqs == () and long.long_seqs == bench.LONG_SEQS and long.long_reps == 5
+    assert split.seqs == () and split.split_seqs == (4096,)
+    assert long_seq.long_seqs == (32768,)
+    assert everything.seqs == (8192,) and everything.long_seqs and everything.split_seqs

@@ -1,0 +1,60 @@
+"""examples/toy_glm5_train.py on the CPU (tiny model): the configurations train, the default one
+equals stock Megatron, and ``replay`` -- the FP8 picks handed in -- runs no indexer in its step
+and trains exactly as the FP8 configuration that computes them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ..support.configs import ROOT
+from ..support.helpers import free_port
+
+
+def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_indexer(tmp_path):
+    pytest.importorskip("megatron.core")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    out = tmp_path / "toy.json"
+    args = ["--tiny", "--device", "cpu", "--steps", "4", "--share-steps", "1",
+            "--stock-steps", "1", "--profile-steps", "1", "--host-steps", "1",
+            "--configs", "baseline,rope_fp32+fp8,replay"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "examples/toy_glm5_train.py", *args, "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    assert result["losses_compared"] == "all"  # Megatron's PyTorch path: a deterministic backward
+    assert result["replay_losses_identical"] is True
+    assert runs["replay"]["losses"] == runs["rope_fp32+fp8"]["losses"]
+    assert runs["replay"]["losses"] != runs["baseline"]["losses"]  # FP8 picks differ from BF16's
+    assert runs["rope_fp32+fp8"]["scoring_calls"]["fp8"] == 2 * 4  # 2 layers x 4 steps
+    assert runs["replay"]["scoring_calls"]["total"] == 0  # its step scores nothing
+    assert runs["replay"]["indexer_ms"] is None
+    assert runs["rope_fp32+fp8"]["topk_host_ms_in_step"] > 0  # its top-k, timed inside steps
+    assert runs["replay"]["topk_host_ms_in_step"] is None  # no top-k of its own
+    assert runs["baseline"]["topk_host_ms_in_step"] is None  # Megatron's, inside its forward
+    assert runs["replay"]["package_host_ms_per_layer_forward"] > 0
+    # The whole core attention's host time in the step, for every configuration: without an
+    # indexer (its picks handed in) it costs the host less than computing them.
+    attention = {name: r["attention_host_ms_in_step"] for name, r in runs.items()}
+    assert all(ms > 0 for ms in attention.values()), attention
+    assert attention["replay"] < attention["rope_fp32+fp8"], attention
+    assert result["stock_equivalence"]["bit_identical_losses"] is True
+    assert "replay" not in str(result["topk_identical_inputs"])
+
+
+def test_toy_refuses_a_bitwise_stock_check_on_megatrons_fused_backward():
+    """``--kernel-backend cudnn`` runs Megatron's fused backward, whose atomic adds differ run to
+    run: the default-vs-stock bit check after updates cannot hold there, so it is refused."""
+    run = subprocess.run(
+        [sys.executable, "examples/toy_glm5_train.py", "--kernel-backend", "cudnn",
+         "--stock-steps", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--stock-steps 2" in run.stderr and "--stock-steps 0" in run.stderr, run.stderr[-2000:]

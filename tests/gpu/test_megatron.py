@@ -1,0 +1,445 @@
+"""The Megatron drop-ins on an SM90 GPU (megatron-core 0.19, Megatron's own sparse attention:
+``dsa_kernel_backend="none"`` because FlashMLA is not installed on the test host).
+
+Checked against: stock Megatron (default fields, bit for bit), the torch reference of the
+package on the same operands (the owned FP8 top-k), replays (bit-exact), and the host
+synchronisation debug mode (the owned top-k never waits for the host).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from ..support.helpers import no_host_sync
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, Q_LORA, KV_LORA, ROPE, HEADS = 512, 128, 512, 64, 16
+
+
+@pytest.fixture(scope="module")
+def dsap():
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import dsa_precision.megatron as dsap
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29541")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    return dsap
+
+
+def _config(dsap, stock=False, **overrides):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cls = MLATransformerConfig if stock else dsap.DSAPrecisionTransformerConfig
+    # Megatron's default Hadamard needs fast_hadamard_transform, which the GPU host lacks.
+    overrides.setdefault("dsa_indexer_rotate_activation", False)
+    return cls(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, bf16=True,
+        params_dtype=torch.bfloat16, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=128,
+        qk_pos_emb_head_dim=ROPE, v_head_dim=128, add_bias_linear=False, apply_rope_fusion=False,
+        experimental_attention_variant="dsa", dsa_indexer_n_heads=32, dsa_indexer_head_dim=128,
+        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, rope_type="rope",
+        layernorm_epsilon=1e-6,  # the indexer k_norm eps vLLM and LMDeploy hard-code
+        **overrides,
+    )  # fmt: skip
+
+
+def _attention(dsap, config, stock=False, layer_number=1):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    build = get_dsa_module_spec_for_backend if stock else dsap.get_dsa_precision_module_spec
+    spec = build(config, backend=dsap.LocalDSASpecProvider())
+    attn = build_module(
+        spec.submodules.core_attention, config=config, layer_number=layer_number,
+        attn_mask_type=AttnMaskType.causal, attention_type="self",
+    )  # fmt: skip
+    return attn.cuda().bfloat16()  # as Megatron's Float16Module leaves the parameters
+
+
+def _inputs(s=2048, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d = KV_LORA + ROPE
+
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    return (
+        r(s, 1, HEADS, d).requires_grad_(),
+        r(s, 1, 1, d).requires_grad_(),
+        r(s, 1, HIDDEN),
+        r(s, 1, Q_LORA),
+        r(HEADS, 128, KV_LORA),
+    )
+
+
+def _forward(attn):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def run(query, key, x, qr, up_v):
+        return attn(
+            query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v
+        )
+
+    return run
+
+
+CONFIGS = {
+    "baseline": {},
+    "rope_fp32": {"dsa_indexer_rope_fp32": True},
+    "fp8": {"dsa_indexer_scoring_precision": "fp8"},
+    "rope_fp32+fp8": {"dsa_indexer_rope_fp32": True, "dsa_indexer_scoring_precision": "fp8"},
+    # FP32 weights GEMM, Hadamard (the package's own transform on the rope_fp32 path)
+    "sglang-unfused": {
+        "dsa_indexer_rope_fp32": True,
+        "dsa_indexer_scoring_precision": "fp8",
+        "dsa_indexer_engine": "sglang-unfused",
+        "dsa_indexer_rotate_activation": True,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_attention_replays_bit_exact(dsap, name, topk_freq):
+    from dsa_precision.testing import assert_replays_bit_exact
+
+    attn = _attention(dsap, _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name]))
+    assert_replays_bit_exact(
+        _forward(attn), _inputs(), backward=True, contention=True, what=f"DSAttention {name}"
+    )
+
+
+def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
+    ours = _attention(dsap, _config(dsap))
+    stock = _attention(dsap, _config(dsap, stock=True), stock=True)
+    stock.load_state_dict(ours.state_dict())
+    a, b = _inputs(), _inputs()
+    out_a, out_b = _forward(ours)(*a), _forward(stock)(*b)
+    assert torch.equal(out_a, out_b)
+    out_a.float().sum().backward()
+    out_b.float().sum().backward()
+    assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
+
+
+@pytest.mark.parametrize("engine", ["vllm-exact", "vllm", "lmdeploy"])
+def test_fp8_owned_top_k_on_cudnn(dsap, record, engine):
+    from dsa_precision import indexer_select, reset_scoring_calls, scoring_calls, topk_agreement
+
+    config = _config(
+        dsap,
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_engine=engine,
+    )
+    attn = _attention(dsap, config)
+    query, _, x, qr, _ = _inputs()
+    reset_scoring_calls()
+    topk = attn.compute_topk(query, x, qr, None)
+    assert scoring_calls("fp8", "cudnn") >= 1 and scoring_calls() == scoring_calls("fp8")
+    ops = attn.indexer.scoring_operands(x, qr)
+    assert ops.q.dtype == torch.float8_e4m3fn and ops.q.is_cuda
+    exact = indexer_select(ops, topk=256, backend="torch")
+    agreement = topk_agreement(topk, exact).as_dict()
+    record("megatron_owned_topk", engine=engine, **agreement)
+    assert agreement["member_agreement"] >= 0.9999
+
+
+@pytest.mark.parametrize(
+    "packed, lengths", [(False, None), (True, "cuda"), (True, "cpu")],
+    ids=["bshd", "thd", "thd_host_lengths"],
+)  # fmt: skip
+def test_owned_top_k_never_waits_for_the_host(dsap, packed, lengths):
+    """No host synchronisation in the owned top-k, packed lengths on the device or on the host
+    (checked there, then copied without waiting for the stream)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    config = _config(dsap, dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
+    attn = _attention(dsap, config)
+    query, _, x, qr, _ = _inputs()
+    psp = None
+    if packed:
+        cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device=lengths)
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1100,
+            max_seqlen_kv=1100,
+        )  # fmt: skip
+    want = attn.compute_topk(query, x, qr, psp)  # warm-up: compiles the kernels
+    with no_host_sync():
+        got = attn.compute_topk(query, x, qr, psp)
+    assert torch.equal(got, want)
+
+
+def _packed_params(packed: bool):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not packed:
+        return None
+    cu = torch.tensor([0, 300, 301, 1400, 2048], dtype=torch.int32, device="cuda")
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1100, max_seqlen_kv=1100
+    )
+
+
+def _layer_step(dsap, name, topk_freq, packed):
+    """Layers 1 and 2 of an FP8 model (with topk_freq=2 layer 2 reads layer 1's top-k) and a
+    step: forward of both, backward; returns the output and the query / key gradients."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name])
+    layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+    psp = _packed_params(packed)  # built before the step: a host-to-device copy of the lengths
+
+    def step(inputs):
+        outs = []
+        for layer, (query, key, x, qr, up_v) in zip(layers, inputs, strict=True):
+            if packed:
+                query, key = query.view(query.shape[0], *query.shape[2:]), key[:, 0]
+            outs.append(
+                layer(
+                    query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal,
+                    up_v_weight=up_v, packed_seq_params=psp,
+                )
+            )  # fmt: skip
+        sum(o.float().square().sum() for o in outs).backward()
+        return [o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]]
+
+    return step
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+@pytest.mark.parametrize("name", ["fp8", "rope_fp32+fp8"])
+def test_fp8_layer_forward_and_backward_never_wait_for_the_host(dsap, name, topk_freq, packed):
+    """Issue 19 item 3: the default FP8 step (the package's owned top-k, the seam, Megatron's
+    sparse attention, the backward) runs under ``set_sync_debug_mode("error")``."""
+    step = _layer_step(dsap, name, topk_freq, packed)
+    want = step([_inputs(seed=s) for s in (0, 1)])  # warm-up: compiles the kernels
+    inputs = [_inputs(seed=s) for s in (0, 1)]
+    with no_host_sync():
+        got = step(inputs)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_megatron_recompute_gives_the_eager_gradients(dsap, topk_freq):
+    """Megatron's activation recomputation (``tensor_parallel.checkpoint``, what
+    ``recompute_granularity`` uses) reruns each FP8 layer in the backward: the owned layer
+    restages its top-k, the reader reads the holder again; outputs and gradients are eager's."""
+    from megatron.core import tensor_parallel
+
+    config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS["rope_fp32+fp8"])
+    layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+    results = []
+    for recompute in (False, True):
+        inputs = [_inputs(seed=s) for s in (0, 1)]
+        outs = []
+        for layer, args in zip(layers, inputs, strict=True):
+            run = _forward(layer)
+            outs.append(tensor_parallel.checkpoint(run, False, *args) if recompute else run(*args))
+        sum(o.float().square().sum() for o in outs).backward()
+        results.append([o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_layer_forward_replays_from_a_cuda_graph(dsap):
+    """CUDA-graph capture of the FP8 layer forward (owned top-k staged through the seam): the
+    replay on new inputs copied into the static buffers gives the eager output."""
+    config = _config(dsap, **CONFIGS["rope_fp32+fp8"])
+    attn = _attention(dsap, config)
+    run = _forward(attn)
+    static = [t.detach().clone() for t in _inputs(seed=0)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream, as torch.cuda.graph requires
+            run(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = run(*static)
+    fresh = [t.detach() for t in _inputs(seed=3)]
+    for buffer, value in zip(static, fresh, strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    with torch.no_grad():
+        want = run(*fresh)
+    assert torch.equal(out, want)
+
+
+# ------------------------------------------------------------ dsa_indexer_cuda_graph
+
+
+def _graph_pair(dsap, **overrides):
+    """The same FP8 layer (same weights) eager and with ``dsa_indexer_cuda_graph``."""
+    fields = dict(CONFIGS["rope_fp32+fp8"], **overrides)
+    eager = _attention(dsap, _config(dsap, **fields))
+    graphed = _attention(dsap, _config(dsap, dsa_indexer_cuda_graph=True, **fields))
+    graphed.load_state_dict(eager.state_dict())
+    return eager, graphed
+
+
+def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
+    """Captured on the first call, replayed on new inputs: the eager picks bit for bit, with
+    the scoring calls counted per replay (the capture itself launches none) and no host
+    synchronisation on a replay."""
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    eager, graphed = _graph_pair(dsap)
+    for seed in range(3):
+        query, _, x, qr, _ = _inputs(seed=seed)
+        reset_scoring_calls()
+        with no_host_sync() if seed == 2 else contextlib.nullcontext():
+            got = graphed.compute_topk(query, x, qr, None)
+        calls = 3 if seed == 0 else 1  # the first call: two warm-up runs, the capture, a replay
+        assert scoring_calls("fp8", "cudnn") == calls and scoring_calls() == calls
+        assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed
+    assert len(graphed._graphs) == 1
+    # verify's margins: another graph, the eager picks and margins
+    picks, margins = graphed.compute_topk(query, x, qr, None, margins=True)
+    want_picks, want_margins = eager.compute_topk(query, x, qr, None, margins=True)
+    assert torch.equal(picks, want_picks)
+    assert torch.equal(margins.view(torch.int32), want_margins.view(torch.int32))  # NaN: the bits
+    assert len(graphed._graphs) == 2
+
+
+def test_graphed_top_k_follows_the_parameters(dsap):
+    """An in-place update (the optimizer's) is read by the next replay; new storage for a
+    parameter, or a new Parameter object, captures again; another sequence length captures its
+    own graph."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=0)
+    first = graphed.compute_topk(query, x, qr, None)
+    with torch.no_grad():
+        for a, b in zip(eager.indexer.parameters(), graphed.indexer.parameters(), strict=True):
+            noise = torch.randn_like(a) * 0.5
+            a.add_(noise)
+            b.add_(noise)
+    got = graphed.compute_topk(query, x, qr, None)
+    assert not torch.equal(got, first)
+    assert torch.equal(got, eager.compute_topk(query, x, qr, None))
+    assert len(graphed._graphs) == 1
+    with torch.no_grad():
+        weight = graphed.indexer.linear_wk.weight
+        first_storage = weight.data  # kept: the new storage cannot reuse its address
+        weight.data = first_storage.clone()
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 2
+    with torch.no_grad():  # a new Parameter object (a reload that replaces the module's);
+        # `weight` keeps the second storage alive, so the new one has an address of its own
+        graphed.indexer.linear_wk.weight = torch.nn.Parameter(weight.data.clone())
+        graphed.indexer.linear_wk.weight.mul_(-1)
+        eager.indexer.linear_wk.weight.mul_(-1)
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 3
+    query, _, x, qr, _ = _inputs(s=1024, seed=1)
+    assert torch.equal(
+        graphed.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(graphed._graphs) == 4
+
+
+@pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
+def test_graphed_layer_trains_as_the_eager_layer(dsap, topk_freq):
+    """Two layers, forward and backward, three steps on new inputs: outputs and gradients of the
+    graphed layers equal the eager ones bit for bit."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    results = []
+    for graph in (False, True):
+        config = _config(dsap, dsa_indexer_topk_freq=topk_freq, dsa_indexer_cuda_graph=graph,
+                         **CONFIGS["rope_fp32+fp8"])  # fmt: skip
+        layers = [_attention(dsap, config, layer_number=n) for n in (1, 2)]
+        run = []
+        for step in range(3):
+            inputs = [_inputs(seed=10 * step + n) for n in (0, 1)]
+            outs = [
+                layer(q, k, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=v)
+                for layer, (q, k, x, qr, v) in zip(layers, inputs, strict=True)
+            ]
+            sum(o.float().square().sum() for o in outs).backward()
+            run += [o.detach() for o in outs] + [t.grad for inp in inputs for t in inp[:2]]
+        results.append(run)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_new_layer_captures_after_every_graph_is_gone(dsap):
+    """The shared pool of a device whose graphs were all dropped (models deleted) is not reused:
+    a new layer captures into a new one."""
+    import gc
+
+    query, _, x, qr, _ = _inputs(seed=4)
+    _, graphed = _graph_pair(dsap)
+    want = graphed.compute_topk(query, x, qr, None)
+    del graphed
+    gc.collect()
+    eager, graphed = _graph_pair(dsap)
+    assert torch.equal(graphed.compute_topk(query, x, qr, None), want)
+    assert torch.equal(want, eager.compute_topk(query, x, qr, None))
+
+
+def test_graphed_top_k_follows_the_preprocessing_fields(dsap):
+    """A Megatron field the preprocessing follows per forward (here the RoPE layout), changed
+    after a capture, captures again: the replay never runs the old preprocessing."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=6)
+    before = graphed.compute_topk(query, x, qr, None)
+    for layer in (eager, graphed):
+        layer.config.dsa_indexer_rope_interleaved = True
+    got = graphed.compute_topk(query, x, qr, None)
+    assert torch.equal(got, eager.compute_topk(query, x, qr, None))
+    assert not torch.equal(got, before) and len(graphed._graphs) == 2
+
+
+def test_a_graph_captured_in_inference_mode_serves_training(dsap):
+    """Log-probs recomputed under inference mode first, then the training forward: the graph's
+    static buffers are not inference tensors."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=7)
+    with torch.inference_mode():
+        first = graphed.compute_topk(query, x, qr, None)
+    got = graphed.compute_topk(query, x, qr, None)
+    assert torch.equal(got, first) and torch.equal(got, eager.compute_topk(query, x, qr, None))
+
+
+def test_graphs_are_dropped_least_recently_used_and_a_copy_captures_its_own(dsap):
+    import copy
+
+    from dsa_precision import reset_scoring_calls, scoring_calls
+
+    _, graphed = _graph_pair(dsap)
+    graphed._graphs._max = 2
+    lengths = {n: _inputs(s=n, seed=n) for n in (512, 768, 1024)}
+
+    def call(n):
+        query, _, x, qr, _ = lengths[n]
+        reset_scoring_calls()
+        out = graphed.compute_topk(query, x, qr, None)
+        return out, scoring_calls()  # 3 for a capture (two warm-ups and the replay), else 1
+
+    for n, calls in ((512, 3), (768, 3), (512, 1), (1024, 3), (512, 1), (768, 3)):
+        assert call(n)[1] == calls, n
+    twin = copy.deepcopy(graphed._graphs)  # a copied layer captures its own graphs
+    assert len(graphed._graphs) == 2 and len(twin) == 0 and twin._max == 2

@@ -1,0 +1,138 @@
+"""DSAPrecisionTransformerConfig and its flags: defaults keep Megatron's behaviour, and every bad value names the field, the value and the fix."""
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+import dsa_precision.megatron as dsap
+from dsa_precision import IndexerPrecisionConfig
+
+from ..support.megatron import (
+    CONFIGS,
+    HEADS,
+    HIDDEN,
+    attention_inputs,
+    make_attention,
+    make_config,
+    run_attention,
+)
+
+
+def test_field_defaults_keep_megatron_behaviour():
+    """Built from the same fields, the drop-in config is the stock config: every Megatron field
+    of a plain value (dsa_kernel_backend among them) is the stock one, and the precision is what
+    the stock config reads as."""
+    import enum
+
+    ours = make_config()
+    stock = make_config(type(ours).__mro__[1])
+    plain = (int, float, str, bool, type(None), enum.Enum, tuple, list, torch.dtype)
+    fields = [
+        f.name for f in dataclasses.fields(stock) if isinstance(getattr(stock, f.name), plain)
+    ]
+    assert "dsa_kernel_backend" in fields and len(fields) > 100
+    changed = [n for n in fields if getattr(ours, n) != getattr(stock, n)]
+    assert not changed, changed
+    assert ours.dsa_indexer_precision == IndexerPrecisionConfig.from_megatron_config(stock)
+
+
+def test_fp8_leaves_megatron_fields_alone():
+    config = make_config(dsa_indexer_scoring_precision="fp8")
+    assert config.dsa_kernel_backend == "none" and config.dsa_indexer_precision.fp8
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(dsa_indexer_loss_coeff=0.1), r"dsa_indexer_loss_coeff=0\.1: .*Set it to 0"),
+        (dict(dsa_indexer_scoring_relu=False), r"dsa_indexer_scoring_relu=False: .*=True"),
+        (dict(dsa_indexer_n_heads=16), r"dsa_indexer_n_heads=16: .*\(32, 64\)"),
+        (dict(dsa_indexer_head_dim=64), r"dsa_indexer_head_dim=64: .*set it to 128"),
+    ],
+)
+def test_fp8_validation_names_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(dsa_indexer_scoring_precision="fp8", **overrides)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ValueError) as err:
+        make_config(
+            dsa_indexer_scoring_precision="fp8", dsa_indexer_loss_coeff=0.5, dsa_indexer_n_heads=8
+        )
+    assert "dsa_indexer_loss_coeff=0.5" in str(err.value) and "dsa_indexer_n_heads=8" in str(
+        err.value
+    )
+
+
+@pytest.mark.parametrize("name", ["rope_fp32", "fp8"])
+def test_directly_built_dsa_modules_take_the_fields_whatever_the_variant_says(name):
+    """Megatron's own tests build DSA modules from configs with experimental_attention_variant=None:
+    the config accepts the fields, and the module computes exactly as with the variant 'dsa'."""
+    inputs = attention_inputs()
+    outputs = []
+    for variant in (None, "dsa"):
+        config = make_config(experimental_attention_variant=variant, **CONFIGS[name])
+        assert config.dsa_indexer_precision == IndexerPrecisionConfig(**_precision_of(name))
+        outputs.append(run_attention(make_attention(config), inputs).detach())
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def _precision_of(name: str) -> dict:
+    return {"rope_fp32": dict(rope_fp32=True), "fp8": dict(scoring_precision="fp8")}[name]
+
+
+def test_engine_field_is_validated():
+    with pytest.raises(ValueError, match=r"dsa_indexer_engine='tgi' is not an engine profile"):
+        make_config(dsa_indexer_engine="tgi")
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ValueError, match=r"dsa_indexer_scoring_precision='int8'.*'bf16', 'fp8'"):
+        make_config(dsa_indexer_scoring_precision="int8")
+    with pytest.raises(TypeError, match="dsa_indexer_rope_fp32 must be a bool"):
+        make_config(dsa_indexer_rope_fp32="yes")
+
+
+def test_cli_flags_round_trip_into_the_config(monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(
+        "sys.argv",
+        ["train.py", "--num-layers", "1", "--hidden-size", str(HIDDEN), "--num-attention-heads",
+         str(HEADS), "--seq-length", "64", "--max-position-embeddings", "64",
+         "--dsa-indexer-rope-fp32", "--dsa-indexer-scoring-precision", "fp8",
+         "--dsa-indexer-engine", "vllm"],
+    )  # fmt: skip
+    args = parse_args(extra_args_provider=dsap.add_dsa_precision_args)
+    assert args.dsa_indexer_rope_fp32 is True and args.dsa_indexer_scoring_precision == "fp8"
+    assert args.dsa_indexer_engine == "vllm"
+    parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
+    defaults = parser.parse_args([])
+    assert defaults.dsa_indexer_scoring_precision == "bf16" and not defaults.dsa_indexer_rope_fp32
+    for bad in (["--dsa-indexer-scoring-precision", "int8"], ["--dsa-indexer-engine", "tgi"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    base = make_config()
+    monkeypatch.setattr(
+        "megatron.training.argument_utils.core_transformer_config_from_args", lambda a: base
+    )
+    config = dsap.config_from_args(args)
+    assert isinstance(config, dsap.DSAPrecisionTransformerConfig)
+    assert config.dsa_indexer_precision == IndexerPrecisionConfig(True, "fp8", "vllm")
+    assert config.hidden_size == HIDDEN
+
+
+def test_the_engines_k_norm_epsilon_is_checked_where_the_config_is_built():
+    """vLLM hard-codes the indexer k_norm eps 1e-6; with rope_fp32 a model of Megatron's default
+    1e-5 is refused by the config itself (naming both values), and so is a later assignment."""
+    with pytest.raises(ValueError, match=r"epsilon 1e-06.*eps=1e-05"):
+        make_config(dsa_indexer_rope_fp32=True, layernorm_epsilon=1e-5)
+    config = make_config(dsa_indexer_rope_fp32=True)  # megatron_utils: 1e-6
+    with pytest.raises(ValueError, match=r"layernorm_epsilon=1e-05 rejected"):
+        config.layernorm_epsilon = 1e-5
+    assert config.layernorm_epsilon == 1e-6
+    make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-exact", layernorm_epsilon=1e-5)
+    make_config(layernorm_epsilon=1e-5)  # Megatron's behaviour: nothing of ours runs

@@ -1,0 +1,223 @@
+"""Replay and verify under TP=2 with sequence parallelism and CP=2 (BSHD and packed THD): two
+processes on the CPU (gloo, tiny shapes, the torch backend), and the same on two GPUs (NCCL,
+cuDNN; ``gpu``, skipped with fewer than two).
+
+Each process first runs the single-process layer (TP = CP = 1, the world data-parallel), then the
+same layer (same seed, same weights) under the parallel layout on its shard of the same inputs,
+the way Megatron hands them to ``DSAttention.forward``: TP+SP, ``x`` / ``qr`` sequence-local
+(the indexer gathers them), the query and key of every row with this rank's heads; CP, the rows
+of the rank's zigzag chunks (BSHD) or of every packed sequence's zigzag chunks (THD), keys
+all-gathered by Megatron. Checked against the single-process run:
+
+- ``replay``: the attention output of the rank's rows and heads is the single-process one, bit
+  for bit. The engine picks one key per token (a random causal key, the other slots ``-1``): the
+  softmax is then exactly 1 on it, so the output is that key's latent value, projected -- exact
+  arithmetic whatever the BLAS library's blocking or thread count, and a wrong key (another
+  token's, another sequence's) changes it;
+- ``verify`` with FP8 scoring: the layer's metrics (summed over the CP group; every TP rank holds
+  all rows) are the single-process ones: counts exactly, mean margins to float64 rounding. The
+  indexer's weights and inputs are small multiples of 1/8, so its GEMMs are exact too and the
+  operands do not depend on how rows are split (the package's picks, given the same operands,
+  never do).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from ..support.helpers import free_port
+
+SEQ, WORLD = 16, 2
+CASES = {  # name: (tp, cp, packed cu_seqlens or None)
+    "tp2-sp-bshd": (2, 1, None),
+    "tp2-sp-thd": (2, 1, [0, 6, 16]),
+    "cp2-bshd": (1, 2, None),
+    "cp2-thd": (1, 2, [0, 4, 16]),  # each length divisible by 2 * CP
+}
+
+
+def _exact_(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Small multiples of 1/8 (exact products and sums in float32, exact in BF16)."""
+    with torch.no_grad():
+        return t.copy_(torch.randint(-2, 3, t.shape, generator=g).to(t.dtype) / 8)
+
+
+def _inputs(packed: bool) -> dict:
+    from ..support.megatron import attention_inputs
+
+    g = torch.Generator().manual_seed(11)
+    inputs = attention_inputs(sq=SEQ, b=1 if packed else 2, packed=packed)
+    for name in ("x", "qr"):
+        _exact_(inputs[name], g)
+    return inputs
+
+
+def _engine(cu: list[int] | None, batch: int, topk: int) -> torch.Tensor:
+    """``(T, topk)`` engine picks: one random causal key per token, in a random slot."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [b - a for a, b in itertools.pairwise(cu)] if cu else [SEQ] * batch
+    position = torch.cat([torch.arange(n) for n in lengths])
+    key = (torch.rand(position.shape, generator=g) * (position + 1)).long()
+    picks = torch.full((position.numel(), topk), -1, dtype=torch.int64)
+    slot = torch.randint(0, topk, position.shape, generator=g)
+    return picks.scatter_(1, slot[:, None], key[:, None])
+
+
+def _layer(source: str, tp: int, cp: int, fp8: bool):
+    from dsa_precision.testing.megatron import local_sp_backend
+
+    from ..support.megatron import make_attention, make_config
+
+    fields = dict(dsa_indexer_topk_source=source, dsa_indexer_topk=4)
+    if fp8:
+        fields["dsa_indexer_scoring_precision"] = "fp8"
+    if tp > 1:
+        fields |= dict(tensor_model_parallel_size=tp, sequence_parallel=True)
+    if cp > 1:
+        fields |= dict(context_parallel_size=cp, cp_comm_type="allgather")
+    attn = make_attention(make_config(**fields), seed=3, backend=local_sp_backend())
+    g = torch.Generator().manual_seed(13)
+    for p in attn.indexer.parameters():
+        _exact_(p, g)
+    return attn
+
+
+def _shard(inputs: dict, tp: int, cp: int, cu: list[int] | None, rank: int):
+    """This rank's inputs (see the module docstring) and the rows / heads of the output."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_layout
+
+    from ..support.megatron import HEADS
+
+    out = {k: v.detach().clone() for k, v in inputs.items()}
+    rows, heads = slice(None), slice(0, HEADS)
+    if tp > 1:
+        local = SEQ // tp
+        heads = slice(rank * HEADS // tp, (rank + 1) * HEADS // tp)
+        for name in ("x", "qr"):
+            out[name] = out[name][rank * local : (rank + 1) * local]
+        out["query"] = out["query"][..., heads, :]
+        out["up_v_weight"] = out["up_v_weight"][heads]
+    if cp > 1:
+        if cu is None:
+            rows = dsa_layout.build_zigzag_cp_local_positions(SEQ, cp, rank, "cpu")
+        else:
+            rows = dsa_layout.build_packed_allgather_cp_local_positions(
+                torch.tensor(cu), cp, rank, "cpu", output_size=SEQ // cp
+            )
+        for name in ("query", "key", "x", "qr"):
+            out[name] = out[name][rows]
+    for name in ("query", "key"):
+        out[name] = out[name].contiguous().requires_grad_()
+    return out, rows, heads
+
+
+def _run(attn, inputs, engine, cu, device, **metrics_kw):
+    import dataclasses
+
+    import dsa_precision.megatron as dsap
+
+    from ..support.megatron import packed_params, run_attention
+
+    attn = attn.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    kw = {}
+    if cu:
+        psp = packed_params(cu)
+        cu_dev = psp.cu_seqlens_q.to(device)
+        kw["packed_seq_params"] = dataclasses.replace(
+            psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev
+        )
+    layout = dict(cu_seqlens=torch.tensor(cu)) if cu else dict(seq_len=SEQ)
+    with torch.no_grad(), dsap.engine_topk({1: engine}, **layout):
+        out = run_attention(attn, inputs, **kw)
+    return out, dsap.topk_metrics(torch.nn.ModuleList([attn]), **metrics_kw)
+
+
+def _case(name: str, rank: int, device: str) -> dict:
+    from megatron.core import parallel_state
+
+    from ..support.megatron import V_DIM
+
+    tp, cp, cu = CASES[name]
+    inputs = _inputs(packed=cu is not None)
+    engine = _engine(cu, 1 if cu else 2, topk=4)
+    result = {}
+    for source, fp8 in (("replay", False), ("verify", True)):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+        ref, ref_metrics = _run(_layer(source, 1, 1, fp8), inputs, engine, cu, device)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+        group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        mine, rows, heads = _shard(inputs, tp, cp, cu, rank)
+        out, metrics = _run(_layer(source, tp, cp, fp8), mine, engine, cu, device, group=group)
+        want = ref[..., heads.start * V_DIM : heads.stop * V_DIM] if tp > 1 else ref
+        result[source] = dict(
+            equal=torch.equal(out, want[rows]),
+            max_diff=float((out.float() - want[rows].float()).abs().max()),
+            metrics=metrics,
+            ref_metrics=ref_metrics,
+        )
+    return result
+
+
+def _worker(rank: int, port: int, path: str, device: str) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from dsa_precision.testing.megatron import megatron_on_cpu
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":  # two GPUs: NCCL, NVLink multicast off
+        os.environ.update(
+            NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+        )
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=WORLD)
+    try:
+        with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
+            results = {name: _case(name, rank, device) for name in CASES}
+        torch.save(results, f"{path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path_factory, device: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    path = str(tmp_path_factory.mktemp("replay_parallel") / "results")
+    mp.spawn(_worker, args=(free_port(), path, device), nprocs=WORLD, join=True)
+    return [torch.load(f"{path}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def parallel(request, tmp_path_factory):
+    if request.param == "cuda" and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}")
+    return _spawn(tmp_path_factory, request.param)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replay_output_is_the_single_process_output(parallel, case):
+    for rank, results in enumerate(parallel):
+        r = results[case]["replay"]
+        assert r["equal"], f"{case}, rank {rank}: max |diff| {r['max_diff']:.3e}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_verify_metrics_are_the_single_process_metrics(parallel, case):
+    for rank, results in enumerate(parallel):
+        r = results[case]["verify"]
+        got, want = r["metrics"], r["ref_metrics"]
+        assert got.keys() == want.keys() and want, (case, rank, got, want)
+        assert want["dsa_topk/layer_01/rows"] == SEQ * (1 if "thd" in case else 2)
+        for key, value in want.items():
+            if "margin" in key:
+                assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
+            else:
+                assert got[key] == value, (case, rank, key, got[key], value)

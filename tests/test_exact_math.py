@@ -1,0 +1,151 @@
+"""The emulated float32 arithmetic (dsa_precision.exact_math) against exact references in Python rationals: fixed reduction orders, fused multiply-adds rounded once, the engines' LayerNorm."""
+
+import pytest
+import torch
+
+
+def _python_pairwise(values: list[float]) -> float:
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def test_pairwise_sum_has_a_fixed_order():
+    from dsa_precision.exact_math import pairwise_sum
+
+    x = torch.randn(6, 128, dtype=torch.float64) * torch.logspace(-30, 30, 128, dtype=torch.float64)
+    got = pairwise_sum(x)[:, 0].tolist()
+    assert got == [_python_pairwise(row) for row in x.tolist()]
+    # An order-dependent sum: the tree cancels 1 - 1 first, so the tiny term survives.
+    v = torch.zeros(128, dtype=torch.float64)
+    v[0], v[1], v[2] = 1.0, -1.0, 2.0**-60
+    assert pairwise_sum(v).item() == 2.0**-60
+
+
+def test_layer_norm_fp32_is_layout_independent():
+    from dsa_precision.preprocess import layer_norm_fp32
+
+    k = (torch.randn(64, 3, 128) * torch.logspace(-12, 2, 128)).to(torch.bfloat16)
+    w, b = torch.randn(128).to(torch.bfloat16), torch.randn(128).to(torch.bfloat16)
+    contiguous = layer_norm_fp32(k, w, b, 1e-6)
+    strided = layer_norm_fp32(k.transpose(0, 1).contiguous().transpose(0, 1), w, b, 1e-6)
+    one_row = torch.stack([layer_norm_fp32(k[i], w, b, 1e-6) for i in range(k.shape[0])])
+    assert torch.equal(contiguous, strided) and torch.equal(contiguous, one_row)
+
+
+def _f32_exact(x) -> float:
+    """An exact rational rounded to the nearest float32 (ties to even), via numpy's rounding of
+    a double that holds it exactly or lies on the right side of every float32 midpoint."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    lo = float(np.float32(float(x)))
+    # float(x) rounds once to double; settle a float32 tie the double could have created.
+    mid_up = (Fraction(lo) + Fraction(float(np.nextafter(np.float32(lo), np.float32(np.inf))))) / 2
+    mid_dn = (Fraction(lo) + Fraction(float(np.nextafter(np.float32(lo), np.float32(-np.inf))))) / 2
+    if x > mid_up or (x == mid_up and (np.float32(lo).view(np.int32) & 1)):
+        return float(np.nextafter(np.float32(lo), np.float32(np.inf)))
+    if x < mid_dn or (x == mid_dn and (np.float32(lo).view(np.int32) & 1)):
+        return float(np.nextafter(np.float32(lo), np.float32(-np.inf)))
+    return lo
+
+
+def test_fma_fp32_rounds_once():
+    """fma_fp32 is the correctly rounded a * b + c, including the cases where rounding the
+    float64 sum to float32 rounds twice (the exact value just off a float32 midpoint)."""
+    from fractions import Fraction
+
+    from dsa_precision.exact_math import fma_fp32
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4000, generator=g)
+    b = torch.randn(4000, generator=g) * 2.0 ** torch.randint(-30, 30, (4000,), generator=g)
+    c = -(a * b) * (1 + torch.randn(4000, generator=g) * 1e-6)  # heavy cancellation
+    # Double-rounding traps: (1 + 2**-12)**2 = 1 + 2**-11 + 2**-24 is a float32 midpoint, and
+    # +-2**-60 is below float64's precision there: the float64 sum lands on the midpoint.
+    t = 1.0 + 2.0**-12
+    a = torch.cat((a, torch.tensor([t, t, -t])))
+    b = torch.cat((b, torch.tensor([t, t, t])))
+    c = torch.cat((c, torch.tensor([2.0**-60, -(2.0**-60), -(2.0**-60)])))
+    got = fma_fp32(a, b, c)
+    naive = (a.double() * b.double() + c.double()).float()
+    want = [
+        _f32_exact(Fraction(x) * Fraction(y) + Fraction(z))
+        for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)
+    ]
+    assert got.tolist() == want
+    assert not torch.equal(naive, got)  # the double rounding it avoids happens here
+    assert got[-3].item() == 1.0 + 2.0**-11 + 2.0**-23 and naive[-3].item() == 1.0 + 2.0**-11
+
+
+def _warp_sum(values, *, squares: bool, fma: bool):
+    """A simulation of Triton's tl.sum over 128 float32 values, one per thread of 4 warps,
+    lane by lane as the PTX reads (shfl.bfly 16 ... 1 in each warp, lane 0 writes the warp's
+    partial, then shfl.bfly 2, 1 over the 4 partials)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    f = np.float32
+    out = []
+    for w in range(4):
+        lane = [f(v) for v in values[32 * w : 32 * w + 32]]
+        first = True
+        for m in (16, 8, 4, 2, 1):
+            new = []
+            for i in range(32):
+                a, b = lane[i], lane[i ^ m]
+                if first and squares:
+                    if fma:  # fma(d_i, d_i, fl(d_j * d_j)): lane i's multiply fused
+                        new.append(f(_f32_exact(Fraction(float(a)) ** 2 + Fraction(float(b * b)))))
+                    else:
+                        new.append(f(a * a) + f(b * b))
+                else:
+                    new.append(f(a + b))
+            lane, first = new, False
+        out.append(lane[0])
+    for m in (2, 1):
+        out = [f(out[i] + out[i ^ m]) for i in range(4)]
+    return float(out[0])
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_triton_block_sum_is_tritons_reduction_order(fma):
+    from dsa_precision.exact_math import pairwise_sum, triton_block_sum
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 128, generator=g) * 2.0 ** torch.randint(-12, 12, (6, 128), generator=g)
+    sums = triton_block_sum(x)[:, 0]
+    squares = triton_block_sum(x, squares_of=x, fma=fma)[:, 0]
+    for i in range(6):
+        assert sums[i].item() == _warp_sum(x[i].tolist(), squares=False, fma=fma)
+        assert squares[i].item() == _warp_sum(x[i].tolist(), squares=True, fma=fma)
+    assert not torch.equal(sums, pairwise_sum(x)[:, 0])  # another order, other bits
+    with pytest.raises(ValueError, match="128-wide"):
+        triton_block_sum(torch.ones(2, 64))
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
+    """layer_norm_fp32_ops against the float32 operations written out (CPU rsqrt: 1 / sqrt)."""
+    from dsa_precision.exact_math import (
+        fma_fp32,
+        layer_norm_fp32,
+        layer_norm_fp32_ops,
+        triton_block_sum,
+    )
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(64, 128, generator=g) * 3 + 1).to(torch.bfloat16).float()
+    w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    got = layer_norm_fp32_ops(x, w, b, 1e-6, fma=fma)
+    mean = triton_block_sum(x) / 128
+    d = x - mean
+    var = triton_block_sum(d, squares_of=d, fma=fma) / 128
+    y = d * (1 / torch.sqrt(var + torch.tensor(1e-6, dtype=torch.float32)))
+    want = fma_fp32(y, w.float(), b.float()) if fma else y * w.float() + b.float()
+    assert torch.equal(got, want)
+    exact = layer_norm_fp32(x, w, b, 1e-6)
+    assert (got - exact).abs().max() < 1e-5 and not torch.equal(got, exact)

@@ -1,0 +1,71 @@
+"""Row arithmetic of causal and packed scoring (dsa_precision.rows) against the formulas written out."""
+
+import pytest
+import torch
+
+from dsa_precision.rows import (
+    causal_key_counts,
+    causal_offsets,
+    constant_key_counts,
+    constant_offsets,
+    varlen_key_counts,
+    varlen_row_slice,
+)
+
+from .support.configs import CPU
+from .support.helpers import (
+    causal_counts,
+    cu_seqlens,
+)
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_causal_key_counts_follow_the_formula(ratio):
+    offsets = torch.tensor([0, 7, 100], dtype=torch.int32)
+    got = causal_key_counts(offsets, 4, 9, ratio, 30)
+    assert got.dtype == torch.int32 and got.shape == (3, 9)
+    want = [causal_counts(off, range(4, 13), ratio, 30) for off in (0, 7, 100)]
+    assert got.tolist() == want
+
+
+def test_varlen_key_counts_and_row_slices_follow_the_formula():
+    lens_q, lens_k = [5, 0, 17, 9], [5, 0, 17, 12]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    offsets = torch.tensor([0, 4, 2, 3])
+    got = varlen_key_counts(cu_q, cu_k, offsets, 2, sum(lens_q))
+    want = []
+    for i, n in enumerate(lens_q):
+        want += [min(c, lens_k[i]) for c in causal_counts(int(offsets[i]), range(n), 2, 10**9)]
+    assert got.tolist() == want
+    # Rows [8, 20) of the packing: sequence 2's rows 3..14, sequence 3 untouched.
+    sliced_cu, sliced_off = varlen_row_slice(cu_q, offsets, 8, 20)
+    assert sliced_cu.tolist() == [0, 0, 0, 12, 12] and sliced_cu.dtype == torch.int32
+    assert sliced_off.tolist()[2:] == [2 + 3, 3]  # sequence 2 starts at its local row 3
+
+
+def test_constant_offsets_and_key_counts_match_their_uncached_builds():
+    """Every argument is part of the key: a sequence of calls that differ in one argument each
+    returns each one's own values (a cache keyed on fewer would return a previous call's)."""
+    cases = [
+        (0, 1, 0, 8, 1, 8),
+        (5, 1, 0, 8, 1, 8),  # another offset
+        (5, 2, 0, 8, 1, 8),  # another batch
+        (5, 2, 3, 8, 1, 8),  # another first row
+        (5, 2, 3, 5, 1, 8),  # fewer rows
+        (5, 2, 3, 5, 4, 8),  # another ratio
+        (5, 2, 3, 5, 4, 3),  # fewer keys
+        (0, 1, 0, 8, 1, 8),  # the first again
+    ]
+    for offset, b, r0, rows, ratio, sk in cases:
+        offsets = torch.full((b,), offset, dtype=torch.int32)
+        want = causal_key_counts(offsets, r0, rows, ratio, sk).view(-1)
+        got = constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (offset, b, r0, rows)
+        assert torch.equal(constant_offsets(offset, b, CPU), offsets)
+        assert torch.equal(
+            causal_offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
+        )
+    assert torch.equal(
+        causal_offsets(None, 3, CPU, "batch row", rows=4, validate=False),
+        torch.zeros(3, dtype=torch.int32),
+    )
