@@ -176,7 +176,7 @@ EXPECTED = (
         "module path), a BF16-only Hadamard; with rope_fp32 the indexer applies the Hadamard in "
         "FP32 (dsa_precision.hadamard.rotate_activation), so Megatron's "
         "function is called 0 times, not 2. The rotation still follows the config field per "
-        "forward: tests/megatron/test_drop_ins.py::test_indexer_follows_megatrons_preprocessing_fields_per_call",
+        "forward: tests/megatron/test_indexer.py::test_indexer_follows_megatrons_preprocessing_fields_per_call",
         cuda=False,  # on a GPU stock fails it first (_BF16_FLOAT)
     ),
     *(
