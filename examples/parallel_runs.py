@@ -375,7 +375,8 @@ class Trainer:
 _POSITION = {"query": 0, "x": 4, "qr": 5}
 
 
-def _arg(a: tuple, kw: dict, name: str):
+def call_arg(a: tuple, kw: dict, name: str):
+    """Argument ``name`` of a DSAttention forward call, by keyword or position."""
     return kw[name] if name in kw else a[_POSITION[name]]
 
 
@@ -402,7 +403,7 @@ def capture(args, layout: Layout, name: str, model, lb: LocalBatch) -> dict:
     inputs = {}
 
     def hook(mod, a, kw):
-        inputs[mod.layer_number] = (_arg(a, kw, "x"), _arg(a, kw, "qr"))
+        inputs[mod.layer_number] = (call_arg(a, kw, "x"), call_arg(a, kw, "qr"))
 
     handles = [c.register_forward_pre_hook(hook, with_kwargs=True) for c in cores(model)]
     with torch.no_grad(), dsap.record_topk() as recorder:
@@ -586,7 +587,7 @@ def indexer_ms(args, model, lb: LocalBatch) -> float:
     captured = []
 
     def hook(mod, a, kw):
-        captured.append((mod, *(_arg(a, kw, n) for n in ("query", "x", "qr"))))
+        captured.append((mod, *(call_arg(a, kw, n) for n in ("query", "x", "qr"))))
 
     handles = [c.register_forward_pre_hook(hook, with_kwargs=True) for c in cores(model)]
     with torch.no_grad():

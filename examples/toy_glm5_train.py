@@ -292,7 +292,8 @@ def timed(fn, device):
 _POSITION = {"query": 0, "x": 4, "qr": 5}
 
 
-def _arg(args: tuple, kwargs: dict, name: str):
+def call_arg(args: tuple, kwargs: dict, name: str):
+    """Argument ``name`` of a DSAttention forward call, by keyword or position."""
     return kwargs[name] if name in kwargs else args[_POSITION[name]]
 
 
@@ -309,7 +310,7 @@ def indexer_ms(args, model, tokens) -> tuple[float | None, float | None]:
         return None, None
 
     def hook(mod, a, kw):
-        captured.append((mod, *(_arg(a, kw, n) for n in ("query", "x", "qr"))))
+        captured.append((mod, *(call_arg(a, kw, n) for n in ("query", "x", "qr"))))
 
     handles = [core.register_forward_pre_hook(hook, with_kwargs=True) for core in cores]
     with torch.no_grad():
@@ -584,7 +585,7 @@ def topk_on_identical_inputs(args) -> dict:
         captured = {}
 
         def hook(_mod, a, kw, captured=captured):
-            captured.update({n: _arg(a, kw, n) for n in ("query", "x", "qr")})
+            captured.update({n: call_arg(a, kw, n) for n in ("query", "x", "qr")})
 
         handle = core.register_forward_pre_hook(hook, with_kwargs=True)
         with torch.no_grad():

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         del inputs
     results["rsqrt"] = _rsqrt_check(device) if device.type == "cuda" else None
-    mods = {e: ek._load(e, None)[0] for e in {ek.ORACLE_ENGINES[p] for p in args.profiles}}
+    mods = {e: ek.load_engine_kernels(e)[0] for e in {ek.ORACLE_ENGINES[p] for p in args.profiles}}
     results["ptx"] = {e: _ptx_summary(m, args.out) for e, m in mods.items()}
     (args.out / "conformance.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({"rsqrt": results["rsqrt"], "ptx": results["ptx"]}, indent=1))

@@ -39,10 +39,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
 import dsa_precision as dp  # noqa: E402
-from dsa_precision.backends import cudnn  # noqa: E402
-from dsa_precision.kernels import preprocess_quantize as pq  # noqa: E402
 from dsa_precision.preprocess import IndexerPreprocess  # noqa: E402
 from dsa_precision.rows import causal_key_counts  # noqa: E402
+from tests.support import fake_cudnn  # noqa: E402  (the tests' stand-ins for the hardware)
 
 _VIEWS = {
     "view", "unsqueeze", "squeeze", "transpose", "permute", "slice", "select", "t", "expand",
@@ -143,11 +142,8 @@ def main() -> int:
     cu = torch.tensor([0, s // 2, s], dtype=torch.int32)
     rows = []
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        fake = _NullDSA()
-        mp.setattr(cudnn, "_import_dsa", lambda: (fake, None))
-        mp.setattr(cudnn, "_device_reason", lambda device: None)
-        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        mp.setattr(pq, "_preprocess_quantize_kernel", _NullLaunch())
+        fake_cudnn.install(mp, _NullDSA())
+        fake_cudnn.stub_fused_kernel(mp, _NullLaunch())
 
         def prepare():
             return dp.prepare_indexer_operands(preprocess, q, k, w, freqs, config=config)

@@ -80,7 +80,7 @@ def main() -> int:
         captured = {}
 
         def hook(_m, a, kw, captured=captured):
-            captured.update({n: toy._arg(a, kw, n) for n in ("query", "x", "qr")})
+            captured.update({n: toy.call_arg(a, kw, n) for n in ("query", "x", "qr")})
 
         handle = core.register_forward_pre_hook(hook, with_kwargs=True)
         with torch.no_grad():
@@ -125,8 +125,8 @@ def main() -> int:
         rows.append(("  rank_layout", lambda: core.rank_layout(query, x, None)))
         rows.append(
             (
-                "  indexer._projections",
-                lambda: core.indexer._projections(x, qr, None, True),
+                "  indexer.projections",
+                lambda: core.indexer.projections(x, qr, None, True),
             )
         )
         rows.append(

@@ -15,7 +15,6 @@ import torch
 from dsa_precision import indexer_topk
 from dsa_precision.backends import cudnn
 from dsa_precision.cli.bench import Timer
-from dsa_precision.kernels import topk_picks
 from dsa_precision.kernels.topk_picks import drop_invalid_picks
 
 
@@ -34,17 +33,13 @@ def _row(s: int, topk: int, timer: Timer, shapes: bool = False) -> list[float]:
     out = raw(True)
     idx, vals = out["indices"], out["values"]
     if shapes:
-        n = idx.numel()
         for block in (1024, 2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
                 if block // (32 * warps) < 4:
                     continue
 
                 def fixup(block=block, warps=warps):
-                    grid = (-(-n // block),)
-                    topk_picks._drop_invalid_picks_kernel[grid](
-                        idx, vals, n, BLOCK=block, num_warps=warps
-                    )
+                    drop_invalid_picks(idx, vals, block=block, num_warps=warps)
 
                 print(f"  S={s} fix-up BLOCK={block:>5} warps={warps:>2}: "
                       f"{timer(fixup) * 1e3:7.1f} us")  # fmt: skip

@@ -30,7 +30,8 @@ from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
 from ..backends import deepgemm
 from ..config import FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
-from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select, inference_operands
+from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select
+from ..oracles.inference import inference_operands
 from ..oracles.synthetic import synthetic_indexer_inputs
 from ..oracles.training import IndexerFields, training_operands
 from ..scoring import indexer_scores

@@ -30,12 +30,20 @@ def _drop_invalid_picks_kernel(idx_ptr, val_ptr, n, BLOCK: tl.constexpr):
     tl.store(idx_ptr + offs, tl.full((BLOCK,), -1, tl.int32), mask=in_range & drop)
 
 
-def drop_invalid_picks(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def drop_invalid_picks(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Set ``indices`` to ``-1`` wherever ``values`` is ``-inf`` or NaN; returns ``indices``.
 
     Args:
         indices: int32 picks, contiguous (modified in place).
         values: float32 scores of the picks, contiguous, the shape of ``indices``.
+        block, num_warps: launch shape (picks per program, warps; default the tuned one): any
+            shape gives the same result (tools/probe_topk_overhead.py times them).
     """
     if indices.dtype != torch.int32 or values.dtype != torch.float32:
         raise TypeError(
@@ -45,5 +53,7 @@ def drop_invalid_picks(indices: torch.Tensor, values: torch.Tensor) -> torch.Ten
         raise ValueError("indices and values must be contiguous tensors of one shape.")
     n = indices.numel()
     if n:
-        _drop_invalid_picks_kernel[(-(-n // _BLOCK),)](indices, values, n, BLOCK=_BLOCK)
+        block = _BLOCK if block is None else block
+        launch = {} if num_warps is None else {"num_warps": num_warps}
+        _drop_invalid_picks_kernel[(-(-n // block),)](indices, values, n, BLOCK=block, **launch)
     return indices

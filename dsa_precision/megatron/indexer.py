@@ -93,7 +93,7 @@ class PrecisionDSAIndexer(DSAIndexer):
     def _megatron_rope(self, x, freqs, mscale, cu_seqlens):
         return self._apply_rope(x, freqs, mscale, cu_seqlens=cu_seqlens)
 
-    def _projections(
+    def projections(
         self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, weights_fp32: bool = False
     ):
         """As ``forward_before_topk`` begins: RoPE angles, sequence-parallel gather, projections.
@@ -186,7 +186,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         precision = self._precision
         if not precision.rope_fp32:
             return super().forward_before_topk(x, qr, packed_seq_params)
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
+        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(
             x, qr, packed_seq_params
         )
         q, k = self.preprocess()(
@@ -215,7 +215,7 @@ class PrecisionDSAIndexer(DSAIndexer):
             )
         precision = self._precision
         weights_fp32 = precision.fp8 and precision.engine.weights_dtype == "fp32"
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self._projections(
+        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(
             x, qr, packed_seq_params, weights_fp32
         )
         return prepare_indexer_operands(

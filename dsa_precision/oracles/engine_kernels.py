@@ -236,7 +236,12 @@ def _lmdeploy_stubs(cuda_dir: Path) -> dict[str, types.ModuleType]:
 _LOADED: dict[tuple[str, tuple[Path, ...]], types.ModuleType] = {}
 
 
-def _load(engine: str, root: str | os.PathLike | None) -> tuple[types.ModuleType, str]:
+def load_engine_kernels(
+    engine: str, root: str | os.PathLike | None = None
+) -> tuple[types.ModuleType, str]:
+    """The entry module of ``engine``'s kernels, loaded unmodified (cached per engine and files),
+    and the release it is (its SHA-256 looked up); ``RuntimeError`` with the reason when the
+    files are missing."""
     reason = missing_reason(engine, root)
     if reason is not None:
         raise RuntimeError(f"the {engine} kernel oracle cannot run: {reason}.")
@@ -293,7 +298,7 @@ def engine_kernel_operands(
             f"engine profile {profile.name!r} has no kernel oracle here; the profiles with one: "
             f"{sorted(ORACLE_ENGINES)}."
         )
-    module, source = _load(engine, root)
+    module, source = load_engine_kernels(engine, root)
     run = _run_vllm if engine == "vllm" else _run_lmdeploy
     eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
     return run(module, source, inputs, profile, interleaved, eps)

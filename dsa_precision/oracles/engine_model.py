@@ -1,6 +1,5 @@
-"""The inference side of the comparisons: the engine's own kernels on CUDA when they are present
-(:mod:`.engine_kernels`, :func:`inference_operands`), otherwise an independent model of the
-engine's FP8 indexer.
+"""An independent model of an engine's FP8 indexer (the inference side of the comparisons where the
+engine's own kernels do not run: :func:`~.inference.inference_operands` decides).
 
 Written from the engines' sources (``docs/numerics.md``) and an :class:`~dsa_precision.EngineProfile`
 (facts only), it shares no preprocessing, quantization or scoring code with the package: RoPE
@@ -27,7 +26,6 @@ __all__ = [
     "engine_operands",
     "engine_scores",
     "engine_select",
-    "inference_operands",
 ]
 
 MODEL_SOURCE = "an independent model of its operands (dsa_precision.oracles.engine_model)"
@@ -142,31 +140,6 @@ def engine_operands(
     for step in e.weights_fold:
         w = w * (q_descale if step == "qs" else constants[step].to(device))
     return EngineOperands(q8, k8, k_descale, w)
-
-
-def inference_operands(
-    inputs: SyntheticIndexerInputs, engine: EngineProfile, *, hadamard: bool, interleaved: bool
-) -> tuple[EngineOperands, str]:
-    """The inference side's operands and what built them: the engine's own kernels
-    (:func:`~dsa_precision.oracles.engine_kernels.engine_kernel_operands`) when the inputs are on
-    CUDA and the profile's kernels are in ``DSA_ENGINE_KERNELS``, otherwise
-    :func:`engine_operands`, with the reason in the description."""
-    from . import engine_kernels
-
-    oracle = engine_kernels.oracle_for(engine)
-    if not inputs.q.is_cuda:
-        why = "they run on CUDA"
-    elif oracle is None:
-        why = f"no engine kernel serves profile '{engine.name}' here"
-    elif hadamard:
-        why = f"{oracle}'s kernels have no Hadamard rotation"
-    else:
-        why = engine_kernels.missing_reason(oracle)
-    if why is None:
-        run = engine_kernels.engine_kernel_operands(inputs, engine, interleaved=interleaved)
-        return run.operands, f"the engine's own kernels ({run.source})"
-    ops = engine_operands(inputs, engine, hadamard=hadamard, interleaved=interleaved)
-    return ops, f"{MODEL_SOURCE}; not the engine's kernels: {why}"
 
 
 @torch.no_grad()

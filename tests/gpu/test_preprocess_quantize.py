@@ -291,7 +291,7 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     profile: every q / k byte, k descale and folded weight (tools/engine_conformance.py adds the
     top-k rows at S=8192)."""
     from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles.engine_model import inference_operands
+    from dsa_precision.oracles.inference import inference_operands
     from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
     profile = ENGINE_PROFILES[name]

@@ -302,15 +302,15 @@ class FakeIndexerTopK:
         return out_indices, out_values
 
 
-def install(monkeypatch) -> FakeDSA:
-    """Stand a FakeDSA in for the hardware this machine lacks, and nothing else: the library
-    imports (``cudnn_backend._import_dsa`` answers with the fake) and CPU tensors sit on an SM90 device
+def install(monkeypatch, fake=None):
+    """Stand a FakeDSA (or ``fake``) in for the hardware this machine lacks, and nothing else: the
+    library imports (``cudnn_backend._import_dsa`` answers with the fake) and CPU tensors sit on an SM90 device
     (``cudnn_backend``'s device check and ``torch.cuda.get_device_capability`` of a CPU device). Whether
     cuDNN can serve a call (head count, head width, k, dtype) is still the package's decision,
     computed by its own code from the real arguments."""
     from dsa_precision.backends import cudnn as cudnn_backend
 
-    fake = FakeDSA()
+    fake = FakeDSA() if fake is None else fake
     device_reason = cudnn_backend._device_reason
     capability = torch.cuda.get_device_capability
 
@@ -327,3 +327,11 @@ def install(monkeypatch) -> FakeDSA:
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", sm90_capability)
     return fake
+
+
+def stub_fused_kernel(monkeypatch, launch) -> None:
+    """Replace the fused preprocess + quantize Triton kernel's launch by ``launch`` (indexed by
+    the grid, then called with the kernel's arguments): a host-time measurement on the CPU."""
+    from dsa_precision.kernels import preprocess_quantize
+
+    monkeypatch.setattr(preprocess_quantize, "_preprocess_quantize_kernel", launch)

@@ -1,0 +1,157 @@
+"""The package's layout rules, read from its source: no import circle between its modules, no
+private name of one module used by another (the package, the tools and the examples), and one
+name for the picks type."""
+
+import ast
+import pathlib
+
+import pytest
+
+from .support.configs import ROOT
+
+PACKAGE = ROOT / "dsa_precision"
+# Names of earlier releases that now only point to their successors (``__getattr__`` messages).
+RENAMED = ("ReplayInput", "EngineTopk", "CapturedTopk", "capture_topk", "save_topk", "load_topk")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _imports(module: str, path: pathlib.Path) -> list[tuple[str, str, ast.AST]]:
+    """``(imported module, imported name or "", node)`` of every import statement of the file,
+    wherever it is (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "", node) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path, node)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.append((sub, "", node) if sub in MODULES else (source, alias.name, node))
+    return found
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for target, _, _ in _imports(module, path):
+            if target in MODULES and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def test_no_import_circle_between_the_modules_of_the_package():
+    graph = _package_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            # A package's __init__ importing its own submodules is how a package is built.
+            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(path: pathlib.Path, module: str) -> list[str]:
+    """Private names of another package module that ``path`` imports or reads as an attribute."""
+    problems = []
+    aliases: dict[str, str] = {}  # local name -> package module it is bound to
+    for target, name, node in _imports(module, path):
+        if not target.startswith("dsa_precision"):
+            continue
+        parts = target.split(".")
+        if any(_private(p) for p in parts) or _private(name):
+            problems.append(f"line {node.lineno}: imports {target}{'.' + name if name else ''}")
+        if not name:  # a module bound to a local name
+            local = next(
+                (a.asname or a.name for a in node.names if target.endswith(a.name.split(".")[-1])),
+                None,
+            )
+            if local:
+                aliases[local] = target
+        elif f"{target}.{name}" in MODULES:
+            aliases[name] = f"{target}.{name}"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and aliases[node.value.id] != module
+            and _private(node.attr)
+        ):
+            problems.append(f"line {node.lineno}: reads {aliases[node.value.id]}.{node.attr}")
+    return problems
+
+
+@pytest.mark.parametrize("folder", ["dsa_precision", "tools", "examples"])
+def test_no_module_uses_a_private_name_of_another_package_module(folder):
+    problems = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        module = _module_name(path) if folder == "dsa_precision" else path.stem
+        found = _private_uses(path, module)
+        if found:
+            problems[str(path.relative_to(ROOT))] = found
+    assert not problems, problems
+
+
+def test_one_name_for_the_picks_type():
+    """The picks of a micro-batch with their layout are ``TopkPicks`` everywhere; the names of
+    earlier releases appear only in the pointers that say so."""
+    users = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        for name in RENAMED:
+            for line in text.splitlines():
+                if name in line and "is gone" not in line and f'"{name}"' not in line:
+                    users.setdefault(str(path.relative_to(ROOT)), []).append(line.strip())
+    assert not users, users
+
+
+@pytest.mark.parametrize(
+    "module, name, new",
+    [
+        ("dsa_precision.capture", "ReplayInput", "TopkPicks"),
+        ("dsa_precision.megatron", "EngineTopk", "TopkPicks"),
+        ("dsa_precision.megatron", "CapturedTopk", "TopkPicks"),
+        ("dsa_precision.megatron", "capture_topk", "record_topk"),
+        ("dsa_precision.megatron", "save_topk", "save_picks"),
+        ("dsa_precision.megatron", "load_topk", "load_picks"),
+    ],
+)
+def test_old_names_say_the_new_one(module, name, new):
+    if module == "dsa_precision.megatron":
+        pytest.importorskip("megatron.core")
+    mod = __import__(module, fromlist=["_"])
+    with pytest.raises(AttributeError, match=new):
+        getattr(mod, name)
