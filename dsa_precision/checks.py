@@ -156,7 +156,7 @@ def check_real(
     return number
 
 
-# The loose precision keywords that IndexerPrecisionConfig replaced (issue 18, item 4).
+# Loose precision keywords of 0.1, replaced by one IndexerPrecisionConfig.
 _LOOSE_PRECISION = ("scoring_precision", "engine", "rope_fp32")
 
 

@@ -326,8 +326,7 @@ def indexer_scores(
             (carriers only).
         config: the :class:`~dsa_precision.IndexerPrecisionConfig` whose scoring precision and
             engine (FP8 quantization rules) prepare the carriers; with operands, optional (they
-            carry their precision; a different one raises). The removed ``scoring_precision=``
-            / ``engine=`` keywords raise ``TypeError``.
+            carry their precision; a different one raises).
         sm_scale: extra score scale (carriers only; 1.0 for Megatron).
         ratio: key compression ratio of the causal mask (1: one key per token).
         q_causal_offsets: global index of each batch row's query 0: an int or a ``(B,)`` integer

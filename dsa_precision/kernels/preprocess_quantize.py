@@ -25,26 +25,9 @@ folded in. Per 128-vector (one row of a ``[BLOCK_R, 128]`` tile)::
                                  for a non-finite vector
 
 Exactness: this reproduces :class:`dsa_precision.preprocess.IndexerPreprocess` followed by
-:func:`dsa_precision.quantize.quantize_fp8` bit for bit because every operation is one the
-reference performs, on the same values, in the same order, with the same rounding:
-
-- the caller passes the RoPE tables torch computed (no trigonometry here);
-- launches disable FMA contraction (``enable_fp_fusion=False``), so ``a*b + c*d`` rounds after
-  each product as torch's separate elementwise kernels do; where an engine's compiler contracts
-  (``fma``), the kernel calls ``tl.fma`` at exactly those places (the reference:
-  :func:`dsa_precision.preprocess.fma_fp32`);
-- an engine's float32 LayerNorm (``layer_norm_ops``) sums in the reduction tree of Triton's
-  ``tl.sum`` over a 128-vector on 4 warps, spelled out as size-2 sums, and takes ``tl.rsqrt``,
-  the instruction the engines' kernels take (``torch.rsqrt`` in the CUDA reference);
-- float32 and float64 division and square root are IEEE (``div_rn``, ``div.rn.f64``,
-  ``sqrt.rn.f64``);
-- the UE8M0 ceilings are integer functions of the float32 bits (``log2`` emulated as a correctly
-  rounded one, as :func:`dsa_precision.quantize.fp8_descale` does);
-- BF16 widening, BF16 rounding and the E4M3 encoding are integer bit manipulations, the same
-  algorithms as c10's conversions: they do not depend on the hardware conversion instructions,
-  and the Triton interpreter (whose own fp8/bf16 casts are approximate) runs them exactly;
-- reductions whose order matters (the LayerNorm sums, the butterfly) follow the reference's
-  fixed order; the amax is an integer max over the magnitude bits (order-free, NaN-proof).
+:func:`dsa_precision.quantize.quantize_fp8` bit for bit: every operation is one the reference
+performs, on the same values, in the same order, with the same rounding (the argument, step by
+step: docs/numerics.md, section 11).
 """
 
 from __future__ import annotations
@@ -125,7 +108,7 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _pairwise_sum(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """``[R, D] -> [R]``: ``dsa_precision.preprocess.pairwise_sum`` (adjacent pairs, then pairs
+    """``[R, D] -> [R]``: ``dsa_precision.exact_math.pairwise_sum`` (adjacent pairs, then pairs
     of those, ...), the same additions in the same order."""
     # A sum over a size-2 axis is exactly x[2i] + x[2i+1] (Triton's reductions start from the
     # first element, not from 0), and compiles to the same code as one tl.sum over D.
@@ -137,7 +120,7 @@ def _pairwise_sum(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 @triton.jit
 def _fma(a, b, c, HW: tl.constexpr):
     """float32 ``a * b + c`` rounded once: ``fma.rn.f32`` on the GPU; in the interpreter (whose
-    fma rounds twice) ``dsa_precision.preprocess.fma_fp32``'s float64 sum rounded to odd."""
+    fma rounds twice) ``dsa_precision.exact_math.fma_fp32``'s float64 sum rounded to odd."""
     if HW:
         return tl.fma(a, b, c)
     p = a.to(tl.float64) * b.to(tl.float64)
@@ -154,7 +137,7 @@ def _fma(a, b, c, HW: tl.constexpr):
 @triton.jit
 def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
     """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
-    ``dsa_precision.preprocess.triton_block_sum``: pairs 16 apart (the squares' first step
+    ``dsa_precision.exact_math.triton_block_sum``: pairs 16 apart (the squares' first step
     contracted under ``FMA``, the lower lane's multiply fused), then 8, 4, 2, 1 apart, then the
     four 32-lane partials 64 and 32 apart. A sum over a size-2 axis is one addition."""
     lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 4, 2, 16)), (0, 1, 3, 2)))  # [R, 4, 16]

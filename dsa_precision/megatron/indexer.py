@@ -186,9 +186,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         precision = self._precision
         if not precision.rope_fp32:
             return super().forward_before_topk(x, qr, packed_seq_params)
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(
-            x, qr, packed_seq_params
-        )
+        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(x, qr, packed_seq_params)
         q, k = self.preprocess()(
             q, k, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
         )
