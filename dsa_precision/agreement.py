@@ -19,7 +19,7 @@ The metrics are computed with a handful of tensor ops and no host synchronisatio
 rule on the data needs a host synchronisation, so it is opt-in: with ``validate=True`` a
 violation raises ``ValueError`` naming the tensor, the row and its values; without it, a
 violation makes ``member_agreement``, ``rows_identical`` and ``flipped_mean`` NaN (no sync), so a
-broken selection never reads as an agreement.
+broken selection never reads as an agreement, and ``broken_rows`` says how many rows broke it.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class TopkAgreement:
     flipped_max: torch.Tensor  # int64, max |I \ T| per row
     rows: torch.Tensor  # int64, rows with a non-empty inference set
     members: torch.Tensor  # int64, sum_rows |I|
+    broken_rows: torch.Tensor  # int64, rows of either side breaking the index rule (NaN metrics)
 
     def as_dict(self) -> dict[str, float | int]:
         """Python numbers (one host sync), e.g. for ``json`` or a logger."""
@@ -61,7 +62,7 @@ class TopkAgreement:
             [getattr(self, f.name).to(torch.float64) for f in dataclasses.fields(self)]
         )
         out = dict(zip((f.name for f in dataclasses.fields(self)), values.tolist(), strict=True))
-        for name in ("flipped_max", "rows", "members"):
+        for name in ("flipped_max", "rows", "members", "broken_rows"):
             out[name] = int(out[name])
         return out
 
@@ -185,6 +186,7 @@ def agreement_and_identical_rows(
         else torch.zeros((), dtype=torch.int64, device=t.device),
         rows=n_rows,
         members=members,
+        broken_rows=broken_rows.sum(),
     )
     return agreement, same.reshape(train_idx.shape[:-1])
 

@@ -11,6 +11,8 @@ this module imports nothing of the package.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Mapping
 from typing import Literal, get_args
 
 import torch
@@ -75,13 +77,14 @@ class Fp8Rule:
         if self.scale_format == "fp32" and self.scale_ratio == "exact":
             raise ValueError("scale_format='fp32' is the float32 ratio itself; set scale_ratio.")
         floor = self.amax_floor  # check_real's rule (this module imports nothing of the package)
-        if isinstance(floor, bool) or not isinstance(floor, int | float):
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
             raise TypeError(
                 f"amax_floor={floor!r} ({type(floor).__name__}) must be a real number; pass a "
                 "Python float."
             )
-        if not (0.0 < float(self.amax_floor) < float("inf")):
-            raise ValueError(f"amax_floor={self.amax_floor!r} must be a positive finite number.")
+        object.__setattr__(self, "amax_floor", float(floor))  # a NumPy scalar, as a float
+        if not (0.0 < self.amax_floor < float("inf")):
+            raise ValueError(f"amax_floor={floor!r} must be a positive finite number.")
 
     @property
     def kwargs(self) -> dict[str, object]:
@@ -134,6 +137,38 @@ class EngineProfile:
     hadamard_scale: HadamardScale = "float64"
 
     def __post_init__(self) -> None:
+        for name in ("name", "summary"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"EngineProfile.{name} must be a str, got {getattr(self, name)!r}.")
+        for name in ("hadamard", "rope_interleaved"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(
+                    f"EngineProfile {self.name!r}: {name}={value!r} ({type(value).__name__}) must "
+                    "be True, False or None (a string such as 'false' would read as true)."
+                )
+        for name in ("q_quant", "k_quant"):
+            rule = getattr(self, name)
+            if isinstance(rule, Mapping):  # a profile read from JSON
+                try:
+                    rule = Fp8Rule(**rule)
+                except TypeError as exc:
+                    raise TypeError(f"EngineProfile {self.name!r}: {name}: {exc}.") from None
+                object.__setattr__(self, name, rule)
+            elif not isinstance(rule, Fp8Rule):
+                raise TypeError(
+                    f"EngineProfile {self.name!r}: {name} must be an Fp8Rule (or a mapping of its "
+                    f"fields), got {type(rule).__name__}."
+                )
+        if isinstance(self.weights_fold, list):  # a profile read from JSON
+            object.__setattr__(self, "weights_fold", tuple(self.weights_fold))
+        if not isinstance(self.weights_fold, tuple) or not all(
+            isinstance(step, str) for step in self.weights_fold
+        ):
+            raise TypeError(
+                f"EngineProfile {self.name!r}: weights_fold={self.weights_fold!r} must be a tuple "
+                f"of the steps {get_args(FoldStep)}."
+            )
         for name in ("cos_sin_dtype", "k_norm_dtype", "rope_dtype", "q_dtype", "k_dtype"):
             if getattr(self, name) not in _FLOAT_DTYPES:
                 raise ValueError(
@@ -154,11 +189,19 @@ class EngineProfile:
                 f"EngineProfile {self.name!r}: fma must be a bool, got {self.fma!r} "
                 f"({type(self.fma).__name__}); pass True or False."
             )
-        if self.k_norm_eps is not None and not 0.0 < float(self.k_norm_eps) < float("inf"):
-            raise ValueError(
-                f"EngineProfile {self.name!r}: k_norm_eps={self.k_norm_eps!r} must be a positive "
-                "finite number or None."
-            )
+        if self.k_norm_eps is not None:
+            eps = self.k_norm_eps
+            if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+                raise TypeError(
+                    f"EngineProfile {self.name!r}: k_norm_eps={eps!r} ({type(eps).__name__}) must "
+                    "be a real number or None."
+                )
+            object.__setattr__(self, "k_norm_eps", float(eps))
+            if not 0.0 < self.k_norm_eps < float("inf"):
+                raise ValueError(
+                    f"EngineProfile {self.name!r}: k_norm_eps={eps!r} must be a positive finite "
+                    "number or None."
+                )
         if self.weights_dtype not in get_args(WeightsDtype):
             raise ValueError(
                 f"EngineProfile {self.name!r}: weights_dtype={self.weights_dtype!r} is not one of "

@@ -152,25 +152,56 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor
     return cu
 
 
-def validate_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_len: int) -> None:
-    """``validate=True``: ``cu`` starts at 0, does not decrease, ends at ``total`` and holds no
-    sequence longer than ``max_len`` (reads the data: one host synchronisation)."""
+def validate_cu_seqlens(
+    name: str, cu: torch.Tensor, total: int, max_len: int, *, padding: bool = False
+) -> None:
+    """``cu`` starts at 0, does not decrease, ends at ``total`` (with ``padding``: at most
+    ``total``, the rows past its end being padding no sequence owns) and holds no sequence longer
+    than ``max_len``; reads the data (on a CUDA tensor one host synchronisation)."""
     lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or bool((lens < 0).any()) or int(cu[-1]) != total:
+    end = int(cu[-1])
+    if int(cu[0]) != 0 or bool((lens < 0).any()) or end > total or (end != total and not padding):
+        bound = f"at most the packed length {total}" if padding else f"the packed length {total}"
         raise ValueError(
-            f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
-            f"got {cu.tolist()}."
+            f"{name} must start at 0, be non-decreasing and end at {bound}; got "
+            f"{cu.tolist()[:16]}{'...' if cu.numel() > 16 else ''}."
         )
-    if int(lens.max()) > max_len:
-        raise ValueError(f"{name} has a sequence of {int(lens.max())} tokens, above {max_len}.")
+    if lens.numel() and int(lens.max()) > max_len:
+        raise ValueError(
+            f"{name} has a sequence of {int(lens.max())} tokens, above max_seqlen {max_len}; pass "
+            "the longest sequence's length (max_seqlen_q / max_seqlen_k bound every sequence)."
+        )
 
 
 def check_varlen_args(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    device: torch.device,
+    total_q: int,
+    total_k: int,
+    validate: bool,
 ) -> None:
-    """The data-free checks of the packed-sequence arguments."""
+    """The checks of the packed-sequence arguments: host facts always (dtypes, shapes, the
+    lengths held where the operands are or on the CPU); their values when they are host data
+    (on the CPU: free of any device work) or with ``validate`` (one host synchronisation):
+    starting at 0, non-decreasing, ending at the packed lengths ``total_q`` / ``total_k``, no
+    sequence longer than ``max_seqlen_q`` / ``max_seqlen_k``."""
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
             raise ValueError(f"{name}={value!r} must be a non-negative Python int within int32.")
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k),
+    ):
+        if cu.device.type != "cpu" and cu.device != device:
+            raise ValueError(
+                f"{name} is on {cu.device}, the operands on {device}; hold the lengths on the "
+                "CPU or on the operands' device."
+            )
+        if validate or cu.device.type == "cpu":  # keys past cu_seqlens_k[-1] are padding
+            validate_cu_seqlens(name, cu, total, longest, padding=name == "cu_seqlens_k")

@@ -50,7 +50,6 @@ from .rows import (
     check_varlen_args,
     constant_offsets,
     packed_sequence_of,
-    validate_cu_seqlens,
     varlen_key_counts,
 )
 
@@ -444,15 +443,16 @@ def indexer_scores_varlen(
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
+    check_varlen_args(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device=ops.device, total_q=tq,
+        total_k=tk, validate=validate,
+    )  # fmt: skip
     offsets = causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     )
     if validate:
-        validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
-        validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
         ops.check_finite()
     _check_out(out, (tq, max_seqlen_k), ops.device)
     backend = resolve_scoring_backend(backend, ops)

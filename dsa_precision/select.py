@@ -40,7 +40,6 @@ from .rows import (
     check_varlen_args,
     constant_key_counts,
     constant_offsets,
-    validate_cu_seqlens,
     varlen_key_counts,
     varlen_row_slice,
 )
@@ -283,10 +282,11 @@ def indexer_select_varlen(
         weights = None if weights is None else weights.unsqueeze(0)
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     tq, tk = ops.q.shape[1], ops.k.shape[1]
-    check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if validate:  # the caller's lengths (each chunk's launch then validates its own)
-        validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
-        validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
+    # The caller's lengths (each chunk's are derived from them).
+    check_varlen_args(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device=ops.device, total_q=tq,
+        total_k=tk, validate=validate,
+    )  # fmt: skip
     n_seq = cu_seqlens_q.numel() - 1
     offsets = causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate

@@ -235,7 +235,7 @@ ERRORS = [
     ("validate: cu_seqlens start", varlen(cu_seqlens_q=torch.tensor([1, 3, 8]), validate=True), ValueError, r"cu_seqlens_q must start at 0, be non-decreasing and end at the packed length 8; got \[1, 3, 8\]"),
     ("validate: cu_seqlens order", varlen(cu_seqlens_k=torch.tensor([0, 9, 8]), validate=True), ValueError, r"cu_seqlens_k must start at 0, be non-decreasing.*got \[0, 9, 8\]"),
     ("validate: cu_seqlens end", varlen(cu_seqlens_q=torch.tensor([0, 3, 9]), max_seqlen_q=6, validate=True), ValueError, r"end at the packed length 8; got \[0, 3, 9\]"),
-    ("validate: max_seqlen", varlen(max_seqlen_k=4, validate=True), ValueError, "cu_seqlens_k has a sequence of 5 tokens, above 4"),
+    ("validate: max_seqlen", varlen(max_seqlen_k=4, validate=True), ValueError, "cu_seqlens_k has a sequence of 5 tokens, above max_seqlen 4"),
     ("validate: select_varlen cu_seqlens end", varlen(indexer_select_varlen, cu_seqlens_q=torch.tensor([0, 3, 9]), max_seqlen_q=6, validate=True), ValueError, r"end at the packed length 8; got \[0, 3, 9\]"),
     ("validate: varlen offsets", varlen(q_causal_offsets=torch.tensor([0, -2]), validate=True), ValueError, r"q_causal_offsets\[1\]=-2 is outside \[0, 2147483642\]"),
     # ---------------------------------------- ints past int32 (issue 17, item 3): never wrapped

@@ -241,9 +241,14 @@ def test_varlen_without_sequences_or_keys():
     q, k, w, cu, _ = _packed([4], [4])
     kw = dict(config=BF16, backend="torch")
     got = indexer_scores_varlen(
-        q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=0, **kw
-    )
+        q, k[:0], w, cu_seqlens_q=cu, cu_seqlens_k=cu_seqlens([0]), max_seqlen_q=4,
+        max_seqlen_k=0, **kw,
+    )  # fmt: skip
     assert got.shape == (4, 0)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k has a sequence of 4 tokens, above max_seq"):
+        indexer_scores_varlen(
+            q, k, w, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=0, **kw
+        )  # an understated bound is named where the lengths are host data
     empty = cu_seqlens([0, 0])
     got = indexer_scores_varlen(
         q[:0], k[:0], w[:0], cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0,

@@ -28,7 +28,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["digest_mismatches", "digest_row_reference", "digest_rows"]
+__all__ = [
+    "digest_mismatches",
+    "digest_row_reference",
+    "digest_rows",
+    "mix64",
+    "mix64_int",
+    "signed64",
+]
 
 _MASK = (1 << 64) - 1
 _G = 0x9E3779B97F4A7C15
@@ -36,11 +43,13 @@ _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 
-def _signed(u: int) -> int:
+def signed64(u: int) -> int:
+    """An unsigned 64-bit value as the signed int64 torch stores."""
     return u - (1 << 64) if u >> 63 else u
 
 
-def _mix_ref(z: int) -> int:
+def mix64_int(z: int) -> int:
+    """SplitMix64's finaliser of a Python int (unsigned 64-bit result)."""
     z &= _MASK
     z = ((z ^ (z >> 30)) * _M1) & _MASK
     z = ((z ^ (z >> 27)) * _M2) & _MASK
@@ -55,9 +64,9 @@ def digest_row_reference(keys: Iterable[int]) -> int:
         v = int(v)
         if v < 0:
             continue
-        total = (total + _mix_ref((v + 1) * _G)) & _MASK
+        total = (total + mix64_int((v + 1) * _G)) & _MASK
         n += 1
-    return _signed(_mix_ref(total ^ ((n * _G) & _MASK)))
+    return signed64(mix64_int(total ^ ((n * _G) & _MASK)))
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -65,15 +74,20 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 30)) * _signed(_M1)
-    z = (z ^ _shr(z, 27)) * _signed(_M2)
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of int64 bit patterns, elementwise, on any device."""
+    z = (z ^ _shr(z, 30)) * signed64(_M1)
+    z = (z ^ _shr(z, 27)) * signed64(_M2)
     return z ^ _shr(z, 31)
 
 
-def digest_rows(indices: torch.Tensor) -> torch.Tensor:
+def digest_rows(indices: torch.Tensor, *, validate: bool = False) -> torch.Tensor:
     """Per-row digest of ``indices`` ``(..., k)`` int16/int32/int64 picks (``-1`` padding) ->
-    ``(...)`` int64 on the same device. No host synchronisation."""
+    ``(...)`` int64 on the same device. No host synchronisation on a device.
+
+    A key below ``-1`` would digest as padding; it is refused (``ValueError`` naming the row):
+    always for picks on the CPU, on a device with ``validate=True`` (one host synchronisation).
+    """
     if not isinstance(indices, torch.Tensor) or indices.dtype not in (
         torch.int16,
         torch.int32,
@@ -85,12 +99,23 @@ def digest_rows(indices: torch.Tensor) -> torch.Tensor:
         )
     if indices.ndim < 1:
         raise ValueError("indices must be (..., k), got a 0-d tensor.")
+    if not isinstance(validate, bool):
+        raise TypeError(f"digest_rows(validate={validate!r}): pass True or False.")
+    if (validate or indices.device.type == "cpu") and indices.numel():
+        bad = (indices < -1).reshape(-1, indices.shape[-1]).any(-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            values = indices.reshape(-1, indices.shape[-1])[row].tolist()
+            raise ValueError(
+                f"digest_rows: row {row} holds {min(values)} ({values[:8]}); keys are >= 0 and "
+                "-1 pads (a negative key would digest as padding)."
+            )
     v = indices.to(torch.int64)
     valid = v >= 0
-    mixed = torch.where(valid, _mix((v + 1) * _signed(_G)), 0)
+    mixed = torch.where(valid, mix64((v + 1) * signed64(_G)), 0)
     total = mixed.sum(-1)  # int64 sums wrap modulo 2**64
     n = valid.sum(-1)
-    return _mix(total ^ (n * _signed(_G)))
+    return mix64(total ^ (n * signed64(_G)))
 
 
 def digest_mismatches(
@@ -118,10 +143,29 @@ def digest_mismatches(
     out = {}
     for n, mine in ours.items():
         theirs = engine_digests[n]
-        if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.int64:
-            raise TypeError(f"engine digests of layer {n} must be an int64 tensor.")
+        if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.int64 or theirs.ndim != 1:
+            got = (
+                f"{str(theirs.dtype).removeprefix('torch.')} {tuple(theirs.shape)}"
+                if isinstance(theirs, torch.Tensor)
+                else type(theirs).__name__
+            )
+            raise TypeError(
+                f"engine digests of layer {n} must be a (T,) int64 tensor (digest_rows' output), "
+                f"got {got}; digests of another width are other numbers, not the same digests."
+            )
+        if not isinstance(mine, torch.Tensor):
+            raise TypeError(
+                f"our picks of layer {n} must be a (T, k) tensor or (T,) int64 digests, got "
+                f"{type(mine).__name__}."
+            )
         if mine.ndim == 2:
             mine = digest_rows(mine)
+        elif mine.ndim != 1 or mine.dtype != torch.int64:
+            raise TypeError(
+                f"our digests of layer {n} must be (T,) int64 (digest_rows' output), got "
+                f"{str(mine.dtype).removeprefix('torch.')} {tuple(mine.shape)}; pass the "
+                "(T, k) picks to digest them here."
+            )
         if mine.shape != theirs.shape:
             raise ValueError(
                 f"layer {n}: {tuple(mine.shape)} training digests vs {tuple(theirs.shape)} "

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from ..picks import TokenLayout, TopkPicks
+from .pack import int_at_least
 from .sglang import from_sglang
 from .vllm import decode_vllm_indexer_topk, from_vllm
 
@@ -60,7 +62,9 @@ def save_picks(path: str | Path, picks: TopkPicks) -> None:
     if picks.seq_len is not None:
         tensors["seq_len"] = torch.tensor([picks.seq_len], dtype=torch.int64)
     path = Path(path)
-    if path.suffix == ".safetensors":
+    if path.suffix.lower() not in TENSOR_SUFFIXES:
+        raise ValueError(f"{path}: save picks as .pt, .pth or .safetensors, got {path.suffix!r}.")
+    if path.suffix.lower() == ".safetensors":
         from safetensors.torch import save_file
 
         save_file(tensors, str(path))
@@ -77,8 +81,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:
         raise ValueError(
             f"{path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors"
         )
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+    readable_file(path, "a .pt or .safetensors file of picks")
     if suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -183,44 +186,99 @@ def load_picks(path: str | Path) -> TopkPicks:
 # ----------------------------------------------------------------------- engines' responses
 
 
-def _records(path: Path) -> list[dict]:
-    if path.suffix.lower() not in (".json", ".jsonl"):
+def readable_file(path: Path, what: str) -> None:
+    """``ValueError`` naming why ``path`` cannot be read as a file: missing, a directory, a
+    symlink loop or a dangling link, not a regular file, or unreadable."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        broken = path.is_symlink()
+        raise ValueError(
+            f"{path}: {'a dangling symlink' if broken else 'no such file'} ({what})."
+        ) from None
+    except OSError as exc:  # ELOOP, EACCES on a parent, ...
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc}).") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{path}: a directory, not a file ({what}).")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path}: not a regular file ({what}).")
+
+
+def _records(path: Path) -> list[tuple[str, dict]]:
+    """``(where, response)`` of every saved response: ``where`` names it in errors (``line N``
+    of a ``.jsonl``, ``response i`` of a ``.json`` list)."""
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".jsonl"):
         raise ValueError(
             f"{path}: engine outputs are .json or .jsonl responses, got {path.suffix!r}."
         )
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file.")
-    text = path.read_text()
+    readable_file(path, "saved engine responses")
     try:
-        if path.suffix.lower() == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}).") from None
+    records: list[tuple[str, object]] = []
+    if suffix == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {number}: not JSON ({exc.msg}).") from None
+    else:
+        try:
             loaded = json.loads(text)
-            records = loaded if isinstance(loaded, list) else [loaded]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc}).") from None
-    if not records or not all(isinstance(r, dict) for r in records):
-        raise ValueError(f"{path}: expected one response object or a list of them.")
-    return records
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})."
+            ) from None
+        if isinstance(loaded, list):
+            records = [(f"response {i}", r) for i, r in enumerate(loaded)]
+        elif isinstance(loaded, dict) and ("meta_info" in loaded or "choices" in loaded
+                                           or "indexer_topk" in loaded):  # fmt: skip
+            records = [("response 0", loaded)]
+        elif isinstance(loaded, dict):
+            raise ValueError(
+                f"{path}: a JSON object with keys {sorted(loaded)[:5]} is not a response (no "
+                "meta_info / choices); save one response, or a list of them in packing order."
+            )
+        else:
+            raise ValueError(
+                f"{path}: holds a JSON {type(loaded).__name__}; save a response or a list of them."
+            )
+    if not records:
+        raise ValueError(f"{path}: holds no response.")
+    for where, record in records:
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path} {where}: a JSON {type(record).__name__}, not a response object."
+            )
+    return records  # type: ignore[return-value]
 
 
-def _vllm_request(path: Path, i: int, record: Mapping) -> tuple[torch.Tensor, int]:
+def _vllm_request(path: Path, where: str, record: Mapping) -> tuple[torch.Tensor, int]:
+    name = f"{path} {where}"
     body = record
     if "choices" in record:
         choices = record["choices"]
-        if not isinstance(choices, list) or len(choices) != 1:
-            raise ValueError(f"{path} response {i}: expected one choice (n=1) per response.")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ValueError(f"{name}: expected one choice object (n=1) per response.")
         body = choices[0]
     usage = record.get("usage", record)
-    try:
-        tokens = int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
-        payload = body["indexer_topk"]
-    except (KeyError, TypeError, ValueError):
+    if not isinstance(usage, Mapping) or "indexer_topk" not in body:
         raise ValueError(
-            f"{path} response {i}: needs indexer_topk (base64 .npy) and usage.prompt_tokens / "
+            f"{name}: needs indexer_topk (base64 .npy) and usage.prompt_tokens / "
             "completion_tokens; serve with --enable-return-indexer-topk."
-        ) from None
-    return decode_vllm_indexer_topk(payload), tokens
+        )
+    try:
+        prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    except KeyError:
+        raise ValueError(f"{name}: usage needs prompt_tokens and completion_tokens.") from None
+    tokens = int_at_least(f"{name} usage.prompt_tokens", prompt, low=0) + int_at_least(
+        f"{name} usage.completion_tokens", completion, low=0
+    )
+    return decode_vllm_indexer_topk(body["indexer_topk"], name=f"{name} indexer_topk"), tokens
 
 
 def load_engine_output(path: str | Path, *, engine: str, **kw) -> TopkPicks:
@@ -242,12 +300,16 @@ def load_engine_output(path: str | Path, *, engine: str, **kw) -> TopkPicks:
         raise ValueError(f"engine={engine!r}: use one of {ENGINE_FORMATS}.")
     path = Path(path)
     records = _records(path)
+    if engine == "sglang":  # the requests named by where they are in the file
+        responses = {where: record for where, record in records}
+        try:
+            return from_sglang(responses, **kw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    rows, lens = {}, {}
+    for where, record in records:
+        rows[where], lens[where] = _vllm_request(path, where, record)
     try:
-        if engine == "sglang":
-            return from_sglang(records, **kw)
-        rows, lens = {}, {}
-        for i, record in enumerate(records):
-            rows[i], lens[i] = _vllm_request(path, i, record)
         return from_vllm(rows, lens, **kw)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None

@@ -12,27 +12,64 @@ layouts and their sources are in docs/capture.md. Needs neither megatron-core no
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
 import torch
 
-from ..picks import TokenLayout, TopkPicks
+from ..picks import TokenLayout, TopkPicks, check_key_range
 
-__all__ = ["LastRow", "as_request_rows", "int_at_least", "keyed", "pack_digests", "pack_requests"]
+__all__ = [
+    "LastRow",
+    "as_request_rows",
+    "decode_base64",
+    "int_at_least",
+    "integer_array",
+    "keyed",
+    "pack_digests",
+    "pack_requests",
+]
 
 LastRow = Literal["empty", "self"]
 _INT_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
+def integer_array(name: str, value: object, *, shape: str) -> torch.Tensor:
+    """An engine's integer array -- a tensor, or a NumPy array of a native or foreign byte order
+    -- as a tensor; ``ValueError`` / ``TypeError`` naming ``name`` and the ``shape`` expected for
+    anything else (object, float or bool arrays, lists, buffers). Values are not cast: a NumPy
+    integer dtype torch lacks (uint16/32/64) becomes int64, checked to fit first."""
+    if isinstance(value, np.ndarray):
+        kind = value.dtype.kind
+        if kind not in "iu":
+            raise TypeError(
+                f"{name}: expected a {shape} integer array, got a NumPy {value.dtype} array "
+                f"{tuple(value.shape)}"
+                f"{' (pickled objects are never read)' if kind == 'O' else ''}."
+            )
+        native = value.dtype.newbyteorder("=")
+        if native in (np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np.int16),
+                      np.dtype(np.int32), np.dtype(np.int64)):  # fmt: skip
+            value = np.ascontiguousarray(value, dtype=native)
+        else:  # uint16 / uint32 / uint64
+            if value.size and int(value.max()) > np.iinfo(np.int64).max:
+                raise ValueError(f"{name}: holds {int(value.max())}, beyond any key.")
+            value = np.ascontiguousarray(value, dtype=np.int64)
+        return torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a {shape} integer array, got {type(value).__name__}.")
+    return value
+
+
 def as_request_rows(name: str, value: object) -> torch.Tensor:
     """An engine's per-request rows as a CPU/any-device ``(n, L, k)`` integer tensor; ``name``
     names them in errors."""
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a (n, L, k) integer array, got {type(value).__name__}.")
+    value = integer_array(name, value, shape="(n, L, k)")
+    if value.dtype in (torch.int8, torch.uint8):
+        value = value.to(torch.int16)  # exact; uint8's 255 stays 255
     if value.dtype not in _INT_DTYPES or value.ndim != 3:
         raise TypeError(
             f"{name}: expected a (n, L, k) int16/int32/int64 array (token rows, layers, top-k "
@@ -41,6 +78,20 @@ def as_request_rows(name: str, value: object) -> torch.Tensor:
     if value.shape[1] == 0 or value.shape[2] == 0:
         raise ValueError(f"{name}: {tuple(value.shape)} holds no layer or no top-k slot.")
     return value
+
+
+def decode_base64(name: str, payload: object) -> bytes:
+    """The bytes of a base64 text, strictly (no stray characters, whole quanta)."""
+    if not isinstance(payload, str | bytes):
+        raise TypeError(
+            f"{name}: expected a base64 string, got {type(payload).__name__} {str(payload)[:40]!r}."
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(
+            f"{name}: not base64 ({exc}); the payload is damaged or truncated."
+        ) from None
 
 
 def int_at_least(name: str, value: object, *, low: int) -> int:
@@ -162,6 +213,12 @@ def pack_requests(
             raise ValueError(
                 f"{source} request {r!r} is on {t.device}, request {ref!r} on {device}."
             )
+        if t.device.type == "cpu" or validate:  # in the rows' own dtype, before the cast
+
+            def row_of(j: int, r: object = r, first: int = first) -> str:
+                return f"request {r!r} token {first + j}"
+
+            check_key_range(f"{source} request {r!r}", t, describe_row=row_of)
         t = t.to(torch.int32)
         if future_keys == "drop":
             position = torch.arange(t.shape[0], device=device).view(-1, 1, 1)
@@ -259,11 +316,13 @@ def pack_digests(
     blocks, covered = [], []
     n_layers = None
     for r in order:
-        d = given[r]
-        if isinstance(d, np.ndarray):
-            d = torch.from_numpy(d)
-        if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 2:
-            raise TypeError(f"{source} request {r!r}: digests must be a (n, L) int64 tensor.")
+        d = integer_array(f"{source} request {r!r} digests", given[r], shape="(n, L) int64")
+        if d.dtype != torch.int64 or d.ndim != 2:
+            raise TypeError(
+                f"{source} request {r!r}: digests must be a (n, L) int64 tensor (digest_rows' "
+                f"output), got {str(d.dtype).removeprefix('torch.')} {tuple(d.shape)}; digests of "
+                "another width are other numbers."
+            )
         if n_layers is None:
             n_layers = d.shape[1]
         elif d.shape[1] != n_layers:

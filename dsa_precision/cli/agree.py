@@ -183,6 +183,7 @@ def _pooled(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "flipped_max": max(m["flipped_max"] for m in metrics),
         "rows": rows,
         "members": members,
+        "broken_rows": sum(m.get("broken_rows", 0) for m in metrics),
     }
 
 

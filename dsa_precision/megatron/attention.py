@@ -197,10 +197,12 @@ class PrecisionDSAttention(DSAttention):
             packed_seq_params=packed_seq_params,
             up_v_weight=up_v_weight,
         )
+        engine, recorder = current_handed_in(), current_recorder()
         if self._built["skip_topk"]:  # index sharing: Megatron's rule, whatever the source's picks
+            if engine is not None:
+                self._refuse_shared_picks(engine)
             return super().forward(*args, **kwargs)
         source = self._topk_source
-        engine, recorder = current_handed_in(), current_recorder()
         owned = self._owns_topk
         if not (owned or source == "verify" or recorder is not None):
             return super().forward(*args, **kwargs)
@@ -218,7 +220,9 @@ class PrecisionDSAttention(DSAttention):
                 query, x, qr, packed_seq_params, margins=with_margins, layout=layout
             )
             topk, margins = topk if with_margins else (topk, None)
-            if engine is not None and (with_margins or owned):  # owned: FP8 here
+            # owned: FP8 here. Counted once per layer and handed-in micro-batch: a recomputed
+            # forward (activation checkpointing) compares the same rows again, and is not counted.
+            if engine is not None and (with_margins or owned) and engine.first_count(self):
                 if engine.picks.indices:
                     picks = self._engine_picks(engine, layout, query, x)
                     self.topk_monitor.update(topk, picks, margins)
@@ -236,6 +240,21 @@ class PrecisionDSAttention(DSAttention):
             holder[self.layer_number] = topk
         with _Staging(self, topk):
             return super().forward(*args, **kwargs)
+
+    def _refuse_shared_picks(self, engine: HandedIn) -> None:
+        """Picks or digests handed in for this layer, which reuses another layer's top-k (index
+        sharing): Megatron would ignore them, so they are refused (a host fact, no data read)."""
+        n = self.layer_number
+        held = [what for what, layers in (("picks", engine.picks.indices),
+                                          ("digests", engine.picks.digests or {})) if n in layers]  # fmt: skip
+        if held:
+            raise ValueError(
+                f"engine_topk holds {' and '.join(held)} for DSA layer {n}, which reuses layer "
+                f"{self._built['source_layer']}'s top-k (dsa_indexer_topk_freq="
+                f"{self.config.dsa_indexer_topk_freq}): Megatron ignores them. Hand in the "
+                "top-k-computing layers only (pack_requests(shared={...}) checks an engine's "
+                "copies against their source and drops them)."
+            )
 
     def _indexer_rows(self, x: torch.Tensor) -> int:
         """Rows of the indexer on this rank (sequence parallelism gathers them over TP)."""

@@ -171,6 +171,7 @@ PROCESS_GROUP_FIELDS = ("cp", "tp")
 CONFIG_FIELDS = (
     "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_fp32",
     "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved",
+    "dsa_indexer_topk_freq",
     "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
     "layernorm_epsilon", "normalization", "rope_type", "sequence_parallel",
 )  # fmt: skip

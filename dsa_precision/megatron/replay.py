@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from ..devices import to_device
-from ..picks import TokenLayout, TopkPicks
+from ..picks import TokenLayout, TopkPicks, check_key_range
 from ..rows import packed_sequence_of
 
 __all__ = [
@@ -53,6 +53,18 @@ class HandedIn:
 
     picks: TopkPicks
     validate: bool = False
+    # The layers that compared their picks with these already (see first_count).
+    counted: set[int] = dataclasses.field(default_factory=set, compare=False, repr=False)
+
+    def first_count(self, layer: torch.nn.Module) -> bool:
+        """Whether ``layer`` compares its picks with these for the first time inside this
+        :func:`engine_topk` block: a recomputed forward (activation checkpointing) of the same
+        micro-batch is not counted twice."""
+        key = id(layer)
+        if key in self.counted:
+            return False
+        self.counted.add(key)
+        return True
 
     def layer(self, layer_number: int) -> torch.Tensor:
         """The ``(T, k)`` picks of one layer; an error naming the layers held otherwise."""
@@ -218,6 +230,8 @@ def _checked(
             layout.validate_indices(name, idx)
         else:
             layout.check_indices(name, idx)
+            if idx.device.type == "cpu":  # host data: the key range, before any int32 cast
+                check_key_range(name, idx)
         devices.setdefault(idx.device, layer)
     if len(devices) > 1:
         where = ", ".join(f"layer {n} on {d}" for d, n in devices.items())

@@ -51,7 +51,7 @@ def test_delta_rows_that_pick_every_key_cost_no_payload():
 
 
 def test_encode_rejects_bad_keys():
-    with pytest.raises(ValueError, match=r"picks hold -2"):
+    with pytest.raises(ValueError, match=r"row 0 holds -2; keys are -1"):
         encode_picks(torch.tensor([[0, -2]]), "delta")
     with pytest.raises(TypeError, match=r"\(T, k\) int16/int32/int64"):
         encode_picks(torch.zeros(3, 2), "delta")

@@ -35,7 +35,7 @@ def test_load_engine_output_reads_saved_responses(tmp_path):
     picks_v = load_engine_output(vllm, engine="vllm")
     assert torch.equal(picks_v.cu_seqlens, picks.cu_seqlens)
     assert all(torch.equal(picks_v.indices[n], layers[n]) for n in (1, 2))
-    with pytest.raises(ValueError, match=r"vllm.json: .*request 1: 4 rows"):
+    with pytest.raises(ValueError, match=r"vllm.json: vllm request 'response 1': 4 rows"):
         broken = json.loads(vllm.read_text())
         broken[1]["usage"]["completion_tokens"] = 5
         vllm.write_text(json.dumps(broken))

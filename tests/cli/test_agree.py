@@ -170,7 +170,10 @@ def test_errors_from_a_subprocess_have_no_traceback(tmp_path):
         check=False,
     )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == "dsa-precision agree: error: --train a.pt: no such file"
+    assert proc.stderr.strip() == (
+        "dsa-precision agree: error: --train a.pt: no such file (a .pt or .safetensors file of "
+        "picks)"
+    )
 
 
 def causal_selections(batch: int = 2, seq_len: int = 20, k: int = 8, seed: int = 0):
@@ -254,6 +257,7 @@ def test_gate_covers_every_layer_whatever_its_k(tmp_path):
     assert got["configs"][-1] == {
         "name": "all", "member_agreement": pooled, "rows_identical": 0.5, "flipped_mean":
         members1 / 80, "flipped_max": 8, "rows": 80, "members": members1 + members2,
+        "broken_rows": 0,
     }  # fmt: skip
     # Both layers above the gate: it passes.
     save_replay(train, {1: infer1, 2: train2}, seq_len=20)

@@ -209,9 +209,19 @@ def test_bad_engine_indices_are_named_without_validation(indices, layout, err, m
 
 DATA_ERRORS = [
     (torch.full((32, 2), 5), r"layer 1: row 0 \(position 0 in its sequence\).*causal"),
-    (torch.full((32, 2), -2), "-1 for padding"),
     (torch.zeros(32, 2, **I64), "layer 1: row 0 repeats a key"),
 ]
+
+
+@pytest.mark.parametrize("value", [-2, 2**32 + 3], ids=["below -1", "past int32"])
+def test_host_picks_are_range_checked_in_their_own_dtype_always(value):
+    """Picks held on the CPU are host data: their key range is checked in every step, before
+    any int32 cast (a key past int32 would wrap to another key), naming the layer and the row."""
+    picks = torch.zeros(32, 2, **I64)
+    picks[7, 1] = value
+    with pytest.raises(ValueError, match=rf"engine_topk layer 1: row 7 holds {value}; a key is -1"):
+        with dsap.engine_topk({1: picks}, seq_len=SEQ):
+            pass
 
 
 @pytest.fixture
