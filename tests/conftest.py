@@ -9,6 +9,19 @@ import socket
 import pytest
 import torch
 
+try:  # property-based tests: few examples in CI, more with DSA_PRECISION_HYPOTHESIS=thorough
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.register_profile(
+        "thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.load_profile(os.environ.get("DSA_PRECISION_HYPOTHESIS", "ci"))
+except ImportError:  # pip install -e '.[test]' brings it
+    pass
+
 
 def _gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():

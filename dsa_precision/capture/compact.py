@@ -236,13 +236,13 @@ class CompactPicks:
                 "(CompactPicks.to_bytes writes it)."
             )
         _, code, rows, k, bits, checksum = _HEADER.unpack_from(raw)
-        if code >= len(FORMATS) or rows < 0 or k < 0 or bits < 0:
+        if code >= len(FORMATS) or rows < 0 or k < 0 or bits < 0 or (code != 2 and bits):
             raise ValueError(
                 f"compact picks frame header is damaged (format {code}, shape ({rows}, {k}), "
                 f"{bits} bits)."
             )
         fmt = FORMATS[code]
-        sizes = _payload_sizes(fmt, (rows, k), bits if fmt == "delta" else 0)
+        sizes = _payload_sizes(fmt, (rows, k), bits)
         need = sum(dtype.itemsize * n for dtype, n in sizes.values())
         have = len(raw) - _HEADER.size
         if have != need:
@@ -253,9 +253,13 @@ class CompactPicks:
         parts, offset = {}, _HEADER.size
         for name, (dtype, n) in sizes.items():
             chunk = bytearray(raw[offset : offset + dtype.itemsize * n])
-            parts[name] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).clone()
+            parts[name] = (
+                torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).clone()
+                if chunk
+                else torch.empty(0, dtype=dtype)
+            )
             offset += dtype.itemsize * n
-        picks = cls(fmt, (rows, k), bits=bits if fmt == "delta" else 0, checksum=checksum, **parts)
+        picks = cls(fmt, (rows, k), bits=bits, checksum=checksum, **parts)
         return picks.verify()
 
 

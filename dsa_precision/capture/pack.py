@@ -77,6 +77,10 @@ def as_request_rows(name: str, value: object) -> torch.Tensor:
         )
     if value.shape[1] == 0 or value.shape[2] == 0:
         raise ValueError(f"{name}: {tuple(value.shape)} holds no layer or no top-k slot.")
+    if value.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{name} is on {value.device}; hold the engine's rows on the CPU or a GPU."
+        )
     return value
 
 
@@ -181,6 +185,10 @@ def pack_requests(
         )
     for n in numbers:
         int_at_least("layer number", n, low=1)
+    if shared is not None and not isinstance(shared, Mapping):
+        raise TypeError(
+            f"shared={shared!r}: pass {{layer: source_layer}} for the index-sharing layers."
+        )
     shared = dict(shared or {})
     for layer, src in shared.items():
         if layer not in numbers or src not in numbers or src in shared:

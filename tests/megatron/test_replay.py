@@ -383,3 +383,48 @@ def test_every_row_in_order_is_the_picks_themselves_copied():
         with pytest.raises(ValueError, match="positions=None"):
             packed.rows(1, None, 1, 4, TokenLayout(cu_seqlens=torch.tensor([0, 32])),
                         device=torch.device("cpu"))  # fmt: skip
+
+
+@pytest.mark.parametrize("recompute", ["reentrant", "non_reentrant"])
+def test_a_recomputed_forward_is_counted_once(recompute):
+    """Activation checkpointing reruns a verifying layer's forward in the backward, inside the
+    same engine_topk block: the monitor counts the micro-batch's rows once, as eagerly."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.utils.checkpoint import checkpoint
+
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk_source="verify")
+    rows = {}
+    for mode in (None, recompute):
+        attn = make_attention(config)
+        inp = attention_inputs(b=2)
+        engine = _engine(_captured(attn, attention_inputs(b=2)), batch=2)
+        args = (inp["query"], inp["key"], inp["x"], inp["qr"], inp["up_v_weight"])
+
+        def fn(q, k, x, qr, up_v, attn=attn):
+            return attn(
+                q, k, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v
+            )
+
+        with dsap.engine_topk({1: engine}, seq_len=SEQ):
+            out = (
+                fn(*args)
+                if mode is None
+                else checkpoint(fn, *args, use_reentrant=mode == "reentrant")
+            )
+            out.float().square().sum().backward()
+        rows[mode] = dsap.topk_metrics(torch.nn.ModuleList([attn]))["dsa_topk/layer_01/rows"]
+    assert rows[recompute] == rows[None] == 2 * SEQ  # every row of both sequences, once
+
+
+def test_picks_handed_in_for_an_index_sharing_layer_are_refused():
+    """Megatron's sharing layer reuses its source's top-k and would ignore its own picks: the
+    layer says so (a host fact) instead of silently replaying its source's."""
+    config = make_config(dsa_indexer_topk_source="replay", dsa_indexer_topk_freq=2, num_layers=2)
+    first, second = make_attention(config), make_attention(config, layer_number=2)
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)
+    with dsap.engine_topk({1: picks, 2: picks}, seq_len=SEQ):
+        run_attention(first, attention_inputs())
+        with pytest.raises(
+            ValueError, match=r"picks for DSA layer 2, which reuses layer 1's top-k"
+        ):
+            run_attention(second, attention_inputs())
