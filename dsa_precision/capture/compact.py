@@ -20,7 +20,7 @@ Encoding (at the engine or at storage time) may synchronise; decoding never does
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -65,13 +65,15 @@ class CompactPicks:
             None if t is None else t.to(device, non_blocking=non_blocking)
             for t in (self.data, self.width, self.count)
         ]
-        return dataclasses.replace(self, data=moved[0], width=moved[1], count=moved[2])
+        data = cast(torch.Tensor, moved[0])  # never None
+        return dataclasses.replace(self, data=data, width=moved[1], count=moved[2])
 
     def pin_memory(self) -> CompactPicks:
         pinned = [
             None if t is None else t.pin_memory() for t in (self.data, self.width, self.count)
         ]
-        return dataclasses.replace(self, data=pinned[0], width=pinned[1], count=pinned[2])
+        data = cast(torch.Tensor, pinned[0])  # never None
+        return dataclasses.replace(self, data=data, width=pinned[1], count=pinned[2])
 
 
 def _bit_length(x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +193,9 @@ def decode_picks(picks: CompactPicks) -> torch.Tensor:
     if picks.format != "delta":
         raise ValueError(f"unknown format {picks.format!r}.")
     k = picks.shape[1]
-    w = picks.width.to(torch.int64)
-    n = picks.count.to(torch.int64)
+    # delta: both are given
+    w = cast(torch.Tensor, picks.width).to(torch.int64)
+    n = cast(torch.Tensor, picks.count).to(torch.int64)
     sizes = n * w
     start = torch.cumsum(sizes, 0) - sizes
     slot = torch.arange(k, device=w.device)

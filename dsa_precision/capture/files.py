@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,15 +131,16 @@ def _layout(loaded: Mapping[str, torch.Tensor], where: str) -> TokenLayout | Non
     if not any(key in loaded for key in _LAYOUT_KEYS):
         return None
     seq_len = loaded.get("seq_len")
+    tokens = None
     if seq_len is not None:
         if seq_len.numel() != 1 or seq_len.dtype not in _INT_DTYPES:
             raise ValueError(
                 f"{where}: seq_len is a {str(seq_len.dtype).removeprefix('torch.')} tensor of "
                 f"shape {tuple(seq_len.shape)}; save one integer (tokens per sequence)"
             )
-        seq_len = int(seq_len.reshape(()))
+        tokens = int(seq_len.reshape(()))
     try:
-        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=seq_len)
+        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=tokens)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -183,7 +185,7 @@ def load_picks(path: str | Path) -> TopkPicks:
 # ----------------------------------------------------------------------- engines' responses
 
 
-def _records(path: Path) -> list[dict]:
+def _records(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() not in (".json", ".jsonl"):
         raise ValueError(
             f"{path}: engine outputs are .json or .jsonl responses, got {path.suffix!r}."
@@ -204,7 +206,7 @@ def _records(path: Path) -> list[dict]:
     return records
 
 
-def _vllm_request(path: Path, i: int, record: Mapping) -> tuple[torch.Tensor, int]:
+def _vllm_request(path: Path, i: int, record: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
     body = record
     if "choices" in record:
         choices = record["choices"]
@@ -223,7 +225,7 @@ def _vllm_request(path: Path, i: int, record: Mapping) -> tuple[torch.Tensor, in
     return decode_vllm_indexer_topk(payload), tokens
 
 
-def load_engine_output(path: str | Path, *, engine: str, **kw) -> TopkPicks:
+def load_engine_output(path: str | Path, *, engine: str, **kw: Any) -> TopkPicks:
     """The engine's per-layer picks of the responses saved in ``path``, packed in file order.
 
     Args:

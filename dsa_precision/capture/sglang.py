@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,10 +42,10 @@ def decode_sglang_indexer_topk(meta_info: Mapping[str, object], num_rows: int) -
 
 
 def from_sglang(
-    responses: Mapping[object, Mapping] | Sequence[Mapping],
+    responses: Mapping[Any, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
     *,
     order: Sequence[object] | None = None,
-    **kw,
+    **kw: Any,
 ) -> TopkPicks:
     """SGLang ``/generate`` responses (``return_indexer_topk=true``) -> :class:`~dsa_precision.picks.TopkPicks`.
 
@@ -57,7 +58,8 @@ def from_sglang(
     ids, by_id = keyed("responses", responses)
     rows, lens = {}, {}
     for r in ids:
-        meta = by_id[r].get("meta_info") if isinstance(by_id[r], Mapping) else None
+        response = by_id[r]
+        meta = response.get("meta_info") if isinstance(response, Mapping) else None
         if not isinstance(meta, Mapping):
             raise ValueError(f"SGLang response {r!r} has no meta_info dict.")
         try:
