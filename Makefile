@@ -44,6 +44,7 @@ demo: $(STAMP)
 	@echo "The commands of README.md run in this environment: . $(VENV)/bin/activate"
 
 test: $(STAMP)
+	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
 python:

@@ -20,6 +20,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "STRICT_ENV",
@@ -59,7 +60,7 @@ class _Setting:
 
     __slots__ = ("_token", "_value", "_var")
 
-    def __init__(self, var: contextvars.ContextVar, value: object) -> None:
+    def __init__(self, var: contextvars.ContextVar[Any], value: object) -> None:
         self._var, self._value = var, value
 
     def __enter__(self) -> None:

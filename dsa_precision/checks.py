@@ -12,6 +12,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ def as_int32_tensor(
 def check_freqs_cover(name: str, freqs: object, tokens: int) -> torch.Tensor:
     """RoPE angles ``freqs`` ``[s', ...]`` with a row for each of ``tokens`` positions: a single
     row is never broadcast to every token (the reference and the fused kernel alike)."""
-    check_tensor(name, freqs)
+    freqs = check_tensor(name, freqs)
     if freqs.ndim == 0 or freqs.shape[0] < tokens:
         rows = freqs.shape[0] if freqs.ndim else 0
         raise ValueError(
@@ -160,12 +161,12 @@ def check_real(
 _LOOSE_PRECISION = ("scoring_precision", "engine", "rope_fp32")
 
 
-def takes_precision_config[F: Callable](fn: F) -> F:
+def takes_precision_config[F: Callable[..., Any]](fn: F) -> F:
     """Give the removed ``scoring_precision=`` / ``engine=`` / ``rope_fp32=`` keywords of ``fn`` a
     ``TypeError`` saying what to pass now (``config=IndexerPrecisionConfig(...)``)."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         loose = [k for k in _LOOSE_PRECISION if k in kwargs]
         if loose:
             given = ", ".join(f"{k}={kwargs[k]!r}" for k in loose)

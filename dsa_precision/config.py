@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -104,6 +104,15 @@ class IndexerPrecisionConfig:
     scoring_precision: ScoringPrecision = ScoringPrecision.BF16
     # Engine profile; accepts a registered name or a profile, stored as the profile.
     engine: EngineProfile = field(default=DEFAULT_ENGINE)
+
+    if TYPE_CHECKING:  # the constructor takes the string forms too (normalised below)
+
+        def __init__(
+            self,
+            rope_fp32: bool = False,
+            scoring_precision: ScoringPrecision | str = ScoringPrecision.BF16,
+            engine: EngineProfile | str = DEFAULT_ENGINE,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         check_bool("rope_fp32", self.rope_fp32)

@@ -26,7 +26,7 @@ import collections
 import functools
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +67,7 @@ class Lru:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     def get(self, key: Hashable) -> Any:
         entry = self.entries.get(key)
@@ -100,9 +100,9 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
 
     @functools.wraps(build)
     def wrapper(*args: Hashable) -> torch.Tensor:
-        if _capturing(args[-1]):
+        if _capturing(cast(torch.device, args[-1])):  # the device is the last argument
             return build(*args)
-        value = cache.get(args)
+        value: torch.Tensor | None = cache.get(args)
         if value is None:
             with torch.inference_mode(False):
                 value = build(*args)
@@ -129,7 +129,8 @@ class DerivedCache:
 
     def __init__(self, size: int = 16) -> None:
         self._cache = Lru(size)
-        self._dead: list[tuple] = []  # keys whose source was freed (dropped at the next call)
+        # keys whose source was freed (dropped at the next call)
+        self._dead: list[tuple[int, int, Hashable]] = []
 
     def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
         while self._dead:  # a freed source's values go with it (e.g. per-call THD angles)
@@ -145,7 +146,7 @@ class DerivedCache:
             return value
         with torch.inference_mode(False):
             value = build()
-        self._cache.put(full, (weakref.ref(source, lambda _, k=full: self._dead.append(k)), value))
+        self._cache.put(full, (weakref.ref(source, lambda _: self._dead.append(full)), value))
         return value
 
     def __len__(self) -> int:

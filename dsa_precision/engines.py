@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Mapping
-from typing import Literal, get_args
+from typing import Literal, TypedDict, get_args
 
 import torch
 
@@ -282,8 +282,16 @@ _SGLANG_FP32_RULE = Fp8Rule(
 _LMDEPLOY_RULE = Fp8Rule(amax_floor=1e-6, scale_ratio="reciprocal", scale_apply="reciprocal")
 # vLLM 0.33 and LMDeploy 0.18 build the indexer key LayerNorm with eps=1e-6 whatever the model.
 _ENGINE_K_NORM_EPS = 1e-6
+
+
+class _TritonRules(TypedDict):
+    layernorm: LayerNormArith
+    fma: bool
+    k_norm_eps: float
+
+
 # vLLM 0.33's Triton kernels as Triton compiles them for Hopper (enable_fp_fusion left on).
-_VLLM_TRITON = dict(layernorm="fp32-ops", fma=True, k_norm_eps=_ENGINE_K_NORM_EPS)
+_VLLM_TRITON: _TritonRules = dict(layernorm="fp32-ops", fma=True, k_norm_eps=_ENGINE_K_NORM_EPS)
 
 ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(

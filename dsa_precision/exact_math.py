@@ -11,6 +11,8 @@ kernels do (:func:`layer_norm_fp32_ops`). Why each order is the engine's: docs/n
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .devices import device_constant
@@ -30,7 +32,7 @@ class _Fma32(torch.autograd.Function):
     """Exact float32 fused multiply-add; the gradient of ``a * b + c``."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.shapes = (a.shape, b.shape, c.shape)
         a64, b64, c64 = a.double(), b.double(), c.double()
@@ -45,7 +47,7 @@ class _Fma32(torch.autograd.Function):
         return odd.view(torch.float64).to(torch.float32)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, b = ctx.saved_tensors
         sa, sb, sc = ctx.shapes
         return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
@@ -123,7 +125,8 @@ def _pair_step(x: torch.Tensor, distance: int) -> tuple[torch.Tensor, torch.Tens
 def _tree_distances(distances: tuple[int, ...]) -> list[int]:
     """The distances of the same tree after each step removed its index bit (what a reshape of
     the shrinking tensor needs)."""
-    out, removed = [], []
+    out: list[int] = []
+    removed: list[int] = []
     for d in distances:
         bit = d.bit_length() - 1
         out.append(1 << (bit - sum(r < bit for r in removed)))

@@ -13,6 +13,7 @@ Layouts are Megatron's (sequence first): ``query`` ``(S_q, B, N, D)``, ``kv`` ``
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -59,7 +60,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         query: torch.Tensor,
         kv: torch.Tensor,
         q_indexer: torch.Tensor,
@@ -71,28 +72,32 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
         config: IndexerPrecisionConfig,
         loss_coeff: float,
         indexer_loss_fn: IndexerLossFn | None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sq, b, n, d = query.shape
         skv = kv.shape[0]
         with torch.no_grad():
-            picks = indexer_select(
-                q_indexer.transpose(0, 1),
-                k_indexer.transpose(0, 1),
-                weights.transpose(0, 1),
-                topk=topk,
-                config=config,
+            picks = cast(  # without margins: the picks alone
+                torch.Tensor,
+                indexer_select(
+                    q_indexer.transpose(0, 1),
+                    k_indexer.transpose(0, 1),
+                    weights.transpose(0, 1),
+                    topk=topk,
+                    config=config,
+                ),
             )
         idx = _flat_topk(picks)
         q_flat = query.reshape(sq * b, n, d)
         kv_flat = kv.reshape(skv * b, d)
         out_flat, lse = sparse_forward(q_flat, kv_flat, idx, softmax_scale, d_v)
 
-        grads = (None, None, None)
+        grads: tuple[torch.Tensor | None, ...] = (None, None, None)
         loss = torch.zeros((), dtype=torch.float32, device=query.device)
         if loss_coeff > 0:
             leaves = [t.detach().requires_grad_() for t in (q_indexer, k_indexer, weights)]
+            assert indexer_loss_fn is not None  # fused_indexer_sparse_attention checks it
             with torch.enable_grad():
-                loss = indexer_loss_fn(*leaves, picks)
+                loss = indexer_loss_fn(leaves[0], leaves[1], leaves[2], picks)
                 grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
             loss = loss.detach().float()
         ctx.save_for_backward(q_flat, kv_flat, idx, out_flat, lse, *grads)
@@ -104,7 +109,12 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_loss, _grad_picks):
+    def backward(
+        ctx: Any,
+        grad_out: torch.Tensor,
+        grad_loss: torch.Tensor | None,
+        _grad_picks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
         q_flat, kv_flat, idx, out_flat, lse, *indexer_grads = ctx.saved_tensors
         query_shape, kv_shape = ctx.shapes
         dq, dkv = sparse_backward(

@@ -57,7 +57,9 @@ def _rule_reason(engine: EngineProfile) -> str | None:
     return None
 
 
-def quantize_kernel_reason(q, k, weights, engine: EngineProfile) -> str | None:
+def quantize_kernel_reason(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, engine: EngineProfile
+) -> str | None:
     """Why the fused kernel cannot quantize these carriers bit-identically, or ``None``."""
     reason = _device_reason(q) or _rule_reason(engine)
     if reason:

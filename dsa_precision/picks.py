@@ -211,6 +211,7 @@ class TokenLayout:
                 )
             return
         ours, theirs = self.cu_seqlens, consumer.cu_seqlens
+        assert ours is not None and theirs is not None  # both packed
         if ours.numel() != theirs.numel():
             raise ValueError(
                 f"{name}: cu_seqlens holds {ours.numel() - 1} sequences, but {where}'s "
@@ -248,6 +249,7 @@ class TokenLayout:
         """``(rows,)`` int64 position of each token inside its sequence."""
         t = torch.arange(rows, device=device)
         if self.cu_seqlens is None:
+            assert self.seq_len is not None  # exactly one of the two is given
             return t % self.seq_len
         cu = self.cu_seqlens.to(device=device, dtype=torch.int64)
         seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=cu.numel() - 2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -59,7 +60,9 @@ _CARRIER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ------------------------------------------------------------------------------ from carriers
 
 
-def _carriers(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor):
+def _carriers(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, weights = check_tensor("q", q), check_tensor("k", k), check_tensor("weights", weights)
     check_float_dtype("q", q, _CARRIER_DTYPES)
     check_float_dtype("k", k, _CARRIER_DTYPES)
@@ -90,7 +93,9 @@ def _carriers(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor):
     return q, k, weights
 
 
-def _round_bf16(q, k, weights, sm_scale: float) -> ScoringOperands:
+def _round_bf16(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, sm_scale: float
+) -> ScoringOperands:
     """BF16 operands: FP32 carriers rounded to BF16 (what BF16 scoring means here)."""
     w = weights if weights.dtype in WEIGHT_DTYPES else weights.to(torch.float32)
     # A non-finite query row gets NaN weights, so its scores are NaN on every backend (cuDNN's
@@ -110,7 +115,7 @@ _CARRIER_FOLD: tuple[str, ...] = ("qs",)
 
 def fold_head_weights(
     weights: torch.Tensor,
-    q_descale: torch.Tensor,
+    q_descale: torch.Tensor | None,
     steps: tuple[str, ...],
     *,
     n_heads: int,
@@ -126,7 +131,8 @@ def fold_head_weights(
     constants = _fold_constants(n_heads, head_dim)
     w = weights.to(torch.float32)
     for step in steps:
-        w = w * (q_descale if step == "qs" else constants[step])  # (no "qs": q_descale unused)
+        # (no "qs": q_descale unused, may be None)
+        w = w * (cast(torch.Tensor, q_descale) if step == "qs" else constants[step])
     return w if sm_scale == 1.0 else w * f32(sm_scale)
 
 
@@ -142,7 +148,12 @@ def _fold_constants(n_heads: int, head_dim: int) -> Mapping[str, float]:
 
 
 def _quantize_reference(
-    q, k, weights, sm_scale: float, engine: EngineProfile, fold: tuple[str, ...]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    sm_scale: float,
+    engine: EngineProfile,
+    fold: tuple[str, ...],
 ) -> ScoringOperands:
     """FP8 operands in torch: the engine's quantizers; the q descale folded into the weights."""
     q8, q_descale = quantize_fp8(q, engine.q_quant)
@@ -202,7 +213,9 @@ def prepare_scoring_operands(
     return _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
 
 
-def _quantize_triton(q, k, weights, sm_scale: float, engine: EngineProfile) -> ScoringOperands:
+def _quantize_triton(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, sm_scale: float, engine: EngineProfile
+) -> ScoringOperands:
     """The fused kernel with no preprocessing: BSHD carriers read as ``[S, B, H, D]`` views."""
     from .kernels.preprocess_quantize import preprocess_quantize
 
@@ -211,6 +224,7 @@ def _quantize_triton(q, k, weights, sm_scale: float, engine: EngineProfile) -> S
         q.transpose(0, 1), rules, weights=weights.transpose(0, 1), fold_scales=(f32(sm_scale),)
     )
     k8, k_descale, _ = preprocess_quantize(k.transpose(0, 1), rules)
+    assert w is not None  # weights were given
     return ScoringOperands.trusted(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 
@@ -429,6 +443,7 @@ def _fused(
         q_proj, rules, cos=cos, sin=sin, weights=w_pre, fold_scales=fold_scales
     )
     k8, k_descale, _ = preprocess_quantize(k_in, rules, cos=cos, sin=sin, layer_norm=layer_norm)
+    assert w is not None  # weights were given
     return ScoringOperands.trusted(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 

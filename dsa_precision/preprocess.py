@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -180,7 +181,7 @@ class IndexerPreprocess(nn.Module):
     def k_norm(self) -> nn.Module:
         """The key LayerNorm (owned, or borrowed from the model)."""
         borrowed = self.__dict__.get("_borrowed_k_norm")
-        return borrowed[0] if borrowed else self._modules["k_norm"]
+        return borrowed[0] if borrowed else cast(nn.Module, self._modules["k_norm"])
 
     def extra_repr(self) -> str:
         return (
@@ -250,14 +251,17 @@ class IndexerPreprocess(nn.Module):
         if token_freqs is None and (self.rope_fp32 or self.rope_fn is None):  # used below
             token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, s)
         if self.rope_fp32:
+            assert token_freqs is not None  # set above
             return self._engine_path(q, k, token_freqs[:s], mscale)
 
         if self.rope_fn is not None:
+            rope_fn = self.rope_fn
 
             def rope(x: torch.Tensor) -> torch.Tensor:
-                return self.rope_fn(x, freqs, mscale, cu_seqlens)
+                return rope_fn(x, freqs, mscale, cu_seqlens)
 
         else:
+            assert token_freqs is not None  # set above
             rope = functools.partial(
                 apply_rope,
                 freqs=token_freqs[:s],

@@ -113,7 +113,7 @@ def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) ->
 
 
 def _check_vectors(x: object) -> None:
-    check_tensor("x", x)
+    x = check_tensor("x", x)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 vectors "

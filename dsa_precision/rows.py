@@ -10,6 +10,7 @@ synchronisation, except the ``validate_*`` checks, which read the data.
 from __future__ import annotations
 
 import numbers
+from typing import cast
 
 import torch
 
@@ -122,6 +123,8 @@ def causal_offsets(
     if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
         value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
         return constant_offsets(value, n, device)
+    # An int was handled above; check_int_tensor refuses anything else that is not a tensor.
+    q_causal_offsets = cast(torch.Tensor, q_causal_offsets)
     check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
     if q_causal_offsets.shape[0] != n:
         raise ValueError(

@@ -22,7 +22,7 @@ data-dependent checks run only with ``validate=True``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypedDict, Unpack, overload
 
 import torch
 
@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "cudnn", "deepgemm", "torch"]
+# A backend once resolved for the operands (resolve_scoring_backend).
+_Resolved = Literal["cudnn", "deepgemm", "torch"]
 
 # Bytes of working memory per score element of the torch reference: a float64 accumulator and a
 # float64 per-head product beside the float32 result.
@@ -76,6 +78,12 @@ _ALIGN_BYTES = 16
 # ------------------------------------------------------------------------------------ helpers
 
 
+@overload
+def _aligned(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _aligned(t: None) -> None: ...
+@overload
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous with a 16-byte aligned base (a row slice may start anywhere)."""
     if t is None:
@@ -112,7 +120,7 @@ def _empty_scores(
     return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
 
-def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> str:
+def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> _Resolved:
     """``"cudnn"``, ``"deepgemm"`` or ``"torch"`` for ``ops``; an explicit kernel backend that
     cannot run raises ``RuntimeError`` with the reason (it never falls back)."""
     if backend not in SCORING_BACKENDS:
@@ -148,12 +156,19 @@ def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> str:
 # ---------------------------------------------------------------------------- the kernels
 
 
+class _ThdArgs(TypedDict, total=False):
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def _cudnn_scores(
     ops: ScoringOperands,
     offsets: torch.Tensor,
     ratio: int,
     out: torch.Tensor | None,
-    **thd: object,
+    **thd: Unpack[_ThdArgs],
 ) -> torch.Tensor:
     """One cuDNN ``indexer_forward_wrapper`` launch: the only call of that kernel in the package.
 
@@ -163,7 +178,7 @@ def _cudnn_scores(
     qs, ks = ops.q_descale, None if ops.k_descale is None else ops.k_descale.unsqueeze(-1)
     if thd:
         q, k, w = q[0], k[0], w[0]
-        qs, ks = (None, None) if qs is None else (qs[0], ks[0])
+        qs, ks = (None, None) if qs is None or ks is None else (qs[0], ks[0])
     with cudnn.device_scope(q.device):
         return cudnn.dsa().indexer_forward_wrapper(
             _aligned(q),
@@ -193,6 +208,7 @@ def _deepgemm_scores(
     ``(B * S_k,)``, ``counts = key_end - key_start``; the logits as the kernel left them (no
     copy, no mask)."""
     b, sq, h, d = ops.q.shape
+    assert ops.k_descale is not None  # DeepGEMM scores FP8 operands only
     q = _aligned(ops.q.reshape(b * sq, h, d))
     kv = (_aligned(ops.k.reshape(-1, d)), _aligned(ops.k_descale.reshape(-1)))
     w = _aligned(ops.weights.reshape(b * sq, h))
@@ -378,6 +394,7 @@ def bshd_scores(
     if backend == "cudnn":
         return _cudnn_scores(ops, offsets, ratio, out)
     if backend == "deepgemm":
+        assert ops.k_descale is not None  # DeepGEMM scores FP8 operands only
         if b == 1:  # windows from key 0: DeepGEMM's own cleaning, one launch each
             ends = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
             kv = (_aligned(ops.k[0]), _aligned(ops.k_descale[0]))

@@ -126,7 +126,9 @@ def _margins(scores: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor) -> t
     return torch.where(following > -inf, kth - following, nan)
 
 
-def _margin_rows(shape: tuple[int, ...], chunked: bool, device: torch.device):
+def _margin_rows(
+    shape: tuple[int, ...], chunked: bool, device: torch.device
+) -> torch.Tensor | None:
     """The margins of a chunked call with ``margins`` (``None`` otherwise)."""
     return torch.empty(shape, dtype=torch.float32, device=device) if chunked else None
 
@@ -226,6 +228,7 @@ def indexer_select(
                 part_offsets = offsets + r0
             else:
                 part_offsets = constant_offsets(start + r0, b, device)
+            assert buf is not None  # allocated for every backend but DeepGEMM
             part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
             scores = bshd_scores(part, part_offsets, ratio, backend, part_out)
             scores = scores.view(b * (r1 - r0), sk)
@@ -236,8 +239,10 @@ def indexer_select(
             return _with_margins(picks, gaps)
         out[:, r0:r1] = picks
         if margins:
+            assert out_margins is not None and gaps is not None  # chunked, with margins
             out_margins[:, r0:r1] = gaps
         del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+    assert out is not None  # chunked: one chunk returned in the loop
     return _with_margins(out, out_margins)
 
 
@@ -323,6 +328,7 @@ def indexer_select_varlen(
             del window
             row_backend = _window_topk_backend(scores, topk)
         else:
+            assert buf is not None  # allocated for every backend but DeepGEMM
             scores = thd_scores(
                 part,
                 cu_chunk,
@@ -341,6 +347,8 @@ def indexer_select_varlen(
             return _with_margins(picks, gaps)
         out[r0:r1] = picks
         if margins:
+            assert out_margins is not None and gaps is not None  # chunked, with margins
             out_margins[r0:r1] = gaps
         del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+    assert out is not None  # chunked: one chunk returned in the loop
     return _with_margins(out, out_margins)

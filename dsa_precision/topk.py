@@ -98,7 +98,9 @@ def _cudnn_topk(
     return indices.masked_fill_(~(values > float("-inf")), -1)  # (the kernel reads float32)
 
 
-def resolve_topk_backend(backend: str, *, device: torch.device, k: int, dtype: torch.dtype) -> str:
+def resolve_topk_backend(
+    backend: str, *, device: torch.device, k: int, dtype: torch.dtype
+) -> Literal["cudnn", "torch"]:
     """``"cudnn"`` or ``"torch"``; an explicit ``"cudnn"`` that cannot run raises."""
     if backend not in TOPK_BACKENDS:
         raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {TOPK_BACKENDS}.")

@@ -55,6 +55,7 @@ class CudnnDsaInterface(Protocol):
         ratio: int = ...,
         sm_scale: float = ...,
         *,
+        out: torch.Tensor | None = ...,  # (B, S_q, S_k) FP32, written in place
         cu_seqlens_q: torch.Tensor | None = ...,
         cu_seqlens_k: torch.Tensor | None = ...,
         max_seqlen_q: int | None = ...,

@@ -123,6 +123,7 @@ def _import() -> tuple[EntryPoint | None, str | None]:
         entry, error = _resolve(module, name)
         if entry is not None:
             return entry, None
+        assert error is not None  # _resolve gives an entry point or the reason
         errors.append(error)
     return None, f"DeepGEMM's MQA logits are not importable ({'; '.join(errors)}); {_INSTALL_HINT}"
 

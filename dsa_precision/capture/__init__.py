@@ -16,6 +16,8 @@ int32}`` with the packed layout), checked against the micro-batch:
 Layouts and sources: docs/capture.md. Imports no Megatron.
 """
 
+from typing import TYPE_CHECKING, NoReturn
+
 from ..picks import TokenLayout, TopkPicks
 from .compact import FORMATS, CompactPicks, decode_picks, encode_picks
 from .digest import digest_mismatches, digest_row_reference, digest_rows
@@ -49,10 +51,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "ReplayInput":
-        raise AttributeError(
-            "dsa_precision.capture.ReplayInput is gone; the adapters return "
-            "dsa_precision.picks.TopkPicks (.indices, .cu_seqlens, .request_ids, .engine_rows)."
-        )
-    raise AttributeError(f"module 'dsa_precision.capture' has no attribute {name!r}")
+# Hidden from the type checker: a name that is gone stays an error there, not Any.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> NoReturn:
+        if name == "ReplayInput":
+            raise AttributeError(
+                "dsa_precision.capture.ReplayInput is gone; the adapters return "
+                "dsa_precision.picks.TopkPicks (.indices, .cu_seqlens, .request_ids, .engine_rows)."
+            )
+        raise AttributeError(f"module 'dsa_precision.capture' has no attribute {name!r}")

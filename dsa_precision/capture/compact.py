@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -86,13 +86,13 @@ def _checksum(
     header = 0
     for i, value in enumerate((_FORMAT_CODES[fmt], shape[0], shape[1], bits), start=1):
         header = (header + mix64_int((value * _G + i) & _MASK)) & _MASK
-    total = None
+    total = torch.zeros((), dtype=torch.int64, device=parts[0].device)
     for i, part in enumerate(parts, start=1):
         words = _as_words(part)
         index = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
         mixed = mix64(words ^ mix64(index * signed64(_G) + i)).sum()
         length = signed64(mix64_int((part.numel() * part.element_size() * _G + i) & _MASK))
-        total = (mixed if total is None else total + mixed) ^ length
+        total = (total + mixed) ^ length
     return mix64(total + signed64(header))
 
 
@@ -202,13 +202,15 @@ class CompactPicks:
             None if t is None else t.to(device, non_blocking=non_blocking)
             for t in (self.data, self.width, self.count)
         ]
-        return dataclasses.replace(self, data=moved[0], width=moved[1], count=moved[2])
+        data = cast(torch.Tensor, moved[0])  # never None
+        return dataclasses.replace(self, data=data, width=moved[1], count=moved[2])
 
     def pin_memory(self) -> CompactPicks:
         pinned = [
             None if t is None else t.pin_memory() for t in (self.data, self.width, self.count)
         ]
-        return dataclasses.replace(self, data=pinned[0], width=pinned[1], count=pinned[2])
+        data = cast(torch.Tensor, pinned[0])  # never None
+        return dataclasses.replace(self, data=data, width=pinned[1], count=pinned[2])
 
     def to_bytes(self) -> bytes:
         """The frame as bytes: header (magic, format, shape, bits, checksum), then the payload
@@ -277,10 +279,17 @@ def _word_sums(q: torch.Tensor, values: torch.Tensor, n_words: int) -> torch.Ten
     return prefix[ends] - prefix[torch.cat((ends.new_zeros(1), ends[:-1]))]
 
 
-def _framed(fmt: str, shape: tuple[int, int], bits: int = 0, **parts: torch.Tensor | None):
-    tensors = [t for t in parts.values() if t is not None]
+def _framed(
+    fmt: str,
+    shape: tuple[int, int],
+    data: torch.Tensor,
+    width: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    bits: int = 0,
+) -> CompactPicks:
+    tensors = [t for t in (data, width, count) if t is not None]
     checksum = int(_checksum(fmt, shape, bits, tensors))  # encoding may synchronise
-    return CompactPicks(fmt, shape, bits=bits, checksum=checksum, **parts)
+    return CompactPicks(fmt, shape, data, width, count, bits=bits, checksum=checksum)
 
 
 def encode_picks(
@@ -396,8 +405,9 @@ def decode_picks(picks: CompactPicks, *, validate: bool = False) -> torch.Tensor
     if picks.format in ("int32", "int16"):
         return picks.data.reshape(picks.shape).to(torch.int32)
     t, k = picks.shape
-    w = picks.width.to(torch.int64)
-    n = picks.count.to(torch.int64).clamp_(0, k)
+    # delta: both are given (checked when the frame was built)
+    w = cast(torch.Tensor, picks.width).to(torch.int64)
+    n = cast(torch.Tensor, picks.count).to(torch.int64).clamp_(0, k)
     sizes = n * w
     start = torch.cumsum(sizes, 0) - sizes
     slot = torch.arange(k, device=w.device)

@@ -16,6 +16,7 @@ import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,15 +134,16 @@ def _layout(loaded: Mapping[str, torch.Tensor], where: str) -> TokenLayout | Non
     if not any(key in loaded for key in _LAYOUT_KEYS):
         return None
     seq_len = loaded.get("seq_len")
+    tokens = None
     if seq_len is not None:
         if seq_len.numel() != 1 or seq_len.dtype not in _INT_DTYPES:
             raise ValueError(
                 f"{where}: seq_len is a {str(seq_len.dtype).removeprefix('torch.')} tensor of "
                 f"shape {tuple(seq_len.shape)}; save one integer (tokens per sequence)"
             )
-        seq_len = int(seq_len.reshape(()))
+        tokens = int(seq_len.reshape(()))
     try:
-        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=seq_len)
+        return TokenLayout(cu_seqlens=loaded.get("cu_seqlens"), seq_len=tokens)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -204,7 +206,7 @@ def readable_file(path: Path, what: str) -> None:
         raise ValueError(f"{path}: not a regular file ({what}).")
 
 
-def _records(path: Path) -> list[tuple[str, dict]]:
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """``(where, response)`` of every saved response: ``where`` names it in errors (``line N``
     of a ``.jsonl``, ``response i`` of a ``.json`` list)."""
     suffix = path.suffix.lower()
@@ -257,7 +259,7 @@ def _records(path: Path) -> list[tuple[str, dict]]:
     return records  # type: ignore[return-value]
 
 
-def _vllm_request(path: Path, where: str, record: Mapping) -> tuple[torch.Tensor, int]:
+def _vllm_request(path: Path, where: str, record: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
     name = f"{path} {where}"
     body = record
     if "choices" in record:
@@ -281,7 +283,7 @@ def _vllm_request(path: Path, where: str, record: Mapping) -> tuple[torch.Tensor
     return decode_vllm_indexer_topk(body["indexer_topk"], name=f"{name} indexer_topk"), tokens
 
 
-def load_engine_output(path: str | Path, *, engine: str, **kw) -> TopkPicks:
+def load_engine_output(path: str | Path, *, engine: str, **kw: Any) -> TopkPicks:
     """The engine's per-layer picks of the responses saved in ``path``, packed in file order.
 
     Args:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -105,11 +105,11 @@ def int_at_least(name: str, value: object, *, low: int) -> int:
 
 
 def pack_requests(
-    rows: Mapping[object, object] | Sequence[object],
-    seq_lens: Mapping[object, int] | Sequence[int],
+    rows: Mapping[Any, object] | Sequence[object],
+    seq_lens: Mapping[Any, int] | Sequence[int],
     *,
     order: Sequence[object] | None = None,
-    first_rows: Mapping[object, int] | Sequence[int] | None = None,
+    first_rows: Mapping[Any, int] | Sequence[int] | None = None,
     layer_numbers: Sequence[int] | None = None,
     shared: Mapping[int, int] | None = None,
     last_row: LastRow = "empty",
@@ -161,7 +161,7 @@ def pack_requests(
     ids, per_request = keyed("rows", rows)
     _, lens = keyed("seq_lens", seq_lens)
     order = _accounted(source, "rows", per_request, lens, ids if order is None else order)
-    firsts: dict[object, int] = {}
+    firsts: dict[object, object] = {}
     if first_rows is not None:
         _, firsts = keyed("first_rows", first_rows)
         unknown = [r for r in order if r not in firsts]
@@ -243,7 +243,8 @@ def pack_requests(
     packed = torch.cat(blocks)  # (T, L, k)
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
     layout = TokenLayout(cu_seqlens=cu)
-    result = TopkPicks({}, layout, engine_rows=torch.cat(covered), request_ids=order)
+    indices: dict[int, torch.Tensor] = {}  # filled below, held by the result
+    result = TopkPicks(indices, layout, engine_rows=torch.cat(covered), request_ids=order)
     axis = {n: i for i, n in enumerate(numbers)}
     for n in numbers:
         if n in shared:
@@ -253,7 +254,7 @@ def pack_requests(
             layout.validate_indices(
                 f"{source} layer {n}", idx, topk=topk, describe_row=result.describe_row
             )
-        result.indices[n] = idx
+        indices[n] = idx
     if validate:
         for layer, src in shared.items():
             differs = (packed[:, axis[layer]] != packed[:, axis[src]]).any(-1)
@@ -268,7 +269,11 @@ def pack_requests(
 
 
 def _accounted(
-    source: str, what: str, given: Mapping, lens: Mapping, order: Sequence[object]
+    source: str,
+    what: str,
+    given: Mapping[object, object],
+    lens: Mapping[object, object],
+    order: Sequence[object],
 ) -> tuple[object, ...]:
     """Every request of the micro-batch (``order``) has its ``what`` and a length, and nothing
     else is given."""
@@ -306,8 +311,8 @@ def keyed(name: str, value: object) -> tuple[tuple[object, ...], dict[object, ob
 
 
 def pack_digests(
-    digests: Mapping[object, object] | Sequence[object],
-    seq_lens: Mapping[object, int] | Sequence[int],
+    digests: Mapping[Any, object] | Sequence[object],
+    seq_lens: Mapping[Any, int] | Sequence[int],
     *,
     order: Sequence[object] | None = None,
     layer_numbers: Sequence[int] | None = None,
@@ -347,6 +352,7 @@ def pack_digests(
         blocks.append(d)
         covered.append(torch.arange(s, device=d.device) < ran)
     packed = torch.cat(blocks)
+    assert n_layers is not None  # set by the first request (there is at least one)
     numbers = list(range(1, n_layers + 1)) if layer_numbers is None else list(layer_numbers)
     if len(numbers) != n_layers or len(set(numbers)) != n_layers:
         raise ValueError(f"layer_numbers={numbers} must name each of the {n_layers} layers once.")

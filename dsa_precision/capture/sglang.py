@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,10 +70,10 @@ def decode_sglang_indexer_topk(
 
 
 def from_sglang(
-    responses: Mapping[object, Mapping] | Sequence[Mapping],
+    responses: Mapping[Any, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
     *,
     order: Sequence[object] | None = None,
-    **kw,
+    **kw: Any,
 ) -> TopkPicks:
     """SGLang ``/generate`` responses (``return_indexer_topk=true``) ->
     :class:`~dsa_precision.picks.TopkPicks`.

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +39,9 @@ def decode_vllm_indexer_topk(
 
 
 def from_vllm(
-    rows: Mapping[object, object] | Sequence[object],
-    seq_lens: Mapping[object, int] | Sequence[int],
-    **kw,
+    rows: Mapping[Any, object] | Sequence[object],
+    seq_lens: Mapping[Any, int] | Sequence[int],
+    **kw: Any,
 ) -> TopkPicks:
     """Per-request vLLM top-k ``(n, L, k)`` (PR 49555's ``indexer_topk``, decoded with
     :func:`decode_vllm_indexer_topk`, or a NeMo-RL ``[T, L, K]`` payload split per request) ->
@@ -76,11 +77,11 @@ class VllmStep:
 
 def from_vllm_steps(
     steps: Sequence[VllmStep],
-    seq_lens: Mapping[object, int],
+    seq_lens: Mapping[Any, int],
     *,
     topk: int,
     order: Sequence[object] | None = None,
-    **kw,
+    **kw: Any,
 ) -> TopkPicks:
     """Reassemble per-step vLLM buffers into per-request rows, then :func:`pack_requests`.
 

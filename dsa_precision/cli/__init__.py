@@ -16,8 +16,8 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from typing import Any, cast
 
 __all__ = ["CliError", "HelpFormatter", "main", "plain_text", "print_json", "progress", "seed"]
 
@@ -90,7 +90,11 @@ def progress[T](items: Iterable[T], *, total: int | None = None, desc: str = "")
     if not sys.stderr.isatty():
         yield from items
         return
-    total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)
+    total = (
+        total
+        if total is not None
+        else (len(cast(Sized, items)) if hasattr(items, "__len__") else None)
+    )
     start = time.monotonic()
     for i, item in enumerate(items):
         yield item

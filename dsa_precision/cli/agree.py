@@ -159,12 +159,14 @@ def _engine_output(path: Path, engine: str) -> TopkPicks:
 def _same_layout(a: TokenLayout, b: TokenLayout) -> bool:
     if a.seq_len is not None or b.seq_len is not None:
         return a.seq_len == b.seq_len
+    assert a.cu_seqlens is not None and b.cu_seqlens is not None  # THD: both given
     return torch.equal(a.cu_seqlens.to(torch.int64), b.cu_seqlens.to(torch.int64))
 
 
 def _describe_layout(layout: TokenLayout) -> str:
     if layout.seq_len is not None:
         return f"seq_len={layout.seq_len}"
+    assert layout.cu_seqlens is not None  # THD
     cu = layout.cu_seqlens.tolist()
     return f"cu_seqlens={cu[:8]}{'...' if len(cu) > 8 else ''}"
 
@@ -193,6 +195,7 @@ def _compare(
     """``([(name, TopkAgreement.as_dict())], shape)``: one row and the tensors' shape, or one row
     per layer (then "all" last) and ``None``. Every compared selection has at least one row."""
     train_replay = _replay(train_path, "--train")
+    infer_replay: TopkPicks | None
     if infer_format is not None:
         infer_replay = _engine_output(infer_path, infer_format)
         if train_replay is None:
@@ -222,6 +225,7 @@ def _compare(
             f"--key {key}: replay files (layer_NN tensors) are compared layer by layer, every "
             "layer; --key picks the tensor of a plain index file"
         )
+    assert infer_replay is not None  # both replay files (checked above)
     if sorted(train_replay.indices) != sorted(infer_replay.indices):
         raise CliError(
             f"layers differ: --train has {sorted(train_replay.indices)}, "
@@ -240,7 +244,11 @@ def _compare(
                 f"{tuple(infer.shape)}"
             )
         layers[n] = train, infer
-    if train_layout is not None and not _same_layout(train_layout, infer_layout):
+    if (
+        train_layout is not None
+        and infer_layout is not None  # it is whenever train_layout is
+        and not _same_layout(train_layout, infer_layout)
+    ):
         raise CliError(
             f"--train has {_describe_layout(train_layout)}, --infer "
             f"{_describe_layout(infer_layout)}; the two files must hold picks of the same tokens"

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import torch
 
@@ -44,6 +44,12 @@ from .bench_config import (
     BenchConfig,
 )
 from .bench_tables import format_tables
+
+if TYPE_CHECKING:
+    from ..fused_path import Impl
+    from ..operands import ScoringOperands
+    from ..preprocess import IndexerPreprocess
+    from ..scoring import Backend
 
 __all__ = ["BenchConfig", "Timer", "bench_inputs", "format_tables", "register", "run_bench"]
 
@@ -133,6 +139,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # measurement
 
 
+class _Call(Protocol):
+    """A call measured with no arguments (a Protocol rather than ``Callable[[], Any]``: mypy
+    matches a lambda whose defaults bind loop variables only against the former)."""
+
+    def __call__(self) -> Any: ...
+
+
+class _SelectArgs(TypedDict):
+    topk: int
+    chunk_bytes: int | None
+
+
+class _BackendSelectArgs(_SelectArgs):
+    backend: Backend
+
+
 class Timer:
     """Median of CUDA-event timings after warm-up, the L2 flushed before each repetition.
 
@@ -145,7 +167,7 @@ class Timer:
         self.reps, self.warmup = reps, warmup
         self._flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
+    def __call__(self, fn: _Call) -> float:
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
@@ -162,7 +184,7 @@ class Timer:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    def host_us(self, fn: Callable[[], Any]) -> float:
+    def host_us(self, fn: _Call) -> float:
         """Median host microseconds of ``fn()`` (until it returns), the device idle before
         each of ``reps`` calls."""
         fn()
@@ -184,7 +206,7 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def _peak_extra_mib(fn: Callable[[], Any]) -> float:
+def _peak_extra_mib(fn: _Call) -> float:
     """Allocator peak of one call beyond what existed before it and beyond its outputs."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -196,7 +218,9 @@ def _peak_extra_mib(fn: Callable[[], Any]) -> float:
     return max(extra, 0) / 2**20
 
 
-def bench_inputs(seq: int, batch: int, heads: int, gen: torch.Generator):
+def bench_inputs(
+    seq: int, batch: int, heads: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Megatron-layout BF16 projections (q, k, raw head weights) and RoPE angles."""
 
     def nonzero(*shape: int) -> torch.Tensor:
@@ -214,13 +238,14 @@ def bench_inputs(seq: int, batch: int, heads: int, gen: torch.Generator):
     )
 
 
-def _preprocess(rope_fp32: bool, hadamard: bool):
+def _preprocess(rope_fp32: bool, hadamard: bool) -> IndexerPreprocess:
     from ..preprocess import IndexerPreprocess
 
     pre = IndexerPreprocess(HEAD_DIM, ROPE_DIM, rope_fp32=rope_fp32, rotate_activation=hadamard)
+    k_norm = cast(torch.nn.LayerNorm, pre.k_norm)  # its own, fresh nn.LayerNorm
     with torch.no_grad():
-        pre.k_norm.weight.normal_(1.0, 0.1)
-        pre.k_norm.bias.normal_(0.0, 0.1)
+        k_norm.weight.normal_(1.0, 0.1)
+        k_norm.bias.normal_(0.0, 0.1)
     return pre.to(device=_DEVICE, dtype=torch.bfloat16)
 
 
@@ -282,7 +307,7 @@ class _Workload:
         self.w8 = indexer_head_weights(w_raw, fp32=True, **hw)
         self._prepare = prepare_indexer_operands
 
-    def prep(self, fp8: bool, impl: str = "auto"):
+    def prep(self, fp8: bool, impl: Impl = "auto") -> ScoringOperands:
         if fp8:
             return self._prepare(
                 self.pre8, self.q, self.k, self.w8, self.freqs, config=self.cfg8, impl=impl
@@ -301,6 +326,7 @@ def _verify(work: _Workload) -> dict[str, Any]:
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             raise CliError(f"fused operand {name} differs from the torch reference; not timing.")
     part = fused.rows(0, min(512, work.seq))
+    assert part.k_descale is not None  # FP8 operands
     part = type(part)(
         part.q, part.k[:, :512], part.weights, part.q_descale, part.k_descale[:, :512]
     )
@@ -338,6 +364,7 @@ class _Raw:
         the engines' prefill top-k reads), or with ``clean`` the full cleaned ``(S_q, S_k)``
         scores (``None`` where the entry point takes no ``clean_logits``)."""
         e = self.dg
+        assert e is not None  # called only where DeepGEMM imports (_backends)
         q, kv, w = ops.q[0], (ops.k[0], ops.k_descale[0]), ops.weights[0]
         args = ((q, None) if e.q_pair else q, kv, w, torch.zeros_like(counts), counts)
         if clean:
@@ -367,6 +394,7 @@ class _Raw:
             if backend == "deepgemm":
                 scores = WindowLogits(self.deepgemm_logits(part, lens), lens).rows_in_place()
             else:
+                assert buf is not None  # given for cuDNN
                 out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
                 scores = self.cudnn_scores(part, zero + r0, out).view(-1, sk)
             if not score_only:
@@ -387,7 +415,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     seq, b = work.seq, cfg.batch
     raw = _Raw(cfg.topk)
     backends = _backends(raw, b)
-    t: dict[str, float | None] = {}
+    t: dict[str, Any] = {}  # ms (prep_fp8_torch: None when not timed)
     mem: dict[str, float] = {}
     check = _verify(work) if seq <= 16384 else None
     t["prep_bf16"] = timer(lambda: work.prep(False))
@@ -430,13 +458,13 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
                 lambda config=config: indexer_topk(indexer_scores(*car, config=config), cfg.topk)
             )
         del q32, k32, car
-    sel = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
+    sel: _SelectArgs = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
     t["e2e_bf16"] = timer(lambda: indexer_select(work.prep(False), **sel))
     t["e2e_fp8"] = timer(lambda: indexer_select(work.prep(True), **sel))
     mem["e2e_bf16"] = _peak_extra_mib(lambda: indexer_select(work.prep(False), **sel))
     mem["e2e_fp8"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **sel))
     if "deepgemm" in backends:
-        dg = dict(sel, backend="deepgemm")
+        dg: _BackendSelectArgs = {**sel, "backend": "deepgemm"}
         t["e2e_fp8_dg"] = timer(lambda: indexer_select(work.prep(True), **dg))
         mem["e2e_fp8_dg"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **dg))
     out: dict[str, Any] = {
@@ -500,14 +528,14 @@ def _measure_long(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, 
     seq, b = work.seq, cfg.batch
     raw = _Raw(cfg.topk)
     step = _select_step(cfg, seq)
-    sel = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
+    sel: _SelectArgs = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
     t: dict[str, float] = {}
     mem: dict[str, float] = {}
     t["prep_bf16"] = timer(lambda: work.prep(False))
     t["prep_fp8"] = timer(lambda: work.prep(True, "triton"))
     ops = {"bf16": work.prep(False), "fp8": work.prep(True)}
     buf = torch.empty(b * step * seq, dtype=torch.float32, device=_DEVICE)
-    cases = [("bf16", "cudnn"), ("fp8", "cudnn")]
+    cases: list[tuple[str, Backend]] = [("bf16", "cudnn"), ("fp8", "cudnn")]
     if "deepgemm" in _backends(raw, b):
         cases.append(("fp8", "deepgemm"))
     for p, backend in cases:

@@ -34,7 +34,7 @@ from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select
 from ..oracles.inference import inference_operands
 from ..oracles.synthetic import synthetic_indexer_inputs
 from ..oracles.training import IndexerFields, training_operands
-from ..scoring import indexer_scores
+from ..scoring import Backend, indexer_scores
 from ..topk import indexer_topk
 from . import CliError, print_json, progress, seed
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
@@ -141,7 +141,7 @@ def run_demo(
     n_heads: int = 32,
     seed: int = 0,
     device: str = "cpu",
-    backend: str | None = None,
+    backend: Backend | None = None,
     engine: EngineProfile = DEFAULT_ENGINE,
     model: IndexerFields | None = None,
 ) -> DemoRun:

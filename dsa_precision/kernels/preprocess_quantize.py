@@ -513,6 +513,7 @@ def preprocess_quantize(
     grid = (-(-n_rows // block_rows),)  # ceil (triton.cdiv is a slower jit-aware call)
     if not rope_dim:
         cos = sin = consts  # never read
+    assert cos is not None and sin is not None  # checked above when rope_dim
     w_arg = weights if weights is not None else scale
     _preprocess_quantize_kernel[grid](
         _bits_view(x4),

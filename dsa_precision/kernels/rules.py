@@ -7,7 +7,7 @@ Importing this module imports no Triton (the decision and the launch are apart).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -23,6 +23,15 @@ def engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
     """Whether the engines' lane order is not Megatron's: interleaved RoPE pairs and no Hadamard
     rotation (docs/numerics.md, section 7: the engines rotate each adjacent pair in place)."""
     return preprocess.rope_interleaved and not preprocess.rotate_activation
+
+
+class _Common(TypedDict):
+    q_quant: Fp8Rule
+    k_quant: Fp8Rule
+    rope_dim: int
+    interleaved: bool
+    hadamard: bool
+    input_lane_order: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +96,7 @@ class PreprocessRules:
         ``rope_fp32`` the engine's (cos/sin cache dtype, RoPE arithmetic, LayerNorm arithmetic
         and output, q / k rounding, contraction, Hadamard constant); otherwise Megatron's BF16
         path (RoPE in the projection dtype, its outputs rounded to it)."""
-        common = dict(
+        common: _Common = dict(
             q_quant=engine.q_quant,
             k_quant=engine.k_quant,
             rope_dim=preprocess.rope_dim,

@@ -19,6 +19,8 @@ they rely on is checked at import (:mod:`.compat`). See ``docs/megatron.md``.
 
 # ruff: noqa: I001, E402  (the surface check runs before the modules that rely on it import)
 
+from typing import TYPE_CHECKING, NoReturn
+
 from .compat import TESTED_MEGATRON_CORE, check_megatron_core
 
 check_megatron_core()
@@ -63,7 +65,10 @@ _RENAMED = {
 }
 
 
-def __getattr__(name: str):
-    if name in _RENAMED:
-        raise AttributeError(f"dsa_precision.megatron.{name} is gone; use {_RENAMED[name]}.")
-    raise AttributeError(f"module 'dsa_precision.megatron' has no attribute {name!r}")
+# Hidden from the type checker: a name that is gone stays an error there, not Any.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> NoReturn:
+        if name in _RENAMED:
+            raise AttributeError(f"dsa_precision.megatron.{name} is gone; use {_RENAMED[name]}.")
+        raise AttributeError(f"module 'dsa_precision.megatron' has no attribute {name!r}")

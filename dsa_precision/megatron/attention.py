@@ -45,12 +45,13 @@ from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
 from ..devices import to_device
 from ..picks import TokenLayout
+from ..preprocess import IndexerPreprocess
 from ..rows import packed_sequence_of
 from . import compat
 from .config import DSAPrecisionTransformerConfig, layer_decisions
 from .graphs import GraphedCalls
 from .indexer import PrecisionDSAIndexer
-from .layout import RankLayout, owned_topk, owned_topk_with_margins, query_positions
+from .layout import Gather, RankLayout, owned_topk, owned_topk_with_margins, query_positions
 from .monitor import TopkMonitor
 from .record import current_recorder
 from .replay import HandedIn, current_handed_in
@@ -88,7 +89,9 @@ class PrecisionDSAttention(DSAttention):
     # Megatron's routing state as its __init__ computed it (skip_topk, index_share, source_layer).
     _built: dict[str, Any]
 
-    def __init__(self, config, submodules, layer_number, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, config: Any, submodules: Any, layer_number: int, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         compat.check_built(self, "DSAttention")
         if self.indexer is not None and not isinstance(self.indexer, PrecisionDSAIndexer):
@@ -111,15 +114,18 @@ class PrecisionDSAttention(DSAttention):
         self._graphs = GraphedCalls() if graphed else None
         # The indexer's parameters by name, looked up on every replay (a replaced Parameter
         # object is read as the module now holds it): their addresses are part of a graph's key.
-        names = [name for name, _ in self.indexer.named_parameters()] if graphed else []
+        names = []
+        if graphed:
+            assert self.indexer is not None  # built: the layer computes its top-k
+            names = [name for name, _ in self.indexer.named_parameters()]
         self._indexer_params = tuple(operator.attrgetter(name) for name in names)
         # The layer's process groups are fixed when it is built: their sizes and ranks too.
         pgs = self.pg_collection  # a collection may lack a group it does not use (Megatron's tests)
         tp, cp = getattr(pgs, "tp", None), getattr(pgs, "cp", None)
         self._tp_size = tp.size() if tp is not None else 1
-        self._tp_rank = tp.rank() if self._tp_size > 1 else 0
+        self._tp_rank = tp.rank() if tp is not None and self._tp_size > 1 else 0
         self._cp_size = cp.size() if cp is not None else 1
-        self._cp_rank = cp.rank() if self._cp_size > 1 else 0
+        self._cp_rank = cp.rank() if cp is not None and self._cp_size > 1 else 0
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
         self.topk_monitor = TopkMonitor()
 
@@ -185,11 +191,11 @@ class PrecisionDSAttention(DSAttention):
         x: torch.Tensor,
         qr: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attn_mask_type=None,
+        attn_mask_type: Any = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
         up_v_weight: torch.Tensor | None = None,
-    ):
+    ) -> Any:
         """Megatron's forward; with FP8 scoring, on this layer's owned top-k."""
         args = (query, key, value, attention_mask, x, qr, position_ids, attn_mask_type)
         kwargs = dict(
@@ -216,10 +222,10 @@ class PrecisionDSAttention(DSAttention):
             topk = self._engine_picks(engine, layout, query, x)
         else:
             with_margins = source == "verify"
-            topk = self.compute_topk(
+            selected: Any = self.compute_topk(  # the top-k, or (top-k, margins)
                 query, x, qr, packed_seq_params, margins=with_margins, layout=layout
             )
-            topk, margins = topk if with_margins else (topk, None)
+            topk, margins = selected if with_margins else (selected, None)
             # owned: FP8 here. Counted once per layer and handed-in micro-batch: a recomputed
             # forward (activation checkpointing) compares the same rows again, and is not counted.
             if engine is not None and (with_margins or owned) and engine.first_count(self):
@@ -398,13 +404,23 @@ class PrecisionDSAttention(DSAttention):
             )
         return topk
 
-    def _select(self, x, qr, packed_seq_params, layout: RankLayout, margins: bool, gather):
+    def _select(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        layout: RankLayout,
+        margins: bool,
+        gather: Gather | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The owned top-k, eagerly: operands from the projections, then one selection."""
         ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
         select = owned_topk_with_margins if margins else owned_topk
         return select(ops, layout, self.index_topk, gather=gather)
 
-    def _graph_unsupported_reason(self, x: torch.Tensor, packed_seq_params, layout) -> str | None:
+    def _graph_unsupported_reason(
+        self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None, layout: RankLayout
+    ) -> str | None:
         if not x.is_cuda:
             return f"the inputs are on {x.device}; CUDA graphs need a CUDA device"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -415,7 +431,14 @@ class PrecisionDSAttention(DSAttention):
             return "sequence parallelism gathers the indexer rows over tensor-parallel ranks"
         return None
 
-    def _graphed(self, x, qr, packed_seq_params, layout: RankLayout, margins: bool):
+    def _graphed(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        layout: RankLayout,
+        margins: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The owned top-k from this layer's CUDA graph of it (``dsa_indexer_cuda_graph``)."""
         reason = self._graph_unsupported_reason(x, packed_seq_params, layout)
         if reason is not None:
@@ -436,12 +459,16 @@ class PrecisionDSAttention(DSAttention):
             self.config.rope_type,
         )
 
-        def select(x_: torch.Tensor, qr_: torch.Tensor):
+        def select(
+            x_: torch.Tensor, qr_: torch.Tensor
+        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             return self._select(x_, qr_, None, layout, margins, None)
 
-        def keep():  # Megatron's cached angles, read by the graph where they lie
+        # Megatron's cached angles, read by the graph where they lie
+        def keep() -> tuple[torch.Tensor, IndexerPreprocess]:
             return (indexer.rope_angles(x, None)[0], indexer.preprocess())
 
+        assert self._graphs is not None  # only called with its graphs (dsa_indexer_cuda_graph)
         return self._graphs(select, (x.detach(), qr.detach()), key, keep)
 
     # -- Megatron reads a staged top-k through its index-share holder ------------------------

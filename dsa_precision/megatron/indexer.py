@@ -44,7 +44,7 @@ class PrecisionDSAIndexer(DSAIndexer):
     """``DSAIndexer`` whose numerics follow the dsa-precision fields of its config (see the
     module docstring), decided once, when it is built."""
 
-    def __init__(self, config, submodules, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, *args, **kwargs)
         compat.check_built(self, "DSAIndexer")
         self._precision, _ = layer_decisions(self.config)
@@ -90,12 +90,30 @@ class PrecisionDSAIndexer(DSAIndexer):
         self._preprocess_cache = (key, module)
         return module
 
-    def _megatron_rope(self, x, freqs, mscale, cu_seqlens):
+    def _megatron_rope(
+        self,
+        x: torch.Tensor,
+        freqs: torch.Tensor,
+        mscale: float,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
         return self._apply_rope(x, freqs, mscale, cu_seqlens=cu_seqlens)
 
     def projections(
-        self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, weights_fp32: bool = False
-    ):
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        weights_fp32: bool = False,
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        torch.Tensor | None,
+        torch.Tensor | None,
+    ]:
         """As ``forward_before_topk`` begins: RoPE angles, sequence-parallel gather, projections.
 
         Returns ``(q [s, b, h, d], k [s, b, d], w [s, b, h] raw, freqs, mscale, cu_seqlens,
@@ -107,7 +125,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         freqs, mscale = self.rope_angles(x, packed_seq_params)
-        cu_seqlens = None
+        cu_seqlens: Any = None  # Megatron's (untyped) packed lengths
         if packed:
             cu_seqlens, cu_seqlens_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
             # Self-attention: one packed layout. Compared only off the GPU (no host sync).

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
@@ -112,6 +113,7 @@ def _bshd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) 
     reorder = dsa_layout.build_zigzag_allgather_cp_key_reorder(
         sq=ops.q.shape[1], cp_size=layout.cp_size, device=ops.device
     )
+    assert gather is not None  # checked by _keys
     return gather_keys(ops, gather, reorder)
 
 
@@ -122,7 +124,7 @@ def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     if layout.cp_size == 1:
         return indexer_select(keys.rows(start, stop), topk=topk, q_causal_offsets=start, **select)
     runs = _zigzag_runs(rows, layout.cp_size, layout.cp_rank, start, stop)
-    parts = [
+    parts: list[Any] = [  # the picks, or (picks, margins)
         indexer_select(keys.rows(lo, hi), topk=topk, q_causal_offsets=pos, **select)
         for lo, hi, pos in runs
     ]
@@ -139,6 +141,7 @@ def _thd_pseudo_sequences(layout: RankLayout, rows: int, device: torch.device):
     and ``(2 cp - 1 - rank) * half`` of the sequence), in Megatron's local order. Rows past the
     last chunk (padding) form a final pseudo-sequence that sees no key.
     """
+    assert layout.cu_seqlens is not None  # THD
     cu = to_device(layout.cu_seqlens, device, torch.int64)
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
@@ -177,6 +180,7 @@ def _thd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -
         query_cu_seqlens_cover_output=layout.cu_seqlens_cover_output,
         key_cu_seqlens_cover_output=layout.cu_seqlens_cover_output,
     )
+    assert gather is not None  # checked by _keys
     return gather_keys(ops, gather, reorder)
 
 
@@ -186,6 +190,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     rows = keys.q.shape[1]
     device = keys.device
     start, stop = layout.query_start, layout.query_stop(rows)
+    assert layout.cu_seqlens is not None  # THD
     cu = to_device(layout.cu_seqlens, device, torch.int64)
     total_k = keys.k.shape[1]
     cu_q, offsets, seq_of, n_pseudo = _thd_pseudo_sequences(layout, rows, device)
@@ -212,7 +217,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
         )
     max_len = layout.max_seqlen if layout.max_seqlen is not None else total_k
     sliced_cu, sliced_offsets = varlen_row_slice(cu_q, offsets, start, stop)
-    selected = indexer_select_varlen(
+    selected: Any = indexer_select_varlen(  # the picks, or (picks, margins)
         keys.rows(start, stop),
         topk=topk,
         cu_seqlens_q=sliced_cu,
@@ -227,7 +232,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     # Sequence-local keys -> rows of the gathered packed keys.
     base = key_start[packed_sequence_of(cu_q, torch.arange(start, stop, device=device))]
     picks = torch.where(picks >= 0, picks + base.unsqueeze(1).to(picks.dtype), picks).unsqueeze(0)
-    return (picks, margins.unsqueeze(0)) if want_margins else picks
+    return (picks, cast(torch.Tensor, margins).unsqueeze(0)) if want_margins else picks
 
 
 def _keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -> ScoringOperands:

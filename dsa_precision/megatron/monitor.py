@@ -10,6 +10,9 @@ TensorBoard / W&B writers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
 from ..agreement import agreement_and_identical_rows
@@ -120,9 +123,11 @@ def topk_metrics(
     ``group`` (e.g. the data-parallel group) the counts are summed (``flipped_max``: max) across
     its ranks first. One host synchronisation.
     """
-    monitors = {
+    # The attention layers' own attributes, which nn.Module's __getattr__ types as Tensor | Module.
+    modules: Iterator[Any] = model.modules()
+    monitors: dict[int, TopkMonitor] = {
         m.layer_number: m.topk_monitor
-        for m in model.modules()
+        for m in modules
         if getattr(m, "topk_monitor", None) is not None and m.topk_monitor.sums
     }
     if not monitors:

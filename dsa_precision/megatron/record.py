@@ -65,6 +65,7 @@ class TopkRecorder:
 def _same_layout(a: TokenLayout, b: TokenLayout) -> bool:
     if a.seq_len is not None or b.seq_len is not None:
         return a.seq_len == b.seq_len
+    assert a.cu_seqlens is not None and b.cu_seqlens is not None  # THD: both given
     return a.cu_seqlens is b.cu_seqlens or a.cu_seqlens.shape == b.cu_seqlens.shape
 
 

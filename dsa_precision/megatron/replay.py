@@ -103,6 +103,7 @@ class HandedIn:
         name = f"engine_topk layer {layer_number}"
         where = f"DSA layer {layer_number}"
         idx = self.layer(layer_number)
+        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
         self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
         if idx.shape[1] > topk:
             raise ValueError(
@@ -123,11 +124,13 @@ class HandedIn:
         moved = to_device(idx, device)
         if positions is None:  # every row in order: the picks themselves, in their layout,
             # copied once (by the move, the cast, or else here: never the engine's tensor)
+            assert self.picks.seq_len is not None  # checked above
             picks = moved.reshape(batch, self.picks.seq_len, -1).to(torch.int32, copy=moved is idx)
         elif self.picks.seq_len is not None:
             tokens = torch.arange(batch, device=device).view(-1, 1) * self.picks.seq_len + positions
             picks = moved[tokens].to(torch.int32)
         else:
+            assert self.picks.cu_seqlens is not None  # THD
             cu = to_device(self.picks.cu_seqlens, device, torch.int64)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
@@ -166,14 +169,15 @@ class HandedIn:
                 f"engine_topk holds no digests for DSA layer {layer_number} (it has layers "
                 f"{sorted(digests)}); verify needs every top-k-computing layer's."
             )
+        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
         self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
-        digests = digests[layer_number]
-        total = digests.shape[0]
+        layer_digests = digests[layer_number]
+        total = layer_digests.shape[0]
         self._check_batch_rows(name, where, total, batch, "digests")
         device = tokens.device
         inside = tokens < total
         safe = tokens.clamp(max=max(total - 1, 0))
-        theirs = to_device(digests, device)[safe]
+        theirs = to_device(layer_digests, device)[safe]
         if self.picks.engine_rows is not None:
             inside = inside & to_device(self.picks.engine_rows, device)[safe]
         return theirs, inside
@@ -221,7 +225,7 @@ def _checked(
         )
     if not indices:
         raise ValueError("engine_topk got no layers; pass {layer_number: (T, k) indices}.")
-    devices = {}
+    devices: dict[torch.device, int] = {}
     for layer, idx in indices.items():
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
             raise ValueError(f"engine_topk keys are 1-based layer numbers, got {layer!r}.")
@@ -382,6 +386,7 @@ def engine_topk(
             )
         picks = indices
         layout, engine_rows, engine_digests = picks.layout, picks.engine_rows, picks.digests
+        assert layout is not None  # checked above
         indices = dict(picks.indices) or None
     else:
         picks = None

@@ -152,7 +152,9 @@ def default_backend() -> BackendSpecProvider:
     return LocalDSASpecProvider()
 
 
-def get_dsa_precision_module_spec(config, backend: BackendSpecProvider | None = None) -> ModuleSpec:
+def get_dsa_precision_module_spec(
+    config: Any, backend: BackendSpecProvider | None = None
+) -> ModuleSpec:
     """``get_dsa_module_spec_for_backend`` with the precision modules (self-attention spec)."""
     backend = backend or default_backend()
     spec = eav_specs.get_dsa_module_spec_for_backend(config, backend=backend)
@@ -162,7 +164,10 @@ def get_dsa_precision_module_spec(config, backend: BackendSpecProvider | None = 
 
 
 def get_gpt_dsa_precision_block_spec(
-    config, vp_stage: int | None = None, pp_rank: int | None = None, backend=None
+    config: Any,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    backend: BackendSpecProvider | None = None,
 ) -> TransformerBlockSubmodules:
     """GPT decoder block spec with DSA layers (the experimental-attention-variant block) and the
     precision modules, for the TE backend or, without TE, :class:`LocalDSASpecProvider`.

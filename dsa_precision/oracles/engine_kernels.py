@@ -37,6 +37,7 @@ import torch
 
 from ..config import IndexerPrecisionConfig
 from ..engines import EngineProfile
+from ..fused_path import Impl
 from .engine_model import EngineOperands
 from .synthetic import SyntheticIndexerInputs
 from .training import IndexerFields, training_operands
@@ -381,13 +382,14 @@ def package_operands(
     profile: EngineProfile,
     *,
     interleaved: bool,
-    impl: str = "auto",
+    impl: Impl = "auto",
 ) -> EngineOperands:
     """The package's ``rope_fp32+fp8`` operands of ``inputs`` under ``profile`` (batch 1), as the
     Megatron integration builds them, in the layout of the engines' (what :func:`operand_diff`
     compares with :func:`engine_kernel_operands`)."""
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
     ops = training_operands(inputs, config, IndexerFields(rope_interleaved=interleaved), impl=impl)
+    assert ops.k_descale is not None  # FP8 operands
     return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
 
 

@@ -19,6 +19,7 @@ def inference_operands(
     CUDA and the profile's kernels are in ``DSA_ENGINE_KERNELS``, otherwise
     :func:`engine_operands`, with the reason in the description."""
     oracle = engine_kernels.oracle_for(engine)
+    why: str | None
     if not inputs.q.is_cuda:
         why = "they run on CUDA"
     elif oracle is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -96,10 +96,13 @@ def assert_replays_bit_exact(
             grads: list[torch.Tensor | None] = []
             if backward:
                 leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-                total = sum(
-                    t.float().sum()
-                    for _, t in _flatten(out, "out")
-                    if isinstance(t, torch.Tensor) and t.requires_grad
+                total = cast(  # a tensor: some output is differentiable when backward is asked
+                    torch.Tensor,
+                    sum(
+                        t.float().sum()
+                        for _, t in _flatten(out, "out")
+                        if isinstance(t, torch.Tensor) and t.requires_grad
+                    ),
                 )
                 grads = list(torch.autograd.grad(total, leaves, allow_unused=True))
         if replay == 0:
@@ -117,7 +120,7 @@ def assert_replays_bit_exact(
                 raise AssertionError(f"{label}replay {replay} differs at {name}: {a!r} vs {b!r}")
         for i, (a, b) in enumerate(zip(first_grads, grads, strict=True)):
             if (a is None) != (b is None) or (
-                a is not None and not torch.equal(_bits(a), _bits(b))
+                a is not None and b is not None and not torch.equal(_bits(a), _bits(b))
             ):
                 raise AssertionError(
                     f"{label}replay {replay} differs from replay 0 at grad of input {i}: "

@@ -79,12 +79,13 @@ def megatron_on_cpu() -> Iterator[None]:
     def stay(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self
 
-    torch.cuda.current_device = lambda: "cpu"
+    # Monkeypatched for the block: torch's stubs declare these as fixed functions (ignores).
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.tensor = unpinned_tensor
-    torch.Tensor.cuda = stay
+    torch.Tensor.cuda = stay  # type: ignore[method-assign,assignment]
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.tensor, torch.Tensor.cuda = saved
+        torch.cuda.current_device, torch.tensor, torch.Tensor.cuda = saved  # type: ignore[method-assign]
         mp_random.initialize_rng_tracker(force_reset=True)

@@ -142,7 +142,7 @@ def test_sglang_payloads_pack_into_the_picks_they_were_built_from(requests):
     assert picks.cu_seqlens.tolist() == np.cumsum([0, *lens]).tolist()
     for layer in range(rows[0].shape[1]):
         assert torch.equal(picks.indices[layer + 1], _packed(rows, layer))
-    assert picks.engine_rows.tolist() == sum(([True] * (n - 1) + [False] for n in lens), [])
+    assert picks.engine_rows.tolist() == [j < n - 1 for n in lens for j in range(n)]
 
 
 @given(causal_requests(), st.sampled_from(["<i4", ">i4", "<i8", ">i2"]))
