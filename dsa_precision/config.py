@@ -40,7 +40,7 @@ FP8_N_HEADS = (32, 64)
 FP8_HEAD_DIM = QUANT_BLOCK
 FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
 # Scoring backends: cuDNN's SM90 indexer kernel, DeepGEMM's MQA logits (the inference
-# engines' kernel; FP8 only, never chosen by "auto"), the exact torch reference.
+# engines' kernel; FP8 only; "auto"'s first choice where installed), the exact torch reference.
 SCORING_BACKENDS = ("auto", "cudnn", "deepgemm", "torch")
 TOPK_BACKENDS = ("auto", "cudnn", "torch")
 

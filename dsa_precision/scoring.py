@@ -120,9 +120,19 @@ def _empty_scores(
     return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
 
-def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> _Resolved:
+def resolve_scoring_backend(
+    backend: str, ops: ScoringOperands, *, writes_out: bool = False
+) -> _Resolved:
     """``"cudnn"``, ``"deepgemm"`` or ``"torch"`` for ``ops``; an explicit kernel backend that
-    cannot run raises ``RuntimeError`` with the reason (it never falls back)."""
+    cannot run raises ``RuntimeError`` with the reason (it never falls back).
+
+    ``"auto"`` takes the fastest exact kernel that can serve the call: DeepGEMM's MQA logits
+    (the engines' own FP8 kernel) for FP8 operands when DeepGEMM is installed and supports the
+    shape and the call does not write into ``out`` (``writes_out``), else cuDNN's SM90 kernel,
+    else the torch reference in the same precision. The backends' logits are not bitwise the
+    same (their FP8 accumulation orders differ; docs/numerics.md, section 7): the audit records
+    which one ran (:func:`dsa_precision.scoring_calls`), and a pinned ``backend`` gives the same
+    bits whatever else is installed."""
     if backend not in SCORING_BACKENDS:
         raise ValueError(
             f"backend={backend!r} is not a scoring backend; use one of {SCORING_BACKENDS}."
@@ -135,13 +145,16 @@ def resolve_scoring_backend(backend: str, ops: ScoringOperands) -> _Resolved:
         )
     if backend == "torch":
         return "torch"
-    if backend == "deepgemm":
+    if backend == "deepgemm" or (
+        backend == "auto" and ops.precision is ScoringPrecision.FP8 and not writes_out
+    ):
         reason = deepgemm.mqa_logits_unsupported_reason(
             device=ops.device, precision=ops.precision, n_heads=h, head_dim=d
         )
-        if reason is not None:
+        if reason is None:
+            return "deepgemm"
+        if backend == "deepgemm":
             raise RuntimeError(f"backend='deepgemm' cannot score this call: {reason}.")
-        return "deepgemm"
     reason = cudnn.scoring_reason(ops.device, ops.precision, h, d, 1)
     if reason is None:
         return "cudnn"
@@ -347,8 +360,10 @@ def indexer_scores(
         q_causal_offsets: global index of each batch row's query 0: an int or a ``(B,)`` integer
             tensor (0 by default).
         backend: ``"cudnn"`` (SM90 kernel), ``"deepgemm"`` (DeepGEMM's MQA logits, FP8 only),
-            ``"torch"`` (exact reference, any device) or ``"auto"`` (cuDNN when it can serve the
-            call, else torch). An explicit kernel backend that cannot run raises.
+            ``"torch"`` (exact reference, any device) or ``"auto"`` (the fastest that can serve
+            the call: DeepGEMM for FP8 when installed and ``out`` is not given, else cuDNN, else
+            torch; :func:`resolve_scoring_backend`). An explicit kernel backend that cannot run
+            raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
         validate: check the data too (offsets in range before their int32 cast, finite
             operands); this synchronises with the host, so it is off by default.
@@ -369,7 +384,7 @@ def indexer_scores(
     if validate:
         ops.check_finite()
     _check_out(out, (b, sq, sk), ops.device)
-    backend = resolve_scoring_backend(backend, ops)
+    backend = resolve_scoring_backend(backend, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
     return bshd_scores(ops, offsets, ratio, backend, out)
@@ -472,7 +487,7 @@ def indexer_scores_varlen(
     if validate:
         ops.check_finite()
     _check_out(out, (tq, max_seqlen_k), ops.device)
-    backend = resolve_scoring_backend(backend, ops)
+    backend = resolve_scoring_backend(backend, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)

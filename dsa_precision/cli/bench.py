@@ -408,7 +408,7 @@ def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
 
 def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     from ..rows import causal_key_counts
-    from ..scoring import indexer_scores
+    from ..scoring import indexer_scores, resolve_scoring_backend
     from ..select import indexer_select
     from ..topk import indexer_topk
 
@@ -429,7 +429,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         t["raw_score_bf16"] = timer(lambda: raw.cudnn_scores(ops16, offsets))
         t["score_bf16"] = timer(lambda: indexer_scores(ops16))
         t["raw_score_fp8"] = timer(lambda: raw.cudnn_scores(ops8, offsets))
-        t["score_fp8"] = timer(lambda: indexer_scores(ops8))
+        t["score_fp8"] = timer(lambda: indexer_scores(ops8, backend="cudnn"))
         if "deepgemm" in backends:
             t["raw_score_dg"] = timer(lambda: raw.deepgemm_logits(ops8, lens))
             if raw.deepgemm_logits(ops8, lens, clean=True) is not None:
@@ -441,10 +441,10 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         t["topk"] = timer(lambda: indexer_topk(scores, cfg.topk, seq_lens=lens))
         host = {
             "raw_score_fp8": lambda: raw.cudnn_scores(ops8, offsets),
-            "score_fp8": lambda: indexer_scores(ops8),
+            "score_fp8": lambda: indexer_scores(ops8, backend="cudnn"),
             "raw_topk_val": lambda: raw.topk(scores, lens, True),
             "topk": lambda: indexer_topk(scores, cfg.topk, seq_lens=lens),
-            "select_fp8": lambda: indexer_select(ops8, topk=cfg.topk),
+            "select_fp8": lambda: indexer_select(ops8, topk=cfg.topk, backend="cudnn"),
         }
         if "deepgemm" in backends:
             host["raw_score_dg"] = lambda: raw.deepgemm_logits(ops8, lens)
@@ -460,9 +460,10 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         del q32, k32, car
     sel: _SelectArgs = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
     t["e2e_bf16"] = timer(lambda: indexer_select(work.prep(False), **sel))
-    t["e2e_fp8"] = timer(lambda: indexer_select(work.prep(True), **sel))
+    cu: _BackendSelectArgs = {**sel, "backend": "cudnn"}
+    t["e2e_fp8"] = timer(lambda: indexer_select(work.prep(True), **cu))
     mem["e2e_bf16"] = _peak_extra_mib(lambda: indexer_select(work.prep(False), **sel))
-    mem["e2e_fp8"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **sel))
+    mem["e2e_fp8"] = _peak_extra_mib(lambda: indexer_select(work.prep(True), **cu))
     if "deepgemm" in backends:
         dg: _BackendSelectArgs = {**sel, "backend": "deepgemm"}
         t["e2e_fp8_dg"] = timer(lambda: indexer_select(work.prep(True), **dg))
@@ -471,6 +472,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         "seq": seq,
         "heads": work.heads,
         "batch": b,
+        "default_backend": resolve_scoring_backend("auto", ops8),
         "chunked": chunked,
         "check": check,
         "times_ms": t,

@@ -76,6 +76,25 @@ def _host_lines(full: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _default_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What a user gets without choosing: the backend ``"auto"`` takes, and its FP8 time."""
+    lines = [
+        "the default path (backend='auto'): end to end from the projections, FP8",
+        f"{'S':>6} {'H':>3} | {'backend':>8} {'e2e fp8':>8} {'x bf16':>6} | {'other':>8} {'e2e':>8}",
+    ]
+    for r in rows:
+        t, name = r["times_ms"], r.get("default_backend", "cudnn")
+        mine, other = ("e2e_fp8_dg", "e2e_fp8") if name == "deepgemm" else ("e2e_fp8", "e2e_fp8_dg")
+        other_name = "cudnn" if name == "deepgemm" else "deepgemm"
+        ratio = t["e2e_bf16"] / t[mine] if t.get(mine) else None
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {name:>8} {_fmt(t.get(mine)):>8} "
+            f"{_fmt(ratio, '.2f'):>6} | {other_name if t.get(other) else '-':>8} "
+            f"{_fmt(t.get(other)):>8}"
+        )
+    return lines
+
+
 def _e2e_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "end to end from the projections (prep + indexer_select; x = BF16 / FP8)",
@@ -181,6 +200,8 @@ def format_tables(report: dict[str, Any]) -> str:
         f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
         f"{cfg['reps']} reps (ms)",
     ]
+    if rows:
+        lines += ["", *_default_lines(rows)]
     if full:
         lines += ["", *_kernel_lines(full)]
         if any("host_us" in r for r in full):

@@ -11,7 +11,7 @@ import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..backends import cudnn
-from ..config import IndexerPrecisionConfig
+from ..config import SCORING_BACKENDS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
 from .replay import TOPK_SOURCES
 
@@ -67,6 +67,15 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
     no sequence-parallel gather; costs one graph (and a share of one memory pool per device) per
     layer and shape. Default False: the top-k runs eagerly."""
 
+    dsa_indexer_scoring_backend: Literal["auto", "cudnn", "deepgemm", "torch"] = "auto"
+    """The kernel the package scores the indexer with where it scores (FP8; BF16 verify and
+    record): "deepgemm" (DeepGEMM's MQA logits, the engines' own kernel; FP8 only), "cudnn"
+    (cuDNN's SM90 indexer kernel), "torch" (the exact reference) or "auto" (the fastest that
+    serves the layer: DeepGEMM for FP8 when installed, else cuDNN, else torch), decided once per
+    layer at its first call (``PrecisionDSAttention.scoring_backend``). The backends' FP8 logits
+    differ in their accumulation order, so pin one to get the same bits on every machine; an
+    explicit one that cannot run raises. Default "auto"."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         # Validated once; from here on the precision fields are frozen (see __setattr__).
@@ -111,6 +120,7 @@ PRECISION_FIELDS = (
     "dsa_indexer_engine",
     "dsa_indexer_topk_source",
     "dsa_indexer_cuda_graph",
+    "dsa_indexer_scoring_backend",
 )
 # Megatron's fields the precision is validated against (_validate_precision): re-validated when
 # assigned after __post_init__ (Megatron's own layers read them per forward, and so may a test).
@@ -163,6 +173,17 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             f"dsa_indexer_loss_coeff={config.dsa_indexer_loss_coeff!r}: dsa_indexer_topk_source="
             "'replay' skips the indexer's scoring, so there are no scores to train; set it to 0"
         )
+    backend = config.dsa_indexer_scoring_backend
+    if backend not in SCORING_BACKENDS:
+        raise ValueError(
+            f"dsa_indexer_scoring_backend={backend!r} is not a scoring backend; use one of "
+            f"{SCORING_BACKENDS}."
+        )
+    if backend == "deepgemm" and not precision.fp8:
+        problems.append(
+            "dsa_indexer_scoring_backend='deepgemm': DeepGEMM's MQA logits score FP8 operands "
+            "only; set dsa_indexer_scoring_precision='fp8' or another backend"
+        )
     graph = config.dsa_indexer_cuda_graph
     if not isinstance(graph, bool):
         raise TypeError(f"dsa_indexer_cuda_graph={graph!r}: pass True or False.")
@@ -176,7 +197,11 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             "dsa_indexer_cuda_graph=True: dsa_indexer_topk_source='replay' does not score, so "
             "there is nothing to capture; set dsa_indexer_cuda_graph=False"
         )
-    if precision == IndexerPrecisionConfig(engine=precision.engine) and not problems:
+    if (
+        precision == IndexerPrecisionConfig(engine=precision.engine)
+        and not problems
+        and backend == "auto"
+    ):
         return precision  # Megatron's behaviour: nothing of ours runs
     # Not checked here: experimental_attention_variant. A DSA module built directly (as Megatron's
     # own tests do) acts on the fields whatever it says; a spec with no DSA layer for them is
@@ -242,6 +267,13 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="Replay each FP8 layer's owned top-k from a CUDA graph (BSHD, no CP/SP gather).",
     )
     group.add_argument(
+        "--dsa-indexer-scoring-backend",
+        choices=SCORING_BACKENDS,
+        default="auto",
+        help="Kernel of the package's indexer scoring (default auto: DeepGEMM for FP8 when "
+        "installed, else cuDNN, else the torch reference).",
+    )
+    group.add_argument(
         "--dsa-indexer-engine",
         choices=sorted(ENGINE_PROFILES),
         default=DEFAULT_ENGINE.name,
@@ -269,6 +301,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecision
         dsa_indexer_engine=getattr(args, "dsa_indexer_engine", DEFAULT_ENGINE.name),
         dsa_indexer_topk_source=getattr(args, "dsa_indexer_topk_source", "compute"),
         dsa_indexer_cuda_graph=getattr(args, "dsa_indexer_cuda_graph", False),
+        dsa_indexer_scoring_backend=getattr(args, "dsa_indexer_scoring_backend", "auto"),
     )
     fields.update(overrides)
     return DSAPrecisionTransformerConfig(**fields)

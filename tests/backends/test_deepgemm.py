@@ -301,12 +301,22 @@ def test_select_varlen_is_one_launch_read_in_place(fake, topk_inputs):
         assert picks[t].tolist() == want, t
 
 
-def test_auto_never_chooses_deepgemm(fake):
+def test_auto_takes_deepgemm_for_fp8_where_it_serves_the_call(fake):
+    """'auto' is the fastest exact kernel present: DeepGEMM for FP8 (the fake stands in for an
+    importable DeepGEMM on SM90); a call writing into ``out=`` (DeepGEMM returns its own
+    buffer) and BF16 operands go elsewhere (here the torch reference: no cuDNN)."""
     ops = _ops()
     reset_scoring_calls()
-    indexer_scores(ops)  # CPU: cuDNN cannot run, and auto does not pick DeepGEMM
+    indexer_scores(ops)
     indexer_select(ops, topk=4)
-    assert not fake.calls and scoring_calls("fp8", "torch") == 2
+    assert len(fake.calls) == 2 and scoring_calls("fp8", "deepgemm") == 2
+    out = torch.empty(2, 9, 13)
+    assert indexer_scores(ops, out=out) is out and scoring_calls("fp8", "torch") == 1
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 9, 32, 128, generator=g), torch.randn(2, 13, 128, generator=g)
+    bf16 = prepare_scoring_operands(q, k, torch.randn(2, 9, 32, generator=g), config=BF16)
+    indexer_select(bf16, topk=4)
+    assert len(fake.calls) == 2 and scoring_calls("bf16", "torch") == 1
 
 
 def test_select_counts_its_deepgemm_calls(fake):

@@ -81,16 +81,20 @@ def test_table_layout():
     }
     lines = format_tables(report).splitlines()
     assert lines[0].startswith("NVIDIA H200: B=1 D=128 causal, top-k 2048")
-    kernels = next(line for line in lines if line.lstrip().startswith("16384"))
+    # The default path first: the backend 'auto' took and its FP8 time.
+    assert lines[2].startswith("the default path (backend='auto')")
+    rows = [line for line in lines if line.lstrip().startswith("16384")]
+    assert rows[0].split("|")[1].split()[0] == "cudnn"
+    kernels = rows[1]
     assert "4.600" in kernels and "1.02" in kernels and "1.08" in kernels  # raw, pkg, x
     assert kernels.split("|")[-1].split() == ["1.200", "1.250", "1.300", "1.08", "1.04"]
-    host = [line for line in lines if line.lstrip().startswith("16384")][1]
+    host = rows[2]
     assert [part.split() for part in host.split("|")[1:]] == [
         ["60.0", "90.0", "1.50"], ["70.0", "105.0", "1.50"], ["250.0"], ["-", "-"]
     ]  # fmt: skip
-    e2e = [line for line in lines if line.lstrip().startswith("16384")][2]
+    e2e = rows[3]
     assert "2.00" in e2e and "1.90" in e2e and "105 %" in e2e and "1.75" in e2e
-    chunked = next(line for line in lines if line.lstrip().startswith("65536"))
+    chunked = [line for line in lines if line.lstrip().startswith("65536")][1]
     assert "2100" in chunked and "1600" in chunked and chunked.count("-") >= 2
 
 

@@ -136,3 +136,30 @@ def test_the_engines_k_norm_epsilon_is_checked_where_the_config_is_built():
     assert config.layernorm_epsilon == 1e-6
     make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-exact", layernorm_epsilon=1e-5)
     make_config(layernorm_epsilon=1e-5)  # Megatron's behaviour: nothing of ours runs
+
+
+def test_the_scoring_backend_is_decided_once_per_layer_and_reported(monkeypatch):
+    """``dsa_indexer_scoring_backend``: "auto" resolves at the layer's first owned top-k and is
+    passed explicitly afterwards (the layer never changes kernels); a pinned one that cannot run
+    raises; DeepGEMM with BF16 scoring is refused at the config."""
+    from ..support import fake_deepgemm
+    from ..support.megatron import attention_inputs, make_attention, run_attention
+
+    fp8 = dict(dsa_indexer_scoring_precision="fp8")
+    attn = make_attention(make_config(**fp8))
+    assert attn.scoring_backend is None
+    run_attention(attn, attention_inputs())
+    assert attn.scoring_backend == "torch"  # the CPU: neither DeepGEMM nor cuDNN serves it
+    fake_deepgemm.install(monkeypatch, fake_deepgemm.FakeMqaLogits())
+    run_attention(attn, attention_inputs())
+    assert attn.scoring_backend == "torch"  # decided once: a later install changes nothing
+    fresh = make_attention(make_config(**fp8))
+    run_attention(fresh, attention_inputs())
+    assert fresh.scoring_backend == "deepgemm"  # auto takes the engines' kernel where it serves
+    pinned = make_attention(make_config(**fp8, dsa_indexer_scoring_backend="cudnn"))
+    with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call"):
+        run_attention(pinned, attention_inputs())
+    with pytest.raises(ValueError, match=r"dsa_indexer_scoring_backend='deepgemm': DeepGEMM's MQA"):
+        make_config(dsa_indexer_scoring_backend="deepgemm")
+    with pytest.raises(ValueError, match=r"dsa_indexer_scoring_backend='tpu' is not a scoring"):
+        make_config(dsa_indexer_scoring_backend="tpu")
