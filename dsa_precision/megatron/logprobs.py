@@ -59,7 +59,8 @@ class LayerAgreement:
 
     layer: int  # Megatron's 1-based layer number
     agreement: Mapping[str, float | int]  # TopkAgreement.as_dict()
-    rows_differing: int  # token rows whose set of keys is not the engine's
+    rows_differing: int  # token rows whose set of keys is not the engine's (of the rows the
+    # engine ran, TopkPicks.engine_rows, with a non-empty set: topk_agreement's rows)
     first_differing: tuple[Where, ...]  # the first of them, (sequence, position)
 
     def as_dict(self) -> dict[str, Any]:
@@ -359,7 +360,9 @@ def replay_logprobs(
     _check_replaying(replay_model)
     labels, _ = _labels_and_mask(tokens, picks.layout, labels, None)
     forward = forward or _default_forward(tokens, picks.layout)
-    with torch.no_grad(), _Eval(replay_model), engine_topk(picks):
+    handed_in = TopkPicks(dict(picks.indices), picks.layout)  # the picks alone: the rows the
+    # engine ran and its digests are for comparing, and replay takes neither
+    with torch.no_grad(), _Eval(replay_model), engine_topk(handed_in):
         return _logprobs_of(replay_model, forward, tokens, labels)
 
 
@@ -406,7 +409,8 @@ def _layer_agreements(
             computed = engine.engine_rows.to(mine.device)  # token) are not compared
             rows, mine, theirs = rows[computed], mine[computed], theirs[computed]
         agreement, same = agreement_and_identical_rows(mine, theirs)
-        differing = rows[~same]
+        # A row whose engine set is empty is not compared (topk_agreement's rows, verify's).
+        differing = rows[~same & (theirs >= 0).any(-1)]
         layers.append(
             LayerAgreement(
                 layer=n,

@@ -181,20 +181,32 @@ def test_packed_sequences_name_their_sequence_and_position():
 
 
 def test_rows_the_engine_never_ran_are_not_compared():
+    """A sequence's last token, which an engine never runs: its row is not compared when
+    ``engine_rows`` says so, nor when it is empty (topk_agreement's rows); filled with its own
+    position (``last_row="self"``) and not marked, it is compared and differs."""
     args = _args()
     model, _ = _models(args, "rope_fp32+fp8")
     tokens = _tokens()
     recorded = _engine_picks(args, model.state_dict(), tokens)
     last = torch.zeros(BATCH * SEQ, dtype=torch.bool)
-    last[SEQ - 1 :: SEQ] = True  # each sequence's last token: the engine never ran it
-    indices = {n: torch.where(last[:, None], -1, t) for n, t in recorded.indices.items()}
-    picks = TopkPicks(indices, TokenLayout(seq_len=SEQ), engine_rows=~last)
-    report = logprob_mismatch(model, tokens, picks, rollout_logprobs=torch.zeros(BATCH, SEQ))
-    assert report.picks_identical
-    assert all(layer.agreement["rows"] == BATCH * (SEQ - 1) for layer in report.layers)
-    everything = TopkPicks(indices, TokenLayout(seq_len=SEQ))  # compared: those rows differ
-    report = logprob_mismatch(model, tokens, everything, rollout_logprobs=torch.zeros(BATCH, SEQ))
-    assert [layer.first_differing for layer in report.layers] == [((0, SEQ - 1), (1, SEQ - 1))] * 2
+    last[SEQ - 1 :: SEQ] = True
+    own_position = torch.full((1, 32), -1)
+    own_position[0, 0] = SEQ - 1
+    rollout = torch.zeros(BATCH, SEQ)
+    for filler, marked, differ in (
+        (-1, True, False), (own_position, True, False), (-1, False, False),
+        (own_position, False, True),
+    ):  # fmt: skip
+        indices = {n: torch.where(last[:, None], filler, t) for n, t in recorded.indices.items()}
+        picks = TopkPicks(indices, TokenLayout(seq_len=SEQ), engine_rows=~last if marked else None)
+        report = logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout)
+        assert report.picks_identical is not differ, (filler, marked)
+        if differ:
+            assert [layer.first_differing for layer in report.layers] == [
+                ((0, SEQ - 1), (1, SEQ - 1))
+            ] * 2
+        elif marked:
+            assert all(layer.agreement["rows"] == BATCH * (SEQ - 1) for layer in report.layers)
 
 
 def test_errors_name_the_argument_and_the_fix():
