@@ -17,7 +17,7 @@ own mode after. A diagnostic: several host synchronisations, the logits of the w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,6 @@ from ..logprobs import (
     token_logprobs,
 )
 from ..picks import TokenLayout, TopkPicks
-from .attention import PrecisionDSAttention
 from .record import record_topk
 from .replay import engine_topk
 
@@ -183,8 +182,11 @@ def format_reports(reports: Sequence[LogprobReport], *, legend: bool = True) -> 
 # ------------------------------------------------------------------------------------ running
 
 
-def _dsa_layers(model: torch.nn.Module, name: str) -> list[PrecisionDSAttention]:
-    layers = [m for m in model.modules() if isinstance(m, PrecisionDSAttention)]
+def _dsa_layers(model: torch.nn.Module, name: str) -> list[Any]:
+    """The model's dsa-precision DSA layers (``PrecisionDSAttention``), found by the top-k
+    source they were built with, as :func:`~.monitor.topk_metrics` finds them by their monitor."""
+    modules: Iterator[Any] = model.modules()
+    layers = [m for m in modules if isinstance(getattr(m, "topk_source", None), str)]
     if not layers:
         raise ValueError(
             f"{name} has no dsa-precision DSA layer (PrecisionDSAttention); build its layer spec "
