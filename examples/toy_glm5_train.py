@@ -1,7 +1,10 @@
 """Train a toy GLM-5-like DSA model with megatron-core under the four dsa-precision configurations.
 
 2 decoder layers, hidden 1024, MLA with kv_lora_rank 512 (absorbed DSA attention), DSA indexer
-32 heads x 128, random weights, TP = PP = 1, Megatron's own PyTorch indexer and sparse attention
+32 heads x 128, a mixture of experts in every layer (Megatron's ``MoELayer``: 8 routed experts,
+top-2 softmax routing, one shared expert, the allgather token dispatcher, EP = 1; ``--mlp dense``
+for the dense MLP of the earlier measurements), random weights, TP = PP = 1, Megatron's own
+PyTorch indexer and sparse attention
 (``dsa_kernel_backend="none"``) or, ``--kernel-backend cudnn``, its fused kernels (cuDNN's BF16
 indexer and FlashMLA's sparse attention, which must be installed: ``tools/flashmla.sh``; the FP8
 configurations then score with the package and attend with FlashMLA). The mock data is a
@@ -63,7 +66,8 @@ REPLAYED = {
 
 # Model options other scripts' argument namespaces may lack (tools/, replay_verify.py, the parity
 # runs): model_config reads them from here when absent.
-MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none")
+MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none", mlp="moe")
+MLPS = ("moe", "dense")
 
 
 def parse() -> argparse.Namespace:
@@ -92,6 +96,13 @@ def parse() -> argparse.Namespace:
         default=MODEL_DEFAULTS["kernel_backend"],
         help="Megatron's dsa_kernel_backend (cudnn: its fused indexer and FlashMLA's sparse "
         "attention, no S x S scores; needs flash_mla importable)",
+    )
+    p.add_argument(
+        "--mlp",
+        choices=MLPS,
+        default=MODEL_DEFAULTS["mlp"],
+        help="moe (default, the seed's model): Megatron's MoELayer, 8 routed experts (tiny 4), "
+        "top-2, one shared expert; dense: one MLP of ffn_hidden_size",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
@@ -130,12 +141,36 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def moe_fields(tiny: bool) -> dict:
+    """The mixture of experts of the seed's model, in every layer: Megatron's ``MoELayer``
+    (``num_moe_experts`` makes the layer spec's MLP one), routed experts of
+    ``moe_ffn_hidden_size`` plus one shared expert, so that the two routed and the shared expert
+    a token runs hold as many FFN units as the dense MLP (``ffn_hidden_size``). Top-2 softmax
+    routing, no load-balancing loss (the toy's loss is the LM loss alone), no token dropping;
+    the allgather dispatcher runs with EP = 1 on one GPU and on the CPU (the alltoall one opens a
+    CUDA stream when built). Each token's output sums exactly two routed experts, an order-free
+    float sum, so the MoE adds nothing run-to-run variable on a GPU either."""
+    return dict(
+        num_moe_experts=4 if tiny else 8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=128 if tiny else 704,
+        moe_shared_expert_intermediate_size=256 if tiny else 1408,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
 def model_config(args, **overrides):
     """The toy's config for ``args`` (``tiny``, ``device``, ``topk``, ``engine``; the options of
-    :data:`MODEL_DEFAULTS` where given), with ``overrides`` of any field."""
+    :data:`MODEL_DEFAULTS` where given, ``mlp`` among them: ``"moe"``, the seed's model, unless
+    told ``"dense"``), with ``overrides`` of any field."""
     import dsa_precision.megatron as dsap
 
     opts = {**MODEL_DEFAULTS, **vars(args)}
+    if opts["mlp"] not in MLPS:
+        raise ValueError(f"mlp={opts['mlp']!r}: the toy's MLP is one of {MLPS}.")
     tiny = args.tiny
     fields = dict(
         num_layers=2,
@@ -169,6 +204,7 @@ def model_config(args, **overrides):
         dsa_indexer_rotate_activation=False,
         dsa_indexer_engine=args.engine,
         dsa_kernel_backend=opts["kernel_backend"],
+        **(moe_fields(tiny) if opts["mlp"] == "moe" else {}),
     )
     fields.update(overrides)
     return dsap.DSAPrecisionTransformerConfig(**fields)
@@ -668,7 +704,7 @@ def _run(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
-    results = {"runs": train(args, args.configs.split(","))}
+    results = {"mlp": args.mlp, "runs": train(args, args.configs.split(","))}
     by_name = {r["name"]: r for r in results["runs"]}
     # Megatron's fused kernels are not deterministic in the backward (cuDNN's SM90 sparse
     # attention backward atomic-adds into dKV), so after the first update two runs of one
@@ -687,7 +723,8 @@ def _run(args: argparse.Namespace) -> int:
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
     print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
-          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}; median step of "
+          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}, MLP {args.mlp}; "
+          f"median step of "
           f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: "
           f"kernel time of a step (profiled); wall-GPU: the step's time outside its GPU time; "
           f"pkg host: the package's own host time per layer "

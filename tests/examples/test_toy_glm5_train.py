@@ -2,6 +2,7 @@
 equals stock Megatron, and ``replay`` -- the FP8 picks handed in -- runs no indexer in its step
 and trains exactly as the FP8 configuration that computes them."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from ..support.configs import ROOT
-from ..support.helpers import free_port
+from ..support.helpers import free_port, import_example
 
 
 def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_indexer(tmp_path):
@@ -28,6 +29,7 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     result = json.loads(out.read_text())
     runs = {r["name"]: r for r in result["runs"]}
+    assert result["mlp"] == "moe"  # the seed's model: Megatron's MoELayer in every layer
     assert result["losses_compared"] == "all"  # Megatron's PyTorch path: a deterministic backward
     assert result["replay_losses_identical"] is True
     assert runs["replay"]["losses"] == runs["rope_fp32+fp8"]["losses"]
@@ -58,3 +60,26 @@ def test_toy_refuses_a_bitwise_stock_check_on_megatrons_fused_backward():
     )  # fmt: skip
     assert run.returncode == 2, run.stderr[-2000:]
     assert "--stock-steps 2" in run.stderr and "--stock-steps 0" in run.stderr, run.stderr[-2000:]
+
+
+def test_the_full_size_toy_is_the_seeds_moe_model(megatron_parallel):
+    """The seed's model: 2 blocks, hidden 1024, MLA kv_lora_rank 512, 32 indexer heads, top-256,
+    and in every block Megatron's own MoELayer (8 routed experts, top-2, a shared expert);
+    ``mlp="dense"`` keeps the dense MLP of the earlier measurements."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    import dsa_precision.megatron as dsap
+
+    toy = import_example("toy_glm5_train")
+    args = argparse.Namespace(tiny=False, device="cpu", topk=256, engine="vllm")
+    config = toy.model_config(args)
+    assert (config.num_layers, config.hidden_size, config.kv_lora_rank) == (2, 1024, 512)
+    assert (config.dsa_indexer_n_heads, config.dsa_indexer_topk) == (32, 256)
+    assert (config.num_moe_experts, config.moe_router_topk) == (8, 2)
+    assert config.moe_token_dispatcher_type == "allgather"
+    spec = dsap.get_gpt_dsa_precision_block_spec(config)
+    assert all(layer.submodules.mlp.func is MoELayer for layer in spec.layer_specs)
+    dense = toy.model_config(argparse.Namespace(**vars(args), mlp="dense"))
+    assert dense.num_moe_experts is None
+    with pytest.raises(ValueError, match="mlp='sparse'"):
+        toy.model_config(argparse.Namespace(**vars(args), mlp="sparse"))

@@ -1,0 +1,415 @@
+"""What the switches do to RL: the log-prob mismatch each indexer configuration adds, against the
+rollout's picks (issue 32), on the toy GLM-5-like model or on saved engine picks.
+
+The comparison isolates the indexer: the same model, weights and tokens run twice, once with
+the engine's picks handed in (``dsa_indexer_topk_source="replay"``: attending as the rollout
+did) and once with each configuration computing its own picks (baseline, rope_fp32, fp8,
+rope_fp32+fp8 with the engine profile, and on CUDA rope_fp32+fp8 from CUDA graphs). Everything
+but the indexer is the same code, so ``dlogp = log p_train - log p_rollout`` per token is the
+indexer's share of the train/inference mismatch, exactly 0 where every pick is the engine's.
+Per configuration: |dlogp| (mean, p99, max), the sequence-level KL estimates (mean dlogp, k3 =
+mean exp(dlogp) - 1 - dlogp), the share of tokens whose importance ratio leaves PPO's clip range
+(eps 0.2, 0.1) and GRPO / DAPO's [0.8, 1.28], beside the top-k agreement of the same run; for a
+configuration whose picks differ, the layers and first tokens where they do
+(``dsa_precision.megatron.logprobs.logprob_mismatch``, docs/megatron.md, "RL: log-prob mismatch").
+
+The toy (examples/toy_glm5_train.py, MoE by default): the "engine" is a model of rope_fp32+fp8's
+fields and the engine profile (``--engine``), its picks recorded with ``record_topk`` on the
+current training weights. The weights train ``--steps`` steps of the toy's copy task (the
+``--train-config`` configuration) so that the logits are not uniform; the report is made at
+step 0 and after them, on a held-out batch of the task.
+
+Saved picks (``--picks`` a replay file, or ``--engine-output`` an engine's saved responses with
+``--engine-format``) with ``--tokens`` (a .pt / .safetensors tensor of the tokens, or a dict with
+``tokens`` and optionally ``labels`` and ``loss_mask``): the same table per layer and overall,
+for the toy model (``--weights``: a state dict; default the seeded weights). Your own Megatron
+model: call ``logprob_mismatch(model, tokens, picks, replay_model=...)`` as ``measure`` does.
+
+CPU:    python examples/logprob_mismatch.py --tiny --device cpu
+        python examples/logprob_mismatch.py --tiny --device cpu --save $DIR
+        python examples/logprob_mismatch.py --tiny --device cpu --picks $DIR/picks.pt \\
+            --tokens $DIR/tokens.pt --weights $DIR/weights.pt
+GPU:    python examples/logprob_mismatch.py --out $OUT/logprobs.json --plot $OUT/dlogp.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy_glm5_train as toy
+
+COMPARED = ("baseline", "rope_fp32", "fp8", "rope_fp32+fp8", "rope_fp32+fp8+graph")
+# The configuration whose picks are the engine's by construction: its dlogp must be 0.
+MATCHED = "rope_fp32+fp8"
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small model and sequence (CPU)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (tiny: 256)")
+    p.add_argument("--topk", type=int, default=256, help="dsa_indexer_topk (tiny: 32)")
+    p.add_argument("--batch", type=int, default=1, help="sequences of the measured batch")
+    p.add_argument("--steps", type=int, default=30, help="warm-up training steps before the "
+                   "second report (0: step 0 only)")  # fmt: skip
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--engine", default="vllm", help="the engine profile (dsa_indexer_engine)")
+    p.add_argument("--mlp", choices=toy.MLPS, default=toy.MODEL_DEFAULTS["mlp"])
+    p.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated, of {', '.join(COMPARED)} (default: all; on the CPU no graphs)",
+    )
+    p.add_argument("--train-config", default="baseline", help="the configuration that trains")
+    p.add_argument("--first-tokens", type=int, default=8, help="differing tokens named")
+    p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="plot the dlogp distributions here (matplotlib)")
+    p.add_argument("--save", default=None, metavar="DIR", help="write the last report's engine "
+                   "picks, tokens and weights to DIR (picks.pt, tokens.pt, weights.pt)")  # fmt: skip
+    files = p.add_argument_group("saved engine picks instead of the toy's engine model")
+    files.add_argument("--picks", default=None, help="a replay file (save_picks / load_picks)")
+    files.add_argument("--engine-output", default=None, help="an engine's saved responses")
+    files.add_argument("--engine-format", choices=("sglang", "vllm"), default=None)
+    files.add_argument("--tokens", default=None, help="the tokens the picks were made on")
+    files.add_argument("--weights", default=None, help="the toy model's weights (state dict)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq, args.topk = min(args.seq, 256), min(args.topk, 32)
+    if args.configs is None:
+        args.configs = ",".join(n for n in COMPARED if args.device != "cpu" or n not in toy.GRAPHED)
+    args.configs = args.configs.split(",")
+    for name in [*args.configs, args.train_config]:
+        if name not in COMPARED:
+            p.error(f"unknown configuration {name!r}; choose from {', '.join(COMPARED)}")
+        if name in toy.GRAPHED and args.device == "cpu":
+            p.error(f"{name} replays CUDA graphs; leave it out on the CPU (--configs)")
+    args.files = args.picks is not None or args.engine_output is not None
+    if args.picks is not None and args.engine_output is not None:
+        p.error("give --picks (a replay file) or --engine-output (an engine's responses), not both")
+    if args.engine_output is not None and args.engine_format is None:
+        p.error("--engine-output needs --engine-format sglang or vllm")
+    if args.files and args.tokens is None:
+        p.error("saved picks need --tokens: the tokens they were made on")
+    if args.files and args.save:
+        p.error("--save writes the toy engine's picks; it has nothing to add to saved picks")
+    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
+    return args
+
+
+# ---------------------------------------------------------------------------- the comparison
+
+
+def build(args: argparse.Namespace, name: str) -> torch.nn.Module:
+    """The toy model of configuration ``name`` (or ``"replay"``: the rollout's run, the
+    engine's picks handed in; ``"engine"``: the engine's fields), seeded weights."""
+    fields = toy.ENGINE if name == "engine" else toy.CONFIGS[name]
+    return toy.build_model(args, toy.model_config(args, **fields))[0]
+
+
+def measure(
+    models: dict[str, torch.nn.Module],
+    replay: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    tokens: torch.Tensor,
+    picks,
+    *,
+    labels: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    forward: Callable | None = None,
+    first_tokens: int = 8,
+) -> list:
+    """Every configuration's report against the rollout's run (``replay`` attending to
+    ``picks``), all models on ``weights``: the rollout's log-probs once, then each model's own
+    (``logprob_mismatch`` with them)."""
+    from dsa_precision.megatron.logprobs import logprob_mismatch, replay_logprobs
+
+    replay.load_state_dict(weights)
+    rollout = replay_logprobs(replay, tokens, picks, labels=labels, forward=forward)
+    reports = []
+    for name, model in models.items():
+        model.load_state_dict(weights)
+        reports.append(
+            logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, labels=labels,
+                             loss_mask=loss_mask, forward=forward, name=name,
+                             first_tokens=first_tokens)
+        )  # fmt: skip
+    return reports
+
+
+def engine_picks(engine: torch.nn.Module, trained: torch.nn.Module, tokens: torch.Tensor):
+    """The toy engine's picks of ``tokens`` on ``trained``'s current weights, a ``TopkPicks``."""
+    from dsa_precision.picks import TokenLayout, TopkPicks
+
+    picks = toy.engine_picks(engine, trained, tokens)
+    return TopkPicks(picks, TokenLayout(seq_len=tokens.shape[1]))
+
+
+def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
+    """Reports at step 0 and after ``args.steps`` warm-up steps (module docstring)."""
+    trained = build(args, args.train_config)
+    engine, replay = build(args, "engine"), build(args, "replay")
+    models = {name: build(args, name) for name in args.configs}
+    trainer = toy.Trainer(trained, args.lr)
+    vocab = trained.vocab_size
+    data = toy.copy_task(args, vocab, args.steps + 1)
+    (tokens, labels), train_batches = data[-1], data[:-1]  # a held-out batch, the same each time
+    checkpoints, losses = [], []
+    for step in sorted({0, args.steps}):
+        while len(losses) < step:
+            losses.append(trainer.step(*train_batches[len(losses)]))
+        picks = engine_picks(engine, trained, tokens)
+        t0 = time.perf_counter()
+        reports = measure(models, replay, trained.state_dict(), tokens, picks, labels=labels,
+                          first_tokens=args.first_tokens)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        checkpoints.append(dict(step=step, loss=losses[-1] if losses else None, seconds=seconds,
+                                reports=reports, picks=picks, tokens=tokens, labels=labels))  # fmt: skip
+        say(_heading(args, step, losses, tokens, seconds))
+        say(_format(reports, legend=step == args.steps))
+    return dict(checkpoints=checkpoints, train_losses=losses, weights=trained.state_dict())
+
+
+def run_files(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
+    """The table of saved engine picks and their tokens, per layer and overall."""
+    from dsa_precision.capture import load_engine_output, load_picks
+    from dsa_precision.capture.files import read_tensors
+
+    if args.picks is not None:
+        picks, source = load_picks(args.picks), args.picks
+    else:
+        picks = load_engine_output(args.engine_output, engine=args.engine_format)
+        source = f"{args.engine_output} ({args.engine_format})"
+    saved = read_tensors(args.tokens)
+    saved = saved if isinstance(saved, dict) else {"tokens": saved}
+    if "tokens" not in saved:
+        raise SystemExit(f"--tokens {args.tokens}: holds {sorted(saved)}, no 'tokens' tensor")
+    tokens = saved["tokens"].to(device=args.device, dtype=torch.int64)
+    labels, loss_mask = saved.get("labels"), saved.get("loss_mask")
+    labels = None if labels is None else labels.to(device=args.device, dtype=torch.int64)
+    loss_mask = None if loss_mask is None else loss_mask.to(args.device).bool()
+    forward = None
+    if picks.cu_seqlens is not None:  # packed sequences: Megatron's THD forward
+        cu = picks.cu_seqlens.to(torch.int64)
+        args.seq = int((cu[1:] - cu[:-1]).max())
+        tokens = tokens.reshape(1, -1)
+        labels = None if labels is None else labels.reshape(1, -1)
+        loss_mask = None if loss_mask is None else loss_mask.reshape(1, -1)
+        forward = packed_forward(tokens, cu, args.device)
+    else:
+        args.seq = tokens.shape[-1]
+    models = {name: build(args, name) for name in args.configs}
+    replay = build(args, "replay")
+    vocab = replay.vocab_size
+    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+        raise SystemExit(
+            f"--tokens {args.tokens}: ids in [{int(tokens.min())}, {int(tokens.max())}], the toy "
+            f"model's vocabulary is [0, {vocab}); measure your own model with logprob_mismatch"
+        )
+    weights = next(iter(models.values())).state_dict()
+    if args.weights is not None:
+        weights = torch.load(args.weights, map_location=args.device, weights_only=True)
+    t0 = time.perf_counter()
+    reports = measure(models, replay, weights, tokens, picks, labels=labels, loss_mask=loss_mask,
+                      forward=forward, first_tokens=args.first_tokens)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    say(f"engine picks {source}, tokens {args.tokens} {tuple(tokens.shape)}, weights "
+        f"{args.weights or 'the seed'}; {args.device}, engine profile {args.engine} "
+        f"({seconds:.1f} s)")  # fmt: skip
+    for report in reports:
+        say("")
+        say(report.table())
+    say("")
+    say(_format(reports))
+    return dict(checkpoints=[dict(step=None, loss=None, seconds=seconds, reports=reports)])
+
+
+def packed_forward(tokens: torch.Tensor, cu: torch.Tensor, device: str) -> Callable:
+    """``forward(model)`` of packed sequences ``[1, T]`` (Megatron's THD: ``PackedSeqParams``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    rows = torch.arange(tokens.shape[1])
+    positions = (rows - cu[torch.searchsorted(cu[1:], rows, right=True)]).view(1, -1)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu32 = cu.to(device=device, dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
+                          max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+    positions = positions.to(device)
+
+    def forward(model: torch.nn.Module) -> torch.Tensor:
+        return model(tokens, positions, None, packed_seq_params=psp)
+
+    return forward
+
+
+def _heading(args, step: int, losses: list[float], tokens: torch.Tensor, seconds: float) -> str:
+    loss = f", training loss {losses[-1]:.3f}" if losses else ""
+    return (
+        f"\nstep {step}{loss}: S={args.seq} top-k={args.topk} batch {tokens.shape[0]} "
+        f"{args.device}, MLP {args.mlp}, engine profile {args.engine}; each configuration "
+        f"against the rollout's run (the engine's picks handed in) ({seconds:.1f} s)"
+    )
+
+
+def _format(reports: list, *, legend: bool = True) -> str:
+    from dsa_precision.megatron.logprobs import format_reports
+
+    return format_reports(reports, legend=legend)
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def as_json(args: argparse.Namespace, result: dict) -> dict:
+    checkpoints = [
+        dict(step=c["step"], loss=c["loss"], seconds=c["seconds"],
+             reports=[r.as_dict() for r in c["reports"]])
+        for c in result["checkpoints"]
+    ]  # fmt: skip
+    settings = {k: getattr(args, k) for k in ("tiny", "device", "seq", "topk", "batch", "steps",
+                                              "lr", "seed", "engine", "mlp", "configs",
+                                              "train_config", "picks", "engine_output",
+                                              "engine_format", "tokens", "weights")}  # fmt: skip
+    return dict(settings=settings, checkpoints=checkpoints,
+                train_losses=result.get("train_losses"), checks=checks(result))  # fmt: skip
+
+
+def checks(result: dict) -> dict:
+    """The invariants: a configuration whose picks are the engine's on every row has dlogp = 0
+    on every token; and (the toy) rope_fp32+fp8 with the engine's profile picks the engine's."""
+    exact, matched = [], []
+    for c in result["checkpoints"]:
+        for r in c["reports"]:
+            if r.picks_identical:
+                exact.append(r.logprobs.tokens_differing == 0 and r.logprobs.abs_max == 0)
+            if r.name == MATCHED and c["step"] is not None:  # the toy's engine: by construction
+                matched.append(r.picks_identical)
+    return dict(
+        identical_picks_give_zero_dlogp=all(exact), matched_config_picks_the_engines=all(matched)
+    )
+
+
+def plot(path: str, result: dict) -> None:
+    """The distribution of |dlogp| per configuration (a panel per report step): histograms of
+    log10 |dlogp| over the tokens where it is not 0, the exact zeros counted in the legend."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
+        ) from None
+    checkpoints = result["checkpoints"]
+    fig, axes = plt.subplots(1, len(checkpoints), figsize=(6 * len(checkpoints), 4), squeeze=False)
+    bins = torch.linspace(-9, 1, 61).tolist()
+    for ax, c in zip(axes[0], checkpoints, strict=True):
+        for r in c["reports"]:
+            d = r.delta[r.mask].abs().cpu()
+            nonzero = d[d > 0]
+            label = f"{r.name} ({int((d == 0).sum())}/{d.numel()} exactly 0)"
+            if nonzero.numel():
+                ax.hist(
+                    nonzero.log10().clamp(-9, 1).tolist(), bins=bins, histtype="step", label=label
+                )
+            else:
+                ax.plot([], [], label=label)
+        title = "saved picks" if c["step"] is None else f"step {c['step']}"
+        ax.set_title(f"|log p_train - log p_rollout| per token, {title}")
+        ax.set_xlabel("log10 |dlogp|")
+        ax.set_ylabel("tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(directory: str, result: dict) -> None:
+    """The last report's engine picks, tokens (and labels) and weights, for the files mode."""
+    from dsa_precision.capture import save_picks
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    last = result["checkpoints"][-1]
+    save_picks(out / "picks.pt", last["picks"])
+    torch.save({"tokens": last["tokens"].cpu(), "labels": last["labels"].cpu()}, out / "tokens.pt")
+    weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v  # Megatron's _extra_state: None
+               for k, v in result["weights"].items()}  # fmt: skip
+    torch.save(weights, out / "weights.pt")
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """File descriptor 1 onto 2 for the block: what Megatron logs (its root handler writes to
+    stdout) and prints goes to stderr, so that ``--json`` prints one JSON object alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    from dsa_precision.testing.megatron import megatron_on_cpu
+
+    on_cpu = megatron_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
+    quiet = stdout_to_stderr() if args.json else contextlib.nullcontext()
+    with quiet, on_cpu:
+        code, document = _run(args)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    return code
+
+
+def _run(args: argparse.Namespace) -> tuple[int, dict]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    started = not dist.is_initialized()
+    if started:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29535")
+        dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    say = (lambda _text: None) if args.json else print
+    t0 = time.perf_counter()
+    result = run_files(args, say) if args.files else run_toy(args, say)
+    document = as_json(args, result)
+    document["seconds"] = time.perf_counter() - t0
+    say(f"\n{document['seconds']:.1f} s in all")
+    if args.out:
+        Path(args.out).write_text(json.dumps(document, indent=1))
+    if args.plot:
+        plot(args.plot, result)
+    if args.save:
+        save(args.save, result)
+    ok = all(document["checks"].values())
+    if not ok:
+        print(f"check failed: {document['checks']}", file=sys.stderr)
+    if started:
+        dist.destroy_process_group()
+    return (0 if ok else 1), document
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

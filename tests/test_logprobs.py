@@ -1,0 +1,223 @@
+"""dsa_precision.logprobs against hand computations: the log-probs at the next token, the labels
+and mask of next-token prediction, |delta| quantiles, the sequence-level KL estimates and the
+importance ratios' clip fractions (fixed cases, then Hypothesis against plain Python)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsa_precision.logprobs import (
+    CLIP_RANGES,
+    LOGPROB_HEADERS,
+    logprob_cells,
+    logprob_mismatch_stats,
+    shifted_labels,
+    token_logprobs,
+)
+
+# ------------------------------------------------------------------------------ token_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_logprobs_are_log_softmax_at_the_label(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 7, 11, generator=g)).to(dtype)
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    want = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+    got = token_logprobs(logits, labels)
+    assert got.dtype == torch.float32 and got.shape == (2, 7)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # by hand, one token: logit of the label minus log sum exp of the row
+    row = logits[1, 3].double()
+    assert float(got[1, 3]) == pytest.approx(
+        float(row[labels[1, 3]]) - math.log(float(row.exp().sum())), abs=1e-5
+    )
+
+
+def test_token_logprobs_in_chunks_equal_one_chunk_and_ignore_bad_labels():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 9, 13, generator=g)
+    labels = torch.randint(0, 13, (5, 9), generator=g)
+    labels[0, 0], labels[4, 8] = -100, 13  # ignored positions: 0, to be masked by the caller
+    whole = token_logprobs(logits, labels)
+    chunked = token_logprobs(logits, labels, chunk_bytes=13 * 4 * 3)  # 3 rows a chunk
+    assert torch.equal(whole, chunked)
+    assert whole[0, 0] == 0 and whole[4, 8] == 0
+
+
+def test_token_logprobs_refuses_mismatched_shapes_and_dtypes():
+    with pytest.raises(ValueError, match=r"logits has shape \(2, 3, 5\) and labels \(2, 4\)"):
+        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"labels has dtype torch\.float32"):
+        token_logprobs(torch.zeros(2, 5), torch.zeros(2))
+    with pytest.raises(TypeError, match=r"logits has dtype torch\.int64"):
+        token_logprobs(torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------------------ shifted_labels
+
+
+def test_shifted_labels_bshd_and_packed():
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    labels, mask = shifted_labels(tokens)
+    assert labels[:, :-1].tolist() == [[2, 3, 4], [6, 7, 8]]
+    assert mask.tolist() == [[True, True, True, False]] * 2
+    packed = torch.tensor([1, 2, 3, 4, 5, 6])
+    labels, mask = shifted_labels(packed, cu_seqlens=torch.tensor([0, 2, 2, 6]))
+    assert labels[mask].tolist() == [2, 4, 5, 6]  # sequence 0: 1 -> 2; sequence 2: 3 -> 4 ...
+    assert mask.tolist() == [True, False, True, True, True, False]
+    labels, mask = shifted_labels(packed[None], cu_seqlens=torch.tensor([0, 6]))
+    assert mask.shape == (1, 6) and not mask[0, 5] and mask[0, :5].all()
+
+
+# ----------------------------------------------------------------------- logprob_mismatch_stats
+
+
+def test_equal_log_probs_give_exactly_zero_everywhere():
+    lp = -torch.rand(3, 10) * 5
+    m = logprob_mismatch_stats(lp, lp.clone())
+    assert m.tokens == 30 and m.tokens_differing == 0 and m.sequences == 3
+    assert (m.abs_mean, m.abs_p99, m.abs_max, m.delta_mean, m.kl_k3) == (0, 0, 0, 0, 0)
+    assert m.kl_k3_max_sequence == 0
+    assert set(m.clipped) == set(CLIP_RANGES) and all(v == 0 for v in m.clipped.values())
+
+
+def test_hand_computed_case():
+    # Two sequences of four tokens; deltas chosen around the clip bounds.
+    delta = torch.tensor(
+        [[0.0, 0.1, -0.1, 0.2], [math.log(1.25), math.log(0.85), 0.0, 5.0]], dtype=torch.float64
+    )
+    rollout = torch.full((2, 4), -2.0, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])  # 5.0 left out
+    m = logprob_mismatch_stats(rollout + delta, rollout, mask=mask)
+    compared = [0.0, 0.1, -0.1, 0.2, math.log(1.25), math.log(0.85), 0.0]
+    assert m.tokens == 7 and m.tokens_differing == 5 and m.sequences == 2
+    assert m.abs_max == pytest.approx(math.log(1.25))
+    assert m.abs_mean == pytest.approx(sum(abs(d) for d in compared) / 7)
+    assert m.abs_p99 == pytest.approx(float(np.quantile(np.abs(compared), 0.99)))
+    seq0, seq1 = compared[:4], compared[4:]
+    assert m.delta_mean == pytest.approx((sum(seq0) / 4 + sum(seq1) / 3) / 2)
+
+    def k3(ds):
+        return sum(math.exp(d) - 1 - d for d in ds) / len(ds)
+
+    assert m.kl_k3 == pytest.approx((k3(seq0) + k3(seq1)) / 2)
+    assert m.kl_k3_max_sequence == pytest.approx(max(k3(seq0), k3(seq1)))
+    # ratios: 1, 1.105, 0.905, 1.221, 1.25, 0.85, 1 -> outside [0.8, 1.2]: 1.221, 1.25;
+    # outside [0.9, 1.1]: 1.105, 1.221, 1.25, 0.85; outside [0.8, 1.28]: none
+    assert m.clipped["ppo_0.2"] == pytest.approx(2 / 7)
+    assert m.clipped["ppo_0.1"] == pytest.approx(4 / 7)
+    assert m.clipped["dapo_0.2_0.28"] == 0
+
+
+def test_packed_sequences_average_per_sequence():
+    delta = torch.tensor([0.3, 0.3, 0.3, -0.1], dtype=torch.float64)  # sequences of 3 and 1
+    m = logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
+                               cu_seqlens=torch.tensor([0, 3, 4]))  # fmt: skip
+    assert m.sequences == 2
+    assert m.delta_mean == pytest.approx((0.3 + -0.1) / 2)  # not the token mean, 0.2
+    empty = logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
+                                   cu_seqlens=torch.tensor([0, 3, 3, 4]))  # fmt: skip
+    assert empty.sequences == 2 and empty.delta_mean == pytest.approx(0.1)
+
+
+def test_k3_is_accurate_for_tiny_deltas():
+    """exp(d) - 1 - d ~ d^2 / 2: computed as expm1(d) - d, it keeps its digits at d = 1e-6."""
+    d = torch.tensor([[1e-6]], dtype=torch.float64)
+    m = logprob_mismatch_stats(d, torch.zeros_like(d))
+    assert m.kl_k3 == pytest.approx(0.5e-12, rel=1e-5)
+
+
+def test_stats_refuse_bad_arguments():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) but rollout_logprobs \(3, 2\)"):
+        logprob_mismatch_stats(lp, torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="pass a bool mask"):
+        logprob_mismatch_stats(lp, lp, mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"clip_ranges\['odd'\] = \(1.5, 0.2\)"):
+        logprob_mismatch_stats(lp, lp, clip_ranges={"odd": (1.5, 0.2)})
+    with pytest.raises(ValueError, match="end at the 6 tokens"):
+        logprob_mismatch_stats(lp, lp, cu_seqlens=torch.tensor([0, 5]))
+    bad = lp.clone()
+    bad[1, 2] = float("-inf")
+    with pytest.raises(
+        ValueError, match=r"1 compared tokens have a non-finite log-prob .*\(1, 2\)"
+    ):
+        logprob_mismatch_stats(bad, lp)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False  # masked out: not compared, no error
+    assert logprob_mismatch_stats(bad, lp, mask=mask).tokens == 5
+
+
+def test_cells_follow_the_headers():
+    m = logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2))
+    cells = logprob_cells(m)
+    assert len(cells) == len(LOGPROB_HEADERS)
+    assert cells[-1] == "1/2" and cells[5] == "50.00 %"  # 0.5 -> ratio 1.65, clipped at 0.2
+
+
+# --------------------------------------------------------------------------------- Hypothesis
+
+
+@st.composite
+def log_prob_pairs(draw):
+    batch, seq = draw(st.integers(1, 4)), draw(st.integers(1, 12))
+    finite = st.floats(-3.0, 3.0, allow_nan=False, allow_infinity=False)
+    rollout = draw(st.lists(st.floats(-20.0, 0.0), min_size=batch * seq, max_size=batch * seq))
+    # Mostly zero deltas, some small, some large: the clip bounds are crossed both ways.
+    delta = draw(st.lists(st.one_of(st.just(0.0), finite), min_size=batch * seq,
+                          max_size=batch * seq))  # fmt: skip
+    mask = draw(st.lists(st.booleans(), min_size=batch * seq, max_size=batch * seq))
+    shape = (batch, seq)
+    r = torch.tensor(rollout, dtype=torch.float64).reshape(shape)
+    return (
+        r + torch.tensor(delta, dtype=torch.float64).reshape(shape),
+        r,
+        torch.tensor(mask).reshape(shape),
+    )
+
+
+@given(log_prob_pairs())
+def test_stats_match_plain_python(pair):
+    train, rollout, mask = pair
+    m = logprob_mismatch_stats(train, rollout, mask=mask)
+    deltas = [
+        [t - r for t, r, k in zip(trow, rrow, krow, strict=True) if k]
+        for trow, rrow, krow in zip(train.tolist(), rollout.tolist(), mask.tolist(), strict=True)
+    ]
+    flat = [d for row in deltas for d in row]
+    assert m.tokens == len(flat)
+    assert m.tokens_differing == sum(d != 0 for d in flat)
+    if not flat:
+        assert m.abs_max == 0 and m.kl_k3 == 0 and m.sequences == 0
+        return
+    assert m.abs_max == pytest.approx(max(abs(d) for d in flat))
+    assert m.abs_mean == pytest.approx(sum(abs(d) for d in flat) / len(flat))
+    assert m.abs_p99 == pytest.approx(float(np.quantile(np.abs(flat), 0.99)))
+    rows = [row for row in deltas if row]
+    assert m.sequences == len(rows)
+    assert m.delta_mean == pytest.approx(sum(sum(r) / len(r) for r in rows) / len(rows), abs=1e-12)
+    k3 = [sum(math.exp(d) - 1 - d for d in r) / len(r) for r in rows]
+    assert m.kl_k3 == pytest.approx(sum(k3) / len(k3), rel=1e-9, abs=1e-15)
+    assert m.kl_k3 >= 0 and m.kl_k3_max_sequence == pytest.approx(max(k3), rel=1e-9, abs=1e-15)
+    for name, (low, high) in CLIP_RANGES.items():
+        outside = sum(math.exp(d) < 1 - low or math.exp(d) > 1 + high for d in flat)
+        assert m.clipped[name] == pytest.approx(outside / len(flat)), name
+
+
+@given(log_prob_pairs())
+def test_packed_layout_of_the_same_rows_gives_the_same_figures(pair):
+    """The rows of a BSHD batch, packed end to end with their cu_seqlens: the same statistics."""
+    train, rollout, mask = pair
+    b, s = train.shape
+    bshd = logprob_mismatch_stats(train, rollout, mask=mask)
+    thd = logprob_mismatch_stats(train.reshape(-1), rollout.reshape(-1), mask=mask.reshape(-1),
+                                 cu_seqlens=torch.arange(b + 1) * s)  # fmt: skip
+    assert thd.tokens == bshd.tokens and thd.sequences == bshd.sequences
+    for field in ("abs_mean", "abs_p99", "abs_max", "delta_mean", "kl_k3", "kl_k3_max_sequence"):
+        assert getattr(thd, field) == pytest.approx(getattr(bshd, field), rel=1e-9, abs=1e-12)
+    assert thd.clipped == bshd.clipped
