@@ -253,7 +253,7 @@ class PrecisionDSAttention(DSAttention):
             # forward (activation checkpointing) compares the same rows again, and is not counted.
             if engine is not None and (with_margins or owned) and engine.first_count(self):
                 if engine.picks.indices:
-                    picks = self._engine_picks(engine, layout, query, x)
+                    picks = self._engine_picks(engine, layout, query, x, compared=True)
                     self.topk_monitor.update(topk, picks, margins)
                 if engine.picks.digests is not None:
                     self._compare_digests(engine, topk, layout, x)
@@ -291,7 +291,13 @@ class PrecisionDSAttention(DSAttention):
         return x.size(0) * self._tp_size if sequence_parallel else x.size(0)
 
     def _engine_picks(
-        self, engine: HandedIn, layout: RankLayout, query: torch.Tensor, x: torch.Tensor
+        self,
+        engine: HandedIn,
+        layout: RankLayout,
+        query: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        compared: bool = False,
     ) -> torch.Tensor:
         """The engine's picks of this rank's query rows, in the layout Megatron consumes, checked
         against this layer's own layout: its global sequence length (BSHD) or the ``cu_seqlens``
@@ -303,7 +309,13 @@ class PrecisionDSAttention(DSAttention):
         else:
             positions = query_positions(layout, rows, query.device)
         return engine.rows(
-            self.layer_number, positions, batch, self.index_topk, own, device=query.device
+            self.layer_number,
+            positions,
+            batch,
+            self.index_topk,
+            own,
+            device=query.device,
+            compared=compared,
         )
 
     def _every_row_in_order(self, layout: RankLayout, x: torch.Tensor) -> bool:

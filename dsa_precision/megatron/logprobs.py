@@ -362,9 +362,7 @@ def replay_logprobs(
     _check_replaying(replay_model)
     labels, _ = _labels_and_mask(tokens, picks.layout, labels, None)
     forward = forward or _default_forward(tokens, picks.layout)
-    handed_in = TopkPicks(dict(picks.indices), picks.layout)  # the picks alone: the rows the
-    # engine ran and its digests are for comparing, and replay takes neither
-    with torch.no_grad(), _Eval(replay_model), engine_topk(handed_in):
+    with torch.no_grad(), _Eval(replay_model), engine_topk(picks):
         return _logprobs_of(replay_model, forward, tokens, labels)
 
 

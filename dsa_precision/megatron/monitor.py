@@ -51,7 +51,8 @@ class TopkMonitor:
         if margins is not None:
             m = margins.reshape(-1).to(f64)
             defined = ~torch.isnan(m)
-            flipped = defined & ~same.reshape(-1)
+            ran = (engine >= 0).any(-1).reshape(-1)  # rows the engine computed (topk_agreement's)
+            flipped = defined & ~same.reshape(-1) & ran
             values |= {
                 "margin": torch.where(defined, m, 0.0).sum(),
                 "margin_rows": defined.sum().to(f64),

@@ -90,9 +90,12 @@ class HandedIn:
         consumer: TokenLayout,
         *,
         device: torch.device | None = None,
+        compared: bool = False,
     ) -> torch.Tensor:
         """The engine's picks of a rank's query rows, in ``DSAttention``'s key coordinates:
         ``(batch, rows, topk)`` int32 (BSHD: key positions; THD: global packed key rows).
+        ``compared``: for a comparison with the layer's own picks, the rows the engine never
+        computed (``engine_rows`` False) empty, so that no agreement counts them.
 
         ``positions``: Megatron's global position (BSHD) or packed row (THD) of each query row;
         ``None`` (BSHD): every row of every sequence, in order (one CP rank, no sequence-parallel
@@ -122,6 +125,9 @@ class HandedIn:
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
         moved = to_device(idx, device)
+        if compared and self.picks.engine_rows is not None:
+            ran = to_device(self.picks.engine_rows, device)
+            moved = torch.where(ran[:, None], moved, -1)
         if positions is None:  # every row in order: the picks themselves, in their layout,
             # copied once (by the move, the cast, or else here: never the engine's tensor)
             assert self.picks.seq_len is not None  # checked above
@@ -280,27 +286,32 @@ def _checked_digests(
         )
     if engine_rows is not None:
         (total,) = lengths
-        if not (
-            isinstance(engine_rows, torch.Tensor)
-            and engine_rows.dtype == torch.bool
-            and engine_rows.shape == (total,)
-        ):
-            got = (
-                f"{engine_rows.dtype} {tuple(engine_rows.shape)}"
-                if isinstance(engine_rows, torch.Tensor)
-                else type(engine_rows).__name__
-            )
-            raise TypeError(
-                f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
-                f"from pack_digests), got {got}."
-            )
-        devices.add(engine_rows.device)
+        devices.add(_checked_engine_rows(engine_rows, total).device)
     if len(devices) > 1:
         raise ValueError(
             f"engine_topk: picks, digests and engine_rows are on different devices "
             f"({sorted(map(str, devices))}); hand them in on one device."
         )
     return dict(digests), engine_rows
+
+
+def _checked_engine_rows(engine_rows: object, total: int) -> torch.Tensor:
+    """``engine_rows``: a ``(total,)`` bool tensor (host facts), else an error naming the fix."""
+    if not (
+        isinstance(engine_rows, torch.Tensor)
+        and engine_rows.dtype == torch.bool
+        and engine_rows.shape == (total,)
+    ):
+        got = (
+            f"{engine_rows.dtype} {tuple(engine_rows.shape)}"
+            if isinstance(engine_rows, torch.Tensor)
+            else type(engine_rows).__name__
+        )
+        raise TypeError(
+            f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
+            f"from pack_requests or pack_digests), got {got}."
+        )
+    return engine_rows
 
 
 def _is_picks(t: object) -> bool:
@@ -341,8 +352,10 @@ def engine_topk(
             :func:`dsa_precision.capture.pack_digests` packs them), instead of or beside
             ``indices``: verify (and FP8 compute) compares each layer's own picks with them by
             digest. Replay needs ``indices``.
-        engine_rows: ``(T,)`` bool, the rows the engine computed (``pack_digests``); the other
-            rows are not compared. ``None``: every row.
+        engine_rows: ``(T,)`` bool, the rows the engine computed (``pack_requests``,
+            ``pack_digests``): the other rows (a sequence's last token, filled by
+            ``pack_requests``) are replayed as handed in but not compared with the layers' own
+            picks (verify, the FP8 monitor). ``None``: every row.
         cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed tokens (THD micro-batches), as
             the model's ``PackedSeqParams`` hold them.
         seq_len: tokens per sequence of a BSHD micro-batch (``T = batch * seq_len``).
@@ -391,22 +404,24 @@ def engine_topk(
     else:
         picks = None
         layout = TokenLayout(cu_seqlens=cu_seqlens, seq_len=seq_len)
-    if engine_rows is not None and engine_digests is None:
-        raise ValueError(
-            "engine_topk(engine_rows=...) marks the rows of engine_digests; pass engine_digests "
-            "too (pack_digests returns both)."
-        )
     if indices is None and engine_digests is None:
         raise ValueError(
             "engine_topk needs the engine's picks (indices={layer: (T, k)}) or their digests "
             "(engine_digests={layer: (T,) int64}); got neither."
         )
     checked = {} if indices is None else _checked(indices, layout, validate)
-    digests, rows = (
-        (None, None)
-        if engine_digests is None
-        else _checked_digests(engine_digests, engine_rows, layout, checked)
-    )
+    if engine_digests is not None:
+        digests, rows = _checked_digests(engine_digests, engine_rows, layout, checked)
+    else:
+        digests, rows = None, None
+        if engine_rows is not None:  # beside picks: the rows compared with the layers' own
+            first = next(iter(checked.values()))
+            rows = _checked_engine_rows(engine_rows, first.shape[0])
+            if rows.device != first.device:
+                raise ValueError(
+                    f"engine_topk: the picks are on {first.device}, engine_rows on {rows.device}; "
+                    "hand them in on one device."
+                )
     if picks is None:
         picks = TopkPicks(checked, layout, engine_rows=rows, digests=digests)
     else:

@@ -70,6 +70,50 @@ def test_verify_agrees_fully_with_converted_engine_output(adapter):
     assert m["dsa_topk/layer_01/rows_identical"] == 1.0
 
 
+@pytest.mark.parametrize("last_row", ["empty", "self"])
+def test_the_adapters_picks_handed_in_whole_compare_only_the_rows_the_engine_ran(last_row):
+    """``engine_topk(batch)``: the TopkPicks carry ``engine_rows``; the last token's filled row
+    (``last_row="self"``: one key, its own position, which the layer's own picks differ from) is
+    replayed as filled but left out of verify's agreement."""
+    kw = dict(packed_seq_params=packed_params(CU))
+    config = make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_topk_source="verify")
+    attn = make_attention(config)
+    picks = _own_picks(attn, kw)
+    responses = [sglang_response(picks[a:b, None], completion=2) for a, b in itertools.pairwise(CU)]
+    batch = from_sglang(responses, last_row=last_row)
+    assert batch.engine_rows is not None and int((~batch.engine_rows).sum()) == 2
+    dsap.topk_metrics(torch.nn.ModuleList([attn]))  # reset
+    with dsap.engine_topk(batch) as handed:
+        assert torch.equal(handed.engine_rows, batch.engine_rows)
+        run_attention(attn, attention_inputs(b=1, packed=True), **kw)
+    m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    assert m["dsa_topk/layer_01/rows"] == CU[-1] - 2
+    assert m["dsa_topk/layer_01/rows_identical"] == 1.0
+    # Counted as every row when the engine_rows are dropped: the filled rows then differ.
+    if last_row == "self":
+        with dsap.engine_topk(batch.indices, cu_seqlens=batch.cu_seqlens):
+            run_attention(attn, attention_inputs(b=1, packed=True), **kw)
+        m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+        assert m["dsa_topk/layer_01/rows"] == CU[-1]
+        assert m["dsa_topk/layer_01/rows_identical"] < 1.0
+    # Replay attends the filled rows as handed in: the same output as the bare picks.
+    replaying = make_attention(make_config(dsa_indexer_topk_source="replay"))
+    with dsap.engine_topk(batch):
+        whole = run_attention(replaying, attention_inputs(b=1, packed=True), **kw)
+    with dsap.engine_topk(batch.indices, cu_seqlens=batch.cu_seqlens):
+        bare = run_attention(replaying, attention_inputs(b=1, packed=True), **kw)
+    assert torch.equal(whole, bare)
+
+
+def test_engine_rows_beside_picks_are_checked_where_they_enter():
+    picks = {1: torch.zeros(CU[-1], 2, dtype=torch.int64)}
+    cu = torch.tensor(CU)
+    with pytest.raises(TypeError, match=r"engine_rows: expected a \(16,\) bool tensor"):
+        with dsap.engine_topk(picks, engine_rows=torch.ones(CU[-1] - 1, dtype=torch.bool),
+                              cu_seqlens=cu):  # fmt: skip
+            pass
+
+
 def test_replay_of_converted_sglang_output_attends_the_engine_keys():
     kw = dict(packed_seq_params=packed_params(CU))
     source = make_attention(make_config(dsa_indexer_scoring_precision="fp8"), seed=7)
@@ -195,7 +239,7 @@ T = CU[-1]
               indices={1: torch.zeros(T - 1, 2, dtype=torch.int64)}), ValueError,
          r"(cu_seqlens ends at 16|different token counts)"),
         (dict(engine_rows=torch.ones(T, dtype=torch.bool)), ValueError,
-         r"engine_rows=...\) marks the rows of engine_digests"),
+         r"needs the engine's picks .* or their digests"),
         ({}, ValueError, r"needs the engine's picks .* or their digests"),
     ],
     ids=["length", "dtype", "picks_as_digests", "rows_dtype", "length_vs_picks", "rows_alone",
