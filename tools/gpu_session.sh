@@ -136,6 +136,12 @@ for step in "$@"; do
         --kernel-backend cudnn --steps ${TOY_LONG_STEPS:-6} --share-steps 0 --stock-steps 0 \
         --profile-steps 1 --host-steps 1 --top-kernels 12 --configs baseline,rope_fp32+fp8,replay \
         --out "$LOGS/toy_32768_fused.json" ;;
+    logprobs)  # issue 32: RL log-prob mismatch of each configuration against the rollout's
+      # picks (the toy's engine model), at step 0 and after warm-up steps; S 2048, then 8192
+      TAIL=30 run logprobs_2048 400 python examples/logprob_mismatch.py \
+        --out "$LOGS/logprobs_2048.json"
+      TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --seq 8192 --topk 2048 \
+        --steps ${LOGPROB_STEPS_8192:-10} --out "$LOGS/logprobs_8192.json" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;
