@@ -146,6 +146,7 @@ class IndexerPrecisionConfig:
         k_norm_eps: float | None = None,
         k_norm_eps_field: str | None = None,
         params_dtype: torch.dtype | None = None,
+        rope_type: str | None = None,
     ) -> None:
         """Check the cross-field rules once, before the model is built.
 
@@ -165,6 +166,9 @@ class IndexerPrecisionConfig:
             params_dtype: the dtype of the indexer's projection weights and key LayerNorm
                 parameters (Megatron's ``params_dtype``); with either switch it must be the
                 engine's (:attr:`EngineProfile.projection_dtype`). ``None`` skips that check.
+            rope_type: the model's RoPE type (Megatron's ``rope_type``); with ``rope_fp32`` it
+                must be the one the engine profile's cache describes
+                (:attr:`EngineProfile.rope_type`). ``None`` skips that check.
             device: the device the model runs on; on a CUDA device its compute capability must be
                 9.0 for FP8. ``None`` uses the current CUDA device when CUDA is available and
                 skips the check otherwise (CPU-only processes, e.g. config tooling).
@@ -186,6 +190,7 @@ class IndexerPrecisionConfig:
                 k_norm_eps=k_norm_eps if self.rope_fp32 else None,
                 k_norm_eps_field=k_norm_eps_field,
                 params_dtype=params_dtype,
+                rope_type=rope_type if self.rope_fp32 else None,
             )
         if self.fp8:
             if indexer_loss_coeff not in (None, 0, 0.0):

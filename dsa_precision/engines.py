@@ -61,6 +61,8 @@ InvFreqDevice = Literal["device", "cpu"]
 # (LMDeploy: that ratio only when mscale and mscale_all_dim are both non-zero, otherwise
 # yarn_get_mscale(factor)).
 YarnMscale = Literal["ratio", "ratio-if-both"]
+# A model's RoPE type (Megatron's rope_type): plain, or DeepSeek's YaRN.
+RopeType = Literal["rope", "yarn"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -150,6 +152,10 @@ class EngineProfile:
     # is computed, and the YaRN magnitude scale.
     inv_freq_device: InvFreqDevice = "device"
     yarn_mscale: YarnMscale = "ratio"
+    # The RoPE type of the models this profile's cache describes (vLLM's eager run keeps a
+    # float32 cache for YaRN models only: DeepseekScalingRotaryEmbedding's flashinfer path); None:
+    # any. A model of the other type cannot reproduce the profile (rope_fp32).
+    rope_type: RopeType | None = None
     # dtype of the indexer's projection weights (and the key LayerNorm parameters) the engine
     # serves: BF16 checkpoints, BF16 GEMMs; None: any (a model whose parameters are another dtype
     # cannot reproduce the profile's operands).
@@ -159,6 +165,11 @@ class EngineProfile:
         for name in ("name", "summary"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"EngineProfile.{name} must be a str, got {getattr(self, name)!r}.")
+        if self.rope_type is not None and self.rope_type not in get_args(RopeType):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: rope_type={self.rope_type!r} is not one of "
+                f"{get_args(RopeType)} or None."
+            )
         for name in ("hadamard", "rope_interleaved"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -256,13 +267,15 @@ class EngineProfile:
         k_norm_eps: float | None = None,
         k_norm_eps_field: str | None = None,
         params_dtype: torch.dtype | None = None,
+        rope_type: str | None = None,
     ) -> list[str]:
         """What keeps a model with these fields from reproducing this profile (empty: nothing).
 
         ``k_norm_eps``: the epsilon of the model's key LayerNorm, ``k_norm_eps_field`` the
         Megatron field it came from (``dsa_indexer_k_norm_epsilon``, or ``layernorm_epsilon``
         when that is unset); ``params_dtype``: the dtype of the indexer's projection weights and
-        key LayerNorm parameters (Megatron's ``params_dtype``). ``None`` skips a check.
+        key LayerNorm parameters (Megatron's ``params_dtype``); ``rope_type``: the model's RoPE
+        type (``"rope"`` or ``"yarn"``). ``None`` skips a check.
         """
         problems = []
         if k_norm_eps is not None and (
@@ -279,6 +292,13 @@ class EngineProfile:
                 f"{self.projection_dtype} checkpoints (its indexer projections are "
                 f"{self.projection_dtype} GEMMs, the key LayerNorm parameters the checkpoint's), "
                 f"so the operands start from other values; set params_dtype={self.projection_dtype}"
+            )
+        if rope_type is not None and self.rope_type is not None and rope_type != self.rope_type:
+            problems.append(
+                f"dsa_indexer_engine={self.name!r} is the engine's path for rope_type="
+                f"{self.rope_type!r} models (its cos/sin cache is that path's), but the model has "
+                f"rope_type={rope_type!r}; pick the profile of the engine path that serves this "
+                "model"
             )
         if self.hadamard is not None and self.hadamard != rotate_activation:
             does = "applies" if self.hadamard else "does not apply"
@@ -373,8 +393,10 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         name="vllm-eager",
         summary=(
             "vLLM 0.29+ on Hopper with --enforce-eager: FP32 cos/sin cache for DeepSeek-V3.2 "
-            "(yarn RoPE with flashinfer); otherwise as 'vllm'"
+            "(yarn RoPE with flashinfer); otherwise as 'vllm' (a plain-RoPE model's eager run, "
+            "GLM-5's, is 'vllm')"
         ),
+        rope_type="yarn",
         hadamard=False,
         q_quant=_VLLM_RULE,
         k_quant=_VLLM_RULE,

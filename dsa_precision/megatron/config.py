@@ -302,6 +302,7 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
                 k_norm_eps=k_norm_eps,  # what Megatron builds the indexer's k_norm with
                 k_norm_eps_field=k_norm_eps_field,
                 params_dtype=config.params_dtype,  # the projections' and the k_norm's parameters
+                rope_type=config.rope_type,
             )
         except ValueError as exc:
             problems.extend(

@@ -202,3 +202,13 @@ def test_every_problem_of_a_config_is_listed_at_once():
     config = make_config(dsa_indexer_rope_fp32=True)
     with pytest.raises(ValueError, match=r"rotary_percent=0\.5 rejected"):
         config.rotary_percent = 0.5  # re-validated: a later layer would read it
+
+
+def test_vllm_eager_describes_yarn_models_only():
+    """vLLM's eager run keeps a float32 cache for YaRN models alone (flashinfer's); a plain-RoPE
+    model's eager run (GLM-5's) is the 'vllm' profile: with rope_fp32, refused by name."""
+    with pytest.raises(ValueError, match=r"dsa_indexer_engine='vllm-eager' is the engine's path "
+                       r"for rope_type='yarn' models .* the model has rope_type='rope'"):  # fmt: skip
+        make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-eager")
+    make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-eager", rope_type="yarn")
+    make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_engine="vllm-eager")
