@@ -136,6 +136,11 @@ for step in "$@"; do
         --kernel-backend cudnn --steps ${TOY_LONG_STEPS:-6} --share-steps 0 --stock-steps 0 \
         --profile-steps 1 --host-steps 1 --top-kernels 12 --configs baseline,rope_fp32+fp8,replay \
         --out "$LOGS/toy_32768_fused.json" ;;
+    layer-conformance)  # issue 29: Megatron's DSA layer against the engines' own RoPE code and
+      # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      TAIL=20 run layer_conformance 900 python tools/layer_conformance.py \
+        --out "$LOGS/layer_conformance" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;
