@@ -187,10 +187,6 @@ def _check_packed_lengths(cu_seqlens: torch.Tensor, total: int, positions: int) 
 # ---------------------------------------------------------------------- the engines' own tables
 
 
-def _real(name: str, value: object, *, positive: bool = False) -> float:
-    return check_real(name, value, positive=positive)
-
-
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
     """DeepSeek's YaRN scaling of the RoPE frequencies (HF ``rope_scaling`` of type ``yarn``;
@@ -213,13 +209,13 @@ class YarnScaling:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "scaling_factor", _real("scaling_factor", self.scaling_factor, positive=True)
+            self, "scaling_factor", check_real("scaling_factor", self.scaling_factor, positive=True)
         )
         check_positive_int(
             "original_max_position_embeddings", self.original_max_position_embeddings
         )
         for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_real(name, getattr(self, name)))
 
     def magnitude(self, rule: YarnMscale = "ratio") -> float:
         """The factor the engine multiplies cos and sin by (a Python float, as every engine
@@ -256,7 +252,7 @@ class RopeSpec:
         rope_dim = check_positive_int("rope_dim", self.rope_dim)
         if rope_dim % 2:
             raise ValueError(f"rope_dim={rope_dim} must be even: RoPE rotates pairs of lanes.")
-        object.__setattr__(self, "base", _real("base", self.base, positive=True))
+        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
         if self.yarn is not None and not isinstance(self.yarn, YarnScaling):
             raise TypeError(f"yarn={self.yarn!r} must be a YarnScaling or None.")
 
