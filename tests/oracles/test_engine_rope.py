@@ -56,8 +56,8 @@ def test_vllms_eager_cache_of_a_plain_rope_model_is_the_model_dtype():
 def test_lmdeploys_own_tables_are_the_package_table(spec):
     """LMDeploy builds its tables per forward in a torch.compile'd function and falls back to
     eager when compiling fails; the package computes them with ATen's cos / sin, that eager
-    path: compared with compiling off (Inductor's CPU cos / sin differ from ATen's in 1-2 of
-    262,144 entries of the plain tables here; its CUDA code is compared on the GPU)."""
+    path: compared with compiling off (Inductor's CPU cos / sin differ from ATen's in 2-3 of the
+    524,288 entries of the plain tables here; its CUDA code is compared on the GPU)."""
     import torch._dynamo
 
     with torch._dynamo.config.patch(disable=True):
