@@ -144,6 +144,9 @@ class IndexerPrecisionConfig:
         rope_interleaved: bool = False,
         device: torch.device | str | None = None,
         k_norm_eps: float | None = None,
+        k_norm_eps_field: str | None = None,
+        params_dtype: torch.dtype | None = None,
+        rope_type: str | None = None,
     ) -> None:
         """Check the cross-field rules once, before the model is built.
 
@@ -156,8 +159,16 @@ class IndexerPrecisionConfig:
             rope_interleaved: ``dsa_indexer_rope_interleaved``; an engine profile of a path that
                 only serves one RoPE layout must agree with it.
             k_norm_eps: the epsilon of the indexer key LayerNorm (Megatron's
-                ``layernorm_epsilon``); with ``rope_fp32`` it must be the engine's own
-                (:attr:`EngineProfile.k_norm_eps`). ``None`` skips that check.
+                ``dsa_indexer_k_norm_epsilon``, or ``layernorm_epsilon`` when that is unset);
+                with ``rope_fp32`` it must be the engine's own (:attr:`EngineProfile.k_norm_eps`).
+                ``None`` skips that check.
+            k_norm_eps_field: the Megatron field ``k_norm_eps`` came from (named in the message).
+            params_dtype: the dtype of the indexer's projection weights and key LayerNorm
+                parameters (Megatron's ``params_dtype``); with either switch it must be the
+                engine's (:attr:`EngineProfile.projection_dtype`). ``None`` skips that check.
+            rope_type: the model's RoPE type (Megatron's ``rope_type``); with ``rope_fp32`` it
+                must be the one the engine profile's cache describes
+                (:attr:`EngineProfile.rope_type`). ``None`` skips that check.
             device: the device the model runs on; on a CUDA device its compute capability must be
                 9.0 for FP8. ``None`` uses the current CUDA device when CUDA is available and
                 skips the check otherwise (CPU-only processes, e.g. config tooling).
@@ -177,6 +188,9 @@ class IndexerPrecisionConfig:
                 rotate_activation=rotate_activation,
                 rope_interleaved=rope_interleaved,
                 k_norm_eps=k_norm_eps if self.rope_fp32 else None,
+                k_norm_eps_field=k_norm_eps_field,
+                params_dtype=params_dtype,
+                rope_type=rope_type if self.rope_fp32 else None,
             )
         if self.fp8:
             if indexer_loss_coeff not in (None, 0, 0.0):

@@ -51,6 +51,18 @@ HadamardScale = Literal["float64", "float32"]
 # One float32 multiplication of the running head weight: by the q descale ("qs"), by
 # fp32(D**-0.5) ("Ds"), by fp32(H**-0.5) ("Hs") or by fp32(D**-0.5 * H**-0.5) ("DsHs").
 FoldStep = Literal["qs", "Ds", "Hs", "DsHs"]
+# Where the engine computes the inverse frequencies of its RoPE tables: on the model's device
+# (vLLM and SGLang build the whole cos/sin cache there at load, under ``with torch.device``) or
+# on the CPU (LMDeploy builds inv_freq at construction with no device, then moves it); the angles
+# and cos/sin are computed on the device either way.
+InvFreqDevice = Literal["device", "cpu"]
+# The YaRN magnitude scale the engine folds into cos/sin: "ratio" (vLLM, SGLang, Megatron:
+# yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)) or "ratio-if-both"
+# (LMDeploy: that ratio only when mscale and mscale_all_dim are both non-zero, otherwise
+# yarn_get_mscale(factor)).
+YarnMscale = Literal["ratio", "ratio-if-both"]
+# A model's RoPE type (Megatron's rope_type): plain, or DeepSeek's YaRN.
+RopeType = Literal["rope", "yarn"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -135,11 +147,29 @@ class EngineProfile:
     # reproduce the profile (rope_fp32: a configuration error).
     k_norm_eps: float | None = None
     hadamard_scale: HadamardScale = "float64"
+    # RoPE tables (rope_fp32): the engine's recipe, rebuilt from the token positions (the
+    # formula, float32 throughout, is the model's: plain RoPE or DeepSeek's YaRN): where inv_freq
+    # is computed, and the YaRN magnitude scale.
+    inv_freq_device: InvFreqDevice = "device"
+    yarn_mscale: YarnMscale = "ratio"
+    # The RoPE type of the models this profile's cache describes (vLLM's eager run keeps a
+    # float32 cache for YaRN models only: DeepseekScalingRotaryEmbedding's flashinfer path); None:
+    # any. A model of the other type cannot reproduce the profile (rope_fp32).
+    rope_type: RopeType | None = None
+    # dtype of the indexer's projection weights (and the key LayerNorm parameters) the engine
+    # serves: BF16 checkpoints, BF16 GEMMs; None: any (a model whose parameters are another dtype
+    # cannot reproduce the profile's operands).
+    projection_dtype: torch.dtype | None = torch.bfloat16
 
     def __post_init__(self) -> None:
         for name in ("name", "summary"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"EngineProfile.{name} must be a str, got {getattr(self, name)!r}.")
+        if self.rope_type is not None and self.rope_type not in get_args(RopeType):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: rope_type={self.rope_type!r} is not one of "
+                f"{get_args(RopeType)} or None."
+            )
         for name in ("hadamard", "rope_interleaved"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -175,9 +205,19 @@ class EngineProfile:
                     f"EngineProfile {self.name!r}: {name}={getattr(self, name)} must be "
                     "torch.float32 or torch.bfloat16."
                 )
+        if self.projection_dtype is not None and self.projection_dtype not in (
+            *_FLOAT_DTYPES,
+            torch.float16,
+        ):
+            raise ValueError(
+                f"EngineProfile {self.name!r}: projection_dtype={self.projection_dtype} must be "
+                "torch.bfloat16, torch.float16, torch.float32 or None."
+            )
         for name, kind in (
             ("layernorm", LayerNormArith),
             ("hadamard_scale", HadamardScale),
+            ("inv_freq_device", InvFreqDevice),
+            ("yarn_mscale", YarnMscale),
         ):
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(
@@ -225,15 +265,41 @@ class EngineProfile:
         rotate_activation: bool,
         rope_interleaved: bool,
         k_norm_eps: float | None = None,
+        k_norm_eps_field: str | None = None,
+        params_dtype: torch.dtype | None = None,
+        rope_type: str | None = None,
     ) -> list[str]:
         """What keeps a model with these fields from reproducing this profile (empty: nothing).
 
-        ``k_norm_eps``: the epsilon of the model's key LayerNorm (Megatron's
-        ``layernorm_epsilon``); ``None`` skips that check.
+        ``k_norm_eps``: the epsilon of the model's key LayerNorm, ``k_norm_eps_field`` the
+        Megatron field it came from (``dsa_indexer_k_norm_epsilon``, or ``layernorm_epsilon``
+        when that is unset); ``params_dtype``: the dtype of the indexer's projection weights and
+        key LayerNorm parameters (Megatron's ``params_dtype``); ``rope_type``: the model's RoPE
+        type (``"rope"`` or ``"yarn"``). ``None`` skips a check.
         """
         problems = []
-        if k_norm_eps is not None and (msg := self.k_norm_eps_mismatch(k_norm_eps)):
+        if k_norm_eps is not None and (
+            msg := self.k_norm_eps_mismatch(k_norm_eps, field=k_norm_eps_field)
+        ):
             problems.append(msg)
+        if (
+            params_dtype is not None
+            and self.projection_dtype is not None
+            and params_dtype != self.projection_dtype
+        ):
+            problems.append(
+                f"params_dtype={params_dtype}: dsa_indexer_engine={self.name!r} serves "
+                f"{self.projection_dtype} checkpoints (its indexer projections are "
+                f"{self.projection_dtype} GEMMs, the key LayerNorm parameters the checkpoint's), "
+                f"so the operands start from other values; set params_dtype={self.projection_dtype}"
+            )
+        if rope_type is not None and self.rope_type is not None and rope_type != self.rope_type:
+            problems.append(
+                f"dsa_indexer_engine={self.name!r} is the engine's path for rope_type="
+                f"{self.rope_type!r} models (its cos/sin cache is that path's), but the model has "
+                f"rope_type={rope_type!r}; pick the profile of the engine path that serves this "
+                "model"
+            )
         if self.hadamard is not None and self.hadamard != rotate_activation:
             does = "applies" if self.hadamard else "does not apply"
             problems.append(
@@ -250,16 +316,22 @@ class EngineProfile:
             )
         return problems
 
-    def k_norm_eps_mismatch(self, k_norm_eps: float) -> str | None:
+    def k_norm_eps_mismatch(self, k_norm_eps: float, *, field: str | None = None) -> str | None:
         """Why a key LayerNorm with epsilon ``k_norm_eps`` cannot reproduce this profile (the
-        engine's own epsilon differs), or ``None``."""
+        engine's own epsilon differs), or ``None``. ``field``: the Megatron config field the
+        epsilon came from (the message then says which field to set); ``None``: a module's."""
         if self.k_norm_eps is None or float(k_norm_eps) == float(self.k_norm_eps):
             return None
+        if field is None:
+            where, fix = "", f"build the key LayerNorm with eps={self.k_norm_eps!r}"
+        else:  # Megatron: dsa_indexer_k_norm_epsilon overrides layernorm_epsilon for the k_norm
+            where = f" (from {field})"
+            fix = f"set dsa_indexer_k_norm_epsilon={self.k_norm_eps!r} (the indexer's k_norm only)"
         return (
             f"dsa_indexer_engine={self.name!r} normalises the indexer keys with epsilon "
             f"{self.k_norm_eps!r} (the engine hard-codes it), but the model's k_norm has eps="
-            f"{k_norm_eps!r} (Megatron: layernorm_epsilon); set layernorm_epsilon={self.k_norm_eps!r} "
-            "for the indexer or pick the profile of the engine that serves this model"
+            f"{k_norm_eps!r}{where}; {fix} or pick the profile of the engine that serves this "
+            "model"
         )
 
 
@@ -301,6 +373,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
             "GLM-5 indexer rules with an FP32 cos/sin cache, float64 LayerNorm, no contraction, "
             "its UE8M0 scales decided exactly"
         ),
+        projection_dtype=None,
     ),
     EngineProfile(
         name="vllm",
@@ -320,8 +393,10 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         name="vllm-eager",
         summary=(
             "vLLM 0.29+ on Hopper with --enforce-eager: FP32 cos/sin cache for DeepSeek-V3.2 "
-            "(yarn RoPE with flashinfer); otherwise as 'vllm'"
+            "(yarn RoPE with flashinfer); otherwise as 'vllm' (a plain-RoPE model's eager run, "
+            "GLM-5's, is 'vllm')"
         ),
+        rope_type="yarn",
         hadamard=False,
         q_quant=_VLLM_RULE,
         k_quant=_VLLM_RULE,
@@ -393,6 +468,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         layernorm="fp32-ops",
         fma=True,
         k_norm_eps=_ENGINE_K_NORM_EPS,
+        inv_freq_device="cpu",
+        yarn_mscale="ratio-if-both",
     ),
 )
 # vLLM's default compiled run on Hopper; "vllm-exact" stays the literal all-FP32 contract.

@@ -45,7 +45,7 @@ from .kernels.rules import PreprocessRules, engine_lanes_differ
 from .operands import WEIGHT_DTYPES, ScoringOperands
 from .preprocess import IndexerPreprocess, indexer_head_weights, layer_norm_params
 from .quantize import quantize_fp8
-from .rope import rope_tables, thd_token_freqs
+from .rope import RopePositions, rope_tables, thd_token_freqs
 
 __all__ = [
     "as_scoring_operands",
@@ -276,6 +276,7 @@ def prepare_indexer_operands(
     mscale: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
     token_freqs: torch.Tensor | None = None,
+    positions: RopePositions | None = None,
     impl: Impl = "auto",
 ) -> ScoringOperands:
     """Scoring operands of the indexer from its projections (no autograd: FP8 scoring has no
@@ -297,6 +298,9 @@ def prepare_indexer_operands(
             when on the CPU, never read on the host when on a device (:func:`thd_token_freqs`).
         token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, when the caller knows them
             (context-parallel THD chunks); by default gathered from ``freqs`` by ``cu_seqlens``.
+        positions: every row's RoPE position, for a ``preprocess`` with the engine's own tables
+            (:attr:`IndexerPreprocess.rope_tables`, ``rope_fp32``): the fused kernel and the
+            reference read the same rows of them (:meth:`IndexerPreprocess.engine_rope_rows`).
         impl: ``"triton"`` (the fused kernel; raises ``RuntimeError`` with the reason when it
             cannot produce the reference bits), ``"torch"`` (the reference) or ``"auto"``.
 
@@ -321,8 +325,9 @@ def prepare_indexer_operands(
         if not config.fp8:
             check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
             q, k = preprocess(
-                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
-            )
+                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
+                token_freqs=token_freqs, positions=positions,
+            )  # fmt: skip
             w = indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
             return _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
         engine = config.engine
@@ -341,20 +346,35 @@ def prepare_indexer_operands(
                 if not pre
                 else fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
             )
-            if token_freqs is None:  # the kernel reads every row's angles
-                rows = q_proj.shape[0]
-                token_freqs = (
-                    freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
-                )
             # The kernel writes the engine's lane order itself (no reordering copy).
             rules = PreprocessRules.indexer(preprocess, engine, q_proj.dtype)
+            rows = q_proj.shape[0]
+            if preprocess.rope_fp32 and preprocess.rope_tables is not None:
+                # The engine's tables, the rows the reference reads (one definition).
+                cos, sin = preprocess.engine_rope_rows(
+                    positions, rows, q_proj.device, freqs, cu_seqlens, dtype=rules.math_dtype
+                )
+            else:
+                if token_freqs is None:  # the kernel reads every row's angles
+                    token_freqs = (
+                        freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
+                    )
+                if token_freqs.shape[-1] != preprocess.rope_dim:
+                    raise ValueError(
+                        f"freqs has rope width {token_freqs.shape[-1]}, expected rope_dim="
+                        f"{preprocess.rope_dim}."
+                    )
+                check_freqs_cover("freqs", token_freqs, rows)
+                cos, sin = _kernel_rope_tables(
+                    token_freqs, rows, mscale, rules.table_dtype, rules.math_dtype
+                )
             return _fused(
-                preprocess, rules, q_proj, k_proj, w_pre, token_freqs, mscale=mscale,
-                fold_scales=post,
+                preprocess, rules, q_proj, k_proj, w_pre, cos, sin, fold_scales=post
             )  # fmt: skip
         q, k = preprocess(
-            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
-        )
+            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs,
+            positions=positions,
+        )  # fmt: skip
         ops = _quantize_reference(
             q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
             engine.weights_fold,
@@ -411,15 +431,15 @@ def _fused(
     q_proj: torch.Tensor,
     k_proj: torch.Tensor,
     w_pre: torch.Tensor,
-    freqs: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     *,
-    mscale: float,
     fold_scales: tuple[float, ...],
 ) -> ScoringOperands:
-    """The fused kernel under ``rules``; ``freqs`` holds one row of angles per token, ``w_pre``
-    the head weights before the q descale (BF16 or float32), ``fold_scales`` the scalars after
-    it. The operands come out in the engine's lane order (:func:`_engine_lane_order`'s bytes,
-    written so)."""
+    """The fused kernel under ``rules``; ``cos`` / ``sin`` ``[s, rope_dim]`` (contiguous, in
+    ``rules.math_dtype``) hold one row of the RoPE tables per token, ``w_pre`` the head weights
+    before the q descale (BF16 or float32), ``fold_scales`` the scalars after it. The operands
+    come out in the engine's lane order (:func:`_engine_lane_order`'s bytes, written so)."""
     from .kernels.preprocess_quantize import preprocess_quantize
 
     s, b, h, _ = q_proj.shape
@@ -428,12 +448,11 @@ def _fused(
             f"expected k [{s}, {b}, 128] and weights [{s}, {b}, {h}] for q {tuple(q_proj.shape)}; "
             f"got k {tuple(k_proj.shape)}, weights {tuple(w_pre.shape)}."
         )
-    if freqs.shape[-1] != preprocess.rope_dim:
+    if cos.shape != (s, preprocess.rope_dim) or sin.shape != cos.shape:
         raise ValueError(
-            f"freqs has rope width {freqs.shape[-1]}, expected rope_dim={preprocess.rope_dim}."
+            f"expected RoPE tables [{s}, {preprocess.rope_dim}]; got cos {tuple(cos.shape)}, sin "
+            f"{tuple(sin.shape)}."
         )
-    check_freqs_cover("freqs", freqs, s)
-    cos, sin = _kernel_rope_tables(freqs, s, mscale, rules.table_dtype, rules.math_dtype)
     if preprocess.rope_fp32:  # the engine's LayerNorm, in the kernel
         k_in, layer_norm = k_proj, layer_norm_params(preprocess.k_norm)
     else:  # Megatron's BF16 path: the model's own LayerNorm, whose reduction order only the

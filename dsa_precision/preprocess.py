@@ -17,6 +17,9 @@ Dtype at every step (``p`` = projection dtype, BF16 in training)::
                                                              rounded to float32 once; or float32
                                                              operation by operation (an engine's
                                                              layernorm="fp32-ops")
+    cos/sin              cos(freqs), sin(freqs) rounded     the engine's tables from the token
+                         to p                                positions (rope_tables given), else
+                                                             from freqs; the engine's cache dtype
     k RoPE               p                                   float32 (an engine's fma: the
                                                              x * cos product fused)
     Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
@@ -41,7 +44,14 @@ from .checks import check_bool, check_freqs_cover, check_positive_int, check_rea
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 from .exact_math import layer_norm_fp32, layer_norm_fp32_ops
 from .hadamard import rotate_activation
-from .rope import apply_rope, thd_token_freqs
+from .rope import (
+    EngineRopeTables,
+    RopePositions,
+    apply_rope,
+    apply_rope_tables,
+    rope_tables,
+    thd_token_freqs,
+)
 
 __all__ = [
     "IndexerPreprocess",
@@ -128,6 +138,10 @@ class IndexerPreprocess(nn.Module):
         exact_bf16_rope: whether ``rope_fn`` computes what :func:`apply_rope` computes in BF16
             (Megatron's unfused RoPE); ``False`` for a fused RoPE kernel, whose bits the fused
             preprocess + quantize kernel does not reproduce.
+        rope_tables: with ``rope_fp32``, the engine's own cos/sin tables
+            (:class:`~dsa_precision.rope.EngineRopeTables`, of this ``engine``), read by token
+            position: the ``freqs`` and ``mscale`` handed to :meth:`forward` then serve only the
+            ``rope_fp32=False`` path and the shape checks. ``None``: the tables of ``freqs``.
     """
 
     def __init__(
@@ -144,6 +158,7 @@ class IndexerPreprocess(nn.Module):
         engine: EngineProfile = DEFAULT_ENGINE,
         rope_fn: RopeFn | None = None,
         exact_bf16_rope: bool = True,
+        rope_tables: EngineRopeTables | None = None,
     ) -> None:
         super().__init__()
         head_dim, rope_dim = (
@@ -171,6 +186,20 @@ class IndexerPreprocess(nn.Module):
         self.rope_fp32 = rope_fp32
         self.engine = engine_profile(engine)
         self.exact_bf16_rope = exact_bf16_rope
+        if rope_tables is not None:
+            if not isinstance(rope_tables, EngineRopeTables):
+                raise TypeError(f"rope_tables={rope_tables!r} must be EngineRopeTables or None.")
+            if not rope_fp32:
+                raise ValueError(
+                    "rope_tables are the engine's tables of the rope_fp32 path; with "
+                    "rope_fp32=False the model's own RoPE runs. Pass rope_fp32=True or no tables."
+                )
+            if rope_tables.engine != self.engine or rope_tables.rope_dim != rope_dim:
+                raise ValueError(
+                    f"rope_tables ({rope_tables!r}) are not of engine={self.engine.name!r} and "
+                    f"rope_dim={rope_dim}; build them for this preprocessing."
+                )
+        self.rope_tables = rope_tables
         if rope_fp32:
             eps = getattr(self.k_norm, "eps", None)
             problem = None if eps is None else self.engine.k_norm_eps_mismatch(eps)
@@ -204,6 +233,7 @@ class IndexerPreprocess(nn.Module):
         mscale: float = 1.0,
         cu_seqlens: torch.Tensor | None = None,
         token_freqs: torch.Tensor | None = None,
+        positions: RopePositions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Preprocess projected indexer queries and keys.
 
@@ -219,6 +249,9 @@ class IndexerPreprocess(nn.Module):
             token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, used instead of gathering
                 ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD chunks); ``rope_fn`` still
                 receives ``freqs`` and ``cu_seqlens``.
+            positions: with ``rope_tables``, every row's RoPE position (context-parallel chunks,
+                packed sequences); default ``0 .. s - 1``, or per packed sequence by
+                ``cu_seqlens`` (:meth:`RopePositions.packed` over ``freqs``' rows).
 
         Returns:
             ``(q, k)``: ``[s, b, h, d]`` and ``[s, b, d]``, in the projection dtype, or float32
@@ -248,11 +281,16 @@ class IndexerPreprocess(nn.Module):
             )
         if cu_seqlens is not None and b != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q.shape)}.")
+        if self.rope_fp32 and self.rope_tables is not None:
+            cos, sin = self.engine_rope_rows(positions, s, q.device, freqs, cu_seqlens)
+            return self._engine_path(q, k, cos[:, None, None, :], sin[:, None, None, :])
         if token_freqs is None and (self.rope_fp32 or self.rope_fn is None):  # used below
             token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, s)
         if self.rope_fp32:
             assert token_freqs is not None  # set above
-            return self._engine_path(q, k, token_freqs[:s], mscale)
+            e = self.engine
+            cos, sin = rope_tables(token_freqs[:s], mscale, e.cos_sin_dtype)
+            return self._engine_path(q, k, cos, sin)
 
         if self.rope_fn is not None:
             rope_fn = self.rope_fn
@@ -275,18 +313,44 @@ class IndexerPreprocess(nn.Module):
             k = rotate_activation(k, fp32=False)
         return q, k
 
-    def _engine_path(
-        self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, mscale: float
+    def engine_rope_rows(
+        self,
+        positions: RopePositions | None,
+        rows: int,
+        device: torch.device,
+        freqs: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``rope_fp32`` path under the engine's rules; float32 out."""
+        """``(cos, sin)`` ``[rows, rope_dim]`` of the engine's tables (:attr:`rope_tables`) at
+        ``positions`` (default: ``0 .. rows - 1``, or per packed sequence by ``cu_seqlens``
+        against ``freqs``' rows), in ``dtype`` (default the engine's RoPE arithmetic dtype): the
+        one source of the ``rope_fp32`` tables, for the torch reference and the fused kernel."""
+        if self.rope_tables is None:
+            raise ValueError(
+                "engine_rope_rows needs rope_tables (the engine's tables); this preprocessing "
+                "reads the angles it is handed."
+            )
+        if positions is None:
+            if cu_seqlens is None:
+                positions = RopePositions.first(rows)
+            else:
+                positions = RopePositions.packed(cu_seqlens, rows, freqs.shape[0], device=device)
+        if positions.rows != rows:
+            raise ValueError(
+                f"positions has {positions.rows} rows for {rows} rows of q; pass one position "
+                "per row."
+            )
+        return self.rope_tables.rows(positions, device, dtype or self.engine.rope_dtype)
+
+    def _engine_path(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``rope_fp32`` path under the engine's rules with the tables ``cos`` / ``sin``
+        (``[s, 1, 1, rope_dim]``, the engine's cache values); float32 out."""
         e = self.engine
         rope = functools.partial(
-            apply_rope,
-            freqs=freqs,
-            mscale=mscale,
-            rope_interleaved=self.rope_interleaved,
-            table_dtype=e.cos_sin_dtype,
-            fma=e.fma,
+            apply_rope_tables, cos=cos, sin=sin, rope_interleaved=self.rope_interleaved, fma=e.fma
         )
         # Exact upcasts; the LayerNorm in the engine's arithmetic (float64 rounded once, or
         # float32 operation by operation), then its output dtype; RoPE in the engine's arithmetic

@@ -312,3 +312,36 @@ def test_profiles_are_facts_only():
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert all(n.level == 0 and not (n.module or "").startswith("dsa_precision") for n in imports)
     assert all(isinstance(p, EngineProfile) for p in ENGINE_PROFILES.values())
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(inv_freq_device="gpu"), "inv_freq_device='gpu' is not one of"),
+        (dict(yarn_mscale="product"), "yarn_mscale='product' is not one of"),
+        (dict(rope_type="ntk"), "rope_type='ntk' is not one of"),
+        (dict(projection_dtype=torch.int8), "projection_dtype=torch.int8 must be"),
+    ],
+)
+def test_the_rope_table_facts_are_checked(fields, match):
+    with pytest.raises(ValueError, match=match):
+        EngineProfile(name="x", summary="x", **fields)
+
+
+def test_the_rope_table_recipes_of_the_profiles():
+    """docs/numerics.md, "RoPE tables": vLLM and SGLang build inv_freq on the device, LMDeploy
+    on the CPU (with its own YaRN magnitude rule); vLLM's eager profile is its YaRN path."""
+    recipes = {
+        name: (p.inv_freq_device, p.yarn_mscale, p.rope_type, p.projection_dtype)
+        for name, p in ENGINE_PROFILES.items()
+    }
+    bf16 = torch.bfloat16
+    assert recipes == {
+        "vllm-exact": ("device", "ratio", None, None),
+        "vllm": ("device", "ratio", None, bf16),
+        "vllm-eager": ("device", "ratio", "yarn", bf16),
+        "vllm-legacy": ("device", "ratio", None, bf16),
+        "sglang-fused": ("device", "ratio", None, bf16),
+        "sglang-unfused": ("device", "ratio", None, bf16),
+        "lmdeploy": ("cpu", "ratio-if-both", None, bf16),
+    }

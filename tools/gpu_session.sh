@@ -142,6 +142,11 @@ for step in "$@"; do
         --out "$LOGS/logprobs_2048.json"
       TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --seq 8192 --topk 2048 \
         --steps ${LOGPROB_STEPS_8192:-10} --out "$LOGS/logprobs_8192.json" ;;
+    layer-conformance)  # issue 29: Megatron's DSA layer against the engines' own RoPE code and
+      # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      TAIL=20 run layer_conformance 900 python tools/layer_conformance.py \
+        --out "$LOGS/layer_conformance" ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;

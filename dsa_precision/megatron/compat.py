@@ -169,11 +169,15 @@ PACKED_SEQ_FIELDS = ("max_seqlen_kv", "max_seqlen_q", "qkv_format")
 PROCESS_GROUP_FIELDS = ("cp", "tp")
 # TransformerConfig fields read (besides the package's own four).
 CONFIG_FIELDS = (
-    "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_fp32",
-    "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved",
-    "dsa_indexer_topk_freq",
+    "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon",
+    "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff", "dsa_indexer_n_heads",
+    "dsa_indexer_rope_interleaved", "dsa_indexer_topk_freq",
     "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
-    "layernorm_epsilon", "normalization", "rope_type", "sequence_parallel",
+    "layernorm_epsilon", "normalization", "params_dtype", "qk_pos_emb_head_dim", "rope_type",
+    "sequence_parallel",
+    # The indexer's RoPE (its RotaryEmbedding / YarnRotaryEmbedding), for the engine's tables.
+    "rotary_base", "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
 )  # fmt: skip
 
 

@@ -11,8 +11,10 @@ import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..backends import cudnn
+from ..checks import check_positive_int, check_real
 from ..config import SCORING_BACKENDS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
+from ..rope import RopeSpec, YarnScaling
 from .replay import TOPK_SOURCES
 
 __all__ = [
@@ -21,6 +23,8 @@ __all__ = [
     "DSAPrecisionTransformerConfig",
     "add_dsa_precision_args",
     "config_from_args",
+    "indexer_k_norm_eps",
+    "indexer_rope_spec",
     "layer_decisions",
 ]
 
@@ -122,6 +126,19 @@ PRECISION_FIELDS = (
     "dsa_indexer_cuda_graph",
     "dsa_indexer_scoring_backend",
 )
+# The Megatron fields of the indexer's RoPE (megatron-core 0.19.2 DSAIndexer.__init__ builds its
+# RotaryEmbedding / YarnRotaryEmbedding from them), with what each must be for the engine's tables.
+_ROPE_FIELDS = (
+    ("rope_type", "'rope' or 'yarn'"),
+    ("rotary_base", "a positive finite number"),
+    ("rotary_percent", "1.0"),
+    ("rotary_scaling_factor", "a positive finite number"),
+    ("original_max_position_embeddings", "a positive integer"),
+    ("beta_fast", "a finite number"),
+    ("beta_slow", "a finite number"),
+    ("mscale", "a finite number"),
+    ("mscale_all_dim", "a finite number"),
+)
 # Megatron's fields the precision is validated against (_validate_precision): re-validated when
 # assigned after __post_init__ (Megatron's own layers read them per forward, and so may a test).
 VALIDATED_MEGATRON_FIELDS = (
@@ -132,6 +149,9 @@ VALIDATED_MEGATRON_FIELDS = (
     "dsa_indexer_rotate_activation",
     "dsa_indexer_rope_interleaved",
     "layernorm_epsilon",
+    "dsa_indexer_k_norm_epsilon",
+    "params_dtype",
+    *(name for name, _ in _ROPE_FIELDS),
 )
 _REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
 # Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
@@ -154,6 +174,83 @@ def layer_decisions(config: Any) -> tuple[IndexerPrecisionConfig, str]:
             "and freezes them."
         )
     return IndexerPrecisionConfig(), "compute"
+
+
+def indexer_k_norm_eps(config: Any) -> tuple[float, str]:
+    """``(eps, field)``: the epsilon megatron-core 0.19.2 builds the indexer's key LayerNorm with
+    (``DSAIndexer.__init__``: ``dsa_indexer_k_norm_epsilon`` when set, else
+    ``layernorm_epsilon``) and the field it came from."""
+    if config.dsa_indexer_k_norm_epsilon is not None:
+        return config.dsa_indexer_k_norm_epsilon, "dsa_indexer_k_norm_epsilon"
+    return config.layernorm_epsilon, "layernorm_epsilon"
+
+
+def _rope_problems(config: Any) -> list[str]:
+    """Why the engine's tables cannot stand for the indexer's RoPE of ``config`` (one line per
+    field; empty: :func:`indexer_rope_spec` builds them)."""
+    rope_type = config.rope_type
+    if rope_type not in ("rope", "yarn"):
+        return [
+            f"rope_type={rope_type!r}: megatron-core's DSA indexer builds 'rope' or 'yarn' RoPE "
+            "only; set rope_type to one of them"
+        ]
+    if rope_type == "rope":
+        values = {"rotary_base": config.rotary_base, "rotary_percent": config.rotary_percent}
+    else:
+        values = {
+            "rotary_base": config.rotary_base,
+            "rotary_scaling_factor": config.rotary_scaling_factor,
+            "original_max_position_embeddings": config.original_max_position_embeddings,
+            "beta_fast": config.beta_fast,
+            "beta_slow": config.beta_slow,
+            "mscale": config.mscale,
+            "mscale_all_dim": config.mscale_all_dim,
+        }
+    problems = []
+    for name, needed in _ROPE_FIELDS:
+        if name not in values:
+            continue
+        value = values[name]
+        try:
+            if name == "original_max_position_embeddings":
+                check_positive_int(name, value)
+            elif name == "rotary_percent":
+                if check_real(name, value) != 1.0:
+                    raise ValueError(name)
+            else:
+                check_real(name, value, positive="positive" in needed)
+        except (TypeError, ValueError):
+            why = (
+                "the engines rotate all qk_pos_emb_head_dim lanes of the indexer (Megatron's "
+                "RotaryEmbedding would rotate that share of them)"
+                if name == "rotary_percent"
+                else f"the engine's {rope_type} tables are built from it"
+            )
+            problems.append(
+                f"{name}={value!r}: with dsa_indexer_rope_fp32 {why}; set {name} to {needed}"
+            )
+    return problems
+
+
+def indexer_rope_spec(config: Any) -> RopeSpec:
+    """The indexer's RoPE as megatron-core 0.19.2's ``DSAIndexer.__init__`` reads it
+    (``qk_pos_emb_head_dim``, ``rope_type``, ``rotary_base`` and, for ``"yarn"``, the YaRN
+    fields), for the engine's own tables; ``ValueError`` naming every field the tables cannot
+    honour (a ``DSAPrecisionTransformerConfig`` with ``rope_fp32`` refuses them when built)."""
+    problems = _rope_problems(config)
+    if problems:
+        raise ValueError("the indexer's RoPE fields:\n  - " + "\n  - ".join(problems))
+    yarn = None
+    if config.rope_type == "yarn":
+        yarn = YarnScaling(
+            scaling_factor=config.rotary_scaling_factor,
+            original_max_position_embeddings=config.original_max_position_embeddings,
+            beta_fast=config.beta_fast,
+            beta_slow=config.beta_slow,
+            mscale=config.mscale,
+            mscale_all_dim=config.mscale_all_dim,
+        )
+    return RopeSpec(config.qk_pos_emb_head_dim, config.rotary_base, yarn)
 
 
 def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisionConfig:
@@ -219,6 +316,7 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
     # An MLA model without a DSA indexer (no indexer heads or width): nothing for the fields to
     # act on here; a spec builder refuses a spec with no DSA layer for them (specs.py).
     if config.dsa_indexer_n_heads is not None or config.dsa_indexer_head_dim is not None:
+        k_norm_eps, k_norm_eps_field = indexer_k_norm_eps(config)
         try:
             precision.validate_for_model(
                 indexer_loss_coeff=config.dsa_indexer_loss_coeff,
@@ -226,12 +324,17 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
                 head_dim=config.dsa_indexer_head_dim,
                 rotate_activation=config.dsa_indexer_rotate_activation,
                 rope_interleaved=config.dsa_indexer_rope_interleaved,
-                k_norm_eps=config.layernorm_epsilon,  # Megatron builds the indexer's k_norm with it
+                k_norm_eps=k_norm_eps,  # what Megatron builds the indexer's k_norm with
+                k_norm_eps_field=k_norm_eps_field,
+                params_dtype=config.params_dtype,  # the projections' and the k_norm's parameters
+                rope_type=config.rope_type,
             )
         except ValueError as exc:
             problems.extend(
                 line.removeprefix("  - ") for line in str(exc).splitlines()[1:] if line.strip()
             )
+        if precision.rope_fp32:  # the engine's RoPE tables stand for Megatron's angles
+            problems += _rope_problems(config)
     if problems:
         raise ValueError(
             f"dsa-precision fields ({precision.short_str()}, dsa_indexer_engine="

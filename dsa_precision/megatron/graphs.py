@@ -16,7 +16,8 @@ What a replay reads, and when a layer captures again:
   next replay; new storage (``param.data = ...``) changes their addresses, which are part of the
   key, so the layer captures again;
 - **tensors built before the capture** that the computation reads: Megatron's cached RoPE
-  angles (kept alive by the graph, ``keep``) and the package's device constants (never evicted),
+  angles (kept alive by the graph, ``keep``), the package's device constants and the engine's
+  RoPE tables of ``rope_fp32`` (``dsa_precision.rope.EngineRopeTables``; both never evicted),
   pure functions of the key. The package's other caches (``dsa_precision.devices``) are bypassed
   while a stream is captured, so what they would serve is built inside the graph, every replay.
 

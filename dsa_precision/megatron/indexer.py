@@ -5,9 +5,11 @@ the Megatron fields its preprocessing follows are read per forward, as Megatron 
 
 - default fields: every method is Megatron's, unchanged;
 - ``dsa_indexer_rope_fp32``: ``forward_before_topk`` keeps key LayerNorm -> RoPE -> Hadamard in
-  FP32 under the engine profile's rules; with BF16 scoring it rounds q and k to BF16 where it
-  ends (which is what BF16 scoring of FP32 carriers means), so Megatron's own scoring needs no
-  change;
+  FP32 under the engine profile's rules, with the engine's own cos/sin tables built from the
+  token positions (:class:`~dsa_precision.rope.EngineRopeTables`: independent of where Megatron
+  computed its ``inv_freq``, of ``use_cpu_initialization``, of context parallelism and of packed
+  sequences); with BF16 scoring it rounds q and k to BF16 where it ends (which is what BF16
+  scoring of FP32 carriers means), so Megatron's own scoring needs no change;
 - ``dsa_indexer_scoring_precision="fp8"``: ``forward`` / ``forward_with_scores`` score in FP8
   with the package's kernels, and :meth:`PrecisionDSAIndexer.scoring_operands` builds the FP8
   operands (fused preprocess + quantize) that :class:`PrecisionDSAttention`'s owned top-k reads.
@@ -18,7 +20,7 @@ way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -27,17 +29,53 @@ from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
 from ..config import IndexerPrecisionConfig
-from ..devices import to_device
+from ..devices import shared_device_tensor, to_device
 from ..operands import ScoringOperands
 from ..prepare import prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
+from ..rope import EngineRopeTables, RopePositions
 from ..rows import packed_sequence_of
 from ..scoring import indexer_scores
 from ..topk import indexer_topk
 from . import compat
-from .config import layer_decisions
+from .config import indexer_rope_spec, layer_decisions
 
-__all__ = ["PrecisionDSAIndexer"]
+__all__ = ["IndexerProjections", "PrecisionDSAIndexer"]
+
+
+class IndexerProjections(NamedTuple):
+    """What :meth:`PrecisionDSAIndexer.projections` returns (unpacks as a tuple too).
+
+    Attributes:
+        q: ``[s, b, h, d]`` the ``linear_wq_b`` output, reshaped (BF16 in training).
+        k: ``[s, b, d]`` the ``linear_wk`` output.
+        w: ``[s, b, h]`` the raw ``linear_weights_proj`` output (float32 when asked).
+        freqs: Megatron's RoPE angles ``[s', 1, 1, rope_dim]`` (its ``RotaryEmbedding`` output).
+        mscale: Megatron's YaRN magnitude scale (1.0 for plain RoPE).
+        cu_seqlens: ``[n + 1]`` packed lengths (THD), else ``None``.
+        token_freqs: ``[s, 1, 1, rope_dim]`` each packed row's angles (THD, ``rope_fp32`` off),
+            else ``None``.
+        positions: every row's RoPE position, for the engine's tables (``rope_fp32``), else
+            ``None``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    w: torch.Tensor
+    freqs: torch.Tensor
+    mscale: float
+    cu_seqlens: torch.Tensor | None
+    token_freqs: torch.Tensor | None
+    positions: RopePositions | None
+
+
+@shared_device_tensor
+def _zigzag_positions(
+    seq_len: int, cp_size: int, cp_rank: int, device: torch.device
+) -> torch.Tensor:
+    """int64 positions of this rank's rows under Megatron's zigzag context parallelism (its own
+    layout helper; built once per argument tuple, shared read-only)."""
+    return dsa_layout.build_zigzag_cp_local_positions(seq_len, cp_size, cp_rank, device)
 
 
 class PrecisionDSAIndexer(DSAIndexer):
@@ -48,6 +86,13 @@ class PrecisionDSAIndexer(DSAIndexer):
         super().__init__(config, submodules, *args, **kwargs)
         compat.check_built(self, "DSAIndexer")
         self._precision, _ = layer_decisions(self.config)
+        # The engine's RoPE tables (rope_fp32), decided from the RoPE fields where Megatron
+        # reads them (its RotaryEmbedding is built in __init__ too); built on first use.
+        self._rope_tables = (
+            EngineRopeTables(indexer_rope_spec(self.config), self._precision.engine)
+            if self._precision.rope_fp32
+            else None
+        )
         # (Megatron fields it follows, module): a tuple, so nn.Module does not register the
         # preprocessing (it borrows k_norm; the state dict keeps Megatron's names).
         self._preprocess_cache: tuple[tuple[bool, ...], IndexerPreprocess] | None = None
@@ -86,6 +131,7 @@ class PrecisionDSAIndexer(DSAIndexer):
             engine=self._precision.engine,
             rope_fn=self._megatron_rope,
             exact_bf16_rope=not rope_fusion,
+            rope_tables=self._rope_tables,
         )
         self._preprocess_cache = (key, module)
         return module
@@ -105,26 +151,21 @@ class PrecisionDSAIndexer(DSAIndexer):
         qr: torch.Tensor,
         packed_seq_params: PackedSeqParams | None,
         weights_fp32: bool = False,
-    ) -> tuple[
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        float,
-        torch.Tensor | None,
-        torch.Tensor | None,
-    ]:
+    ) -> IndexerProjections:
         """As ``forward_before_topk`` begins: RoPE angles, sequence-parallel gather, projections.
 
-        Returns ``(q [s, b, h, d], k [s, b, d], w [s, b, h] raw, freqs, mscale, cu_seqlens,
-        token_freqs)``; ``token_freqs`` ``[s, 1, 1, rope]`` holds each packed row's angles (the
-        rank's zigzag chunks under context parallelism), ``None`` for BSHD. ``weights_fp32``: the
-        ``linear_weights_proj`` product in float32, for an engine whose weights GEMM outputs FP32
-        (the BF16 inputs are exact in float32; only the GEMM's accumulation order may differ
-        from the engine's); otherwise the BF16 projection.
+        Returns :class:`IndexerProjections`: ``token_freqs`` holds each packed row's angles (the
+        rank's zigzag chunks under context parallelism; ``None`` for BSHD and with
+        ``rope_fp32``), ``positions`` each row's RoPE position with ``rope_fp32`` (the rank's
+        zigzag chunks under context parallelism, per sequence for packed input), for the
+        engine's tables. ``weights_fp32``: the ``linear_weights_proj`` product in float32, for
+        an engine whose weights GEMM outputs FP32 (the BF16 inputs are exact in float32; only
+        the GEMM's accumulation order may differ from the engine's); otherwise the BF16
+        projection.
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        freqs, mscale = self.rope_angles(x, packed_seq_params)
+        rotary_seq_len = self._rotary_seq_len(x, packed_seq_params)
+        freqs, mscale = self._rope_angles(rotary_seq_len, packed)
         cu_seqlens: Any = None  # Megatron's (untyped) packed lengths
         if packed:
             cu_seqlens, cu_seqlens_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
@@ -149,10 +190,22 @@ class PrecisionDSAIndexer(DSAIndexer):
             w = torch.nn.functional.linear(x.float(), self.linear_weights_proj.weight.float())
         else:
             w, _ = self.linear_weights_proj(x)
-        token_freqs = None
+        token_freqs = positions = None
+        rope_fp32 = self._precision.rope_fp32
         if packed:
-            token_freqs = self._packed_token_freqs(freqs, cu_seqlens, seqlen)
-        return q, k, w, freqs, mscale, cu_seqlens, token_freqs
+            index = self._packed_positions(cu_seqlens, seqlen, freqs.size(0), freqs.device)
+            if rope_fp32:
+                positions = RopePositions(seqlen, freqs.size(0), index)
+            else:  # one angle row per packed token already when there is no index
+                token_freqs = freqs if index is None else freqs.index_select(0, index)
+        elif rope_fp32:
+            cp = self.pg_collection.cp
+            if cp.size() == 1:
+                positions = RopePositions(seqlen, rotary_seq_len)
+            else:  # the rank's zigzag chunks, as Megatron slices its angles
+                index = _zigzag_positions(rotary_seq_len, cp.size(), cp.rank(), x.device)
+                positions = RopePositions(seqlen, rotary_seq_len, index)
+        return IndexerProjections(q, k, w, freqs, mscale, cu_seqlens, token_freqs, positions)
 
     def rope_angles(
         self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None
@@ -160,29 +213,36 @@ class PrecisionDSAIndexer(DSAIndexer):
         """``(freqs, mscale)``: Megatron's RoPE angles for ``x`` (its ``RotaryEmbedding``
         caches them: the same tensor for the same length) and the YaRN magnitude scale."""
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+        return self._rope_angles(self._rotary_seq_len(x, packed_seq_params), packed)
+
+    def _rotary_seq_len(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> int:
+        """Megatron's RoPE length for ``x``: the global sequence (times the tensor- and context-
+        parallel splits), or the longest packed sequence."""
+        length: int = self.rotary_pos_emb.get_rotary_seq_len(
             None, None, x, self.config, packed_seq_params
         )
+        return length
+
+    def _rope_angles(self, rotary_seq_len: int, packed: bool) -> tuple[torch.Tensor, float]:
         if self.config.rope_type == "rope":
             return self.rotary_pos_emb(rotary_seq_len, packed_seq=packed), 1.0
         return self.rotary_pos_emb(rotary_seq_len, packed_seq=packed)
 
-    def _packed_token_freqs(
-        self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, rows: int
-    ) -> torch.Tensor:
-        """Angles of every packed row: its position inside its sequence (the rank's zigzag chunks
-        of each sequence under context parallelism, from Megatron's layout helper)."""
+    def _packed_positions(
+        self, cu_seqlens: torch.Tensor, rows: int, length: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """int64 ``[rows]`` position of every packed row inside its sequence (the rank's zigzag
+        chunks of each sequence under context parallelism, from Megatron's layout helper),
+        clamped below ``length``; ``None`` when the angles hold one row per packed token
+        already (``length == rows``, no context parallelism)."""
         cp = self.pg_collection.cp
-        cu = to_device(cu_seqlens, freqs.device, torch.int64)
-        if freqs.size(0) == rows and cp.size() == 1:
-            return freqs  # one angle row per packed token already
+        cu = to_device(cu_seqlens, device, torch.int64)
+        if length == rows and cp.size() == 1:
+            return None
         packed_pos = dsa_layout.build_packed_allgather_cp_local_positions(
-            cu, cp.size(), cp.rank(), freqs.device, output_size=rows
+            cu, cp.size(), cp.rank(), device, output_size=rows
         )
-        position = (packed_pos - cu[packed_sequence_of(cu, packed_pos)]).clamp_(
-            0, freqs.size(0) - 1
-        )
-        return freqs.index_select(0, position)
+        return (packed_pos - cu[packed_sequence_of(cu, packed_pos)]).clamp_(0, length - 1)
 
     def head_weights(self, w: torch.Tensor, precision: IndexerPrecisionConfig) -> torch.Tensor:
         """``[s, b, h]`` head weights from the ``linear_weights_proj`` output: Megatron's BF16 order
@@ -204,13 +264,14 @@ class PrecisionDSAIndexer(DSAIndexer):
         precision = self._precision
         if not precision.rope_fp32:
             return super().forward_before_topk(x, qr, packed_seq_params)
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(x, qr, packed_seq_params)
+        p = self.projections(x, qr, packed_seq_params)
         q, k = self.preprocess()(
-            q, k, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs
-        )
+            p.q, p.k, p.freqs, mscale=p.mscale, cu_seqlens=p.cu_seqlens,
+            token_freqs=p.token_freqs, positions=p.positions,
+        )  # fmt: skip
         if not precision.fp8:
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
-        return q, k, self.head_weights(w, precision)
+        return q, k, self.head_weights(p.w, precision)
 
     @torch.no_grad()
     def scoring_operands(
@@ -231,19 +292,18 @@ class PrecisionDSAIndexer(DSAIndexer):
             )
         precision = self._precision
         weights_fp32 = precision.fp8 and precision.engine.weights_dtype == "fp32"
-        q, k, w, freqs, mscale, cu_seqlens, token_freqs = self.projections(
-            x, qr, packed_seq_params, weights_fp32
-        )
+        p = self.projections(x, qr, packed_seq_params, weights_fp32)
         return prepare_indexer_operands(
             self.preprocess(),
-            q,
-            k,
-            w,
-            freqs,
+            p.q,
+            p.k,
+            p.w,
+            p.freqs,
             config=precision,
-            mscale=mscale,
-            cu_seqlens=cu_seqlens,
-            token_freqs=token_freqs,
+            mscale=p.mscale,
+            cu_seqlens=p.cu_seqlens,
+            token_freqs=p.token_freqs,
+            positions=p.positions,
         )
 
     def forward_with_scores(

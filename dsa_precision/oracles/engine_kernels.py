@@ -18,6 +18,14 @@ Entry points build the engine's FP8 operands from the same BF16 projections as t
 (:class:`~dsa_precision.oracles.synthetic.SyntheticIndexerInputs`) in the layout of
 :class:`~dsa_precision.oracles.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
 differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until an oracle runs.
+
+The engines' RoPE tables come from their own rotary code the same way (:func:`engine_rope`):
+vLLM 0.33's ``RotaryEmbedding`` / ``DeepseekScalingRotaryEmbedding``
+(``vllm/model_executor/layers/rotary_embedding/{common,base,deepseek_scaling_rope}.py``), built
+under ``with torch.device(device)`` as vLLM's model loader builds them, and LMDeploy 0.18's
+(``lmdeploy/pytorch/nn/rotary_embedding.py`` ``build_rotary_params``, the default backend's
+``_build_rotary_embedding`` and forward), built with no device as LMDeploy builds its model;
+:func:`engine_kernel_operands` takes them instead of the tables of the inputs' angles.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import logging
 import os
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -38,6 +46,7 @@ import torch
 from ..config import IndexerPrecisionConfig
 from ..engines import EngineProfile
 from ..fused_path import Impl
+from ..rope import RopeSpec
 from .engine_model import EngineOperands
 from .synthetic import SyntheticIndexerInputs
 from .training import IndexerFields, training_operands
@@ -47,8 +56,11 @@ __all__ = [
     "ENV_VAR",
     "KNOWN_SHA256",
     "ORACLE_ENGINES",
+    "ROPE_ORACLES",
     "EngineKernelRun",
+    "EngineRope",
     "engine_kernel_operands",
+    "engine_rope",
     "kernel_files",
     "load_module",
     "missing_reason",
@@ -60,11 +72,24 @@ __all__ = [
 ENV_VAR = "DSA_ENGINE_KERNELS"
 
 # The files each oracle runs, relative to a root of ENV_VAR (the first one is the entry module).
+_VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
+_LMDEPLOY_ROPE = "lmdeploy/pytorch"
 ENGINE_FILES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm/models/deepseek_v32/common/kernels.py",),
     "lmdeploy": (
         "lmdeploy/pytorch/kernels/cuda/dsa_indexer_preprocess.py",
         "lmdeploy/pytorch/kernels/cuda/blocked_gemm_fp8.py",
+    ),
+    # The engines' RoPE table construction (engine_rope).
+    "vllm-rope": (
+        f"{_VLLM_ROPE}/common.py",
+        f"{_VLLM_ROPE}/base.py",
+        f"{_VLLM_ROPE}/deepseek_scaling_rope.py",
+    ),
+    "lmdeploy-rope": (
+        f"{_LMDEPLOY_ROPE}/backends/rotary_embedding.py",
+        f"{_LMDEPLOY_ROPE}/backends/default/rotary_embedding.py",
+        f"{_LMDEPLOY_ROPE}/nn/rotary_embedding.py",
     ),
 }
 
@@ -73,6 +98,21 @@ KNOWN_SHA256: dict[str, str] = {
     "23be4ed95ae476fcb4193c4e253c19fdf4b5ae951c50fedf6a3299f4c25ba25a": "vllm 0.33.0",
     "d69da20cc7fabc39c3c2a63fe63d1d6fb7e133010dacde3dc03fe607af80b258": "lmdeploy 0.18.0",
     "4c95787790c4554f903078b74805d03ca540bcce618bc73822b996c819e564ba": "lmdeploy 0.18.0",
+    "af4825138c1d8ee3823bfad04dadd91f6657818f867756c676faeb9d14d64f02": "vllm 0.33.0",
+    "c81804498f08f072356a26b41967f211475df2694dabf5da9f488c074d1fdef5": "vllm 0.33.0",
+    "5c22b73a8ca290b97ee5546e38d652a4a1276ab017c7d7b5ef89e7cc9c1ab76a": "vllm 0.33.0",
+    "ab8efa0b54b081c9a8f398c0102136f70e0bc41196c6264f8b1996955b57ac64": "lmdeploy 0.18.0",
+    "55b6799cff70465514d15be3d38e6c5c90dcb0e44b512ab4fb8168dfa9e05b07": "lmdeploy 0.18.0",
+    "a4cde2277745f7af71fd6710993d7180adcb18ab82b4576415696b04b8c5ead6": "lmdeploy 0.18.0",
+}
+
+# Engine profile -> the engine whose own rotary code builds its RoPE tables, and whether vLLM's
+# custom ops are on (an eager run: DeepseekScalingRotaryEmbedding then keeps its float32 cache
+# for flashinfer; a compiled run casts it to the model dtype).
+ROPE_ORACLES: dict[str, tuple[str, bool]] = {
+    "vllm": ("vllm-rope", False),
+    "vllm-eager": ("vllm-rope", True),
+    "lmdeploy": ("lmdeploy-rope", False),
 }
 
 # Engine profile -> the engine whose kernels serve it. Profiles absent here have no kernel that
@@ -100,13 +140,14 @@ def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Pa
 
 
 def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | None:
-    """Why the engine's kernels cannot run here, or ``None`` when they can."""
+    """Why the engine's kernels (or, for ``"vllm-rope"`` / ``"lmdeploy-rope"``, its rotary
+    code) cannot run here, or ``None`` when they can."""
     if kernel_files(engine, root) is None:
         where = os.fspath(root) if root is not None else os.environ.get(ENV_VAR)
         if not where:
             return f"{ENV_VAR} is not set (docs/gpu-validation.md: the engine-kernel recipe)"
         return f"{where} holds no {' + '.join(ENGINE_FILES[engine])}"
-    if importlib.util.find_spec("triton") is None:
+    if not engine.endswith("-rope") and importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     return None
 
@@ -262,6 +303,228 @@ def load_engine_kernels(
     return _LOADED[key], f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
 
 
+# -------------------------------------------------------------------------- the engines' RoPE
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRope:
+    """The RoPE tables an engine's own rotary code built.
+
+    Attributes:
+        cos, sin: ``[positions, rope_dim / 2]`` in the engine's cache dtype, row ``p`` for
+            position ``p`` (vLLM's ``cos_sin_cache`` halves; LMDeploy's per-token tables, whose
+            two halves are equal).
+        source: the release and file hashes that ran.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    source: str
+
+
+class _VllmSwitches:
+    """What vLLM's ``CustomOp.enabled()`` and ``has_flashinfer()`` answer while a rotary module
+    is built: both on in an eager run (custom ops on, flashinfer installed), off when compiled."""
+
+    eager = False
+
+
+class _VllmCustomOp(torch.nn.Module):
+    """vLLM's ``CustomOp`` as far as the rotary modules use it: a registry decorator and
+    ``enabled()``."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[type], type]:
+        return lambda op: op  # the class unchanged
+
+    def enabled(self) -> bool:
+        return _VllmSwitches.eager
+
+
+class _RopePlatform:
+    """vLLM's ``current_platform`` for the rotary modules: CUDA (Hopper); ``is_cpu`` is false so
+    ``ApplyRotaryEmb`` only tries (and fails) to import flash-attn's Triton rotary."""
+
+    @staticmethod
+    def is_cuda() -> bool:
+        return True
+
+    @staticmethod
+    def is_cpu() -> bool:
+        return False
+
+
+def _vllm_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
+    rope = "vllm.model_executor.layers.rotary_embedding"
+    return {
+        "vllm": _package("vllm"),
+        "vllm._aiter_ops": _package(
+            "vllm._aiter_ops",
+            rocm_aiter_ops=types.SimpleNamespace(is_triton_rotary_embed_enabled=lambda: False),
+        ),
+        "vllm.logger": _package("vllm.logger", init_logger=logging.getLogger),
+        "vllm.model_executor": _package("vllm.model_executor"),
+        "vllm.model_executor.custom_op": _package(
+            "vllm.model_executor.custom_op", CustomOp=_VllmCustomOp
+        ),
+        "vllm.model_executor.layers": _package("vllm.model_executor.layers"),
+        # The real folder, never its __init__.py: ``from .base import ...`` finds the files.
+        rope: _package(rope, folder),
+        "vllm.platforms": _package("vllm.platforms", current_platform=_RopePlatform()),
+        "vllm.utils": _package("vllm.utils"),
+        "vllm.utils.torch_utils": _package(
+            "vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None
+        ),
+        "vllm.utils.flashinfer": _package(
+            "vllm.utils.flashinfer", has_flashinfer=lambda: _VllmSwitches.eager
+        ),
+    }
+
+
+class _LmdeployBuildSpec[T]:
+    """``lmdeploy.pytorch.backends.base.BuildSpec``: a typed marker base."""
+
+
+def _lmdeploy_rope_stubs(root: Path) -> dict[str, types.ModuleType]:
+    pkg = "lmdeploy.pytorch"
+    backends = root / "lmdeploy/pytorch/backends"
+    return {
+        "transformers": _package("transformers", PretrainedConfig=object),
+        "lmdeploy": _package("lmdeploy"),
+        pkg: _package(pkg, root / "lmdeploy/pytorch"),
+        f"{pkg}.backends": _package(f"{pkg}.backends", backends, get_backend=None),
+        f"{pkg}.backends.base": _package(f"{pkg}.backends.base", BuildSpec=_LmdeployBuildSpec),
+        f"{pkg}.backends.apply_rotary_emb": _package(
+            f"{pkg}.backends.apply_rotary_emb", ApplyRotaryEmbBuildSpec=object
+        ),
+        f"{pkg}.backends.default": _package(f"{pkg}.backends.default", backends / "default"),
+        f"{pkg}.models": _package(f"{pkg}.models"),
+        f"{pkg}.models.patch": _package(
+            f"{pkg}.models.patch",
+            get_build_model_context=lambda: types.SimpleNamespace(enable_deterministic=False),
+        ),
+    }
+
+
+_ROPE_LOADED: dict[tuple[str, tuple[Path, ...]], dict[str, types.ModuleType]] = {}
+
+
+def _load_rope_code(engine: str, root: str | os.PathLike | None) -> tuple[dict, str]:
+    """The engine's rotary modules (by file stem), loaded unmodified once, and their source."""
+    reason = missing_reason(engine, root)
+    if reason is not None:
+        raise RuntimeError(f"the {engine} oracle cannot run: {reason}.")
+    files = kernel_files(engine, root)
+    assert files is not None
+    key = (engine, files)
+    if key not in _ROPE_LOADED:
+        loaded: dict[str, types.ModuleType] = {}
+        if engine == "vllm-rope":
+            stubs = _vllm_rope_stubs(files[0].parent)
+            rope = "vllm.model_executor.layers.rotary_embedding"
+            for path in files:  # common, then base (imports .common), then the YaRN class
+                name = f"{rope}.{path.stem}"
+                loaded[path.stem] = stubs[name] = load_module(path, name, stubs)
+        else:
+            root_dir = files[0].parents[3]
+            stubs = _lmdeploy_rope_stubs(root_dir)
+            names = (
+                "lmdeploy.pytorch.backends.rotary_embedding",
+                "lmdeploy.pytorch.backends.default.rotary_embedding",
+                "lmdeploy.pytorch.nn.rotary_embedding",
+            )
+            for label, name, path in zip(("spec", "default", "nn"), names, files, strict=True):
+                loaded[label] = stubs[name] = load_module(path, name, stubs)
+        _ROPE_LOADED[key] = loaded
+    digests = [_sha256(p) for p in files]
+    releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
+    return _ROPE_LOADED[key], f"{', '.join(releases)} (sha256 {' '.join(d[:12] for d in digests)})"
+
+
+def engine_rope(
+    profile: EngineProfile,
+    spec: RopeSpec,
+    n_positions: int,
+    *,
+    device: torch.device | str,
+    model_dtype: torch.dtype = torch.bfloat16,
+    max_position_embeddings: int | None = None,
+    root: str | os.PathLike | None = None,
+) -> EngineRope:
+    """The RoPE tables of positions ``0 .. n_positions - 1`` as ``profile``'s engine builds them,
+    by its own rotary code (:data:`ROPE_ORACLES`), unmodified.
+
+    vLLM: ``RotaryEmbedding`` (plain) or ``DeepseekScalingRotaryEmbedding`` (YaRN, what vLLM's
+    DeepSeek-V3.2 / GLM-5 attention builds for a ``yarn`` checkpoint), constructed under ``with
+    torch.device(device)`` as vLLM's model loader constructs the model, its ``cos_sin_cache`` in
+    ``model_dtype`` (float32 for an eager YaRN run: flashinfer's); ``max_position_embeddings``
+    is the plain cache's length (default ``n_positions``; YaRN's is vLLM's own,
+    ``original_max_position_embeddings * factor``). LMDeploy: ``build_rotary_params`` of the
+    checkpoint's ``rope_scaling`` and the default backend's rotary embedding, built with no
+    device (LMDeploy builds its model so: ``inv_freq`` on the CPU) and called on ``device``
+    with position ids ``[1, n]`` (its ``torch.compile``'d table function; LMDeploy falls back to
+    eager itself when compiling fails), in ``model_dtype``.
+    """
+    if profile.name not in ROPE_ORACLES:
+        raise ValueError(
+            f"engine profile {profile.name!r} has no RoPE oracle here; the profiles with one: "
+            f"{sorted(ROPE_ORACLES)}."
+        )
+    engine, eager = ROPE_ORACLES[profile.name]
+    modules, source = _load_rope_code(engine, root)
+    r, y = spec.rope_dim, spec.yarn
+    device = torch.device(device)
+    if engine == "vllm-rope":
+        _VllmSwitches.eager = eager
+        try:
+            with torch.device(device):
+                if y is None:
+                    rotary = modules["base"].RotaryEmbedding(
+                        r, r, max_position_embeddings or n_positions, spec.base, True, model_dtype
+                    )
+                else:
+                    rotary = modules["deepseek_scaling_rope"].DeepseekScalingRotaryEmbedding(
+                        r, r, y.original_max_position_embeddings, spec.base, True,
+                        y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
+                        beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
+                    )  # fmt: skip
+        finally:
+            _VllmSwitches.eager = False
+        cache = rotary.cos_sin_cache
+        if cache.shape[0] < n_positions:
+            raise ValueError(
+                f"vLLM's cache holds {cache.shape[0]} positions, fewer than n_positions="
+                f"{n_positions}; pass max_position_embeddings >= {n_positions}."
+            )
+        cos, sin = cache[:n_positions].chunk(2, dim=-1)
+        return EngineRope(cos.contiguous(), sin.contiguous(), source)
+    spec_mod, default, nn_mod = modules["spec"], modules["default"], modules["nn"]
+    rope_scaling = None
+    if y is not None:
+        rope_scaling = dict(
+            rope_type="yarn", factor=y.scaling_factor,
+            original_max_position_embeddings=y.original_max_position_embeddings,
+            beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale,
+            mscale_all_dim=y.mscale_all_dim,
+        )  # fmt: skip
+    params = dict(
+        emb_type=spec_mod.RopeType.LinearScaling, dim=r,
+        max_position_embeddings=max_position_embeddings or n_positions, base=spec.base,
+    )  # fmt: skip
+    params.update(nn_mod.build_rotary_params(types.SimpleNamespace(rope_scaling=rope_scaling)))
+    # lmdeploy.pytorch.nn.rotary_embedding.build_rotary_embedding's spec (no partial rotary,
+    # fope or mrope here); the CUDA backend builds it by the default backend's function.
+    build = spec_mod.RotaryEmbeddingBuildSpec(**params)
+    rotary = default._build_rotary_embedding(build)
+    x = torch.empty(0, dtype=model_dtype, device=device)
+    positions = torch.arange(n_positions, device=device)[None]
+    cos, sin = rotary.forward(x, positions)
+    return EngineRope(cos[0, :, : r // 2].contiguous(), sin[0, :, : r // 2].contiguous(), source)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineKernelRun:
     """The operands one engine kernel built, and what ran."""
@@ -285,10 +548,13 @@ def engine_kernel_operands(
     *,
     interleaved: bool,
     root: str | os.PathLike | None = None,
+    rope: EngineRope | None = None,
 ) -> EngineKernelRun:
     """The FP8 operands the engine kernel of ``profile`` builds from ``inputs`` (batch 1).
 
-    ``profile`` picks the engine (:data:`ORACLE_ENGINES`) and its cos/sin cache dtype; the key
+    ``rope``: the engine's own RoPE tables (:func:`engine_rope`, positions ``0 .. S - 1`` at
+    least); default the tables of ``inputs.freqs`` in the profile's cache dtype. ``profile``
+    picks the engine (:data:`ORACLE_ENGINES`) and its cos/sin cache dtype; the key
     LayerNorm takes the model's weight and bias (vLLM holds them in float32, exact) and the
     engine's own epsilon (``profile.k_norm_eps``: vLLM and LMDeploy hard-code 1e-6, whatever the
     model says). Runs where the tensors are (CUDA; the CPU under ``TRITON_INTERPRET=1``).
@@ -302,13 +568,21 @@ def engine_kernel_operands(
     module, source = load_engine_kernels(engine, root)
     run = _run_vllm if engine == "vllm" else _run_lmdeploy
     eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
-    return run(module, source, inputs, profile, interleaved, eps)
+    if rope is None:
+        cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
+    else:
+        if rope.cos.shape[0] < inputs.seq_len or rope.cos.device != inputs.q.device:
+            raise ValueError(
+                f"rope holds {rope.cos.shape[0]} positions on {rope.cos.device}; the kernels "
+                f"read {inputs.seq_len} on {inputs.q.device}."
+            )
+        cos, sin = rope.cos[: inputs.seq_len], rope.sin[: inputs.seq_len]
+    return run(module, source, inputs, interleaved, eps, cos, sin)
 
 
-def _run_vllm(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
+def _run_vllm(module, source, inputs, interleaved, eps, cos, sin) -> EngineKernelRun:
     s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
     device = inputs.q.device
-    cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
     cache = torch.cat((cos, sin), dim=-1).contiguous()  # vLLM's cos_sin_cache [max_pos, rope_dim]
     positions = torch.arange(s, dtype=torch.int64, device=device)
     # The index K and the head weights are one GEMM's output in vLLM (wk_weights_proj): a BF16
@@ -349,10 +623,9 @@ def _run_vllm(module, source, inputs, profile, interleaved, eps) -> EngineKernel
     return EngineKernelRun(ops, "vllm", source, k_float)
 
 
-def _run_lmdeploy(module, source, inputs, profile, interleaved, eps) -> EngineKernelRun:
+def _run_lmdeploy(module, source, inputs, interleaved, eps, cos, sin) -> EngineKernelRun:
     s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
     device = inputs.q.device
-    cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
     # LMDeploy's tables are [tokens, rope_dim], the half repeated (its rotary embedding's
     # cat((freqs, freqs))): NeoX reads lane j, the interleaved layout lane j // 2.
     cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)

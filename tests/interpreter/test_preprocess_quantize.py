@@ -200,3 +200,26 @@ def test_pairwise_sum_matches_the_reference_order():
     want = pairwise_sum(x)[:, 0]
     assert not torch.equal(want, x.sum(-1))  # the rows are order-sensitive
     assert torch.equal(kernel_probes.pairwise_sum(x).view(torch.int64), want.view(torch.int64))
+
+
+@pytest.mark.parametrize("packed", [None, [0, 3, 8]], ids=["bshd", "thd"])
+@pytest.mark.parametrize("name", ["vllm", "vllm-eager", "lmdeploy", "sglang-fused"])
+def test_the_kernel_reads_the_engine_tables_the_reference_reads(name, packed):
+    """rope_fp32 with the engine's own RoPE tables (the Megatron integration's): the fused kernel
+    and the reference read the same rows of them, at the positions given (a context-parallel
+    rank's, here 100 ..) or per packed sequence."""
+    from dsa_precision.rope import EngineRopeTables, RopePositions, RopeSpec, YarnScaling
+
+    engine = ENGINE_PROFILES[name]
+    yarn = YarnScaling(40, 4096, 32, 1, 1.0, 1.0) if name == "vllm-eager" else None
+    case = make_case(engine=engine, packed=packed, batch=1 if packed else 2, **model_fields(engine))
+    tables = EngineRopeTables(RopeSpec(64, 1e6 if yarn is None else 1e4, yarn), engine)
+    tabled = dataclasses.replace(case, pre=type(case.pre)(
+        128, 64, k_norm=case.pre.k_norm, rope_fp32=True, engine=engine,
+        rope_interleaved=case.pre.rope_interleaved, rotate_activation=case.pre.rotate_activation,
+        rope_tables=tables,
+    ))  # fmt: skip
+    s = case.q.shape[0]
+    positions = None if packed else RopePositions(s, 200, torch.arange(100, 100 + s))
+    got = operands(tabled, "triton", positions=positions)
+    assert_bit_identical(got, operands(tabled, "torch", positions=positions))

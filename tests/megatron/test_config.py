@@ -163,3 +163,79 @@ def test_the_scoring_backend_is_decided_once_per_layer_and_reported(monkeypatch)
         make_config(dsa_indexer_scoring_backend="deepgemm")
     with pytest.raises(ValueError, match=r"dsa_indexer_scoring_backend='tpu' is not a scoring"):
         make_config(dsa_indexer_scoring_backend="tpu")
+
+
+def test_the_k_norm_epsilon_is_the_one_megatron_builds_the_k_norm_with():
+    """megatron-core 0.19.2 builds the indexer's k_norm with dsa_indexer_k_norm_epsilon when it
+    is set (layernorm_epsilon otherwise): Megatron's own DSA test pattern (1e-5 model-wide, 1e-6
+    for the indexer) is accepted, the reverse refused where the config is built, naming the
+    field the epsilon came from and the one to set."""
+    rope = dict(dsa_indexer_rope_fp32=True)
+    config = make_config(**rope, layernorm_epsilon=1e-5, dsa_indexer_k_norm_epsilon=1e-6)
+    assert make_attention(config).indexer.k_norm.eps == 1e-6  # and the layer builds
+    with pytest.raises(ValueError) as info:
+        make_config(**rope, layernorm_epsilon=1e-6, dsa_indexer_k_norm_epsilon=1e-5)
+    msg = str(info.value)
+    assert "eps=1e-05 (from dsa_indexer_k_norm_epsilon)" in msg
+    assert "set dsa_indexer_k_norm_epsilon=1e-06" in msg and "layernorm_epsilon" not in msg
+    with pytest.raises(ValueError, match=r"eps=1e-05 \(from layernorm_epsilon\); set "
+                       r"dsa_indexer_k_norm_epsilon=1e-06"):  # fmt: skip
+        make_config(**rope, layernorm_epsilon=1e-5)
+    with pytest.raises(ValueError, match=r"dsa_indexer_k_norm_epsilon=1e-05 rejected"):
+        config.dsa_indexer_k_norm_epsilon = 1e-5
+    assert config.dsa_indexer_k_norm_epsilon == 1e-6
+
+
+def test_params_dtype_must_be_the_engines_checkpoint_dtype():
+    """The engines serve BF16 checkpoints (BF16 projection GEMMs, the k_norm's BF16 parameters):
+    another params_dtype is refused by name with either switch; vllm-exact takes any."""
+    for fields in (dict(dsa_indexer_rope_fp32=True), dict(dsa_indexer_scoring_precision="fp8")):
+        with pytest.raises(ValueError, match=r"params_dtype=torch.float32: .*set "
+                           r"params_dtype=torch.bfloat16"):  # fmt: skip
+            make_config(**fields, params_dtype=torch.float32, bf16=False)
+    make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-exact",
+                params_dtype=torch.float32, bf16=False)  # fmt: skip
+    make_config(params_dtype=torch.float32, bf16=False)  # Megatron's behaviour
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(rotary_percent=0.5), r"rotary_percent=0.5: with dsa_indexer_rope_fp32 the engines "
+         r"rotate all qk_pos_emb_head_dim lanes"),
+        (dict(rotary_base=0), r"rotary_base=0: .*set rotary_base to a positive finite number"),
+        (dict(rope_type="yarn", mscale=None), r"mscale=None: .*set mscale to a finite number"),
+        (dict(rope_type="yarn", rotary_scaling_factor=-1.0),
+         r"rotary_scaling_factor=-1.0: .*positive finite number"),
+        (dict(rope_type="yarn", original_max_position_embeddings=0),
+         r"original_max_position_embeddings=0: .*a positive integer"),
+    ],
+)  # fmt: skip
+def test_rope_fields_the_engine_tables_cannot_honour_are_refused_by_name(fields, match):
+    with pytest.raises(ValueError, match=match):
+        make_config(dsa_indexer_rope_fp32=True, **fields)
+    make_config(**fields)  # Megatron's behaviour: nothing of ours runs
+
+
+def test_every_problem_of_a_config_is_listed_at_once():
+    with pytest.raises(ValueError) as info:
+        make_config(
+            dsa_indexer_rope_fp32=True, layernorm_epsilon=1e-5, params_dtype=torch.float32,
+            bf16=False, rotary_percent=0.5,
+        )  # fmt: skip
+    msg = str(info.value)
+    for field in ("layernorm_epsilon", "params_dtype=torch.float32", "rotary_percent=0.5"):
+        assert field in msg, (field, msg)
+    config = make_config(dsa_indexer_rope_fp32=True)
+    with pytest.raises(ValueError, match=r"rotary_percent=0\.5 rejected"):
+        config.rotary_percent = 0.5  # re-validated: a later layer would read it
+
+
+def test_vllm_eager_describes_yarn_models_only():
+    """vLLM's eager run keeps a float32 cache for YaRN models alone (flashinfer's); a plain-RoPE
+    model's eager run (GLM-5's) is the 'vllm' profile: with rope_fp32, refused by name."""
+    with pytest.raises(ValueError, match=r"dsa_indexer_engine='vllm-eager' is the engine's path "
+                       r"for rope_type='yarn' models .* the model has rope_type='rope'"):  # fmt: skip
+        make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-eager")
+    make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine="vllm-eager", rope_type="yarn")
+    make_config(dsa_indexer_scoring_precision="fp8", dsa_indexer_engine="vllm-eager")

@@ -23,6 +23,7 @@ all-gathered by Megatron. Checked against the single-process run:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -67,7 +68,7 @@ def _engine(cu: list[int] | None, batch: int, topk: int) -> torch.Tensor:
     return picks.scatter_(1, slot[:, None], key[:, None])
 
 
-def _layer(source: str, tp: int, cp: int, fp8: bool):
+def _layer(source: str, tp: int, cp: int, fp8: bool, rope_fp32: bool = False):
     from dsa_precision.testing.megatron import local_sp_backend
 
     from ..support.megatron import make_attention, make_config
@@ -75,6 +76,8 @@ def _layer(source: str, tp: int, cp: int, fp8: bool):
     fields = dict(dsa_indexer_topk_source=source, dsa_indexer_topk=4)
     if fp8:
         fields["dsa_indexer_scoring_precision"] = "fp8"
+    if rope_fp32:
+        fields["dsa_indexer_rope_fp32"] = True
     if tp > 1:
         fields |= dict(tensor_model_parallel_size=tp, sequence_parallel=True)
     if cp > 1:
@@ -162,7 +165,36 @@ def _case(name: str, rank: int, device: str) -> dict:
             metrics=metrics,
             ref_metrics=ref_metrics,
         )
+    result["rope_fp32"] = _rope_fp32_rows(inputs, cu, tp, cp, rank, device)
     return result
+
+
+def _rope_fp32_rows(inputs: dict, cu, tp: int, cp: int, rank: int, device: str) -> dict:
+    """rope_fp32's preprocessed q and k of this rank's rows against the single-process rows: the
+    engine's tables read at the rank's positions (zigzag chunks, per packed sequence)."""
+    from megatron.core import parallel_state
+
+    from ..support.megatron import packed_params
+
+    kw = {}
+    if cu:
+        psp = packed_params(cu)
+        cu_dev = psp.cu_seqlens_q.to(device)
+        kw["packed_seq_params"] = dataclasses.replace(
+            psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev
+        )
+    outs = []
+    for layout_tp, layout_cp in ((1, 1), (tp, cp)):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(layout_tp, 1, context_parallel_size=layout_cp)
+        mine, rows, _ = _shard(inputs, layout_tp, layout_cp, cu, rank)
+        indexer = _layer("compute", layout_tp, layout_cp, False, rope_fp32=True).indexer
+        indexer = indexer.to(device)
+        with torch.no_grad():
+            q, k, _ = indexer.forward_before_topk(mine["x"].to(device), mine["qr"].to(device), **kw)
+        outs.append((q, k, rows))
+    (q0, k0, _), (q, k, rows) = outs
+    return dict(q_equal=torch.equal(q, q0[rows]), k_equal=torch.equal(k, k0[rows]))
 
 
 def _worker(rank: int, port: int, path: str, device: str) -> None:
@@ -221,3 +253,9 @@ def test_verify_metrics_are_the_single_process_metrics(parallel, case):
                 assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
             else:
                 assert got[key] == value, (case, rank, key, got[key], value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rope_fp32_preprocessing_of_each_rank_is_the_single_process_rows(parallel, case):
+    for rank, results in enumerate(parallel):
+        assert results[case]["rope_fp32"] == dict(q_equal=True, k_equal=True), (case, rank)

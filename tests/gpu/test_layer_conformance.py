@@ -1,0 +1,39 @@
+"""tools/layer_conformance.py on the GPU at a small S: Megatron's DSA layer with the drop-ins
+(rope_fp32+fp8) against the engines' own RoPE code (built on the device as the engines build it)
+and kernels, each profile with an oracle, ``use_cpu_initialization`` both ways. Target: every
+table entry, byte, k descale and folded weight equal, every row identical. Skipped without the
+engines' files in ``DSA_ENGINE_KERNELS`` (docs/gpu-validation.md, "Layer conformance")."""
+
+import importlib.util
+import json
+
+import pytest
+
+from dsa_precision.oracles import engine_kernels as ek
+
+from ..support.configs import ROOT
+
+MISSING = [
+    r for e in ("vllm", "lmdeploy", "vllm-rope", "lmdeploy-rope") if (r := ek.missing_reason(e))
+]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))]
+
+
+def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record):
+    spec = importlib.util.spec_from_file_location(
+        "layer_conformance", ROOT / "tools/layer_conformance.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["--seq", "512", "--topk", "64", "--scores", "exact", "--out", str(tmp_path)]
+    assert tool.main(argv) == 0
+    records = json.loads((tmp_path / "layer_conformance.json").read_text())["records"]
+    assert len(records) == 10, [r.get("error") for r in records]
+    for rec in records:
+        record("layer_conformance_small", **{k: rec[k] for k in ("model", "profile", "tables")})
+        where = (rec["model"], rec["profile"], rec["use_cpu_initialization"])
+        assert rec["tables"]["layer_differ"] == 0, where
+        for side in ("layer", "torch"):
+            diff = {k: v for k, v in rec[side].items() if k.endswith("_differ")}
+            assert set(diff.values()) == {0}, (where, side, diff)
+        assert rec["layer_topk"]["rows_identical"] == 1.0, where
