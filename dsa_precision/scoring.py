@@ -55,6 +55,7 @@ from .rows import (
 
 __all__ = [
     "Backend",
+    "ResolvedBackend",
     "bshd_scores",
     "deepgemm_select_input",
     "indexer_scores",
@@ -65,7 +66,7 @@ __all__ = [
 
 Backend = Literal["auto", "cudnn", "deepgemm", "torch"]
 # A backend once resolved for the operands (resolve_scoring_backend).
-_Resolved = Literal["cudnn", "deepgemm", "torch"]
+ResolvedBackend = Literal["cudnn", "deepgemm", "torch"]
 
 # Bytes of working memory per score element of the torch reference: a float64 accumulator and a
 # float64 per-head product beside the float32 result.
@@ -122,7 +123,7 @@ def _empty_scores(
 
 def resolve_scoring_backend(
     backend: str, ops: ScoringOperands, *, writes_out: bool = False
-) -> _Resolved:
+) -> ResolvedBackend:
     """``"cudnn"``, ``"deepgemm"`` or ``"torch"`` for ``ops``; an explicit kernel backend that
     cannot run raises ``RuntimeError`` with the reason (it never falls back).
 

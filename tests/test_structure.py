@@ -1,6 +1,7 @@
 """The package's layout rules, read from its source: no import circle between its modules, no
-private name of one module used by another (the package, the tools and the examples), and one
-name for the picks type."""
+private name of one module used by another (the package, the tools and the examples), one
+name for the picks type, and every attribute of a package module a test reads (the GPU tests'
+too, which run only on the device) present."""
 
 import ast
 import pathlib
@@ -155,3 +156,46 @@ def test_old_names_say_the_new_one(module, name, new):
     mod = __import__(module, fromlist=["_"])
     with pytest.raises(AttributeError, match=new):
         getattr(mod, name)
+
+
+def _module_aliases(tree: ast.AST) -> dict[str, str]:
+    """``{local name: dsa_precision module}`` bound by the file's imports (inside functions too):
+    ``import dsa_precision.x as y``, ``from dsa_precision import x [as y]`` where ``x`` is a
+    module."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("dsa_precision") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsa_precision"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+TEST_FILES = sorted((ROOT / "tests").rglob("test_*.py"))
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(ROOT / "tests")))
+def test_every_package_attribute_a_test_reads_exists(path):
+    """A GPU test runs only on the GPU host; the attributes it reads of the package's modules
+    (``scoring.constant_offsets``, ``prepare._kernel_rope_tables``) are checked here, on every
+    machine, so a renamed or moved name fails in CI rather than on the device."""
+    import importlib
+
+    tree = ast.parse(path.read_text())
+    aliases = _module_aliases(tree)
+    missing = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and isinstance(node.ctx, ast.Load)
+        ):
+            module = importlib.import_module(aliases[node.value.id])
+            if not hasattr(module, node.attr):
+                missing.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    assert not missing, missing

@@ -15,7 +15,9 @@ engine's, for Megatron's ``inv_freq`` where the layer has it and built on the CP
 E4M3 byte, k descale and folded head weight (the layer's own operands -- the fused kernel on
 CUDA -- and the torch reference), then the rows whose top-k is identical: both operand sets
 scored by the same scorer (``--scores``), and the layer's own top-k
-(:meth:`PrecisionDSAIndexer.forward_with_scores`, the package's scoring) against the engine's.
+(:meth:`PrecisionDSAIndexer.forward_with_scores`, the package's scoring pinned to the same
+scorer: ``dsa_indexer_scoring_backend`` "deepgemm", or "torch" for ``--scores exact``) against the
+engine's.
 
 GPU (docs/gpu-validation.md, "Layer conformance"):
 
@@ -68,7 +70,12 @@ MODELS = {
 HIDDEN, Q_LORA = 512, 256
 
 
-def _config(model: str, profile: EngineProfile, cpu_init: bool, topk: int):
+# The layer's scoring backend for each --scores: the layer's own top-k is scored by the scorer
+# the engine's rows are scored by (DeepGEMM's kernel, or the exact float64 reference).
+LAYER_BACKENDS = {"deepgemm": "deepgemm", "exact": "torch"}
+
+
+def _config(model: str, profile: EngineProfile, cpu_init: bool, topk: int, scores: str):
     import dsa_precision.megatron as dsap
 
     heads, interleaved, rope = MODELS[model]
@@ -82,7 +89,7 @@ def _config(model: str, profile: EngineProfile, cpu_init: bool, topk: int):
         dsa_indexer_rope_interleaved=interleaved,
         layernorm_epsilon=1e-5, dsa_indexer_k_norm_epsilon=1e-6,
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8",
-        dsa_indexer_engine=profile, **rope,
+        dsa_indexer_engine=profile, dsa_indexer_scoring_backend=LAYER_BACKENDS[scores], **rope,
     )  # fmt: skip
 
 
@@ -152,7 +159,7 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     device, s = torch.device(args.device), args.seq
     profile = ENGINE_PROFILES[name]
     layer_profile = dataclasses.replace(profile, fma=False) if args.no_fma else profile
-    config = _config(model, layer_profile, cpu_init, args.topk)
+    config = _config(model, layer_profile, cpu_init, args.topk, args.scores)
     indexer = _indexer(config, device, args.seed)
     g = torch.Generator().manual_seed(args.seed + 2)
     x = torch.randn(s, 1, HIDDEN, generator=g).to(torch.bfloat16).to(device)
@@ -199,7 +206,9 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
         rec[label] = {**ek.operand_diff(mine, run.operands), "rows_identical": frac,
                       "rows_differ": bad}  # fmt: skip
     frac, bad = _rows_identical(layer_topk[0].to(eng_top.dtype), eng_top)
-    rec["layer_topk"] = {"rows_identical": frac, "rows_differ": bad}
+    assert indexer.scoring_backend == LAYER_BACKENDS[args.scores]  # the scorer compared
+    rec["layer_topk"] = {"rows_identical": frac, "rows_differ": bad,
+                         "backend": indexer.scoring_backend}  # fmt: skip
     return rec
 
 

@@ -44,11 +44,10 @@ from .. import audit
 from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
 from ..devices import to_device
-from ..operands import ScoringOperands
 from ..picks import TokenLayout
 from ..preprocess import IndexerPreprocess
 from ..rows import packed_sequence_of
-from ..scoring import resolve_scoring_backend
+from ..scoring import ResolvedBackend
 from . import compat
 from .config import DSAPrecisionTransformerConfig, layer_decisions
 from .graphs import GraphedCalls
@@ -114,13 +113,6 @@ class PrecisionDSAttention(DSAttention):
             and self._topk_source != "replay"
         )
         self._graphs = GraphedCalls() if graphed else None
-        # The scoring kernel: the config's choice, resolved once, at the first owned top-k.
-        self._requested_backend = (
-            self.config.dsa_indexer_scoring_backend
-            if isinstance(self.config, DSAPrecisionTransformerConfig)
-            else "auto"
-        )
-        self._scoring_backend: str | None = None
         # The indexer's parameters by name, looked up on every replay (a replaced Parameter
         # object is read as the module now holds it): their addresses are part of a graph's key.
         names = []
@@ -187,18 +179,12 @@ class PrecisionDSAttention(DSAttention):
         return self._topk_source
 
     @property
-    def scoring_backend(self) -> str | None:
+    def scoring_backend(self) -> ResolvedBackend | None:
         """The kernel this layer's package scoring runs on (``"deepgemm"``, ``"cudnn"`` or
-        ``"torch"``), decided at its first owned top-k from ``dsa_indexer_scoring_backend``;
-        ``None`` before it."""
-        return self._scoring_backend
-
-    def _backend_for(self, ops: ScoringOperands) -> str:
-        """The scoring backend, resolved at the first call (an explicit one that cannot run
-        raises there) and passed explicitly afterwards, so a layer never changes kernels."""
-        if self._scoring_backend is None:
-            self._scoring_backend = resolve_scoring_backend(self._requested_backend, ops)
-        return self._scoring_backend
+        ``"torch"``), decided by its indexer at the first package scoring from
+        ``dsa_indexer_scoring_backend``; ``None`` before it (or without an indexer)."""
+        indexer = self.indexer
+        return indexer.scoring_backend if isinstance(indexer, PrecisionDSAIndexer) else None
 
     def owns_topk(self) -> bool:
         """Whether this layer's attention reads a top-k the package supplies (FP8 scoring, or
@@ -451,7 +437,9 @@ class PrecisionDSAttention(DSAttention):
         """The owned top-k, eagerly: operands from the projections, then one selection."""
         ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
         select = owned_topk_with_margins if margins else owned_topk
-        return select(ops, layout, self.index_topk, gather=gather, backend=self._backend_for(ops))
+        return select(
+            ops, layout, self.index_topk, gather=gather, backend=self.indexer.backend_for(ops)
+        )
 
     def _graph_unsupported_reason(
         self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None, layout: RankLayout

@@ -35,7 +35,7 @@ from ..prepare import prepare_indexer_operands
 from ..preprocess import IndexerPreprocess, indexer_head_weights
 from ..rope import EngineRopeTables, RopePositions
 from ..rows import packed_sequence_of
-from ..scoring import indexer_scores
+from ..scoring import ResolvedBackend, indexer_scores, resolve_scoring_backend
 from ..topk import indexer_topk
 from . import compat
 from .config import indexer_rope_spec, layer_decisions
@@ -96,6 +96,10 @@ class PrecisionDSAIndexer(DSAIndexer):
         # (Megatron fields it follows, module): a tuple, so nn.Module does not register the
         # preprocessing (it borrows k_norm; the state dict keeps Megatron's names).
         self._preprocess_cache: tuple[tuple[bool, ...], IndexerPreprocess] | None = None
+        # The scoring kernel: the config's choice (dsa_indexer_scoring_backend; "auto" for a
+        # plain TransformerConfig), resolved once, at the first package scoring.
+        self._requested_backend = getattr(self.config, "dsa_indexer_scoring_backend", "auto")
+        self._scoring_backend: ResolvedBackend | None = None
         if self._precision.rope_fp32 or self._precision.fp8:
             self.preprocess()  # built (and its arguments checked) now, not at the first forward
 
@@ -103,6 +107,20 @@ class PrecisionDSAIndexer(DSAIndexer):
     def precision(self) -> IndexerPrecisionConfig:
         """The precision decided when the indexer was built (the config freezes its fields)."""
         return self._precision
+
+    @property
+    def scoring_backend(self) -> ResolvedBackend | None:
+        """The kernel the package's scoring of this indexer runs on (``"deepgemm"``,
+        ``"cudnn"`` or ``"torch"``), decided at its first call from
+        ``dsa_indexer_scoring_backend``; ``None`` before it."""
+        return self._scoring_backend
+
+    def backend_for(self, ops: ScoringOperands) -> ResolvedBackend:
+        """The scoring backend, resolved at the first call (an explicit one that cannot run
+        raises there) and passed explicitly afterwards, so the layer never changes kernels."""
+        if self._scoring_backend is None:
+            self._scoring_backend = resolve_scoring_backend(self._requested_backend, ops)
+        return self._scoring_backend
 
     def preprocess(self) -> IndexerPreprocess:
         """The preprocessing of the configured precision (Megatron's own RoPE on its BF16 path),
@@ -324,7 +342,8 @@ class PrecisionDSAIndexer(DSAIndexer):
             return super().forward_with_scores(x, qr, mask, packed_seq_params)
         ops = self.scoring_operands(x, qr, packed_seq_params)
         sk = ops.k.shape[1]
-        scores = indexer_scores(ops, q_causal_offsets=sk)  # every key visible: Megatron masks
+        # every key visible: Megatron masks; the layer's kernel (its out-less call decides it)
+        scores = indexer_scores(ops, q_causal_offsets=sk, backend=self.backend_for(ops))
         if mask is not None:
             scores = scores + mask
         topk = indexer_topk(scores, min(self.index_topk, sk))

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from dsa_precision.backends import deepgemm
 from dsa_precision.oracles import engine_kernels as ek
 
 from ..support.configs import ROOT
@@ -19,18 +20,25 @@ MISSING = [
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))]
 
 
-def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record):
+@pytest.mark.parametrize("scores", ["exact", "deepgemm"])
+def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record, scores):
+    if scores == "deepgemm" and not deepgemm.deepgemm_available():
+        pytest.skip("DeepGEMM is not importable (../shared/gpu/README.md, 'DeepGEMM')")
     spec = importlib.util.spec_from_file_location(
         "layer_conformance", ROOT / "tools/layer_conformance.py"
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    argv = ["--seq", "512", "--topk", "64", "--scores", "exact", "--out", str(tmp_path)]
+    argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--out", str(tmp_path)]
     assert tool.main(argv) == 0
     records = json.loads((tmp_path / "layer_conformance.json").read_text())["records"]
     assert len(records) == 10, [r.get("error") for r in records]
     for rec in records:
-        record("layer_conformance_small", **{k: rec[k] for k in ("model", "profile", "tables")})
+        record(
+            "layer_conformance_small",
+            scores=scores,
+            **{k: rec[k] for k in ("model", "profile", "tables")},
+        )
         where = (rec["model"], rec["profile"], rec["use_cpu_initialization"])
         assert rec["tables"]["layer_differ"] == 0, where
         for side in ("layer", "torch"):

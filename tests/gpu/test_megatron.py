@@ -137,8 +137,18 @@ def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
     assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
 
 
+def _backend_or_skip(backend: str) -> str:
+    """``backend`` when the host serves it; a skip naming what is missing otherwise."""
+    from dsa_precision.backends import deepgemm
+
+    if backend == "deepgemm" and not deepgemm.deepgemm_available():
+        pytest.skip("DeepGEMM is not importable (../shared/gpu/README.md, 'DeepGEMM')")
+    return backend
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
 @pytest.mark.parametrize("engine", ["vllm-exact", "vllm", "lmdeploy"])
-def test_fp8_owned_top_k_on_cudnn(dsap, record, engine):
+def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
     from dsa_precision import indexer_select, reset_scoring_calls, scoring_calls, topk_agreement
 
     config = _config(
@@ -146,18 +156,35 @@ def test_fp8_owned_top_k_on_cudnn(dsap, record, engine):
         dsa_indexer_rope_fp32=True,
         dsa_indexer_scoring_precision="fp8",
         dsa_indexer_engine=engine,
+        dsa_indexer_scoring_backend=_backend_or_skip(backend),
     )
     attn = _attention(dsap, config)
     query, _, x, qr, _ = _inputs()
     reset_scoring_calls()
     topk = attn.compute_topk(query, x, qr, None)
-    assert scoring_calls("fp8", "cudnn") >= 1 and scoring_calls() == scoring_calls("fp8")
+    assert attn.scoring_backend == backend
+    assert scoring_calls("fp8", backend) >= 1 and scoring_calls() == scoring_calls("fp8")
     ops = attn.indexer.scoring_operands(x, qr)
     assert ops.q.dtype == torch.float8_e4m3fn and ops.q.is_cuda
     exact = indexer_select(ops, topk=256, backend="torch")
     agreement = topk_agreement(topk, exact).as_dict()
-    record("megatron_owned_topk", engine=engine, **agreement)
+    record("megatron_owned_topk", engine=engine, backend=backend, **agreement)
     assert agreement["member_agreement"] >= 0.9999
+
+
+def test_auto_backend_is_deepgemm_when_installed_else_cudnn(dsap):
+    """The default dsa_indexer_scoring_backend ("auto"): the layer's FP8 scoring runs on
+    DeepGEMM where it imports (the engines' own kernel, the fastest), on cuDNN otherwise."""
+    from dsa_precision import reset_scoring_calls, scoring_calls
+    from dsa_precision.backends import deepgemm
+
+    config = _config(dsap, dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8")
+    attn = _attention(dsap, config)
+    query, _, x, qr, _ = _inputs()
+    reset_scoring_calls()
+    attn.compute_topk(query, x, qr, None)
+    want = "deepgemm" if deepgemm.deepgemm_available() else "cudnn"
+    assert attn.scoring_backend == want and scoring_calls("fp8", want) == scoring_calls() >= 1
 
 
 @pytest.mark.parametrize(
@@ -296,22 +323,23 @@ def _graph_pair(dsap, **overrides):
     return eager, graphed
 
 
-def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap):
+@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
+def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap, backend):
     """Captured on the first call, replayed on new inputs: the eager picks bit for bit, with
     the scoring calls counted per replay (the capture itself launches none) and no host
-    synchronisation on a replay."""
+    synchronisation on a replay, on each scoring backend."""
     from dsa_precision import reset_scoring_calls, scoring_calls
 
-    eager, graphed = _graph_pair(dsap)
+    eager, graphed = _graph_pair(dsap, dsa_indexer_scoring_backend=_backend_or_skip(backend))
     for seed in range(3):
         query, _, x, qr, _ = _inputs(seed=seed)
         reset_scoring_calls()
         with no_host_sync() if seed == 2 else contextlib.nullcontext():
             got = graphed.compute_topk(query, x, qr, None)
         calls = 3 if seed == 0 else 1  # the first call: two warm-up runs, the capture, a replay
-        assert scoring_calls("fp8", "cudnn") == calls and scoring_calls() == calls
+        assert scoring_calls("fp8", backend) == calls and scoring_calls() == calls
         assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed
-    assert len(graphed._graphs) == 1
+    assert len(graphed._graphs) == 1 and graphed.scoring_backend == backend
     # verify's margins: another graph, the eager picks and margins
     picks, margins = graphed.compute_topk(query, x, qr, None, margins=True)
     want_picks, want_margins = eager.compute_topk(query, x, qr, None, margins=True)

@@ -10,6 +10,7 @@ from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.exact_math import pairwise_sum
 from dsa_precision.fused_path import fused_unsupported_reason
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
+from dsa_precision.kernels.rules import PreprocessRules
 
 from ..support.fused_cases import (
     PROFILES,
@@ -206,12 +207,13 @@ def test_layer_norm_parameters_of_every_dtype(name, params):
 def test_cached_rope_tables_follow_the_angles(rope_fp32):
     """The fused path remembers its RoPE tables per angle tensor and version: the same angles
     again reuse them; angles changed in place, or new angles at the old address, do not."""
-    from dsa_precision import operands as operands_module
+    from dsa_precision import prepare
 
     case = make_case(seq=300, batch=1, heads=64, rope_fp32=rope_fp32, device=DEV)
     first = _check(case, mscale=1.1)
-    tables = operands_module._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
-    assert tables is operands_module._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
+    assert case.pre.rope_tables is None  # Megatron's angles (the engine tables: test_rope_tables)
+    tables = prepare._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
+    assert tables is prepare._kernel_rope_tables(case.freqs, 300, 1.1, *_table_dtypes(case))
     case.freqs.mul_(1.5)  # in place: the cache must miss
     second = _check(case, mscale=1.1)
     assert not torch.equal(first.q.view(torch.uint8), second.q.view(torch.uint8))
@@ -221,8 +223,8 @@ def test_cached_rope_tables_follow_the_angles(rope_fp32):
 
 
 def _table_dtypes(case) -> tuple[torch.dtype, torch.dtype]:
-    e = case.pre.engine
-    return (e.cos_sin_dtype, e.rope_dtype) if case.pre.rope_fp32 else (case.q.dtype, case.q.dtype)
+    rules = PreprocessRules.indexer(case.pre, case.pre.engine, case.q.dtype)
+    return rules.table_dtype, rules.math_dtype
 
 
 @pytest.mark.parametrize("hw_cast", [True, False], ids=["hardware_casts", "integer_emulation"])
