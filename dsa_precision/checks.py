@@ -21,6 +21,14 @@ _INT_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 
 
+def describe(value: object) -> str:
+    """What an error message says was passed: ``"torch.int64 (16, 4)"`` for a tensor (its dtype and
+    shape), the type's name otherwise."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
 def check_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")

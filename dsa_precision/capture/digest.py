@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from ..checks import describe
+
 __all__ = [
     "digest_mismatches",
     "digest_row_reference",
@@ -144,14 +146,9 @@ def digest_mismatches(
     for n, mine in ours.items():
         theirs = engine_digests[n]
         if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.int64 or theirs.ndim != 1:
-            got = (
-                f"{str(theirs.dtype).removeprefix('torch.')} {tuple(theirs.shape)}"
-                if isinstance(theirs, torch.Tensor)
-                else type(theirs).__name__
-            )
             raise TypeError(
                 f"engine digests of layer {n} must be a (T,) int64 tensor (digest_rows' output), "
-                f"got {got}; digests of another width are other numbers, not the same digests."
+                f"got {describe(theirs)}; digests of another width are other numbers, not the same digests."
             )
         if not isinstance(mine, torch.Tensor):
             raise TypeError(

@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from ..checks import describe
 from ..devices import to_device
 from ..picks import TokenLayout, TopkPicks, check_key_range
 from ..rows import packed_sequence_of
@@ -270,7 +271,7 @@ def _checked_digests(
             raise ValueError(f"engine_digests keys are 1-based layer numbers, got {layer!r}.")
         name = f"engine_digests layer {layer}"
         if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 1:
-            got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
+            got = describe(d)
             hint = " (per-row picks? digest them: digest_rows(picks))" if _is_picks(d) else ""
             raise TypeError(f"{name}: expected (T,) int64 row digests, got {got}{hint}.")
         if d.device.type not in ("cpu", "cuda"):
@@ -302,14 +303,9 @@ def _checked_engine_rows(engine_rows: object, total: int) -> torch.Tensor:
         and engine_rows.dtype == torch.bool
         and engine_rows.shape == (total,)
     ):
-        got = (
-            f"{engine_rows.dtype} {tuple(engine_rows.shape)}"
-            if isinstance(engine_rows, torch.Tensor)
-            else type(engine_rows).__name__
-        )
         raise TypeError(
             f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
-            f"from pack_requests or pack_digests), got {got}."
+            f"from pack_requests or pack_digests), got {describe(engine_rows)}."
         )
     return engine_rows
 

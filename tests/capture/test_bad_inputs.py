@@ -127,7 +127,7 @@ CASES = {
     "digest widths differ": (lambda: digest_mismatches({1: torch.zeros(2, **I32)}, {1: torch.zeros(2, dtype=torch.int64)}),
                              TypeError, r"our digests of layer 1 must be \(T,\) int64"),
     "engine digests int32": (lambda: digest_mismatches({1: torch.zeros(2, 2, **I32)}, {1: torch.zeros(2, **I32)}),
-                             TypeError, r"engine digests of layer 1 must be a \(T,\) int64 tensor"),
+                             TypeError, r"engine digests of layer 1 must be a \(T,\) int64 tensor .*got torch.int32 \(2,\)"),
     # picks and layouts
     "picks indices a list": (lambda: TopkPicks([1], None), TypeError, r"TopkPicks.indices takes"),
     "picks layout a dict": (lambda: TopkPicks({}, {"seq_len": 3}), TypeError, r"TopkPicks.layout is a TokenLayout"),
