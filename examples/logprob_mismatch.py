@@ -45,12 +45,16 @@ from pathlib import Path
 
 import torch
 
+from dsa_precision import ENGINE_PROFILES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy_glm5_train as toy
 
 COMPARED = ("baseline", "rope_fp32", "fp8", "rope_fp32+fp8", "rope_fp32+fp8+graph")
 # The configuration whose picks are the engine's by construction: its dlogp must be 0.
 MATCHED = "rope_fp32+fp8"
+# Where the rollout's picks come from (--rollout).
+ROLLOUTS = ("model", "engine-kernels")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -65,6 +69,18 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--engine", default="vllm", help="the engine profile (dsa_indexer_engine)")
+    p.add_argument(
+        "--rollout", choices=ROLLOUTS, default="model",
+        help="the rollout's picks: 'model', the package's model of the engine (the toy with "
+        "rope_fp32+fp8 and --engine); 'engine-kernels', the engine's own RoPE code and "
+        "preprocess kernels from DSA_ENGINE_KERNELS on each layer's projections, layer by layer, "
+        "scored by --rollout-scores (vllm, vllm-eager, lmdeploy)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rollout-scores", choices=("deepgemm", "exact"), default=None,
+        help="engine-kernels: the scorer of the engine's operands (default deepgemm on CUDA, "
+        "exact on the CPU)",
+    )  # fmt: skip
     p.add_argument("--mlp", choices=toy.MLPS, default=toy.MODEL_DEFAULTS["mlp"])
     p.add_argument(
         "--configs",
@@ -104,6 +120,25 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("saved picks need --tokens: the tokens they were made on")
     if args.files and args.save:
         p.error("--save writes the toy engine's picks; it has nothing to add to saved picks")
+    if args.rollout == "engine-kernels":
+        if args.files:
+            p.error("--rollout engine-kernels computes the rollout's picks; saved picks are theirs")
+        from dsa_precision.oracles import engine_kernels as ek
+
+        profile = ENGINE_PROFILES[args.engine] if args.engine in ENGINE_PROFILES else None
+        if profile is None or ek.oracle_for(profile) is None or args.engine not in ek.ROPE_ORACLES:
+            p.error(f"--rollout engine-kernels --engine {args.engine}: the engine's own code runs "
+                    f"for {sorted(ek.ROPE_ORACLES)} only")  # fmt: skip
+        missing = [r for e in (ek.oracle_for(profile), ek.ROPE_ORACLES[args.engine][0])
+                   if (r := ek.missing_reason(e))]  # fmt: skip
+        if missing:
+            p.error("--rollout engine-kernels: " + "; ".join(missing))
+        if args.rollout_scores is None:
+            args.rollout_scores = "exact" if args.device == "cpu" else "deepgemm"
+    elif args.rollout_scores is not None:
+        p.error(
+            "--rollout-scores scores the engine kernels' operands: with --rollout engine-kernels"
+        )
     for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
@@ -158,6 +193,50 @@ def engine_picks(engine: torch.nn.Module, trained: torch.nn.Module, tokens: torc
     return TopkPicks(picks, TokenLayout(seq_len=tokens.shape[1]))
 
 
+def kernel_rollout_picks(
+    replay: torch.nn.Module,
+    trained: torch.nn.Module,
+    tokens: torch.Tensor,
+    model_picks,
+    scores: str,
+):
+    """The rollout's picks from the engine's own code, layer by layer: each DSA layer's inputs
+    come from a replaying forward on ``trained``'s weights whose earlier layers attend to the
+    engine's picks already made (a layer's inputs do not depend on its own or later layers'
+    picks), and :func:`~dsa_precision.oracles.engine_kernels.engine_layer_picks` makes that
+    layer's from them. ``model_picks`` (the package's model's) stand in for the layers not yet
+    made. Returns the ``TopkPicks`` and the engine code's source."""
+    import dataclasses
+
+    import dsa_precision.megatron as dsap
+    from dsa_precision.oracles.engine_kernels import engine_layer_picks
+
+    replay.load_state_dict(trained.state_dict())
+    layers = {m.layer_number: m for m in replay.modules() if hasattr(m, "topk_source")}
+    indices, source = dict(model_picks.indices), ""
+    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    for number in sorted(model_picks.indices):
+        attn, seen = layers[number], {}
+
+        def keep(_module, args, kwargs, seen=seen):  # DSAttention.forward(q, k, v, mask, x, qr)
+            seen["x"], seen["qr"] = kwargs.get("x", args[4] if len(args) > 4 else None), (
+                kwargs.get("qr", args[5] if len(args) > 5 else None))  # fmt: skip
+
+        hook = attn.register_forward_pre_hook(keep, with_kwargs=True)
+        try:
+            with (
+                torch.no_grad(),
+                dsap.engine_topk(dataclasses.replace(model_picks, indices=indices)),
+            ):
+                replay(tokens, pos, None)
+        finally:
+            hook.remove()
+        indices[number], source = engine_layer_picks(
+            attn.indexer, seen["x"], seen["qr"], attn.index_topk, scores=scores
+        )
+    return dataclasses.replace(model_picks, indices=indices), source
+
+
 def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     """Reports at step 0 and after ``args.steps`` warm-up steps (module docstring)."""
     trained = build(args, args.train_config)
@@ -171,12 +250,19 @@ def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     for step in sorted({0, args.steps}):
         while len(losses) < step:
             losses.append(trainer.step(*train_batches[len(losses)]))
-        picks = engine_picks(engine, trained, tokens)
+        picks, source = engine_picks(engine, trained, tokens), "the package's model of the engine"
+        if args.rollout == "engine-kernels":
+            picks, source = kernel_rollout_picks(
+                replay, trained, tokens, picks, args.rollout_scores
+            )
+            source = f"{source}, scored by {args.rollout_scores}"
+            say(f"\nthe rollout's picks: {source}")
         t0 = time.perf_counter()
         reports = measure(models, replay, trained.state_dict(), tokens, picks, labels=labels,
                           first_tokens=args.first_tokens)  # fmt: skip
         seconds = time.perf_counter() - t0
         checkpoints.append(dict(step=step, loss=losses[-1] if losses else None, seconds=seconds,
+                                rollout=source,
                                 reports=reports, picks=picks, tokens=tokens, labels=labels))  # fmt: skip
         say(_heading(args, step, losses, tokens, seconds))
         say(_format(reports, legend=step == args.steps))
@@ -275,12 +361,13 @@ def _format(reports: list, *, legend: bool = True) -> str:
 
 def as_json(args: argparse.Namespace, result: dict) -> dict:
     checkpoints = [
-        dict(step=c["step"], loss=c["loss"], seconds=c["seconds"],
+        dict(step=c["step"], loss=c["loss"], seconds=c["seconds"], rollout=c.get("rollout"),
              reports=[r.as_dict() for r in c["reports"]])
         for c in result["checkpoints"]
     ]  # fmt: skip
     settings = {k: getattr(args, k) for k in ("tiny", "device", "seq", "topk", "batch", "steps",
-                                              "lr", "seed", "engine", "mlp", "configs",
+                                              "lr", "seed", "engine", "rollout",
+                                              "rollout_scores", "mlp", "configs",
                                               "train_config", "picks", "engine_output",
                                               "engine_format", "tokens", "weights")}  # fmt: skip
     return dict(settings=settings, checkpoints=checkpoints,
@@ -295,7 +382,9 @@ def checks(result: dict) -> dict:
         for r in c["reports"]:
             if r.picks_identical:
                 exact.append(r.logprobs.tokens_differing == 0 and r.logprobs.abs_max == 0)
-            if r.name == MATCHED and c["step"] is not None:  # the toy's engine: by construction
+            # the toy's engine: by construction with --rollout model; the engine's own code's
+            # picks with --rollout engine-kernels
+            if r.name == MATCHED and c["step"] is not None:
                 matched.append(r.picks_identical)
     return dict(
         identical_picks_give_zero_dlogp=all(exact), matched_config_picks_the_engines=all(matched)

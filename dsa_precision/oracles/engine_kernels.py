@@ -40,6 +40,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ from ..config import IndexerPrecisionConfig
 from ..engines import EngineProfile
 from ..fused_path import Impl
 from ..rope import RopeSpec
-from .engine_model import EngineOperands
+from .engine_model import EngineOperands, engine_scores, engine_select
 from .synthetic import SyntheticIndexerInputs
 from .training import IndexerFields, training_operands
 
@@ -60,6 +61,7 @@ __all__ = [
     "EngineKernelRun",
     "EngineRope",
     "engine_kernel_operands",
+    "engine_layer_picks",
     "engine_rope",
     "kernel_files",
     "load_module",
@@ -683,3 +685,55 @@ def operand_diff(a: EngineOperands, b: EngineOperands) -> dict[str, int]:
         out[f"{name}_differ"] = int((bits(x) != bits(y)).sum())
         out[f"{name}_total"] = x.numel()
     return out
+
+
+def engine_layer_picks(
+    indexer: Any,  # a dsa_precision.megatron.PrecisionDSAIndexer (no Megatron import here)
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    topk: int,
+    *,
+    scores: str = "deepgemm",
+    max_position_embeddings: int | None = None,
+    root: str | os.PathLike | None = None,
+) -> tuple[torch.Tensor, str]:
+    """What the engine of the indexer's profile picks for one DSA layer's rows, from that layer's
+    own projections: ``(B * S, k)`` int32 sequence-relative keys, batch-major, ascending, ``-1``
+    padded (``k = min(topk, S)``), and the engine code's source (release and hashes).
+
+    ``indexer``: a ``PrecisionDSAIndexer`` with ``rope_fp32`` (its profile has a kernel and a
+    RoPE oracle: ``vllm``, ``vllm-eager``, ``lmdeploy``); ``x`` ``[S, B, hidden]`` and ``qr``
+    ``[S, B, q_lora_rank]``, the DSA attention's inputs (BSHD). Per sequence, the layer's BF16
+    projections (:meth:`PrecisionDSAIndexer.projections`) go to the engine's own code,
+    unmodified from ``DSA_ENGINE_KERNELS``: its RoPE table construction (:func:`engine_rope`)
+    and its preprocess kernels (:func:`engine_kernel_operands`); the FP8 operands are scored by
+    ``scores`` (``"deepgemm"``: DeepGEMM's ``fp8_mqa_logits``, the engines' scorer; ``"exact"``:
+    float64) and selected by :func:`~.engine_model.engine_select` (exact, ties to the lower
+    key: the package's model of the engines' top-k step, not their kernel).
+    ``max_position_embeddings``: the plain-RoPE cache length the engine builds (default ``S``;
+    on CUDA each row depends on its position only).
+    """
+    pre = indexer.preprocess()
+    if not pre.rope_fp32 or pre.rope_tables is None:
+        raise ValueError(
+            "engine_layer_picks: the indexer has no engine RoPE tables (dsa_indexer_rope_fp32 is "
+            "off); build the layer with dsa_indexer_rope_fp32=True and the engine's profile."
+        )
+    profile = pre.engine
+    s, batch = x.shape[0], x.shape[1]
+    rope = engine_rope(
+        profile, pre.rope_tables.spec, s, device=x.device,
+        max_position_embeddings=max(s, max_position_embeddings or s), root=root,
+    )  # fmt: skip
+    interleaved = bool(indexer.config.dsa_indexer_rope_interleaved)
+    rows, source = [], rope.source
+    with torch.no_grad():
+        for b in range(batch):
+            p = indexer.projections(x[:, b : b + 1], qr[:, b : b + 1], None)
+            inputs = SyntheticIndexerInputs(p.q, p.k, p.w, indexer.k_norm, p.freqs)
+            run = engine_kernel_operands(
+                inputs, profile, interleaved=interleaved, rope=rope, root=root
+            )
+            source = f"{rope.source}; {run.source}"
+            rows.append(engine_select(engine_scores(run.operands, kernel=scores), topk))
+    return torch.cat(rows), source

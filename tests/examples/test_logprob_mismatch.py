@@ -151,6 +151,15 @@ def test_the_command_refuses_inconsistent_flags(capsys):
         ),
         (["--device", "cpu", "--configs", "rope_fp32+fp8+graph"], "CUDA graphs"),
         (["--configs", "fp16"], "unknown configuration 'fp16'"),
+        (
+            ["--rollout", "engine-kernels", "--engine", "sglang-fused"],
+            "the engine's own code runs for ['lmdeploy', 'vllm', 'vllm-eager'] only",
+        ),
+        (
+            ["--rollout", "engine-kernels", "--picks", "p", "--tokens", "t"],
+            "saved picks are theirs",
+        ),
+        (["--rollout-scores", "exact"], "with --rollout engine-kernels"),
     ):
         with pytest.raises(SystemExit) as exit_:
             lm.parse(argv)
@@ -192,3 +201,14 @@ def test_an_engines_saved_responses_packed_as_thd(tmp_path, megatron_parallel, c
     assert not reports["baseline"]["picks_identical"]
     places = [p for layer in reports["baseline"]["layers"] for p in layer["first_differing"]]
     assert all(0 <= s < 2 and 0 <= p < lengths[s] for s, p in places), places
+
+
+def test_the_engine_kernel_rollout_names_what_is_missing(capsys, monkeypatch, tmp_path):
+    """Without the engines' files, ``--rollout engine-kernels`` refuses with the reason (the
+    folder and the file it looked for), before building anything."""
+    lm = import_example("logprob_mismatch")
+    monkeypatch.setenv("DSA_ENGINE_KERNELS", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        lm.parse(["--rollout", "engine-kernels"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--rollout engine-kernels: " in err and str(tmp_path) in err
