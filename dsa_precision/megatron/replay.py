@@ -252,21 +252,22 @@ def _checked(
 
 
 def _checked_digests(
-    digests: Mapping[int, torch.Tensor],
+    digests: Mapping[int, torch.Tensor] | None,
     engine_rows: torch.Tensor | None,
     layout: TokenLayout,
     indices: Mapping[int, torch.Tensor],
-) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-    """The layers' engine digests and ``engine_rows``, host facts only (types, dtypes, shapes,
-    devices, ``T`` against the layout and the picks). Errors name the layer and the fix."""
-    if not isinstance(digests, Mapping) or not digests:
+) -> tuple[dict[int, torch.Tensor] | None, torch.Tensor | None]:
+    """The layers' engine digests (``None``: picks alone) and ``engine_rows``, host facts only
+    (types, dtypes, shapes, devices, ``T`` against the layout and the picks). Errors name the
+    layer and the fix."""
+    if digests is not None and (not isinstance(digests, Mapping) or not digests):
         raise TypeError(
             "engine_topk(engine_digests=...) takes {layer_number: (T,) int64 digests} (e.g. from "
             f"dsa_precision.capture.pack_digests), got {type(digests).__name__} {digests!r:.60}."
         )
     lengths = {t.shape[0] for t in indices.values()}
     devices = {t.device for t in indices.values()}
-    for layer, d in digests.items():
+    for layer, d in (digests or {}).items():
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
             raise ValueError(f"engine_digests keys are 1-based layer numbers, got {layer!r}.")
         name = f"engine_digests layer {layer}"
@@ -287,27 +288,22 @@ def _checked_digests(
         )
     if engine_rows is not None:
         (total,) = lengths
-        devices.add(_checked_engine_rows(engine_rows, total).device)
+        if not (
+            isinstance(engine_rows, torch.Tensor)
+            and engine_rows.dtype == torch.bool
+            and engine_rows.shape == (total,)
+        ):
+            raise TypeError(
+                f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
+                f"from pack_requests or pack_digests), got {describe(engine_rows)}."
+            )
+        devices.add(engine_rows.device)
     if len(devices) > 1:
         raise ValueError(
             f"engine_topk: picks, digests and engine_rows are on different devices "
             f"({sorted(map(str, devices))}); hand them in on one device."
         )
-    return dict(digests), engine_rows
-
-
-def _checked_engine_rows(engine_rows: object, total: int) -> torch.Tensor:
-    """``engine_rows``: a ``(total,)`` bool tensor (host facts), else an error naming the fix."""
-    if not (
-        isinstance(engine_rows, torch.Tensor)
-        and engine_rows.dtype == torch.bool
-        and engine_rows.shape == (total,)
-    ):
-        raise TypeError(
-            f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
-            f"from pack_requests or pack_digests), got {describe(engine_rows)}."
-        )
-    return engine_rows
+    return None if digests is None else dict(digests), engine_rows
 
 
 def _is_picks(t: object) -> bool:
@@ -406,18 +402,11 @@ def engine_topk(
             "(engine_digests={layer: (T,) int64}); got neither."
         )
     checked = {} if indices is None else _checked(indices, layout, validate)
-    if engine_digests is not None:
-        digests, rows = _checked_digests(engine_digests, engine_rows, layout, checked)
-    else:
-        digests, rows = None, None
-        if engine_rows is not None:  # beside picks: the rows compared with the layers' own
-            first = next(iter(checked.values()))
-            rows = _checked_engine_rows(engine_rows, first.shape[0])
-            if rows.device != first.device:
-                raise ValueError(
-                    f"engine_topk: the picks are on {first.device}, engine_rows on {rows.device}; "
-                    "hand them in on one device."
-                )
+    digests, rows = (
+        (None, None)
+        if engine_digests is None and engine_rows is None
+        else _checked_digests(engine_digests, engine_rows, layout, checked)
+    )
     if picks is None:
         picks = TopkPicks(checked, layout, engine_rows=rows, digests=digests)
     else:
