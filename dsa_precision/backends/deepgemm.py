@@ -54,6 +54,7 @@ __all__ = [
     "entry_point",
     "kernel_entry",
     "mqa_logits_unsupported_reason",
+    "unavailable_reason",
     "window_logits",
 ]
 
@@ -131,6 +132,12 @@ def _import() -> tuple[EntryPoint | None, str | None]:
 def deepgemm_available() -> bool:
     """Whether a DeepGEMM MQA-logits entry point imports."""
     return _import()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why no DeepGEMM MQA-logits entry point imports (each module tried, an install hint), or
+    ``None`` when one does."""
+    return _import()[1]
 
 
 def kernel_entry() -> EntryPoint | None:

@@ -22,6 +22,7 @@ from dsa_precision.preprocess import indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
 
 from ..support.configs import CONFIGS, FP8
+from ..support.helpers import needs_deepgemm
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -153,12 +154,6 @@ def test_chunked_select_varlen_replays_bit_exact():
 
 
 # ---------------------------------------------------------------------- deepgemm_backend.py
-
-
-needs_deepgemm = pytest.mark.skipif(
-    not deepgemm_backend.deepgemm_available(),
-    reason=f"DeepGEMM is not importable: {deepgemm_backend._import()[1]}",
-)
 
 
 @needs_deepgemm

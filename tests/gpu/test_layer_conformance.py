@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from dsa_precision.backends import deepgemm
 from dsa_precision.oracles import engine_kernels as ek
 
 from ..support.configs import ROOT
+from ..support.helpers import needs_deepgemm
 
 MISSING = [
     r for e in ("vllm", "lmdeploy", "vllm-rope", "lmdeploy-rope") if (r := ek.missing_reason(e))
@@ -20,10 +20,8 @@ MISSING = [
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))]
 
 
-@pytest.mark.parametrize("scores", ["exact", "deepgemm"])
+@pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
 def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record, scores):
-    if scores == "deepgemm" and not deepgemm.deepgemm_available():
-        pytest.skip("DeepGEMM is not importable (../shared/gpu/README.md, 'DeepGEMM')")
     spec = importlib.util.spec_from_file_location(
         "layer_conformance", ROOT / "tools/layer_conformance.py"
     )

@@ -15,16 +15,17 @@ import sys
 
 import pytest
 
-from dsa_precision.backends import deepgemm
 from dsa_precision.oracles import engine_kernels as ek
 
 from ..support.configs import ROOT
-from ..support.helpers import free_port
+from ..support.helpers import free_port, needs_deepgemm
 
 MISSING = [r for e in ("vllm", "vllm-rope") if (r := ek.missing_reason(e))]
-if not deepgemm.deepgemm_available():
-    MISSING.append("DeepGEMM is not importable (../shared/gpu/README.md, 'DeepGEMM')")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING)),
+    needs_deepgemm,
+]
 
 
 def test_the_matched_configuration_picks_what_vllms_own_kernels_pick(record):

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from ..support.helpers import no_host_sync
+from ..support.helpers import needs_deepgemm, no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -137,16 +137,10 @@ def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
     assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
 
 
-def _backend_or_skip(backend: str) -> str:
-    """``backend`` when the host serves it; a skip naming what is missing otherwise."""
-    from dsa_precision.backends import deepgemm
-
-    if backend == "deepgemm" and not deepgemm.deepgemm_available():
-        pytest.skip("DeepGEMM is not importable (../shared/gpu/README.md, 'DeepGEMM')")
-    return backend
+BACKENDS = ["cudnn", pytest.param("deepgemm", marks=needs_deepgemm)]
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("engine", ["vllm-exact", "vllm", "lmdeploy"])
 def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
     from dsa_precision import indexer_select, reset_scoring_calls, scoring_calls, topk_agreement
@@ -156,7 +150,7 @@ def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
         dsa_indexer_rope_fp32=True,
         dsa_indexer_scoring_precision="fp8",
         dsa_indexer_engine=engine,
-        dsa_indexer_scoring_backend=_backend_or_skip(backend),
+        dsa_indexer_scoring_backend=backend,
     )
     attn = _attention(dsap, config)
     query, _, x, qr, _ = _inputs()
@@ -323,14 +317,14 @@ def _graph_pair(dsap, **overrides):
     return eager, graphed
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "deepgemm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_graphed_top_k_is_the_eager_top_k_on_every_step(dsap, backend):
     """Captured on the first call, replayed on new inputs: the eager picks bit for bit, with
     the scoring calls counted per replay (the capture itself launches none) and no host
     synchronisation on a replay, on each scoring backend."""
     from dsa_precision import reset_scoring_calls, scoring_calls
 
-    eager, graphed = _graph_pair(dsap, dsa_indexer_scoring_backend=_backend_or_skip(backend))
+    eager, graphed = _graph_pair(dsap, dsa_indexer_scoring_backend=backend)
     for seed in range(3):
         query, _, x, qr, _ = _inputs(seed=seed)
         reset_scoring_calls()

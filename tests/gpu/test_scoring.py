@@ -31,6 +31,7 @@ from ..support.helpers import (
     MAX_REL_ERR,
     assert_bitwise_equal,
     calc_diff,
+    needs_deepgemm,
     no_host_sync,
     rel_err,
     ulp_distance,
@@ -355,11 +356,6 @@ def test_cudnn_topk_deterministic_ties_signed_zeros_and_nan():
 
 # --------------------------------------------------------------------------------- DeepGEMM
 
-needs_deepgemm = pytest.mark.skipif(
-    not deepgemm_backend.deepgemm_available(),
-    reason=f"DeepGEMM is not importable: {deepgemm_backend._import()[1]}",
-)
-
 
 def _deepgemm_module():
     return importlib.import_module(deepgemm_backend.entry_point().rsplit(".", 1)[0])
@@ -370,7 +366,7 @@ def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
     module = _deepgemm_module()
     kv = (ops.k[b].contiguous(), ops.k_descale[b].contiguous())
     args = ((ops.q[b].contiguous(), None), kv, ops.weights[b].contiguous(), ks, ke)
-    if deepgemm_backend._import()[0].clean_logits_arg:
+    if deepgemm_backend.kernel_entry().clean_logits_arg:
         return module.fp8_fp4_mqa_logits(*args, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     return module.fp8_fp4_mqa_logits(*args, max_seqlen_k=max_seqlen_k or kv[0].shape[0])
 
@@ -459,7 +455,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
         picks = indexer_select(ops, topk=512, q_causal_offsets=offsets, backend="deepgemm")
         return bshd, packed, picks
 
-    detected, _ = deepgemm_backend._import()
+    detected = deepgemm_backend.kernel_entry()
     assert detected.q_pair  # fp8_fp4_mqa_logits is preferred
     current = run()
     legacy = types.SimpleNamespace(fp8_mqa_logits=module.fp8_mqa_logits)

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from dsa_precision import quantize_e4m3_ue8m0
+from dsa_precision.backends import deepgemm as _deepgemm
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -224,3 +226,9 @@ def indexer_projections(s=6, b=2, h=32, rope_fp32=True, dtype=torch.bfloat16):
     w = torch.randn(s, b, h, generator=g).to(dtype)
     freqs = torch.rand(s, 1, 1, 64, generator=g) * 10
     return pre, q, k, w, freqs
+
+
+# GPU tests of the DeepGEMM paths: skipped, with the import errors, where it does not import.
+needs_deepgemm = pytest.mark.skipif(
+    not _deepgemm.deepgemm_available(), reason=str(_deepgemm.unavailable_reason())
+)
