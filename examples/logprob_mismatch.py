@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -217,10 +218,10 @@ def kernel_rollout_picks(
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     for number in sorted(model_picks.indices):
         attn, seen = layers[number], {}
+        signature = inspect.signature(attn.forward)
 
-        def keep(_module, args, kwargs, seen=seen):  # DSAttention.forward(q, k, v, mask, x, qr)
-            seen["x"], seen["qr"] = kwargs.get("x", args[4] if len(args) > 4 else None), (
-                kwargs.get("qr", args[5] if len(args) > 5 else None))  # fmt: skip
+        def keep(_module, args, kwargs, seen=seen, signature=signature):
+            seen.update(signature.bind(*args, **kwargs).arguments)  # x, qr among them
 
         hook = attn.register_forward_pre_hook(keep, with_kwargs=True)
         try:
