@@ -137,11 +137,13 @@ for step in "$@"; do
         --profile-steps 1 --host-steps 1 --top-kernels 12 --configs baseline,rope_fp32+fp8,replay \
         --out "$LOGS/toy_32768_fused.json" ;;
     logprobs)  # issue 32: RL log-prob mismatch of each configuration against the rollout's
-      # picks (the toy's engine model), at step 0 and after warm-up steps; S 2048, then 8192
-      TAIL=30 run logprobs_2048 400 python examples/logprob_mismatch.py \
+      # picks (vLLM's own kernels, layer by layer; after `deepgemm`, the engines' files in
+      # DSA_ENGINE_KERNELS), at step 0 and after warm-up steps; S 2048, then 8192
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      TAIL=30 run logprobs_2048 400 python examples/logprob_mismatch.py --rollout engine-kernels \
         --out "$LOGS/logprobs_2048.json"
-      TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --seq 8192 --topk 2048 \
-        --steps ${LOGPROB_STEPS_8192:-10} --out "$LOGS/logprobs_8192.json" ;;
+      TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --rollout engine-kernels \
+        --seq 8192 --topk 2048 --steps ${LOGPROB_STEPS_8192:-10} --out "$LOGS/logprobs_8192.json" ;;
     layer-conformance)  # issue 29: Megatron's DSA layer against the engines' own RoPE code and
       # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels)
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
