@@ -23,19 +23,26 @@ from typing import Any
 
 __all__ = [
     "ATTRIBUTES_OF",
+    "BRIDGE_CALLS",
+    "BRIDGE_METHODS",
+    "BRIDGE_PROVIDER_FIELDS",
     "CALLS",
     "CONFIG_FIELDS",
     "INSTANCE_ATTRIBUTES",
     "METHODS",
     "PACKED_SEQ_FIELDS",
     "PROCESS_GROUP_FIELDS",
+    "TESTED_MEGATRON_BRIDGE",
     "TESTED_MEGATRON_CORE",
     "check_built",
+    "check_megatron_bridge",
     "check_megatron_core",
+    "megatron_bridge_version",
     "megatron_core_version",
 ]
 
 TESTED_MEGATRON_CORE = "0.19.2"
+TESTED_MEGATRON_BRIDGE = "0.6.2"
 
 _EAV = "megatron.core.transformer.experimental_attention_variant"
 _SPECS = "megatron.core.models.gpt.experimental_attention_variant_module_specs"
@@ -181,6 +188,18 @@ CONFIG_FIELDS = (
 )  # fmt: skip
 
 
+# Megatron-Bridge (``dsa_precision.megatron.bridge`` only; checked when that module is imported,
+# since importing megatron.bridge loads every model bridge it has).
+BRIDGE_CALLS: dict[str, tuple[Call, ...]] = {
+    "megatron.bridge.models.mla_provider.MLAModelProvider": (),
+}
+BRIDGE_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
+    "megatron.bridge.models.mla_provider.MLAModelProvider": {"finalize": ()},
+}
+# Fields of the Bridge's provider the package reads or sets (besides Megatron's CONFIG_FIELDS).
+BRIDGE_PROVIDER_FIELDS = ("transformer_layer_spec",)
+
+
 def megatron_core_version() -> str:
     import megatron.core
 
@@ -285,6 +304,62 @@ def check_megatron_core() -> None:
         ) from exc
     if problems:
         _raise(problems)
+
+
+def megatron_bridge_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-bridge")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _bridge_problems() -> list[str]:
+    importlib.import_module("megatron.bridge")  # its own ImportError, not "a name is missing"
+    problems = []
+    for path, calls in BRIDGE_CALLS.items():
+        try:
+            obj = _resolve(path)
+        except AttributeError:
+            problems.append(f"{path} is missing")
+            continue
+        problems += _call_problems(path, obj, calls)
+        for method, params in BRIDGE_METHODS.get(path, {}).items():
+            fn = getattr(obj, method, None)
+            short = path.rsplit(".", 1)[1]
+            if fn is None:
+                problems.append(f"{short}.{method} is missing")
+            elif _params(fn)[: len(params)] != params:
+                problems.append(f"{short}.{method}{_params(fn)} no longer takes {params}")
+        if dataclasses.is_dataclass(obj):
+            fields = {f.name for f in dataclasses.fields(obj)}
+            short = path.rsplit(".", 1)[1]
+            problems += [
+                f"{short} has no field {f}" for f in BRIDGE_PROVIDER_FIELDS if f not in fields
+            ]
+    return problems
+
+
+def check_megatron_bridge() -> None:
+    """Raise ``ImportError`` naming the Megatron-Bridge version and every missing or changed name
+    the Bridge integration relies on, or what to install when Bridge does not import."""
+    try:
+        problems = _bridge_problems()
+    except ImportError as exc:
+        raise ImportError(
+            f"dsa_precision.megatron.bridge needs Megatron-Bridge {TESTED_MEGATRON_BRIDGE}, which "
+            f"does not import here ({exc}); see the README, 'With Megatron-Bridge' (it needs "
+            "Transformer Engine: megatron/bridge/peft/lora_layers.py imports "
+            "transformer_engine.pytorch)."
+        ) from exc
+    if problems:
+        raise ImportError(
+            f"dsa_precision.megatron.bridge was built against Megatron-Bridge "
+            f"{TESTED_MEGATRON_BRIDGE}; the installed {megatron_bridge_version()} differs where "
+            "it relies on it:\n  - " + "\n  - ".join(problems) + "\nInstall megatron-bridge=="
+            f"{TESTED_MEGATRON_BRIDGE}."
+        )
 
 
 def check_built(module: Any, megatron_class: str) -> None:

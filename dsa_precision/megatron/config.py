@@ -82,8 +82,16 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # Validated once; from here on the precision fields are frozen (see __setattr__).
-        object.__setattr__(self, _VALIDATED, _validate_precision(self))
+        self.validate_dsa_precision()
+
+    def validate_dsa_precision(self) -> IndexerPrecisionConfig:
+        """Validate the dsa-precision fields against the model (one ``ValueError`` naming every
+        field to fix) and freeze them (see ``__setattr__``). ``__post_init__`` runs it; a config
+        that defers Megatron's checks to later (Megatron-Bridge's providers, ``finalize()``) runs
+        it there."""
+        precision = _validate_precision(self)
+        object.__setattr__(self, _VALIDATED, precision)
+        return precision
 
     def __setattr__(self, name: str, value: Any) -> None:
         """After ``__post_init__`` a precision field cannot change (the built layers decided on

@@ -11,6 +11,7 @@ every change.
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import sys
 from collections import defaultdict
@@ -34,6 +35,7 @@ PACKAGE = Path(dsa_precision.__file__).parent
 # is the one the package calls layer_norm on).
 VARIABLE_TYPES = {"backend": "megatron.core.models.backends.LocalSpecProvider"}
 CONFIG_NAMES = {f.name for f in dataclasses.fields(MLATransformerConfig)} - set(PRECISION_FIELDS)
+BRIDGE = "megatron.bridge"
 
 
 def _shape(call: ast.Call) -> tuple[int, tuple[str, ...]] | None:
@@ -124,7 +126,9 @@ class _Surface(ast.NodeVisitor):
         if not bases:
             return self.generic_visit(node)
         (path,) = bases
-        base = compat._resolve(path)
+        # Megatron-Bridge does not import without Transformer Engine: its base is not resolved,
+        # and every method the subclass defines counts as an override (BRIDGE_METHODS).
+        base = None if path.startswith(BRIDGE) else compat._resolve(path)
         ours = set()
         for item in node.body:
             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
@@ -135,9 +139,9 @@ class _Surface(ast.NodeVisitor):
                 )
                 if setter:  # a property over an attribute Megatron's __init__ sets
                     self.used.instance[path.rsplit(".", 1)[1]].add(item.name)
-                elif (hasattr(base, item.name) and not item.name.startswith("__")) or (
-                    item.name in ("__init__", "__post_init__")
-                ):
+                elif (
+                    (base is None or hasattr(base, item.name)) and not item.name.startswith("__")
+                ) or (item.name in ("__init__", "__post_init__")):
                     self.used.methods[path].add(item.name)
                 ours.add(item.name)
         for sub in ast.walk(node):  # what the subclass assigns on self is its own
@@ -210,17 +214,19 @@ def used() -> Used:
 
 
 def test_compat_lists_every_megatron_name_the_package_uses(used):
-    assert set(used.paths) == set(compat.CALLS)
+    assert {p for p in used.paths if not p.startswith(BRIDGE)} == set(compat.CALLS)
+    assert {p for p in used.paths if p.startswith(BRIDGE)} == set(compat.BRIDGE_CALLS)
 
 
-@pytest.mark.parametrize("path", sorted(compat.CALLS))
+@pytest.mark.parametrize("path", sorted(compat.CALLS) + sorted(compat.BRIDGE_CALLS))
 def test_compat_lists_each_call_shape(used, path):
-    assert used.paths[path] == set(compat.CALLS[path]), path
+    listed = compat.CALLS.get(path, compat.BRIDGE_CALLS.get(path))
+    assert used.paths[path] == set(listed), path
 
 
 def test_compat_lists_the_methods_overridden_or_called(used):
     assert {p: sorted(m) for p, m in used.methods.items()} == {
-        p: sorted(m) for p, m in compat.METHODS.items()
+        p: sorted(m) for p, m in {**compat.METHODS, **compat.BRIDGE_METHODS}.items()
     }
 
 
@@ -299,3 +305,50 @@ def test_import_fails_loudly_without_the_surface(monkeypatch):
     monkeypatch.setitem(sys.modules, package.__name__ + ".dsa", None)
     with pytest.raises(ImportError, match=r"(?s)dsa.DSAIndexer is missing.*megatron-core==0\.19"):
         compat.check_megatron_core()
+
+
+# ------------------------------------------------------------------------- Megatron-Bridge
+
+
+def test_the_bridge_module_says_what_it_needs_where_bridge_does_not_import(monkeypatch):
+    """Without an importable Megatron-Bridge (here: none, or one that needs Transformer Engine),
+    importing the Bridge integration is one ImportError naming the release and the README
+    section; the rest of dsa_precision.megatron imports without it."""
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)
+    monkeypatch.delitem(sys.modules, "dsa_precision.megatron.bridge", raising=False)
+    with pytest.raises(ImportError, match=r"Megatron-Bridge 0\.6\.2.*'With Megatron-Bridge'"):
+        import dsa_precision.megatron.bridge  # noqa: F401
+    import dsa_precision.megatron as dsap
+
+    assert dsap.DSAPrecisionTransformerConfig is not None
+
+
+def test_the_bridge_surface_names_a_missing_name(monkeypatch):
+    """A Megatron-Bridge without a listed name: the check names it, the version and the fix (a
+    name of megatron-core stands in for the Bridge's, which does not import without TE)."""
+    monkeypatch.setattr(compat, "BRIDGE_CALLS", {"megatron.core.models.backends.NoSuch": ()})
+    real = compat.importlib.import_module
+    monkeypatch.setattr(  # "megatron.bridge imports"
+        compat.importlib,
+        "import_module",
+        lambda name: None if name == "megatron.bridge" else real(name),
+    )
+    monkeypatch.setattr(compat, "megatron_bridge_version", lambda: "9.9")
+    with pytest.raises(
+        ImportError,
+        match=r"(?s)installed 9\.9.*backends\.NoSuch is missing.*megatron-bridge==0\.6\.2",
+    ):
+        compat.check_megatron_bridge()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.bridge") is None
+    or importlib.util.find_spec("transformer_engine") is not None,
+    reason="needs Megatron-Bridge installed without Transformer Engine (make test's environment)",
+)
+def test_an_installed_bridge_without_transformer_engine_is_named(monkeypatch):
+    """``make test`` installs Megatron-Bridge; without TE it does not import, and the Bridge
+    module says which import failed instead of a traceback from inside the Bridge."""
+    monkeypatch.delitem(sys.modules, "dsa_precision.megatron.bridge", raising=False)
+    with pytest.raises(ImportError, match=r"does not import here \(No module named 'transformer_"):
+        import dsa_precision.megatron.bridge  # noqa: F401
