@@ -66,7 +66,7 @@ REPLAYED = {
 
 # Model options other scripts' argument namespaces may lack (tools/, replay_verify.py, the parity
 # runs): model_config reads them from here when absent.
-MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none", mlp="moe")
+MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none", mlp="moe", bridge=False)
 MLPS = ("moe", "dense")
 
 
@@ -103,6 +103,13 @@ def parse() -> argparse.Namespace:
         default=MODEL_DEFAULTS["mlp"],
         help="moe (default, the seed's model): Megatron's MoELayer, 8 routed experts (tiny 4), "
         "top-2, one shared expert; dense: one MLP of ffn_hidden_size",
+    )
+    p.add_argument(
+        "--bridge",
+        action="store_true",
+        help="build the model through Megatron-Bridge from the toy's Hugging Face GLM-5 config "
+        "(AutoBridge's GLM-5 provider, its MoE and TE's spec; examples/bridge_glm5.py); needs "
+        "megatron-bridge and Transformer Engine",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
@@ -169,6 +176,8 @@ def model_config(args, **overrides):
     import dsa_precision.megatron as dsap
 
     opts = {**MODEL_DEFAULTS, **vars(args)}
+    if opts["bridge"]:
+        return bridge_config(args, kernel_backend=opts["kernel_backend"], **overrides)
     if opts["mlp"] not in MLPS:
         raise ValueError(f"mlp={opts['mlp']!r}: the toy's MLP is one of {MLPS}.")
     tiny = args.tiny
@@ -210,6 +219,50 @@ def model_config(args, **overrides):
     return dsap.DSAPrecisionTransformerConfig(**fields)
 
 
+def bridge_config(args, *, kernel_backend: str, **overrides):
+    """The toy's model as Megatron-Bridge builds it: ``AutoBridge.from_hf_config`` of the toy's
+    GLM-5 config (``bridge_glm5.toy_hf_config``), one GPU's settings, the Megatron ``overrides``
+    set on the provider and the dsa-precision ones through ``dsa_precision_provider``; finalized."""
+    from bridge_glm5 import one_gpu, toy_hf_config
+    from megatron.bridge import AutoBridge
+
+    from dsa_precision.megatron.bridge import dsa_precision_provider
+    from dsa_precision.megatron.config import PRECISION_FIELDS
+
+    provider = AutoBridge.from_hf_config(
+        toy_hf_config(args.seq, args.topk, args.tiny)
+    ).to_megatron_provider(load_weights=False)
+    one_gpu(provider, args.seq)
+    provider.dsa_kernel_backend = kernel_backend
+    precision = {k: v for k, v in overrides.items() if k in PRECISION_FIELDS}
+    for name, value in overrides.items():
+        if name not in precision:
+            setattr(provider, name, value)
+    provider = dsa_precision_provider(provider, **{"dsa_indexer_engine": args.engine, **precision})
+    provider.finalize()
+    return provider
+
+
+def _bridge_model(args, provider, stock: bool):
+    """The Bridge provider's model (``stock``: the provider's own layer spec, Megatron's DSA
+    modules: the Bridge's stock model), BF16 parameters as the toy's."""
+    import dataclasses
+
+    from megatron.bridge.models.mla_provider import MLAModelProvider
+
+    if stock:
+        names = [f.name for f in dataclasses.fields(MLAModelProvider) if f.init]
+        provider = MLAModelProvider(**{name: getattr(provider, name) for name in names})
+        provider.transformer_layer_spec = provider.transformer_layer_spec.spec  # the Bridge's own
+        provider.finalize()
+    (model,) = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        mixed_precision_wrapper=None,
+        use_cpu_initialization=args.device == "cpu",
+    )
+    return model.to(args.device).bfloat16(), provider.vocab_size
+
+
 def build_model(args, config, *, stock: bool = False):
     """GPT model with the precision DSA modules (or, ``stock``, Megatron's own), seeded."""
     from megatron.core import tensor_parallel
@@ -220,6 +273,8 @@ def build_model(args, config, *, stock: bool = False):
     torch.manual_seed(args.seed)
     if args.device != "cpu":
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    if {**MODEL_DEFAULTS, **vars(args)}["bridge"]:
+        return _bridge_model(args, config, stock)
     spec = dsap.get_gpt_dsa_precision_block_spec(config)
     if stock:
         spec = _unswap(spec)

@@ -55,6 +55,25 @@ for step in "$@"; do
       grep -v "ptxas info\|bytes stack frame\|Compiling entry\|Function properties\|Used [0-9]* registers" \
         /root/flashmla/build.log 2> /dev/null | tail -60 > "$LOGS/flashmla_build_tail.log"
       export PYTHONPATH=/root/flashmla/FlashMLA:${PYTHONPATH:-} ;;
+    te)  # Transformer Engine 2.20.2 (CUDA 13) from .bigcarry/ (../shared/gpu/README.md, "Transformer
+      # Engine on the H200"): the joined wheel, then the torch extension built here (~105 s)
+      w=transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+      TAIL=5 run te_install 600 bash -c "bash .bigcarry/bin/join.sh $w \$HOME/te-wheel && \
+        python -m pip install --no-deps --no-index \$HOME/te-wheel/$w .bigcarry/te/*.whl && \
+        NVTE_FRAMEWORK=pytorch MAX_JOBS=16 NVTE_CUDA_ARCHS=90 python -m pip install --no-deps \
+        --no-index --no-build-isolation .bigcarry/te/transformer_engine_torch-2.20.2.tar.gz && \
+        python -c 'import transformer_engine.pytorch as te; print(\"TE\", te.__version__)'" ;;
+    bridge-wheels)  # Megatron-Bridge 0.6.2, transformers 5.12.1 and what they import, from the
+      # wheels in .gpu-extra/ (README, "With Megatron-Bridge"; the host reaches no registry)
+      TAIL=3 run bridge_wheels 300 bash -c 'python -m pip install --no-deps --no-index \
+        $(ls .gpu-extra/*/*.whl) && python -c "import transformers; print(transformers.__version__)"' ;;
+    bridge)  # issue 31: the Bridge tests (TE's spec), then the toy built by the Bridge (the four
+      # configurations, the default against the Bridge's stock model)
+      TAIL=30 run bridge_tests 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/gpu/test_bridge.py
+      TAIL=14 run toy_bridge 600 python examples/toy_glm5_train.py --bridge --steps 30 \
+        --share-steps 1 --stock-steps 3 --profile-steps 2 \
+        --configs baseline,rope_fp32,fp8,rope_fp32+fp8,replay --out "$LOGS/toy_bridge.json" ;;
     tests)
       TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
