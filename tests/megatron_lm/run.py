@@ -121,7 +121,8 @@ class Expected:
     ``node`` (a pytest node id without parameters) with parameters matching ``params`` (``None``:
     a test without parameters), going from ``stock`` to ``swapped``, with the failing side's
     message (the swapped one, or the stock one for a stock failure that the drop-ins pass)
-    matching ``message``; ``cuda``: only where the tests run with CUDA (``None``: anywhere).
+    matching ``message``; ``cuda``: only where the tests run with CUDA (``None``: anywhere);
+    ``te``: only where Transformer Engine is installed (``None``: either way).
     Anything else that differs, this test with another outcome or message included, is
     unexpected."""
 
@@ -133,14 +134,28 @@ class Expected:
     message: str
     reason: str
     cuda: bool | None = None
+    te: bool | None = None
 
-    def applies(self, fields: str, cuda: bool) -> bool:
-        return fields == self.fields and (self.cuda is None or self.cuda == cuda)
+    def applies(self, fields: str, cuda: bool, te: bool = False) -> bool:
+        return (
+            fields == self.fields
+            and (self.cuda is None or self.cuda == cuda)
+            and (self.te is None or self.te == te)
+        )
 
     def matches(
-        self, fields: str, test_id: str, stock: tuple, swapped: tuple, cuda: bool = False
+        self,
+        fields: str,
+        test_id: str,
+        stock: tuple,
+        swapped: tuple,
+        cuda: bool = False,
+        te: bool = False,
     ) -> bool:
-        if not self.applies(fields, cuda) or (stock[0], swapped[0]) != (self.stock, self.swapped):
+        if not self.applies(fields, cuda, te) or (stock[0], swapped[0]) != (
+            self.stock,
+            self.swapped,
+        ):
             return False
         node = junit_id(self.node)
         if self.params is None:
@@ -163,21 +178,31 @@ _BF16_FLOAT_REASON = (
     "path, which does not run into it, so the test passes"
 )
 
+_ROTATE_REASON = (
+    "the test counts the calls of Megatron's dsa.rotate_activation (patched by its module path), "
+    "a BF16-only Hadamard; with rope_fp32 the indexer applies the Hadamard in FP32 "
+    "(dsa_precision.hadamard.rotate_activation), so Megatron's function is called 0 times, not 2. "
+    "The rotation still follows the config field per forward: "
+    "tests/megatron/test_indexer.py::test_indexer_follows_megatrons_preprocessing_fields_per_call"
+)
+
 EXPECTED = (
-    Expected(
-        fields="rope_fp32",
-        node=EAV + "test_attention_variant_dsa.py::TestDSAIndexer::"
-        "test_dsa_indexer_rotate_activation_follows_config",
-        params=r"True-\d+",
-        stock="passed",
-        swapped="failed",
-        message=r"^AssertionError: assert 0 == 2$",
-        reason="the test counts the calls of Megatron's dsa.rotate_activation (patched by its "
-        "module path), a BF16-only Hadamard; with rope_fp32 the indexer applies the Hadamard in "
-        "FP32 (dsa_precision.hadamard.rotate_activation), so Megatron's "
-        "function is called 0 times, not 2. The rotation still follows the config field per "
-        "forward: tests/megatron/test_indexer.py::test_indexer_follows_megatrons_preprocessing_fields_per_call",
-        cuda=False,  # on a GPU stock fails it first (_BF16_FLOAT)
+    # Where stock passes it: on the CPU, and on a GPU with Transformer Engine (without TE, a GPU
+    # run of stock fails it first: _BF16_FLOAT).
+    *(
+        Expected(
+            fields="rope_fp32",
+            node=EAV + "test_attention_variant_dsa.py::TestDSAIndexer::"
+            "test_dsa_indexer_rotate_activation_follows_config",
+            params=r"True-\d+",
+            stock="passed",
+            swapped="failed",
+            message=r"^AssertionError: assert 0 == 2$",
+            reason=_ROTATE_REASON,
+            cuda=cuda,
+            te=te,
+        )
+        for cuda, te in ((False, None), (True, True))
     ),
     *(
         Expected(
@@ -189,6 +214,7 @@ EXPECTED = (
             message=_BF16_FLOAT,
             reason=_BF16_FLOAT_REASON,
             cuda=True,
+            te=False,  # with TE stock passes these too
         )
         for node, params in (
             ("TestDSAIndexer::test_dsa_indexer_forward", r"\d+"),
@@ -221,6 +247,7 @@ def compare(
     swapped: dict[str, tuple[str, str]],
     fields: str,
     cuda: bool = False,
+    te: bool = False,
 ) -> list[dict]:
     """Every test whose outcome differs, with ``expected``: the reason (:data:`EXPECTED`) or
     ``None``."""
@@ -231,7 +258,7 @@ def compare(
         b = swapped.get(test_id, ("absent", ""))
         if a[0] == b[0]:
             continue
-        reasons = [e.reason for e in EXPECTED if e.matches(fields, test_id, a, b, cuda)]
+        reasons = [e.reason for e in EXPECTED if e.matches(fields, test_id, a, b, cuda, te)]
         differing.append(
             {"test": test_id, "stock": a, "swapped": b, "expected": reasons[0] if reasons else None}
         )
@@ -239,7 +266,7 @@ def compare(
 
 
 def not_observed(
-    differing: list[dict], fields: str, ran: set[str], cuda: bool = False
+    differing: list[dict], fields: str, ran: set[str], cuda: bool = False, te: bool = False
 ) -> list[Expected]:
     """The :data:`EXPECTED` entries of ``fields`` (on this device) for files that ran that no
     difference matched."""
@@ -248,7 +275,7 @@ def not_observed(
     return [
         e
         for e in EXPECTED
-        if e.applies(fields, cuda) and e.node.split("::")[0] in ran and e.reason not in seen
+        if e.applies(fields, cuda, te) and e.node.split("::")[0] in ran and e.reason not in seen
     ]
 
 
@@ -445,9 +472,10 @@ def _cell(run: FileRun | None) -> str:
 
 def _probe_versions(env: dict[str, str]) -> dict[str, str]:
     code = (
-        "import json, dsa_precision, megatron.core as m; "
+        "import json, importlib.util, dsa_precision, megatron.core as m; "
         "import torch; print(json.dumps({'megatron_core': m.__version__, "
-        "'dsa_precision': dsa_precision.__file__, 'cuda': torch.cuda.is_available()}))"
+        "'dsa_precision': dsa_precision.__file__, 'cuda': torch.cuda.is_available(), "
+        "'transformer_engine': importlib.util.find_spec('transformer_engine') is not None}))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -548,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     versions = _probe_versions(env)
     cuda = bool(versions.get("cuda"))  # which EXPECTED entries apply
+    te = bool(versions.get("transformer_engine"))
     print(f"Megatron-LM tests: {args.megatron_lm} (commit {commit})")
     print(f"megatron-core / dsa_precision: {versions}")
     if package_root:
@@ -584,9 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs[(selection.path, mode)].tests,
                     fields,
                     cuda,
+                    te,
                 )
             ]
-            missing[mode] = not_observed(differing[mode], fields, ran, cuda)
+            missing[mode] = not_observed(differing[mode], fields, ran, cuda, te)
             _print_differences(mode, differing[mode], missing[mode])
 
     print("\ntests that ran (passed or failed) and built or used DSA modules, per class:")

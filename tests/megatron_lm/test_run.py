@@ -100,3 +100,18 @@ def test_the_expected_differences_not_seen_follow_the_device():
     assert [(e.node, e.params) for e in on_cpu] == [(_NODE, r"True-\d+")]
     assert (_NODE, r"True-\d+") not in {(e.node, e.params) for e in on_gpu}
     assert len(on_gpu) == 8 and all(e.cuda for e in on_gpu)
+
+
+def test_with_transformer_engine_the_gpu_expects_what_the_cpu_does():
+    """With TE installed stock passes the BF16 tests on a GPU too: their difference is not
+    expected there (nor reported missing), and the Hadamard one is, as on the CPU."""
+    ran = {_NODE.split("::")[0]}
+    with_te = run.not_observed([], "rope_fp32", ran, cuda=True, te=True)
+    assert [(e.node, e.params) for e in with_te] == [(_NODE, r"True-\d+")]
+    test = run.junit_id(_BF16_NODE)
+    (item,) = run.compare({test: _BF16_FAILED}, {test: ("passed", "")}, "rope_fp32", True, True)
+    assert item["expected"] is None
+    rotate = run.junit_id(_NODE + "[True-16]")
+    stock, swapped = {rotate: ("passed", "")}, {rotate: ("failed", "AssertionError: assert 0 == 2")}
+    assert run.compare(stock, swapped, "rope_fp32", cuda=True, te=True)[0]["expected"]
+    assert run.compare(stock, swapped, "rope_fp32", cuda=True, te=False)[0]["expected"] is None
