@@ -36,7 +36,8 @@ $(STAMP): pyproject.toml
 	$(CHECK_PYTHON)
 	@test -x $(VENV)/bin/python || "$(PYTHON)" -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[megatron,cudnn,plot,io,test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[megatron,cudnn,plot,io,bridge,test]'
+	$(VENV)/bin/python -m pip install --quiet --no-deps 'megatron-bridge==0.6.2'
 	@touch $@
 
 demo: $(STAMP)
