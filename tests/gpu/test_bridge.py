@@ -68,19 +68,8 @@ def glm5_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def parallel():
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29547")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    return parallel_state
+def parallel(megatron_parallel_gpu):
+    return megatron_parallel_gpu
 
 
 def _single_device(provider) -> None:

@@ -19,20 +19,9 @@ HIDDEN, Q_LORA, KV_LORA, ROPE, HEADS = 512, 128, 512, 64, 16
 
 
 @pytest.fixture(scope="module")
-def dsap():
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
+def dsap(megatron_parallel_gpu):
     import dsa_precision.megatron as dsap
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29541")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
     return dsap
 
 
