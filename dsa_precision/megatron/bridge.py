@@ -68,8 +68,22 @@ class DSAPrecisionMLAModelProvider(MLAModelProvider, DSAPrecisionTransformerConf
 
     def finalize(self) -> None:
         """Megatron's ``__post_init__`` as Bridge runs it, then the dsa-precision fields'
-        validation (one ``ValueError`` naming every field to fix)."""
+        validation (one ``ValueError`` naming every field to fix), with the RoPE rule of
+        :func:`dsa_precision_provider`."""
         super().finalize()
+        if (
+            self.dsa_indexer_rope_fp32
+            and self.rope_type == "yarn"
+            and self.rotary_scaling_factor == 1.0
+        ):
+            raise ValueError(
+                "dsa_indexer_rope_fp32=True with rope_type='yarn' and rotary_scaling_factor=1.0 "
+                "(Megatron-Bridge's GLM-5 provider, for a checkpoint whose RoPE is plain: HF "
+                "rope_parameters.rope_type='default'): the engines build plain RoPE tables for "
+                "it, and YaRN with factor 1 differs from them by rounding; set "
+                "provider.rope_type = 'rope' (the checkpoint's RoPE, for the whole model) before "
+                "finalize()."
+            )
         DSAPrecisionTransformerConfig.validate_dsa_precision(self)
 
 
@@ -142,16 +156,15 @@ def dsa_precision_provider(
     Raises:
         TypeError: ``provider`` is not an ``MLAModelProvider``, or a field is not a dsa-precision
             one.
-        ValueError: ``dsa_indexer_rope_fp32`` on a provider whose RoPE is YaRN with
-            ``rotary_scaling_factor=1`` (see below).
 
     The GLM-5 bridge of Megatron-Bridge 0.6.2 leaves ``rope_type`` at ``MLATransformerConfig``'s
     ``"yarn"`` with ``rotary_scaling_factor=1.0`` for a checkpoint whose RoPE is plain
     (``rope_parameters.rope_type="default"``; the engines build plain tables for it). YaRN with
     factor 1 is plain RoPE up to rounding, not bit for bit (one of the 32 inverse frequencies of a
     64-lane RoPE differs in float32), so with ``dsa_indexer_rope_fp32`` the engine's tables would
-    not be the ones the engine builds; this refuses it and names the fix (``provider.rope_type =
-    "rope"``, what the checkpoint says) instead of choosing silently.
+    not be the ones the engine builds: ``finalize()`` raises ``ValueError`` naming the fix
+    (``provider.rope_type = "rope"``, what the checkpoint says) instead of choosing silently,
+    whichever order the fields were set in.
     """
     if not isinstance(provider, MLAModelProvider):
         raise TypeError(
@@ -163,17 +176,6 @@ def dsa_precision_provider(
         raise TypeError(
             f"dsa_precision_provider() got {', '.join(unknown)}: only the dsa-precision fields "
             f"{PRECISION_FIELDS} are set here; set any other field on the provider."
-        )
-    rope_fp32 = fields.get(
-        "dsa_indexer_rope_fp32", getattr(provider, "dsa_indexer_rope_fp32", False)
-    )
-    if rope_fp32 and provider.rope_type == "yarn" and provider.rotary_scaling_factor == 1.0:
-        raise ValueError(
-            "dsa_indexer_rope_fp32=True on a provider with rope_type='yarn' and "
-            "rotary_scaling_factor=1.0 (Megatron-Bridge's GLM-5 provider, for a checkpoint whose "
-            "RoPE is plain: HF rope_parameters.rope_type='default'): the engines build plain RoPE "
-            "tables for it, and YaRN with factor 1 differs from them by rounding; set "
-            "provider.rope_type = 'rope' (the checkpoint's RoPE, for the whole model) first."
         )
     names = {f.name for f in dataclasses.fields(provider) if f.init}
     values = {name: getattr(provider, name) for name in names}

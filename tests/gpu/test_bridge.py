@@ -215,7 +215,7 @@ def test_the_provider_refuses_what_it_cannot_honour(glm5_checkpoint, parallel):
     # The GLM-5 bridge's RoPE: YaRN with factor 1 for a plain-RoPE checkpoint.
     assert (provider.rope_type, provider.rotary_scaling_factor) == ("yarn", 1.0)
     with pytest.raises(ValueError, match=r"provider\.rope_type = 'rope'"):
-        dsa_precision_provider(provider, **PRECISION)
+        dsa_precision_provider(provider, **PRECISION).finalize()
     provider.rope_type = "rope"
     ours = dsa_precision_provider(provider, **PRECISION)
     assert isinstance(ours, DSAPrecisionMLAModelProvider) and provider.transformer_layer_spec
