@@ -897,7 +897,7 @@ def _run_build_file(build_dir: Path, build_file: str) -> None:
             rule = line.split()[1]
         elif line.startswith("build "):
             out, _, rest = line[len("build ") :].partition(": ")
-            name, *inputs = rest.split(" ")
+            name, *inputs = re.split(r"(?<!\$) ", rest)  # "$ " is a space inside a path
             scope = {**variables, "out": _ninja_unescape(out, {}),
                      "in": " ".join(_ninja_unescape(i, {}) for i in inputs)}  # fmt: skip
             command = _ninja_unescape(rules[name], scope)
