@@ -19,6 +19,16 @@ Entry points build the engine's FP8 operands from the same BF16 projections as t
 :class:`~dsa_precision.oracles.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
 differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until an oracle runs.
 
+SGLang 0.5.23's fused indexer (``sglang/kernels/ops/attention/dsa/indexer_{k,q}.py``, the CUDA
+sources ``deepseek_v32/indexer_k.cuh`` and ``deepseek_v4/main_norm_rope.cuh`` with the headers
+they include) is JIT CUDA: its wrappers call SGLang's ``load_jit``, which this module replaces by
+SGLang's own build code (``jit/utils/{common,arch}.py``, ``jit/utils/compile/{paths,cpp_args,
+spec,toolchain,ninja}.py``, unmodified) less its build cache: the same wrapper translation unit,
+flags and ``build.ninja``, built by ninja (or the same commands) with the host's nvcc into
+:func:`sglang_jit_dir` and loaded by apache-tvm-ffi. Its stand-ins: ``sglang.srt.environ.envs``
+(every switch off), ``sglang.srt.utils.common.is_cuda``, ``msgspec.Struct`` (a dataclass).
+:data:`JIT_ORACLE_ENGINES` names the profile it serves (``sglang-fused``).
+
 The engines' RoPE tables come from their own rotary code the same way (:func:`engine_rope`):
 vLLM 0.33's ``RotaryEmbedding`` / ``DeepseekScalingRotaryEmbedding``
 (``vllm/model_executor/layers/rotary_embedding/{common,base,deepseek_scaling_rope}.py``), built
@@ -33,10 +43,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -55,9 +70,12 @@ from .training import IndexerFields, training_operands
 __all__ = [
     "ENGINE_FILES",
     "ENV_VAR",
+    "JIT_ORACLE_ENGINES",
     "KNOWN_SHA256",
     "ORACLE_ENGINES",
     "ROPE_ORACLES",
+    "SGLANG_JIT_DIR_VAR",
+    "SGLANG_K_NORM_EPS",
     "EngineKernelRun",
     "EngineRope",
     "engine_kernel_operands",
@@ -69,6 +87,9 @@ __all__ = [
     "operand_diff",
     "oracle_for",
     "package_operands",
+    "sglang_build",
+    "sglang_jit_dir",
+    "sglang_toolchain_reason",
 ]
 
 ENV_VAR = "DSA_ENGINE_KERNELS"
@@ -76,6 +97,33 @@ ENV_VAR = "DSA_ENGINE_KERNELS"
 # The files each oracle runs, relative to a root of ENV_VAR (the first one is the entry module).
 _VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
 _LMDEPLOY_ROPE = "lmdeploy/pytorch"
+_SGLANG = "sglang/kernels"
+_SGLANG_JIT = f"{_SGLANG}/jit"
+# SGLang's JIT utilities the oracle runs (in this order: each imports only the ones before it).
+_SGLANG_JIT_PY = (
+    "common",
+    "arch",
+    "compile/paths",
+    "compile/cpp_args",
+    "compile/spec",
+    "compile/toolchain",
+    "compile/ninja",
+)
+_SGLANG_HEADERS = (
+    "bits.h",
+    "deepseek_v4/fp4_utils.cuh",
+    "deepseek_v4/fp8_utils.cuh",
+    "deepseek_v4/kv_layout.cuh",
+    "math.cuh",
+    "source_location.h",
+    "tensor.h",
+    "tile.cuh",
+    "type.cuh",
+    "utils.cuh",
+    "utils.h",
+    "vec.cuh",
+    "warp.cuh",
+)
 ENGINE_FILES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm/models/deepseek_v32/common/kernels.py",),
     "lmdeploy": (
@@ -93,9 +141,23 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
         f"{_LMDEPLOY_ROPE}/backends/default/rotary_embedding.py",
         f"{_LMDEPLOY_ROPE}/nn/rotary_embedding.py",
     ),
+    # SGLang 0.5.23's fused DSA indexer (GLM-5, interleaved RoPE): the two Python wrappers that
+    # JIT-compile and call the CUDA kernels, the pure-Python half of SGLang's JIT build (how it
+    # composes the wrapper translation unit, its flags and its build.ninja), the two kernel
+    # sources and every header they include (nvcc -M). The loader's build cache (compile/
+    # cache.py) is not among them: the oracle keeps its own build folder (sglang_jit_dir).
+    "sglang": (
+        f"{_SGLANG}/ops/attention/dsa/indexer_k.py",
+        f"{_SGLANG}/ops/attention/dsa/indexer_q.py",
+        f"{_SGLANG}/ops/attention/dsv4/utils.py",
+        *(f"{_SGLANG_JIT}/utils/{name}.py" for name in _SGLANG_JIT_PY),
+        f"{_SGLANG_JIT}/csrc/deepseek_v32/indexer_k.cuh",
+        f"{_SGLANG_JIT}/csrc/deepseek_v4/main_norm_rope.cuh",
+        *(f"{_SGLANG_JIT}/include/sgl_kernel/{name}" for name in _SGLANG_HEADERS),
+    ),
 }
 
-# SHA-256 of the files as the wheels vllm-0.33.0 and lmdeploy-0.18.0 ship them.
+# SHA-256 of the files as the wheels vllm-0.33.0, lmdeploy-0.18.0 and sglang-0.5.23 ship them.
 KNOWN_SHA256: dict[str, str] = {
     "23be4ed95ae476fcb4193c4e253c19fdf4b5ae951c50fedf6a3299f4c25ba25a": "vllm 0.33.0",
     "d69da20cc7fabc39c3c2a63fe63d1d6fb7e133010dacde3dc03fe607af80b258": "lmdeploy 0.18.0",
@@ -106,6 +168,32 @@ KNOWN_SHA256: dict[str, str] = {
     "ab8efa0b54b081c9a8f398c0102136f70e0bc41196c6264f8b1996955b57ac64": "lmdeploy 0.18.0",
     "55b6799cff70465514d15be3d38e6c5c90dcb0e44b512ab4fb8168dfa9e05b07": "lmdeploy 0.18.0",
     "a4cde2277745f7af71fd6710993d7180adcb18ab82b4576415696b04b8c5ead6": "lmdeploy 0.18.0",
+    # sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl: ENGINE_FILES["sglang"], in order.
+    "d421f877d20799ab5f00fadf550fa33a36fb02bfa62ebf8194700254222d6f8d": "sglang 0.5.23",
+    "b5bf9d3384e6a0ff1e23d55653d4408663d900c277b6df46ec533f2135ee29dc": "sglang 0.5.23",
+    "14c23af783cf8c301b9a125f689fb97447574778de7c433263b0a656e6e051f8": "sglang 0.5.23",
+    "491cf8bec4102dcd9b4706c4d7202c6bd43f275be36c9f7a959cc89b156d62a3": "sglang 0.5.23",
+    "e9427faad6479e47623315c38705ee209e239f9e6212712746678cb27000552b": "sglang 0.5.23",
+    "bfa8a912174607c74237f1b5f45b0a87dc8da8b5f1f5be39868966787fae76e2": "sglang 0.5.23",
+    "84be4f6ab4b3a435a424e2762cf2f48c25ccf57119e6971e83f4856d779757c3": "sglang 0.5.23",
+    "f762d7d90adb2770988ab0d17b444496d9d611531ab136eb37b8c8707dd42b2f": "sglang 0.5.23",
+    "987d4eccaa7947fa15f070cfbabb1165e43076f619f9c84d99a8e3f3f61ea483": "sglang 0.5.23",
+    "082dff0b50a890f4987e1fb8caa0e0c6e77edfef766836ee4b17b5d3e514e218": "sglang 0.5.23",
+    "18b93a66c8d194a00c2c4010059839c9a1439d36292d834b62068e6e570987a5": "sglang 0.5.23",
+    "c4804fc56cb17e3c15b8635f264ba4c7e22ec3334657855d263cb112716705a7": "sglang 0.5.23",
+    "5bab56d2578d151d3224994eeeae0abb939c26a1ac1e84205a1c942dab9cd605": "sglang 0.5.23",
+    "dfe6a3b56809e9a3a1e6f36985aca51d25b5455cbe491031429e34b0b64137e9": "sglang 0.5.23",
+    "6b686494e4ee7ac6f12f972e1033837ff020d1629e833e06f57f304ed0c5f022": "sglang 0.5.23",
+    "4c6a1f9636a0d23e751910dacabb80a88d1d59dea129b20a92fea8863d9f0bea": "sglang 0.5.23",
+    "73e182466976d821f8ad89017fd2492c50ea456d5e7007d4e869cb6730568477": "sglang 0.5.23",
+    "300026cbeeabe03b10b0c46b70e2e85b19a743cbe9ff462faa1dff4268cf806e": "sglang 0.5.23",
+    "c66eba28e0f7661711947309c12014d2e880025c7d91ff8a7ac544d4ece60ce2": "sglang 0.5.23",
+    "692446727a0353f1eb0d7249f6564d2c79ee6c9066e2c61e2ab450014fb217b7": "sglang 0.5.23",
+    "4c72b0892e8d003490bdab2633056172a674bc6a9689be552861564c7aaf8edc": "sglang 0.5.23",
+    "18b0bb2e27dccc20d7509e8b6b6c16e2b57a5ce98be648865fb75059be8a13db": "sglang 0.5.23",
+    "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
+    "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
+    "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
 }
 
 # Engine profile -> the engine whose own rotary code builds its RoPE tables, and whether vLLM's
@@ -118,9 +206,14 @@ ROPE_ORACLES: dict[str, tuple[str, bool]] = {
 }
 
 # Engine profile -> the engine whose kernels serve it. Profiles absent here have no kernel that
-# runs on this setup (vllm-exact is no engine's path; vllm-legacy's kernels are vLLM 0.26-0.28;
-# SGLang's are JIT CUDA).
+# runs on this setup (vllm-exact is no engine's path; vllm-legacy's kernels are vLLM 0.26-0.28).
 ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
+# Profiles whose engine kernels are JIT CUDA (SGLang's, compiled by nvcc through SGLang's own
+# build code and loaded by apache-tvm-ffi): engine_kernel_operands runs them, but they are not in
+# ORACLE_ENGINES (so not the inference side of the comparisons, nor the default of the
+# conformance tools) until a GPU run has compared them: docs/numerics.md, section 8.5.
+# sglang-unfused has none yet (its path is six kernels and torch ops: section 8.6).
+JIT_ORACLE_ENGINES: dict[str, str] = {"sglang-fused": "sglang"}
 
 
 def _roots(root: str | os.PathLike | None = None) -> list[Path]:
@@ -149,6 +242,8 @@ def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | 
         if not where:
             return f"{ENV_VAR} is not set (docs/gpu-validation.md: the engine-kernel recipe)"
         return f"{where} holds no {' + '.join(ENGINE_FILES[engine])}"
+    if engine == "sglang":
+        return sglang_toolchain_reason()
     if not engine.endswith("-rope") and importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     return None
@@ -281,12 +376,14 @@ _LOADED: dict[tuple[str, tuple[Path, ...]], types.ModuleType] = {}
 
 
 def load_engine_kernels(
-    engine: str, root: str | os.PathLike | None = None
+    engine: str, root: str | os.PathLike | None = None, *, reason: str | None = ""
 ) -> tuple[types.ModuleType, str]:
     """The entry module of ``engine``'s kernels, loaded unmodified (cached per engine and files),
     and the release it is (its SHA-256 looked up); ``RuntimeError`` with the reason when the
-    files are missing."""
-    reason = missing_reason(engine, root)
+    files are missing. ``reason``: why the kernels cannot run, when the caller checked it
+    itself (``None``: they can; default: :func:`missing_reason`)."""
+    if reason == "":
+        reason = missing_reason(engine, root)
     if reason is not None:
         raise RuntimeError(f"the {engine} kernel oracle cannot run: {reason}.")
     files = kernel_files(engine, root)
@@ -295,14 +392,30 @@ def load_engine_kernels(
     if key not in _LOADED:
         if engine == "vllm":
             module = load_module(files[0], "_dsa_oracle_vllm_kernels", _vllm_stubs())
+        elif engine == "sglang":
+            module = _load_sglang(files)
         else:
             pkg = "lmdeploy.pytorch.kernels.cuda"
             module = load_module(
                 files[0], f"{pkg}.dsa_indexer_preprocess", _lmdeploy_stubs(files[0].parent)
             )
         _LOADED[key] = module
+    return _LOADED[key], _release(engine, files)
+
+
+def _release(engine: str, files: tuple[Path, ...]) -> str:
+    """The release the files are (their SHA-256 in :data:`KNOWN_SHA256`): the entry file's for
+    the Triton engines; for SGLang, whose every file is compiled or run, all of them, naming
+    those that are not the wheel's."""
+    if engine == "sglang":
+        digests = [_sha256(p) for p in files]
+        releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
+        pairs = zip(ENGINE_FILES[engine], digests, strict=True)
+        unknown = [f for f, d in pairs if d not in KNOWN_SHA256]
+        note = f"; not the wheel's: {' '.join(unknown)}" if unknown else ""
+        return f"{', '.join(releases)} ({len(files)} files{note})"
     digest = _sha256(files[0])
-    return _LOADED[key], f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
+    return f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
 
 
 # -------------------------------------------------------------------------- the engines' RoPE
@@ -561,15 +674,20 @@ def engine_kernel_operands(
     engine's own epsilon (``profile.k_norm_eps``: vLLM and LMDeploy hard-code 1e-6, whatever the
     model says). Runs where the tensors are (CUDA; the CPU under ``TRITON_INTERPRET=1``).
     """
-    engine = oracle_for(profile)
+    engine = oracle_for(profile) or JIT_ORACLE_ENGINES.get(profile.name)
     if engine is None:
         raise ValueError(
             f"engine profile {profile.name!r} has no kernel oracle here; the profiles with one: "
-            f"{sorted(ORACLE_ENGINES)}."
+            f"{sorted({**ORACLE_ENGINES, **JIT_ORACLE_ENGINES})}."
         )
     module, source = load_engine_kernels(engine, root)
-    run = _run_vllm if engine == "vllm" else _run_lmdeploy
+    run = {"vllm": _run_vllm, "lmdeploy": _run_lmdeploy, "sglang": _run_sglang}[engine]
     eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
+    if engine == "sglang":
+        # Indexer.__init__ builds LayerNorm(self.head_dim, dtype=...) with no eps: SGLang's
+        # LayerNorm default, 1e-6, whatever the checkpoint (srt/layers/layernorm.py:1019-1030,
+        # srt/layers/attention/dsa/dsa_indexer.py:378-385); the profile has k_norm_eps=None.
+        eps = SGLANG_K_NORM_EPS
     if rope is None:
         cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
     else:
@@ -650,6 +768,318 @@ def _run_lmdeploy(module, source, inputs, interleaved, eps, cos, sin) -> EngineK
     k8 = k_cache.reshape(-1, d)[:s].contiguous()
     ops = EngineOperands(q8, k8, k_s_cache.reshape(-1)[:s].contiguous(), q_scale)
     return EngineKernelRun(ops, "lmdeploy", source)
+
+
+# ----------------------------------------------------------------- SGLang's JIT CUDA kernels
+
+# SGLang's LayerNorm default epsilon: the DSA indexer builds its k_norm without one.
+SGLANG_K_NORM_EPS = 1e-6
+# Where the oracle builds SGLang's JIT modules (default: <tempdir>/dsa-sglang-jit).
+SGLANG_JIT_DIR_VAR = "DSA_SGLANG_JIT_DIR"
+# SGLang's index-K cache page (DSATokenToKVPool.index_page_size on CUDA): the store kernel's
+# template argument; each page holds 64 * 128 E4M3 bytes, then 64 float32 scales.
+_SGLANG_PAGE = 64
+
+
+def sglang_jit_dir() -> Path:
+    """The folder SGLang's JIT modules are built in (``DSA_SGLANG_JIT_DIR``, else a folder
+    under the system's temporary directory): one subfolder per module and build."""
+    value = os.environ.get(SGLANG_JIT_DIR_VAR)
+    return Path(value) if value else Path(tempfile.gettempdir()) / "dsa-sglang-jit"
+
+
+def _sglang_cuda_home() -> str:
+    """The CUDA root as SGLang's toolchain resolves it (``compile/toolchain.py`` ``cuda_home``)."""
+    configured = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if configured is not None:
+        return configured
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(nvcc)) if nvcc is not None else "/usr/local/cuda"
+
+
+def sglang_toolchain_reason(*, need_device: bool = True) -> str | None:
+    """Why SGLang's JIT kernels cannot be built (or, with ``need_device``, run) here, or
+    ``None``: apache-tvm-ffi (its headers, ``libtvm_ffi`` and ``load_module``), the nvcc and
+    host C++ compiler SGLang's build invokes, a CUDA device."""
+    if importlib.util.find_spec("tvm_ffi") is None:
+        return "apache-tvm-ffi is not installed (the GPU bundle ships 0.1.15.post2)"
+    nvcc = Path(_sglang_cuda_home()) / "bin" / "nvcc"
+    if not nvcc.is_file():
+        return (
+            f"no nvcc at {nvcc} (SGLang's JIT build: CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+        )
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no host C++ compiler {cxx!r} (SGLang links its modules with $CXX, default c++)"
+    if need_device and not torch.cuda.is_available():
+        return "SGLang's indexer kernels run on CUDA only"
+    return None
+
+
+class _MsgspecStruct:
+    """``msgspec.Struct`` as SGLang's ``compile/spec.py`` uses it: a record of its annotated
+    fields, frozen when the class says so (a dataclass; msgspec adds nothing the build reads)."""
+
+    def __init_subclass__(cls, frozen: bool = False, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        dataclasses.dataclass(frozen=frozen)(cls)
+
+
+class _SglangEnvs:
+    """``sglang.srt.environ.envs`` for the JIT build: every switch it reads (only
+    ``SGLANG_JIT_LOG_RESOURCE_USAGE`` on CUDA) at its default, off."""
+
+    def __getattr__(self, name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(get=lambda: False, is_set=lambda: False)
+
+
+def _sglang_stubs(root: Path) -> dict[str, types.ModuleType]:
+    jit = root / _SGLANG_JIT
+    stubs = {
+        "msgspec": _package("msgspec", Struct=_MsgspecStruct),
+        "sglang": _package("sglang"),
+        "sglang.srt": _package("sglang.srt"),
+        "sglang.srt.environ": _package("sglang.srt.environ", envs=_SglangEnvs()),
+        "sglang.srt.utils": _package("sglang.srt.utils"),
+        "sglang.srt.utils.common": _package(
+            "sglang.srt.utils.common",
+            is_cuda=lambda: torch.version.cuda is not None,
+            get_cuda_version=lambda: tuple(
+                int(v) for v in (torch.version.cuda or "0.0").split(".")
+            ),
+        ),
+        "sglang.kernels": _package("sglang.kernels"),
+        # The real folder: compile/paths.py finds include/ and csrc/ beside this package's origin.
+        "sglang.kernels.jit": _package("sglang.kernels.jit", jit),
+        "sglang.kernels.jit.utils": _package("sglang.kernels.jit.utils", jit / "utils"),
+        "sglang.kernels.jit.utils.compile": _package(
+            "sglang.kernels.jit.utils.compile", jit / "utils/compile"
+        ),
+    }
+    stubs["sglang.kernels.jit"].__spec__ = importlib.machinery.ModuleSpec(
+        "sglang.kernels.jit", None, origin=os.fspath(jit / "__init__.py")
+    )
+    for name in ("ops", "ops.attention", "ops.attention.dsa", "ops.attention.dsv4"):
+        full = f"sglang.kernels.{name}"
+        stubs[full] = _package(full, root / "sglang/kernels" / name.replace(".", "/"))
+    return stubs
+
+
+def _ninja_unescape(text: str, scope: Mapping[str, str]) -> str:
+    """A ninja value with its ``$`` escapes and ``$name`` / ``${name}`` variables expanded."""
+
+    def sub(match: re.Match) -> str:
+        token = match.group(1)
+        if token in ("$", " ", ":"):
+            return token
+        return scope.get(token.strip("{}"), "")
+
+    return re.sub(r"\$(\$| |:|\{\w+\}|\w+)", sub, text)
+
+
+def _run_build_file(build_dir: Path, build_file: str) -> None:
+    """Run the ``build.ninja`` SGLang generated (``compile/ninja.py``: variables, the rules
+    ``compile_cxx`` / ``compile_cuda`` / ``link``, builds in dependency order) where no ninja
+    is installed: each build's rule command, expanded as ninja expands it, in the file's order."""
+    variables: dict[str, str] = {}
+    rules: dict[str, str] = {}
+    rule = None
+    for line in build_file.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("  ") and rule is not None:
+            key, _, value = line.strip().partition(" = ")
+            if key == "command":
+                rules[rule] = value
+            continue
+        rule = None
+        if line.startswith("rule "):
+            rule = line.split()[1]
+        elif line.startswith("build "):
+            out, _, rest = line[len("build ") :].partition(": ")
+            name, *inputs = re.split(r"(?<!\$) ", rest)  # "$ " is a space inside a path
+            scope = {**variables, "out": _ninja_unescape(out, {}),
+                     "in": " ".join(_ninja_unescape(i, {}) for i in inputs)}  # fmt: skip
+            command = _ninja_unescape(rules[name], scope)
+            done = subprocess.run(
+                command, shell=True, cwd=build_dir, capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"SGLang JIT build step failed in {build_dir}: {command}\n{done.stdout}"
+                    f"\n{done.stderr}"
+                )
+        elif " = " in line and not line.startswith("default "):
+            key, _, value = line.partition(" = ")
+            variables[key.strip()] = _ninja_unescape(value, variables)
+
+
+class _SglangJit:
+    """SGLang's ``load_jit`` (``compile/loader.py``) on CUDA, with SGLang's own code for every
+    step that reaches the compiler: the ``BuildSpec`` it composes (``DEFAULT_CFLAGS``, the
+    target flags of ``arch.get_default_target_flags``, ``DEFAULT_INCLUDE``), the wrapper
+    translation unit and the ``build.ninja`` (``spec.py``, ``ninja.generate``), built by
+    ``ninja.build`` (or, with no ninja installed, the same commands) and loaded by
+    ``tvm_ffi.load_module``. Only SGLang's build cache (``compile/cache.py``) is replaced: one
+    folder per build under :func:`sglang_jit_dir`, keyed by the build file, the generated
+    sources and the SHA-256 of the files."""
+
+    def __init__(self, modules: Mapping[str, types.ModuleType], files_key: str) -> None:
+        self.m = modules
+        self.files_key = files_key
+        self.built: list[Path] = []
+
+    def load_jit(
+        self,
+        *args: str,
+        cpp_files: list[str] | None = None,
+        cuda_files: list[str] | None = None,
+        cpp_wrappers: list[tuple[str, str]] | None = None,
+        cuda_wrappers: list[tuple[str, str]] | None = None,
+        extra_cflags: list[str] | None = None,
+        extra_cuda_cflags: list[str] | None = None,
+        extra_ldflags: list[str] | None = None,
+        extra_include_paths: list[str] | None = None,
+        extra_dependencies: list[str] | None = None,
+        header_only: bool = True,
+    ) -> Any:
+        if extra_dependencies:
+            raise NotImplementedError(f"SGLang JIT dependencies {extra_dependencies} (cutlass...)")
+        paths, spec_mod = self.m["compile/paths"], self.m["compile/spec"]
+        spec = spec_mod.BuildSpec(
+            module_args=tuple(str(arg) for arg in args),
+            cpp_files=spec_mod.resolve_sources(cpp_files),
+            cuda_files=spec_mod.resolve_sources(cuda_files),
+            cpp_wrappers=tuple(cpp_wrappers or ()),
+            cuda_wrappers=tuple(cuda_wrappers or ()),
+            cflags=tuple(paths.DEFAULT_CFLAGS + (extra_cflags or [])),
+            cuda_cflags=tuple(
+                self.m["arch"].get_default_target_flags() + (extra_cuda_cflags or [])
+            ),
+            ldflags=tuple(paths.DEFAULT_LDFLAGS + (extra_ldflags or [])),
+            include_paths=tuple(list(paths.DEFAULT_INCLUDE) + (extra_include_paths or [])),
+            header_only=header_only,
+        )
+        ninja = self.m["compile/ninja"]
+        build_file = ninja.generate(spec)
+        key = hashlib.sha256(self.files_key.encode())
+        key.update(build_file.encode())
+        for unit in spec.translation_units():
+            key.update((unit.source or unit.filename).encode())
+        final = sglang_jit_dir() / f"{spec.module_name}-{key.hexdigest()[:16]}"
+        library = final / f"{spec.module_name}.so"
+        if not library.is_file():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
+            try:
+                if shutil.which("ninja") is not None:
+                    ninja.build(spec=spec, build_dir=staging, build_file=build_file)
+                else:
+                    for unit in spec.translation_units():  # what ninja.build writes first
+                        if unit.source is not None:
+                            (staging / unit.filename).write_text(unit.source)
+                    (staging / "build.ninja").write_text(build_file)
+                    _run_build_file(staging, build_file)
+                with contextlib.suppress(OSError):  # a concurrent build may have won
+                    staging.rename(final)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        self.built.append(library)
+        from tvm_ffi import load_module as tvm_load_module
+
+        return tvm_load_module(os.fspath(library))
+
+
+def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
+    """SGLang's indexer wrappers and JIT build code, loaded unmodified with the stand-ins."""
+    root = files[0].parents[5]  # the folder holding sglang/
+    stubs = _sglang_stubs(root)
+    modules: dict[str, types.ModuleType] = {}
+    for rel in _SGLANG_JIT_PY:
+        name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
+        modules[rel] = stubs[name] = load_module(
+            root / _SGLANG_JIT / "utils" / f"{rel}.py", name, stubs
+        )
+        parent, _, leaf = name.rpartition(".")
+        setattr(stubs[parent], leaf, modules[rel])
+    files_key = " ".join(_sha256(p) for p in files)
+    jit = _SglangJit(modules, files_key)
+    # sglang/kernels/jit/utils/__init__.py's public names the indexer wrappers import; its
+    # load_jit is SGLang's loader less its cache (_SglangJit).
+    stubs["sglang.kernels.jit.utils"].__dict__.update(
+        cache_once=modules["common"].cache_once,
+        is_arch_support_pdl=modules["arch"].is_arch_support_pdl,
+        make_cpp_args=modules["compile/cpp_args"].make_cpp_args,
+        load_jit=jit.load_jit,
+    )
+    dsv4 = "sglang.kernels.ops.attention.dsv4.utils"
+    stubs[dsv4] = load_module(root / f"{_SGLANG}/ops/attention/dsv4/utils.py", dsv4, stubs)
+    dsa = "sglang.kernels.ops.attention.dsa"
+    out = types.ModuleType("_dsa_oracle_sglang")
+    out.jit, out.arch = jit, modules["arch"]
+    for stem in ("indexer_k", "indexer_q"):
+        setattr(out, stem, load_module(root / f"{_SGLANG}/ops/attention/dsa/{stem}.py",
+                                       f"{dsa}.{stem}", stubs))  # fmt: skip
+    return out
+
+
+def sglang_build(
+    root: str | os.PathLike | None = None, *, capability: tuple[int, int] | None = None
+) -> list[Path]:
+    """Build SGLang's fused indexer modules (the k store kernel and the q kernel, BF16, as the
+    indexer instantiates them) through SGLang's own JIT code, without running them; the shared
+    libraries. ``capability``: compile for that SM (``(9, 0)``: ``sm_90a``, as SGLang on an H200)
+    instead of the local GPU's, e.g. on a machine without one. Needs nvcc and apache-tvm-ffi."""
+    reason = missing_reason("sglang", root)
+    if capability is not None and kernel_files("sglang", root) is not None:
+        reason = sglang_toolchain_reason(need_device=False)
+    module, _ = load_engine_kernels("sglang", root, reason=reason)
+    context = (
+        module.arch.override_jit_cuda_arch(*capability)
+        if capability is not None
+        else contextlib.nullcontext()
+    )
+    start = len(module.jit.built)
+    with context:
+        module.indexer_k._jit_k_indexer_norm_rope_store_module(torch.bfloat16, _SGLANG_PAGE)
+        module.indexer_q._jit_main_q_indexer_rope_first_quant_module(torch.bfloat16)
+    return module.jit.built[start:]
+
+
+def _run_sglang(module, source, inputs, interleaved, eps, cos, sin) -> EngineKernelRun:
+    """SGLang 0.5.23's fused path (``Indexer._fused_q_prepare_and_store``, one stream): the
+    k store kernel writes the index-K cache, the q kernel returns E4M3 q and folded weights."""
+    if not interleaved:
+        raise ValueError(
+            "SGLang's fused indexer serves interleaved indexer RoPE only (use_dsa_indexer_fusion "
+            "= _is_cuda and ... and not is_neox_style); a NeoX model takes its unfused path."
+        )
+    s, h, d = inputs.seq_len, inputs.n_heads, inputs.head_dim
+    device = inputs.q.device
+    # The rotary embedding's float32 cos_sin_cache [max_pos, rope_dim]: [cos..., sin...].
+    cache = torch.cat((cos, sin), dim=-1).float().contiguous()
+    positions = torch.arange(s, dtype=torch.int64, device=device)
+    # wk_weights_proj: one BF16 GEMM output [S, D + H]; key and weights_raw are its two slices
+    # (kw.split([head_dim, n_heads], dim=-1)), passed strided as SGLang passes them.
+    kw = torch.cat((inputs.k[:, 0], inputs.w[:, 0]), dim=-1)
+    key, weights_raw = kw.split([d, h], dim=-1)
+    norm = inputs.k_norm
+    n_pages = -(-s // _SGLANG_PAGE)
+    k_cache = torch.zeros(n_pages, (d + 4) * _SGLANG_PAGE, dtype=torch.uint8, device=device)
+    module.indexer_k.fused_k_indexer_norm_rope_store(
+        key, k_cache, positions.clone(), norm.weight.detach().float().contiguous(),
+        norm.bias.detach().float().contiguous(), eps, cache, positions, _SGLANG_PAGE,
+    )  # fmt: skip
+    k8 = k_cache[:, : _SGLANG_PAGE * d].reshape(n_pages * _SGLANG_PAGE, d)[:s]
+    k_descale = k_cache[:, _SGLANG_PAGE * d :].contiguous().view(torch.float32).reshape(-1)[:s]
+    q_scale_gate = d**-0.5 * h**-0.5  # self.softmax_scale * self.n_heads**-0.5, Python floats
+    q8, w = module.indexer_q.fused_q_indexer_rope_first_quant(
+        inputs.q[:, 0].contiguous(), weights_raw, q_scale_gate, cache, positions
+    )
+    ops = EngineOperands(
+        q8, k8.contiguous().view(torch.float8_e4m3fn), k_descale.contiguous(), w.reshape(s, h)
+    )
+    return EngineKernelRun(ops, "sglang", source)
 
 
 def package_operands(

@@ -311,6 +311,36 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diff)
 
 
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("name", ["sglang-fused", "sglang-unfused"])
+def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
+    """SGLang 0.5.23's own indexer kernels, JIT-compiled by this host's nvcc through SGLang's
+    build code and loaded by tvm-ffi (dsa_precision.oracles.engine_kernels, JIT_ORACLE_ENGINES),
+    against the package's fused kernel and torch reference with the profile: every q / k byte,
+    k descale and folded weight. sglang-fused: the fused path (GLM-5, interleaved RoPE) that
+    SGLang takes on CUDA; docs/numerics.md 8.5 lists the differences its PTX predicts (float32
+    LayerNorm with contractions, RoPE's products). sglang-unfused has no runner yet (8.6)."""
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+
+    profile = ENGINE_PROFILES[name]
+    engine = ek.JIT_ORACLE_ENGINES.get(name)
+    if engine is None:
+        pytest.skip(f"no SGLang kernel runner for {name} yet (docs/numerics.md, section 8.6)")
+    reason = _engine_kernels_reason(engine)
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=2).to(DEV)
+    run = ek.engine_kernel_operands(inputs, profile, interleaved=True)
+    diffs = {}
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=True, impl=impl)
+        diffs[impl] = ek.operand_diff(ours, run.operands)
+    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
+    for impl, diff in diffs.items():
+        assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
+
+
 def test_packed_angles_from_device_lengths_never_wait_for_the_host():
     """cu_seqlens on the device: the per-token angles are gathered without reading it."""
     from dsa_precision.preprocess import thd_token_freqs

@@ -44,8 +44,8 @@ def test_kernel_files_take_the_first_root_that_holds_them(tmp_path, monkeypatch)
     assert files == (full / ek.ENGINE_FILES["vllm"][0],)
     assert ek.kernel_files("lmdeploy") is None
     assert "holds no lmdeploy/pytorch/kernels/cuda" in ek.missing_reason("lmdeploy")
-    with pytest.raises(ValueError, match="engine='sglang' has no kernel oracle"):
-        ek.kernel_files("sglang")
+    with pytest.raises(ValueError, match="engine='sglang-unfused' has no kernel oracle"):
+        ek.kernel_files("sglang-unfused")
 
 
 def test_missing_reason_names_the_variable(monkeypatch):
@@ -57,7 +57,8 @@ def test_missing_reason_names_the_variable(monkeypatch):
 
 def test_profiles_without_an_engine_kernel_are_refused():
     assert ek.oracle_for(ENGINE_PROFILES["vllm"]) == "vllm"
-    assert ek.oracle_for(ENGINE_PROFILES["sglang-fused"]) is None
+    assert ek.oracle_for(ENGINE_PROFILES["sglang-fused"]) is None  # JIT CUDA, not yet compared
+    assert ek.JIT_ORACLE_ENGINES == {"sglang-fused": "sglang"}
     with pytest.raises(ValueError, match="'vllm-exact' has no kernel oracle"):
         ek.engine_kernel_operands(None, ENGINE_PROFILES["vllm-exact"], interleaved=False)
 
@@ -93,3 +94,96 @@ def test_operand_diff_counts_bytes():
     assert diff["weights_differ"] == 1 and diff["k_differ"] == diff["k_descale_differ"] == 0
     with pytest.raises(ValueError, match="operand k"):
         ek.operand_diff(a, EngineOperands(a.q, a.k[:2], a.k_descale, a.weights))
+
+
+# ------------------------------------------------------------------ SGLang's JIT CUDA kernels
+
+SGLANG_WHEEL_FILES = ek.kernel_files("sglang")  # DSA_ENGINE_KERNELS at collection, or None
+needs_sglang_files = pytest.mark.skipif(
+    SGLANG_WHEEL_FILES is None,
+    reason=f"{ek.ENV_VAR} holds no SGLang 0.5.23 files (docs/gpu-validation.md recipe)",
+)
+
+
+def test_sglang_files_that_are_not_the_wheels_are_named(tmp_path):
+    files = tuple(_tree(tmp_path, "sglang", text="// not SGLang's\n") / f for f in
+                  ek.ENGINE_FILES["sglang"])  # fmt: skip
+    source = ek._release("sglang", files)
+    assert source.startswith(f"unknown release ({len(files)} files; not the wheel's: ")
+    assert source.endswith(" ".join(ek.ENGINE_FILES["sglang"]) + ")")
+    assert sum(v == "sglang 0.5.23" for v in ek.KNOWN_SHA256.values()) == len(files)
+
+
+@needs_sglang_files
+def test_sglang_wheel_files_are_recognised():
+    assert ek._release("sglang", SGLANG_WHEEL_FILES) == (
+        f"sglang 0.5.23 ({len(ek.ENGINE_FILES['sglang'])} files)"
+    )
+
+
+def test_sglang_toolchain_reason_names_what_is_missing(monkeypatch, tmp_path):
+    if importlib.util.find_spec("tvm_ffi") is None:
+        assert ek.sglang_toolchain_reason().startswith("apache-tvm-ffi is not installed")
+        return
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert ek.sglang_toolchain_reason() == (
+        f"no nvcc at {tmp_path}/bin/nvcc (SGLang's JIT build: CUDA_HOME, CUDA_PATH, PATH, "
+        "/usr/local/cuda)"
+    )
+
+
+def test_the_build_file_runs_without_ninja(tmp_path):
+    """The fallback for hosts without ninja runs SGLang's build.ninja as ninja would: variables
+    and $in / $out expanded, $$ and quoted paths kept, builds in order."""
+    (tmp_path / "a b.txt").write_text("x")
+    build = "\n".join([
+        "ninja_required_version = 1.3",
+        "cp = cp",
+        "flags = -p",
+        "ldflags = $flags",
+        "",
+        "rule compile_cuda",
+        "  depfile = $out.d",
+        '  command = $cp $flags "$in" "$out" && echo $$HOME-ok > "$out.d"',
+        "",
+        "rule link",
+        '  command = cat $in > "$out" && echo $ldflags >> "$out"',
+        "",
+        "build one.o: compile_cuda a$ b.txt",
+        "",
+        "build lib.so: link one.o",
+        "",
+        "default lib.so",
+    ])  # fmt: skip
+    ek._run_build_file(tmp_path, build)
+    assert (tmp_path / "lib.so").read_text() == "x-p\n"
+    assert (tmp_path / "one.o.d").read_text().strip() == f"{os.environ['HOME']}-ok"
+    with pytest.raises(RuntimeError, match="SGLang JIT build step failed"):
+        ek._run_build_file(tmp_path, "rule link\n  command = false\nbuild x: link y\n")
+
+
+def test_sglang_fused_path_refuses_neox():
+    with pytest.raises(ValueError, match="interleaved indexer RoPE only"):
+        ek._run_sglang(None, "", None, False, 1e-6, None, None)
+
+
+@needs_sglang_files
+@pytest.mark.skipif(
+    ek.sglang_toolchain_reason(need_device=False) is not None,
+    reason=str(ek.sglang_toolchain_reason(need_device=False)),
+)
+def test_sglang_kernels_build_for_sm90a_through_sglangs_own_build_code(tmp_path, monkeypatch):
+    """SGLang's wrappers and JIT build code, unmodified, compile and link the fused indexer's two
+    modules for sm_90a with the local nvcc and load them with tvm-ffi (no GPU needed); the
+    engine's imports are stand-ins only while loading."""
+    monkeypatch.setenv(ek.SGLANG_JIT_DIR_VAR, str(tmp_path))
+    libs = ek.sglang_build(capability=(9, 0))
+    names = sorted(p.name for p in libs)
+    assert names == [
+        "sgl_kernel_jit_dpsk_v32_k_indexer_norm_rope_store_p64_bf16_t_true_64.so",
+        "sgl_kernel_jit_dpsk_v4_main_q_indexer_rope_first_quant_bf16_t_true_true_false.so",
+    ]
+    build = (libs[0].parent / "build.ninja").read_text()
+    assert "-gencode=arch=compute_90a,code=sm_90a -DSGL_CUDA_ARCH=900 -std=c++20 -O3 " in build
+    assert "--expt-relaxed-constexpr" in build and "fast_math" not in build
+    assert not any(n.split(".")[0] in {"sglang", "msgspec"} for n in sys.modules)
