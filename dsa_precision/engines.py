@@ -352,7 +352,9 @@ _SGLANG_FP32_RULE = Fp8Rule(
 # reciprocal; tl.max promotes the BF16 amax to float32 first, so the floor is fl32(1e-6) against a
 # float32 amax (PTX: max.f32 with 0f358637BD).
 _LMDEPLOY_RULE = Fp8Rule(amax_floor=1e-6, scale_ratio="reciprocal", scale_apply="reciprocal")
-# vLLM 0.33 and LMDeploy 0.18 build the indexer key LayerNorm with eps=1e-6 whatever the model.
+# vLLM 0.33, LMDeploy 0.18 and SGLang 0.5.23 build the indexer key LayerNorm with eps=1e-6
+# whatever the model (SGLang: its LayerNorm's default, the indexer passes none;
+# srt/layers/layernorm.py:1019-1030, srt/layers/attention/dsa/dsa_indexer.py:378-385).
 _ENGINE_K_NORM_EPS = 1e-6
 
 
@@ -430,6 +432,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         q_quant=_SGLANG_FP32_RULE,
         k_quant=_SGLANG_FP32_RULE,
         weights_fold=("DsHs", "qs"),
+        k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
     EngineProfile(
         name="sglang-unfused",
@@ -448,6 +451,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         weights_dtype="fp32",
         weights_fold=("Hs", "qs", "Ds"),
         hadamard_scale="float32",
+        k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
     EngineProfile(
         name="lmdeploy",

@@ -686,7 +686,7 @@ def engine_kernel_operands(
     if engine == "sglang":
         # Indexer.__init__ builds LayerNorm(self.head_dim, dtype=...) with no eps: SGLang's
         # LayerNorm default, 1e-6, whatever the checkpoint (srt/layers/layernorm.py:1019-1030,
-        # srt/layers/attention/dsa/dsa_indexer.py:378-385); the profile has k_norm_eps=None.
+        # srt/layers/attention/dsa/dsa_indexer.py:378-385), as the sglang profiles say.
         eps = SGLANG_K_NORM_EPS
     if rope is None:
         cos, sin = _cos_sin(inputs, profile.cos_sin_dtype)
