@@ -1016,7 +1016,7 @@ def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
     stubs[dsv4] = load_module(root / f"{_SGLANG}/ops/attention/dsv4/utils.py", dsv4, stubs)
     dsa = "sglang.kernels.ops.attention.dsa"
     out = types.ModuleType("_dsa_oracle_sglang")
-    out.jit, out.arch = jit, modules["arch"]
+    out.__dict__.update(jit=jit, arch=modules["arch"])
     for stem in ("indexer_k", "indexer_q"):
         setattr(out, stem, load_module(root / f"{_SGLANG}/ops/attention/dsa/{stem}.py",
                                        f"{dsa}.{stem}", stubs))  # fmt: skip
