@@ -1,0 +1,85 @@
+"""Build vLLM 0.28.0's ``indexer_k_quant_and_cache`` (csrc/libtorch_stable/cache_kernels.cu,
+unmodified) with ``binding.cpp`` into ``OUT/dsa_vllm_legacy.so`` (``torch.ops.dsa_vllm_legacy``).
+
+    python3 build.py VLLM_SOURCE_ROOT OUT [--no-smoke]
+
+The flags are vLLM's for that file (CMakeLists.txt ``_C_stable_libtorch``): torch's common nvcc
+flags without the four ``__CUDA_NO_*`` defines (vLLM removes them for CUDA 12+),
+``-DENABLE_FP8``, ``USE_CUDA``, ``TORCH_TARGET_VERSION`` 2.11, no fast math; sm_90a only.
+Building and loading need no GPU; the smoke test (skipped by ``--no-smoke``) runs the op once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "dsa_vllm_legacy"
+KERNEL = "csrc/libtorch_stable/cache_kernels.cu"
+DEFINES = ["-DENABLE_FP8", "-DUSE_CUDA", "-DTORCH_TARGET_VERSION=0x020B000000000000ULL", "-DNDEBUG"]
+UNDEFINES = [
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+]
+GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
+
+
+def build(vllm: Path, out: Path) -> Path:
+    """Compile, link and load the extension (loading needs no GPU); its path."""
+    from torch.utils import cpp_extension
+
+    out.mkdir(parents=True, exist_ok=True)
+    sources = [str(Path(__file__).with_name("binding.cpp")), str(vllm / KERNEL)]
+    cpp_extension.load(
+        name=NAME,
+        sources=sources,
+        extra_include_paths=[str(vllm / "csrc")],
+        extra_cflags=["-O3", *DEFINES],
+        extra_cuda_cflags=["-O3", *DEFINES, *UNDEFINES, *GENCODE],
+        # vLLM links the driver too (cmake/utils.cmake:655): swap_blocks_batch, in the same
+        # file, resolves cuMemcpyBatchAsync through cuGetProcAddress.
+        extra_ldflags=[f"-L{cpp_extension.CUDA_HOME}/lib64/stubs", "-lcuda"],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=True,
+    )
+    return out / f"{NAME}.so"
+
+
+def smoke(library: Path) -> None:
+    """One call on a random BF16 key: the E4M3 bytes and scales, against the formula in torch."""
+    import torch
+
+    torch.ops.load_library(str(library))
+    s, d, block = 70, 128, 64
+    k = (torch.randn(s, d, device="cuda") * 3).to(torch.bfloat16)
+    cache = torch.zeros(2, block, d + 4, dtype=torch.uint8, device="cuda")
+    slots = torch.arange(s, device="cuda")
+    torch.ops.dsa_vllm_legacy.indexer_k_quant_and_cache(k, cache, slots, 128, "ue8m0")
+    flat = cache.view(2, block * (d + 4))
+    k8 = flat[:, : block * d].reshape(-1, d)[:s]
+    scale = flat[:, block * d :].contiguous().view(torch.float32).reshape(-1)[:s]
+    a = k.float().abs().amax(-1).clamp_min(torch.tensor(1e-4, dtype=torch.float32)) / 448.0
+    want_scale = torch.exp2(torch.ceil(torch.log2(a)))
+    want = (k.float() / want_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    print(f"{library}: {int((k8 != want).sum())} of {k8.numel()} bytes and "
+          f"{int((scale != want_scale).sum())} of {s} scales differ from the formula in torch")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("vllm", type=Path, help="the extracted vllm-0.28.0 folder")
+    parser.add_argument("out", type=Path, help="build folder (the library goes there)")
+    parser.add_argument("--no-smoke", action="store_true", help="skip the GPU smoke test")
+    args = parser.parse_args(argv)
+    library = build(args.vllm.resolve(), args.out.resolve())
+    if not args.no_smoke:
+        smoke(library)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
