@@ -12,6 +12,7 @@ Building and loading need no GPU; the smoke test (skipped by ``--no-smoke``) run
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,21 +28,43 @@ UNDEFINES = [
 GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a"]
 
 
+def _toolkit_extras(cuda_home: Path, out: Path) -> tuple[list[str], list[str]]:
+    """Include folders and link flags beyond torch's: cuBLAS's headers (``torch_utils.h``
+    includes ``cublas_v2.h``; when the toolkit has none, links in ``out`` to those of torch's
+    nvidia-cublas wheel, and no other header of it) and the driver (vLLM links it,
+    cmake/utils.cmake:655: ``swap_blocks_batch``, in the same file, resolves
+    ``cuMemcpyBatchAsync`` through ``cuGetProcAddress``)."""
+    includes = []
+    if not (cuda_home / "include/cublas_v2.h").is_file():
+        spec = importlib.util.find_spec("nvidia")
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        found = [h for r in roots for h in sorted(Path(r).glob("*/include/cublas_v2.h"))]
+        if found:
+            folder = out / "cublas-include"
+            folder.mkdir(exist_ok=True)
+            for header in found[0].parent.glob("cublas*.h"):
+                (folder / header.name).unlink(missing_ok=True)
+                (folder / header.name).symlink_to(header)
+            includes.append(str(folder))
+    stubs = cuda_home / "lib64/stubs"
+    driver = [f"-L{stubs}", "-lcuda"] if (stubs / "libcuda.so").is_file() else ["-l:libcuda.so.1"]
+    return includes, driver
+
+
 def build(vllm: Path, out: Path) -> Path:
     """Compile, link and load the extension (loading needs no GPU); its path."""
     from torch.utils import cpp_extension
 
     out.mkdir(parents=True, exist_ok=True)
+    includes, driver = _toolkit_extras(Path(cpp_extension.CUDA_HOME or "/usr/local/cuda"), out)
     sources = [str(Path(__file__).with_name("binding.cpp")), str(vllm / KERNEL)]
     cpp_extension.load(
         name=NAME,
         sources=sources,
-        extra_include_paths=[str(vllm / "csrc")],
+        extra_include_paths=[str(vllm / "csrc"), *includes],
         extra_cflags=["-O3", *DEFINES],
         extra_cuda_cflags=["-O3", *DEFINES, *UNDEFINES, *GENCODE],
-        # vLLM links the driver too (cmake/utils.cmake:655): swap_blocks_batch, in the same
-        # file, resolves cuMemcpyBatchAsync through cuGetProcAddress.
-        extra_ldflags=[f"-L{cpp_extension.CUDA_HOME}/lib64/stubs", "-lcuda"],
+        extra_ldflags=driver,
         build_directory=str(out),
         is_python_module=False,
         verbose=True,
