@@ -1,7 +1,7 @@
 """Build vLLM 0.28.0's ``indexer_k_quant_and_cache`` (csrc/libtorch_stable/cache_kernels.cu,
 unmodified) with ``binding.cpp`` into ``OUT/dsa_vllm_legacy.so`` (``torch.ops.dsa_vllm_legacy``).
 
-    python3 build.py VLLM_SOURCE_ROOT OUT [--no-smoke]
+    python3 build.py VLLM_SOURCE_ROOT OUT [--no-smoke] [--no-ninja]
 
 The flags are vLLM's for that file (CMakeLists.txt ``_C_stable_libtorch``): torch's common nvcc
 flags without the four ``__CUDA_NO_*`` defines (vLLM removes them for CUDA 12+),
@@ -51,25 +51,40 @@ def _toolkit_extras(cuda_home: Path, out: Path) -> tuple[list[str], list[str]]:
     return includes, driver
 
 
-def build(vllm: Path, out: Path) -> Path:
-    """Compile, link and load the extension (loading needs no GPU); its path."""
+def build(vllm: Path, out: Path, *, ninja: bool = True) -> Path:
+    """Compile, link and load the extension (loading needs no GPU); its path. Without ninja
+    (``cpp_extension.load`` needs it) the same flags go through setuptools' ``build_ext``."""
+    import torch
     from torch.utils import cpp_extension
 
     out.mkdir(parents=True, exist_ok=True)
     includes, driver = _toolkit_extras(Path(cpp_extension.CUDA_HOME or "/usr/local/cuda"), out)
     sources = [str(Path(__file__).with_name("binding.cpp")), str(vllm / KERNEL)]
-    cpp_extension.load(
-        name=NAME,
-        sources=sources,
-        extra_include_paths=[str(vllm / "csrc"), *includes],
-        extra_cflags=["-O3", *DEFINES],
-        extra_cuda_cflags=["-O3", *DEFINES, *UNDEFINES, *GENCODE],
-        extra_ldflags=driver,
-        build_directory=str(out),
-        is_python_module=False,
-        verbose=True,
-    )
-    return out / f"{NAME}.so"
+    include_paths = [str(vllm / "csrc"), *includes]
+    cflags, cuda_flags = ["-O3", *DEFINES], ["-O3", *DEFINES, *UNDEFINES, *GENCODE]
+    library = out / f"{NAME}.so"
+    if ninja and cpp_extension.is_ninja_available():
+        cpp_extension.load(
+            name=NAME, sources=sources, extra_include_paths=include_paths,
+            extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=driver,
+            build_directory=str(out), is_python_module=False, verbose=True,
+        )  # fmt: skip
+        return library
+    from setuptools import setup
+
+    extension = cpp_extension.CUDAExtension(
+        NAME, sources, include_dirs=include_paths, extra_link_args=driver,
+        extra_compile_args={"cxx": cflags, "nvcc": cuda_flags},
+    )  # fmt: skip
+    setup(
+        name=NAME, ext_modules=[extension],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+        script_args=["build_ext", "--build-lib", str(out), "--build-temp", str(out / "tmp")],
+    )  # fmt: skip
+    built = next(p for p in out.glob(f"{NAME}*.so") if p != library)
+    built.replace(library)
+    torch.ops.load_library(str(library))
+    return library
 
 
 def smoke(library: Path) -> None:
@@ -97,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("vllm", type=Path, help="the extracted vllm-0.28.0 folder")
     parser.add_argument("out", type=Path, help="build folder (the library goes there)")
     parser.add_argument("--no-smoke", action="store_true", help="skip the GPU smoke test")
+    parser.add_argument("--no-ninja", action="store_true", help="setuptools, not ninja")
     args = parser.parse_args(argv)
-    library = build(args.vllm.resolve(), args.out.resolve())
+    library = build(args.vllm.resolve(), args.out.resolve(), ninja=not args.no_ninja)
     if not args.no_smoke:
         smoke(library)
     return 0
