@@ -55,6 +55,10 @@ for step in "$@"; do
       grep -v "ptxas info\|bytes stack frame\|Compiling entry\|Function properties\|Used [0-9]* registers" \
         /root/flashmla/build.log 2> /dev/null | tail -60 > "$LOGS/flashmla_build_tail.log"
       export PYTHONPATH=/root/flashmla/FlashMLA:${PYTHONPATH:-} ;;
+    vllm-legacy)  # build vLLM 0.28.0's own key quantization from the ignored .vllm-legacy/
+      # (tools/vllm_legacy_kernel.sh); the tests-vllm_028 step then checks vllm-legacy's k with it
+      run vllm_legacy_build 400 bash .vllm-legacy/build.sh
+      export DSA_VLLM_LEGACY=/root/vllm-legacy ;;
     te)  # Transformer Engine 2.20.2 (CUDA 13) from .bigcarry/ (../shared/gpu/README.md, "Transformer
       # Engine on the H200"): the joined wheel, then the torch extension built here (~105 s)
       w=transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl

@@ -206,7 +206,8 @@ ROPE_ORACLES: dict[str, tuple[str, bool]] = {
 }
 
 # Engine profile -> the engine whose kernels serve it. Profiles absent here have no kernel that
-# runs on this setup (vllm-exact is no engine's path; vllm-legacy's kernels are vLLM 0.26-0.28).
+# runs on this setup (vllm-exact is no engine's path; vllm-legacy's kernels are vLLM 0.26-0.28's,
+# CUDA: its key quantization has its own oracle, .legacy_kernel; SGLang's are JIT CUDA, below).
 ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
 # Profiles whose engine kernels are JIT CUDA (SGLang's, compiled by nvcc through SGLang's own
 # build code and loaded by apache-tvm-ffi): engine_kernel_operands runs them, but they are not in

@@ -340,6 +340,45 @@ def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
 
 
+@pytest.mark.parametrize(
+    "heads, interleaved, norm_scale", [(32, True, 1.0), (64, False, 1.0), (32, False, 2.0**-20)]
+)
+def test_vllm_028s_own_key_kernel_builds_the_legacy_profiles_k(
+    record, heads, interleaved, norm_scale
+):
+    """vLLM 0.28.0's CUDA indexer_k_quant_and_cache (built by tools/vllm_legacy_kernel.sh, at
+    $DSA_VLLM_LEGACY) on the package's vllm-legacy BF16 key, against the package's fused kernel
+    and torch reference: every k byte and k scale. ``norm_scale`` shrinks the key LayerNorm's
+    affine so every key is under the 1e-4 amax floor."""
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles import legacy_kernel as lk
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+
+    reason = lk.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    profile = ENGINE_PROFILES["vllm-legacy"]
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=3).to(DEV)
+    with torch.no_grad():
+        inputs.k_norm.weight.mul_(norm_scale)
+        inputs.k_norm.bias.mul_(norm_scale)
+    run = lk.legacy_kernel_key(inputs, profile, interleaved=interleaved)
+    assert run.source.startswith("vllm 0.28.0 "), run.source
+    if norm_scale != 1.0:
+        assert bool((run.k_descale == 2.0**-22).all())  # the floor's scale: 1e-4f / 448 -> 2^-22
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
+        k_differ = int((ours.k.view(torch.uint8) != run.k.view(torch.uint8)).sum())
+        scales_differ = int(
+            (ours.k_descale.view(torch.int32) != run.k_descale.view(torch.int32)).sum()
+        )
+        assert k_differ == 0 and scales_differ == 0, (impl, k_differ, scales_differ)
+    record(
+        "vllm_legacy_key_kernel_bitwise", heads=heads, interleaved=interleaved,
+        norm_scale=norm_scale, source=run.source, k_total=run.k.numel(),
+    )  # fmt: skip
+
+
 def test_packed_angles_from_device_lengths_never_wait_for_the_host():
     """cu_seqlens on the device: the per-token angles are gathered without reading it."""
     from dsa_precision.preprocess import thd_token_freqs
