@@ -71,20 +71,25 @@ class DSAPrecisionMLAModelProvider(MLAModelProvider, DSAPrecisionTransformerConf
         validation (one ``ValueError`` naming every field to fix), with the RoPE rule of
         :func:`dsa_precision_provider`."""
         super().finalize()
-        if (
-            self.dsa_indexer_rope_fp32
-            and self.rope_type == "yarn"
-            and self.rotary_scaling_factor == 1.0
-        ):
-            raise ValueError(
-                "dsa_indexer_rope_fp32=True with rope_type='yarn' and rotary_scaling_factor=1.0 "
-                "(Megatron-Bridge's GLM-5 provider, for a checkpoint whose RoPE is plain: HF "
-                "rope_parameters.rope_type='default'): the engines build plain RoPE tables for "
-                "it, and YaRN with factor 1 differs from them by rounding; set "
-                "provider.rope_type = 'rope' (the checkpoint's RoPE, for the whole model) before "
-                "finalize()."
-            )
+        _refuse_yarn_x1(self)
         DSAPrecisionTransformerConfig.validate_dsa_precision(self)
+
+
+def _refuse_yarn_x1(config: DSAPrecisionTransformerConfig) -> None:
+    """``ValueError`` for ``dsa_indexer_rope_fp32`` on YaRN with ``rotary_scaling_factor=1``
+    (see :func:`dsa_precision_provider`)."""
+    if (
+        config.dsa_indexer_rope_fp32
+        and config.rope_type == "yarn"
+        and config.rotary_scaling_factor == 1.0
+    ):
+        raise ValueError(
+            "dsa_indexer_rope_fp32=True with rope_type='yarn' and rotary_scaling_factor=1.0 "
+            "(Megatron-Bridge's GLM-5 provider, for a checkpoint whose RoPE is plain: HF "
+            "rope_parameters.rope_type='default'): the engines build plain RoPE tables for it, "
+            "and YaRN with factor 1 differs from them by rounding; set provider.rope_type = "
+            "'rope' (the checkpoint's RoPE, for the whole model) before finalize()."
+        )
 
 
 class PrecisionLayerSpec:
