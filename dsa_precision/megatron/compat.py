@@ -241,6 +241,20 @@ def _call_problems(name: str, obj: Any, calls: tuple[Call, ...]) -> list[str]:
     return problems
 
 
+def _method_problems(path: str, cls: Any, methods: dict[str, tuple[str, ...]]) -> list[str]:
+    """The ``methods`` of class ``cls`` (at ``path``) that are gone or no longer take their
+    leading parameters."""
+    short = path.rsplit(".", 1)[1]
+    problems = []
+    for method, params in methods.items():
+        fn = getattr(cls, method, None)
+        if fn is None:
+            problems.append(f"{short}.{method} is missing")
+        elif _params(fn)[: len(params)] != params:
+            problems.append(f"{short}.{method}{_params(fn)} no longer takes {params}")
+    return problems
+
+
 def _surface_problems() -> list[str]:
     problems = []
     for path, calls in CALLS.items():
@@ -262,13 +276,7 @@ def _surface_problems() -> list[str]:
             cls = _resolve(path)
         except (ModuleNotFoundError, AttributeError):
             continue  # reported above
-        short = path.rsplit(".", 1)[1]
-        for method, params in methods.items():
-            fn = getattr(cls, method, None)
-            if fn is None:
-                problems.append(f"{short}.{method} is missing")
-            elif _params(fn)[: len(params)] != params:
-                problems.append(f"{short}.{method}{_params(fn)} no longer takes {params}")
+        problems += _method_problems(path, cls, methods)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -325,13 +333,7 @@ def _bridge_problems() -> list[str]:
             problems.append(f"{path} is missing")
             continue
         problems += _call_problems(path, obj, calls)
-        for method, params in BRIDGE_METHODS.get(path, {}).items():
-            fn = getattr(obj, method, None)
-            short = path.rsplit(".", 1)[1]
-            if fn is None:
-                problems.append(f"{short}.{method} is missing")
-            elif _params(fn)[: len(params)] != params:
-                problems.append(f"{short}.{method}{_params(fn)} no longer takes {params}")
+        problems += _method_problems(path, obj, BRIDGE_METHODS.get(path, {}))
         if dataclasses.is_dataclass(obj):
             fields = {f.name for f in dataclasses.fields(obj)}
             short = path.rsplit(".", 1)[1]

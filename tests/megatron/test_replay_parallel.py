@@ -118,22 +118,29 @@ def _shard(inputs: dict, tp: int, cp: int, cu: list[int] | None, rank: int):
     return out, rows, heads
 
 
+def _packed_kw(cu: list[int] | None, device: str) -> dict:
+    """The layer's ``packed_seq_params`` keyword for packed lengths ``cu`` on ``device`` (none
+    for BSHD)."""
+    from ..support.megatron import packed_params
+
+    if not cu:
+        return {}
+    psp = packed_params(cu)
+    cu_dev = psp.cu_seqlens_q.to(device)
+    return {
+        "packed_seq_params": dataclasses.replace(psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev)
+    }
+
+
 def _run(attn, inputs, engine, cu, device, **metrics_kw):
-    import dataclasses
 
     import dsa_precision.megatron as dsap
 
-    from ..support.megatron import packed_params, run_attention
+    from ..support.megatron import run_attention
 
     attn = attn.to(device)
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    kw = {}
-    if cu:
-        psp = packed_params(cu)
-        cu_dev = psp.cu_seqlens_q.to(device)
-        kw["packed_seq_params"] = dataclasses.replace(
-            psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev
-        )
+    kw = _packed_kw(cu, device)
     layout = dict(cu_seqlens=torch.tensor(cu)) if cu else dict(seq_len=SEQ)
     with torch.no_grad(), dsap.engine_topk({1: engine}, **layout):
         out = run_attention(attn, inputs, **kw)
@@ -174,15 +181,7 @@ def _rope_fp32_rows(inputs: dict, cu, tp: int, cp: int, rank: int, device: str) 
     engine's tables read at the rank's positions (zigzag chunks, per packed sequence)."""
     from megatron.core import parallel_state
 
-    from ..support.megatron import packed_params
-
-    kw = {}
-    if cu:
-        psp = packed_params(cu)
-        cu_dev = psp.cu_seqlens_q.to(device)
-        kw["packed_seq_params"] = dataclasses.replace(
-            psp, cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev
-        )
+    kw = _packed_kw(cu, device)
     outs = []
     for layout_tp, layout_cp in ((1, 1), (tp, cp)):
         parallel_state.destroy_model_parallel()
