@@ -43,8 +43,18 @@ WeightsDtype = Literal["bf16", "fp32"]
 # from the exact inputs, one rounding to float32) or "fp32-ops" (float32, operation by operation,
 # as the engines' Triton kernels run it: the sums in the reduction tree of Triton's tl.sum over
 # one 128-vector on 4 warps, mean = sum / 128, var = sum(d * d) / 128, rstd = rsqrt(var + eps),
-# ((x - mean) * rstd) * w + b; docs/numerics.md, "The engines' float32 arithmetic").
-LayerNormArith = Literal["float64", "fp32-ops"]
+# ((x - mean) * rstd) * w + b; docs/numerics.md, "The engines' float32 arithmetic") or
+# "fp32-warp" (float32, operation by operation, as SGLang's CUDA kernel runs it: one warp per
+# 128-vector, each lane summing its four consecutive elements in order, then a butterfly over the
+# 32 lanes; under fma the variance's lane sum is a chain of fused multiply-adds and var / 128 + eps
+# one fused multiply-add; docs/numerics.md, section 8.5).
+LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp"]
+# Which product of the float32 RoPE the engine's contraction fuses (fma=True), per half of the
+# rotate-half slice, out = x * cos + rot(x) * sin: "cos" (every lane fma(x, cos, fl(rot(x) * sin)):
+# Triton's contraction in vLLM's and LMDeploy's kernels) or "cos-sin" (the first half as "cos",
+# the second half fma(rot(x), sin, fl(x * cos)): nvcc's contraction of SGLang's complex product,
+# real = fma(a, c, -fl(b s)), imag = fma(a, s, fl(b c)) for the pair (a, b)).
+RopeFma = Literal["cos", "cos-sin"]
 # The constant of the Hadamard rotation: float64 n**-0.5 on the float64 butterfly, or
 # fl32(n**-0.5) multiplied in float32 (fast_hadamard_transform's float32 kernel).
 HadamardScale = Literal["float64", "float32"]
@@ -142,6 +152,8 @@ class EngineProfile:
     # fma(x, cos, fl(rot(x) * sin)); with layernorm="fp32-ops" the affine map becomes
     # fma(fl((x - mean) * rstd), w, b) and the first step of the variance sum fma(d, d, fl(d' d')).
     fma: bool = False
+    # Which RoPE product the contraction fuses (fma=True, float32 RoPE): see RopeFma.
+    rope_fma: RopeFma = "cos"
     # The key LayerNorm epsilon the engine uses (vLLM and LMDeploy hard-code 1e-6, whatever the
     # checkpoint says); None: the model's. A model whose k_norm has another epsilon cannot
     # reproduce the profile (rope_fp32: a configuration error).
@@ -215,6 +227,7 @@ class EngineProfile:
             )
         for name, kind in (
             ("layernorm", LayerNormArith),
+            ("rope_fma", RopeFma),
             ("hadamard_scale", HadamardScale),
             ("inv_freq_device", InvFreqDevice),
             ("yarn_mscale", YarnMscale),
@@ -424,7 +437,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         name="sglang-fused",
         summary=(
             "SGLang 0.5.23 fused CUDA indexer (GLM-5: interleaved indexer RoPE): FP32 "
-            "preprocessing, k rounded to BF16 after RoPE, plain FP32 scales"
+            "preprocessing as nvcc compiles it (warp LayerNorm, eps 1e-6; contracted RoPE), k "
+            "rounded to BF16 after RoPE, plain FP32 scales"
         ),
         k_dtype=_BF16,
         hadamard=False,
@@ -432,6 +446,9 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         q_quant=_SGLANG_FP32_RULE,
         k_quant=_SGLANG_FP32_RULE,
         weights_fold=("DsHs", "qs"),
+        layernorm="fp32-warp",
+        fma=True,
+        rope_fma="cos-sin",
         k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
     EngineProfile(

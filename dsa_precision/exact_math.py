@@ -5,7 +5,7 @@ that the torch reference, the fused Triton kernel and an engine's kernel agree b
 every device: a fused multiply-add rounded once (:func:`fma_fp32`), sums in a fixed tree
 (:func:`pairwise_sum`, :func:`triton_block_sum`), and the key LayerNorm evaluated in float64
 rounded once (:func:`layer_norm_fp32`) or float32 operation by operation as the engines' Triton
-kernels do (:func:`layer_norm_fp32_ops`). Why each order is the engine's: docs/numerics.md,
+kernels do (:func:`layer_norm_fp32_ops`) or SGLang's CUDA kernel does (:func:`layer_norm_fp32_warp`). Why each order is the engine's: docs/numerics.md,
 "The engines' float32 arithmetic".
 """
 
@@ -22,9 +22,11 @@ __all__ = [
     "fma_fp32",
     "layer_norm_fp32",
     "layer_norm_fp32_ops",
+    "layer_norm_fp32_warp",
     "pairwise_sum",
     "rsqrt_fp32",
     "triton_block_sum",
+    "warp_block_sum",
 ]
 
 
@@ -160,10 +162,12 @@ def triton_block_sum(
 def rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
     """float32 ``1 / sqrt(x)`` as the engines' Triton kernels get it: on CUDA ``torch.rsqrt``
     (the hardware's ``rsqrt.approx``, as Triton's ``tl.rsqrt``); elsewhere the IEEE square
-    root and the IEEE division (what Triton's interpreter computes)."""
+    root and the IEEE division (what Triton's interpreter computes). The square root is taken in
+    float64 and rounded, the correctly rounded float32 root (torch 2.14's CPU ``sqrt`` of float32
+    is not: it misses by an ulp in about 20 % of values)."""
     if x.is_cuda:
         return torch.rsqrt(x)
-    return 1.0 / torch.sqrt(x)
+    return 1.0 / torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
 def layer_norm_fp32_ops(
@@ -190,6 +194,79 @@ def layer_norm_fp32_ops(
     var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
     eps32 = device_constant(float(eps), torch.float32, x.device)
     y = d * rsqrt_fp32(var + eps32)
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    if w is not None and b is not None and fma:
+        return fma_fp32(y, w, b)
+    if w is not None:
+        y = y * w
+    return y if b is None else y + b
+
+
+# A warp's butterfly over its 32 lanes (shfl.bfly 16, 8, 4, 2, 1): lanes this far apart add.
+_WARP_LANE_DISTANCES = (16, 8, 4, 2, 1)
+
+
+def warp_block_sum(
+    x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
+) -> torch.Tensor:
+    """float32 sum over the last dimension (128) as one CUDA warp sums a vector whose lane ``l``
+    holds the four consecutive elements ``4l .. 4l + 3`` (SGLang's ``warp::reduce_sum``): each
+    lane adds its elements in order, ``((x0 + x1) + x2) + x3``, then the lanes' partials add in
+    the butterfly 16, 8, 4, 2, 1 lanes apart.
+
+    ``squares_of=d``: the sum of ``d * d`` (``x`` unused), each lane accumulating from zero,
+    ``v = fl(v + fl(d_i * d_i))``, or with ``fma`` the chain ``v = fma(d_i, d_i, v)`` a contracting
+    compiler emits. Returns ``[..., 1]``.
+    """
+    src = x if squares_of is None else squares_of
+    if src.shape[-1] != 128:
+        raise ValueError(f"warp_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    lanes = src.to(torch.float32).reshape(*src.shape[:-1], 32, 4)
+    e = [lanes[..., i] for i in range(4)]
+    if squares_of is None:
+        v = ((e[0] + e[1]) + e[2]) + e[3]
+    else:
+        v = e[0] * e[0]
+        for d in e[1:]:
+            v = fma_fp32(d, d, v) if fma else v + d * d
+    for d in _tree_distances(_WARP_LANE_DISTANCES):
+        lo, hi = _pair_step(v, d)
+        v = lo + hi
+    return v
+
+
+def layer_norm_fp32_warp(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    fma: bool,
+) -> torch.Tensor:
+    """The key LayerNorm float32 operation by operation, as SGLang 0.5.23's fused key kernel
+    (``fused_k_indexer_norm_rope_store``, one warp per vector) evaluates it as nvcc compiles it
+    (``x``: ``[..., 128]``; float32 out)::
+
+        mean = warp_sum(x) * 2**-7;  d = fl(x - mean)
+        rstd = rsqrt(fma(warp_sum(d * d), 2**-7, fl32(eps)))    (no fma: fl(fl(. * 2**-7) + eps))
+        y = fma(fl(d * rstd), w, b)                              (no fma: fl(fl(fl(d * rstd) * w) + b))
+
+    ``warp_sum`` is :func:`warp_block_sum` (its squares a chain of fused multiply-adds under
+    ``fma``); ``rsqrt`` as :func:`rsqrt_fp32` (``rsqrtf`` is the hardware's ``MUFU.RSQ``, as
+    ``rsqrt.approx``). Differentiable.
+    """
+    x = x.to(torch.float32)
+    mean = warp_block_sum(x) * 2.0**-7  # exact: nvcc's x - sum * 2**-7 is one rounding too
+    d = x - mean
+    squares = warp_block_sum(d, squares_of=d, fma=fma)
+    eps32 = device_constant(float(eps), torch.float32, x.device)
+    var_eps = (
+        fma_fp32(squares, torch.full_like(squares, 2.0**-7), eps32)
+        if fma
+        else (squares * 2.0**-7 + eps32)
+    )
+    y = d * rsqrt_fp32(var_eps)
     w = None if weight is None else weight.to(torch.float32)
     b = None if bias is None else bias.to(torch.float32)
     if w is not None and b is not None and fma:

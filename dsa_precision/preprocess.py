@@ -16,12 +16,12 @@ Dtype at every step (``p`` = projection dtype, BF16 in training)::
                          k_norm_fp32                         and the LayerNorm weight and bias,
                                                              rounded to float32 once; or float32
                                                              operation by operation (an engine's
-                                                             layernorm="fp32-ops")
+                                                             layernorm="fp32-ops" / "fp32-warp")
     cos/sin              cos(freqs), sin(freqs) rounded     the engine's tables from the token
                          to p                                positions (rope_tables given), else
                                                              from freqs; the engine's cache dtype
-    k RoPE               p                                   float32 (an engine's fma: the
-                                                             x * cos product fused)
+    k RoPE               p                                   float32 (an engine's fma: one
+                                                             product fused, by rope_fma)
     Hadamard (optional)  fast_hadamard_transform in p, or    float32 butterfly
                          float32 butterfly rounded to p
     q, k out             p                                   float32
@@ -42,7 +42,7 @@ from torch import nn
 
 from .checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
-from .exact_math import layer_norm_fp32, layer_norm_fp32_ops
+from .exact_math import layer_norm_fp32, layer_norm_fp32_ops, layer_norm_fp32_warp
 from .hadamard import rotate_activation
 from .rope import (
     EngineRopeTables,
@@ -350,13 +350,20 @@ class IndexerPreprocess(nn.Module):
         (``[s, 1, 1, rope_dim]``, the engine's cache values); float32 out."""
         e = self.engine
         rope = functools.partial(
-            apply_rope_tables, cos=cos, sin=sin, rope_interleaved=self.rope_interleaved, fma=e.fma
+            apply_rope_tables,
+            cos=cos,
+            sin=sin,
+            rope_interleaved=self.rope_interleaved,
+            fma=e.fma,
+            rope_fma=e.rope_fma,
         )
         # Exact upcasts; the LayerNorm in the engine's arithmetic (float64 rounded once, or
         # float32 operation by operation), then its output dtype; RoPE in the engine's arithmetic
         # dtype, its multiply-add contracted where the engine's compiler contracts it.
         if e.layernorm == "fp32-ops":
             k = layer_norm_fp32_ops(k, *layer_norm_params(self.k_norm), fma=e.fma)
+        elif e.layernorm == "fp32-warp":
+            k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma)
         else:
             k = layer_norm_fp32(k, *layer_norm_params(self.k_norm))
         k = k.to(e.k_norm_dtype)

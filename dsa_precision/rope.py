@@ -21,12 +21,13 @@ import itertools
 import math
 import numbers
 from collections.abc import Hashable
+from typing import get_args
 
 import torch
 
 from .checks import check_bool, check_positive_int, check_real
 from .devices import to_device
-from .engines import EngineProfile, YarnMscale
+from .engines import EngineProfile, RopeFma, YarnMscale
 from .exact_math import fma_fp32
 
 __all__ = [
@@ -61,12 +62,25 @@ def rope_tables(
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
-def _rotate(x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool) -> torch.Tensor:
-    """``x_pe * cos + rotate_half(x_pe) * sin`` in ``x_pe``'s dtype; ``fma``: float32 with the
-    first product fused, ``fma(x, cos, fl(rotate_half(x) * sin))`` (vLLM's kernels on Hopper)."""
-    if fma and x_pe.dtype == torch.float32:
-        return fma_fp32(x_pe, cos, _rotate_half(x_pe) * sin)
-    return x_pe * cos + _rotate_half(x_pe) * sin
+def _rotate(
+    x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fma: bool, rope_fma: RopeFma
+) -> torch.Tensor:
+    """``x_pe * cos + rotate_half(x_pe) * sin`` in ``x_pe``'s dtype; ``fma``: float32 with one
+    product fused, by ``rope_fma`` (:data:`dsa_precision.engines.RopeFma`): ``"cos"``,
+    ``fma(x, cos, fl(rotate_half(x) * sin))`` (vLLM's and LMDeploy's Triton kernels on Hopper);
+    ``"cos-sin"``, that on the first half and ``fma(rotate_half(x), sin, fl(x * cos))`` on the
+    second (SGLang's CUDA kernels)."""
+    rot = _rotate_half(x_pe)
+    if not (fma and x_pe.dtype == torch.float32):
+        return x_pe * cos + rot * sin
+    if rope_fma == "cos":
+        return fma_fp32(x_pe, cos, rot * sin)
+    if rope_fma != "cos-sin":
+        raise ValueError(f"rope_fma={rope_fma!r} is not one of {get_args(RopeFma)}.")
+    half = x_pe.shape[-1] // 2
+    first = fma_fp32(x_pe[..., :half], cos[..., :half], rot[..., :half] * sin[..., :half])
+    second = fma_fp32(rot[..., half:], sin[..., half:], x_pe[..., half:] * cos[..., half:])
+    return torch.cat((first, second), dim=-1)
 
 
 def apply_rope_tables(
@@ -76,16 +90,18 @@ def apply_rope_tables(
     *,
     rope_interleaved: bool = False,
     fma: bool = False,
+    rope_fma: RopeFma = "cos",
 ) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` lanes of ``x`` in ``x.dtype`` by the tables ``cos`` and
     ``sin`` (``[s, 1, 1, rope_dim]``, the halves repeated as Megatron's angles are, converted to
-    ``x.dtype`` first); ``rope_interleaved`` and ``fma`` as for :func:`apply_rope`."""
+    ``x.dtype`` first); ``rope_interleaved``, ``fma`` and ``rope_fma`` as for
+    :func:`apply_rope`."""
     rope_dim = cos.shape[-1]
     x_pe, x_pass = x[..., :rope_dim], x[..., rope_dim:]
     if rope_interleaved:
         x_pe = torch.cat((x_pe[..., 0::2], x_pe[..., 1::2]), dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((_rotate(x_pe, cos, sin, fma), x_pass), dim=-1)
+    return torch.cat((_rotate(x_pe, cos, sin, fma, rope_fma), x_pass), dim=-1)
 
 
 def apply_rope(
@@ -96,6 +112,7 @@ def apply_rope(
     rope_interleaved: bool = False,
     table_dtype: torch.dtype | None = None,
     fma: bool = False,
+    rope_fma: RopeFma = "cos",
 ) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` lanes of ``x`` in ``x.dtype``.
 
@@ -111,12 +128,16 @@ def apply_rope(
             with MLA, so the rotation itself is always rotate-half.)
         fma: float32 only: ``fma(x, cos, fl(rotate_half(x) * sin))``, the multiply-add an
             engine's compiler contracts (:attr:`EngineProfile.fma`).
+        rope_fma: which product ``fma`` fuses on the second half (:attr:`EngineProfile.rope_fma`):
+            ``"cos"`` (``x * cos``, as on the first) or ``"cos-sin"`` (``rotate_half(x) * sin``).
 
     Returns:
         ``x``'s shape and dtype.
     """
     cos, sin = rope_tables(freqs, mscale, table_dtype or x.dtype)
-    return apply_rope_tables(x, cos, sin, rope_interleaved=rope_interleaved, fma=fma)
+    return apply_rope_tables(
+        x, cos, sin, rope_interleaved=rope_interleaved, fma=fma, rope_fma=rope_fma
+    )
 
 
 def thd_token_freqs(

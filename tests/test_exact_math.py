@@ -144,8 +144,96 @@ def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
     mean = triton_block_sum(x) / 128
     d = x - mean
     var = triton_block_sum(d, squares_of=d, fma=fma) / 128
-    y = d * (1 / torch.sqrt(var + torch.tensor(1e-6, dtype=torch.float32)))
+    root = torch.sqrt((var + torch.tensor(1e-6, dtype=torch.float32)).double()).float()  # IEEE
+    y = d * (1 / root)
     want = fma_fp32(y, w.float(), b.float()) if fma else y * w.float() + b.float()
     assert torch.equal(got, want)
     exact = layer_norm_fp32(x, w, b, 1e-6)
     assert (got - exact).abs().max() < 1e-5 and not torch.equal(got, exact)
+
+
+def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool):
+    """A simulation of SGLang 0.5.23's fused key LayerNorm over one 128-vector as its SASS reads
+    (nvcc 13.0, sm_90a; docs/numerics.md, section 8.5): lane ``l`` holds elements ``4l .. 4l+3``;
+    ``FADD`` from zero over them, ``SHFL.BFLY`` 16 ... 1; ``d = FFMA(sum, -2**-7, x)``; the
+    squares ``FFMA(d, d, v)`` from zero; ``FFMA(var_sum, 2**-7, eps)``; ``MUFU.RSQ`` (here
+    1 / sqrt, the CPU's); ``FFMA(gamma, FMUL(d, rstd), beta)``. ``fma=False``: each product and
+    sum rounded."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    f = np.float32
+
+    def fused(a, b, c):
+        return f(_f32_exact(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))))
+
+    def butterfly(lane):
+        for m in (16, 8, 4, 2, 1):
+            lane = [f(lane[i] + lane[i ^ m]) for i in range(32)]
+        return lane[0]
+
+    x = [f(v) for v in values]
+    lanes = []
+    for lane in range(32):
+        s = f(0.0)
+        for i in range(4):
+            s = f(s + x[4 * lane + i])
+        lanes.append(s)
+    total = butterfly(lanes)
+    d = [fused(total, f(-(2.0**-7)), v) for v in x]  # one rounding: total * 2**-7 is exact
+    lanes = []
+    for lane in range(32):
+        v = f(0.0)
+        for i in range(4):
+            e = d[4 * lane + i]
+            v = fused(e, e, v) if fma else f(v + f(e * e))
+        lanes.append(v)
+    var = butterfly(lanes)
+    var_eps = fused(var, f(2.0**-7), f(eps)) if fma else f(f(var * f(2.0**-7)) + f(eps))
+    rstd = f(1.0 / np.sqrt(var_eps, dtype=np.float32))
+    return [
+        float(fused(f(wi), f(di * rstd), f(bi)) if fma else f(f(f(di * rstd) * f(wi)) + f(bi)))
+        for di, wi, bi in zip(d, w, b, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_layer_norm_fp32_warp_is_sglangs_kernel_sequence(fma):
+    """layer_norm_fp32_warp (and warp_block_sum) against the scalar simulation of SGLang's fused
+    key kernel as compiled; a different order from Triton's tree (layer_norm_fp32_ops)."""
+    from dsa_precision.exact_math import (
+        layer_norm_fp32_ops,
+        layer_norm_fp32_warp,
+        triton_block_sum,
+        warp_block_sum,
+    )
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(24, 128, generator=g) * 2.0 ** torch.randint(-6, 6, (24, 128), generator=g)
+    x = (x + 3).to(torch.bfloat16).float()
+    w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    got = layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma)
+    for i in range(x.shape[0]):
+        want = _cuda_warp_layer_norm(
+            x[i].tolist(), w.float().tolist(), b.float().tolist(), 1e-6, fma=fma
+        )
+        assert got[i].tolist() == want, i
+    r = torch.randn(24, 128, generator=g)  # other orders, other bits
+    assert not torch.equal(warp_block_sum(r, squares_of=r), triton_block_sum(r, squares_of=r))
+    assert not torch.equal(got, layer_norm_fp32_ops(x, w, b, 1e-6, fma=fma))
+    with pytest.raises(ValueError, match="128-wide"):
+        warp_block_sum(torch.ones(2, 64))
+
+
+def test_rsqrt_fp32_on_the_cpu_is_the_ieee_root_and_division():
+    """The interpreter's (numpy's) correctly rounded float32 root, then the IEEE division: the
+    value torch's own float32 CPU sqrt misses by an ulp (torch 2.14, 98.84222412109375)."""
+    import numpy as np
+
+    from dsa_precision.exact_math import rsqrt_fp32
+
+    x = torch.cat((torch.tensor([98.84222412109375]), torch.rand(20000) * 1000 + 1e-3))
+    want = np.float32(1.0) / np.sqrt(x.numpy())
+    assert np.array_equal(rsqrt_fp32(x).numpy(), want)

@@ -288,3 +288,29 @@ def test_preprocess_with_engine_tables_reads_them_not_the_angles():
             128, 64, k_norm=norm, rope_fp32=True, engine=ENGINE_PROFILES["lmdeploy"],
             rope_tables=tables,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_fma_cos_sin_is_sglangs_contraction_of_the_complex_product(interleaved):
+    """rope_fma="cos-sin" on a pair (a, b) with cos c and sin s, as nvcc compiles SGLang's
+    ``x_real * c - x_imag * s`` / ``x_real * s + x_imag * c`` (its SASS: FFMA(c, a, -FMUL(s, b)),
+    FFMA(s, a, FMUL(c, b))): real fma(a, c, -fl(b s)), imag fma(a, s, fl(b c)); "cos" fuses b c
+    on the imaginary lane instead, and the two differ."""
+    from dsa_precision.exact_math import fma_fp32
+    from dsa_precision.rope import apply_rope_tables
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 1, 1, 128, generator=g) * 4
+    ang = torch.rand(64, 1, 1, 32, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(),) * 2, -1), torch.cat((ang.sin(),) * 2, -1)
+    got = apply_rope_tables(x, cos, sin, rope_interleaved=interleaved, fma=True, rope_fma="cos-sin")
+    a, b = (x[..., 0:64:2], x[..., 1:64:2]) if interleaved else (x[..., :32], x[..., 32:64])
+    c, s = cos[..., :32], sin[..., :32]
+    real = fma_fp32(a, c, -(b * s))
+    imag = fma_fp32(a, s, b * c)
+    assert torch.equal(got[..., :32], real) and torch.equal(got[..., 32:64], imag)
+    assert torch.equal(got[..., 64:], x[..., 64:])
+    cos_only = apply_rope_tables(x, cos, sin, rope_interleaved=interleaved, fma=True)
+    assert torch.equal(cos_only[..., :32], real) and not torch.equal(cos_only[..., 32:64], imag)
+    with pytest.raises(ValueError, match="rope_fma='sin'"):
+        apply_rope_tables(x, cos, sin, fma=True, rope_fma="sin")

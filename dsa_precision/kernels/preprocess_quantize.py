@@ -6,11 +6,13 @@ one float32 descale per 128-vector and, for the queries, the head weights with t
 folded in. Per 128-vector (one row of a ``[BLOCK_R, 128]`` tile)::
 
     (key, rope_fp32) LayerNorm   float64 statistics in the fixed pairwise order, affine in
-                                 float64, one rounding to float32; or (layer_norm_ops) float32
-                                 operation by operation in Triton's tl.sum tree, tl.rsqrt, the
+                                 float64, one rounding to float32; or (layer_norm
+                                 "fp32-ops" / "fp32-warp") float32 operation by operation in
+                                 Triton's tl.sum tree or a CUDA warp's, tl.rsqrt, the
                                  engine's fused multiply-adds (then to BF16 if the engine
                                  rounds its LayerNorm output)
-    RoPE                         float32 products and sum (fma: x*cos fused into the sum);
+    RoPE                         float32 products and sum (fma: x*cos fused into the sum, or
+                                 on the second half rotate_half(x)*sin, by rope_fma);
                                  with BF16 math each of
                                  x*cos, rotate_half(x)*sin and their sum rounded to BF16;
                                  then rounded to BF16 if the engine rounds q / k
@@ -156,6 +158,31 @@ def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constex
 
 
 @triton.jit
+def _warp_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
+    """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
+    ``dsa_precision.exact_math.warp_block_sum``: lane ``l`` holds elements ``4l .. 4l + 3`` and
+    adds them in order (the squares from zero, a chain of fused multiply-adds under ``FMA``), then
+    the 32 lane partials add 16, 8, 4, 2, 1 lanes apart. A sum over a size-2 axis is one
+    addition."""
+    even, odd = tl.split(tl.reshape(x, (R, 32, 2, 2)))  # [R, 32, 2]: (x0, x2), (x1, x3)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    if SQUARES:
+        v = x0 * x0
+        if FMA:
+            v = _fma(x1, x1, v, HW)
+            v = _fma(x2, x2, v, HW)
+            v = _fma(x3, x3, v, HW)
+        else:
+            v = ((v + x1 * x1) + x2 * x2) + x3 * x3
+    else:
+        v = ((x0 + x1) + x2) + x3
+    for i in tl.static_range(5):  # lanes 16, 8, 4, 2, 1 apart
+        v = tl.sum(tl.reshape(v, (R, 2, 16 >> i)), axis=1)
+    return tl.reshape(v, (R,))
+
+
+@triton.jit
 def _hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Unscaled Sylvester butterfly of ``[R, D]`` rows, stage by stage as
     ``dsa_precision.hadamard.hadamard_transform``: stage ``h = 1, 2, ..., D/2`` maps each block
@@ -259,8 +286,10 @@ def _preprocess_quantize_kernel(
     APPLY_RECIPROCAL: tl.constexpr,
     FOLD_W: tl.constexpr,
     W_BF16: tl.constexpr,
-    LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation (layernorm="fp32-ops")
+    LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation: 1 Triton's tree
+    # (layernorm="fp32-ops"), 2 a CUDA warp's ("fp32-warp"); 0 float64 once
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
+    FMA_SIN2: tl.constexpr,  # FMA fuses rotate_half(x) * sin on the second half (rope_fma)
     HAD_SCALE_F32: tl.constexpr,
     LANE_ORDER_IN: tl.constexpr,  # store the interleaved RoPE pairs back in their input lanes
     HW_CAST: tl.constexpr,
@@ -299,10 +328,21 @@ def _preprocess_quantize_kernel(
 
     if LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
         x32 = _load_f32(row + lanes, mask, X_BF16)
-        mean = _engine_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) / 128.0  # exact: 2**-7
-        centered = x32 - mean[:, None]
-        var = _engine_block_sum(centered, BLOCK_R, True, FMA, HW_CAST) / 128.0
-        rstd = tl.rsqrt(var + eps32)[:, None]  # rsqrt.approx on the GPU, as the engines
+        if LN_OPS == 2:  # a CUDA warp's sums; var / 128 + eps fused under FMA
+            mean = _warp_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) * 0.0078125  # exact
+            centered = x32 - mean[:, None]
+            var = _warp_block_sum(centered, BLOCK_R, True, FMA, HW_CAST)
+            if FMA:
+                zero = tl.zeros_like(var)  # the scalars as [R] tensors (exact: 0 + v)
+                var_eps = _fma(var, zero + 0.0078125, zero + eps32, HW_CAST)
+            else:
+                var_eps = var * 0.0078125 + eps32
+        else:  # Triton's tl.sum tree
+            mean = _engine_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) / 128.0  # exact: 2**-7
+            centered = x32 - mean[:, None]
+            var = _engine_block_sum(centered, BLOCK_R, True, FMA, HW_CAST) / 128.0
+            var_eps = var + eps32
+        rstd = tl.rsqrt(var_eps)[:, None]  # rsqrt.approx on the GPU, as the engines
         mean = mean[:, None]
         xa = _layer_norm_ops_lanes(
             xa, mean, rstd, ln_w_ptr, ln_b_ptr, lane_a, LN_W, LN_B, FMA, HW_CAST
@@ -336,6 +376,11 @@ def _preprocess_quantize_kernel(
         if BF16_MATH:  # each product and the sum rounded to BF16, as torch's BF16 ops do
             y = _round_bf16(
                 _round_bf16(xa * cos, HW_CAST) + _round_bf16(rot * sin, HW_CAST), HW_CAST
+            )
+        elif FMA and FMA_SIN2:  # the first half fma(x, cos, fl(rot * sin)), the second
+            # fma(rot, sin, fl(x * cos)) (nvcc's contraction of a complex product)
+            y = tl.where(
+                first, _fma(xa, cos, rot * sin, HW_CAST), _fma(rot, sin, xa * cos, HW_CAST)
             )
         elif FMA:  # float32, the engine's contraction: fma(x, cos, fl(rot * sin))
             y = _fma(xa, cos, rot * sin, HW_CAST)
@@ -498,8 +543,9 @@ def preprocess_quantize(
         rule, tuple(fold_scales), float(eps), d,
         (rope_dim, rules.interleaved, rules.hadamard, layer_norm is not None, w_kind, b_kind,
          x.dtype == torch.bfloat16, rules.bf16_math, ln_out_bf16, out_bf16, weights is not None,
-         weights is not None and weights.dtype == torch.bfloat16, rules.layer_norm_ops,
-         rules.fma, rules.hadamard_scale_fp32, block_rows, num_warps, not interpreting(),
+         weights is not None and weights.dtype == torch.bfloat16,
+         _LN_ARITH[rules.layer_norm], rules.fma, rules.fma and rules.rope_fma == "cos-sin",
+         rules.hadamard_scale_fp32, block_rows, num_warps, not interpreting(),
          rules.input_lane_order),
     )  # fmt: skip
     out = torch.empty((batch, n_seq, n_heads, d), dtype=torch.float8_e4m3fn, device=device)
@@ -557,6 +603,8 @@ def _layer_norm_param(
 
 
 _PARAM_KINDS = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3}
+# The kernel's LN_OPS for each LayerNorm arithmetic (EngineProfile.layernorm).
+_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2}
 
 
 @functools.lru_cache(maxsize=256)
@@ -567,7 +615,7 @@ def _launch_constants(
     these Python values (built once per combination: host time per launch). Raises for a floor
     or a fold the kernel cannot take."""
     (rope_dim, interleaved, hadamard, layer_norm, w_kind, b_kind, x_bf16, bf16_math, ln_out_bf16,
-     out_bf16, fold_w, w_bf16, layer_norm_ops, fma, hadamard_scale_fp32, block_rows,
+     out_bf16, fold_w, w_bf16, layer_norm_ops, fma, fma_sin2, hadamard_scale_fp32, block_rows,
      num_warps, hw_cast, input_lane_order) = flags  # fmt: skip
     floor32 = _f32(float(rule.amax_floor))
     if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
@@ -605,6 +653,7 @@ def _launch_constants(
         W_BF16=w_bf16,
         LN_OPS=layer_norm_ops,
         FMA=fma,
+        FMA_SIN2=fma_sin2,
         HAD_SCALE_F32=hadamard_scale_fp32,
         LANE_ORDER_IN=input_lane_order,
         HW_CAST=hw_cast,

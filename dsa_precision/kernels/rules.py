@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from ..engines import EngineProfile, Fp8Rule
+from ..engines import EngineProfile, Fp8Rule, LayerNormArith, RopeFma
 
 if TYPE_CHECKING:
     from ..preprocess import IndexerPreprocess
@@ -48,7 +48,9 @@ class PreprocessRules:
         bf16_math: RoPE in BF16 arithmetic (Megatron's BF16 path); float32 otherwise.
         table_dtype: the dtype the cos/sin tables are rounded to before the kernel reads them.
         fma: the engine's contracted multiply-adds (:attr:`EngineProfile.fma`).
-        layer_norm_ops: the key LayerNorm float32 operation by operation, not float64 once.
+        rope_fma: which RoPE product ``fma`` fuses (:attr:`EngineProfile.rope_fma`).
+        layer_norm: the key LayerNorm arithmetic (:attr:`EngineProfile.layernorm`): float64
+            once, or float32 operation by operation in Triton's tree or in a CUDA warp's.
         ln_out_bf16: round the key LayerNorm output to BF16.
         hadamard_scale_fp32: the Hadamard sums rounded to float32, scaled by ``fl32(128**-0.5)``.
         q_out_bf16, k_out_bf16: round q / k to BF16 after RoPE and after the Hadamard rotation.
@@ -63,7 +65,8 @@ class PreprocessRules:
     bf16_math: bool = False
     table_dtype: torch.dtype = torch.float32
     fma: bool = False
-    layer_norm_ops: bool = False
+    rope_fma: RopeFma = "cos"
+    layer_norm: LayerNormArith = "float64"
     ln_out_bf16: bool = False
     hadamard_scale_fp32: bool = False
     q_out_bf16: bool = False
@@ -110,7 +113,8 @@ class PreprocessRules:
                 bf16_math=engine.rope_dtype == torch.bfloat16,
                 table_dtype=engine.cos_sin_dtype,
                 fma=engine.fma,
-                layer_norm_ops=engine.layernorm == "fp32-ops",
+                rope_fma=engine.rope_fma,
+                layer_norm=engine.layernorm,
                 ln_out_bf16=engine.k_norm_dtype == torch.bfloat16,
                 hadamard_scale_fp32=engine.hadamard_scale == "float32",
                 q_out_bf16=engine.q_dtype == torch.bfloat16,
