@@ -137,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profiles", nargs="+", default=sorted(ek.ORACLE_ENGINES))
+    p.add_argument(
+        "--profiles",
+        nargs="+",
+        default=sorted(ek.ORACLE_ENGINES),
+        choices=sorted({**ek.ORACLE_ENGINES, **ek.JIT_ORACLE_ENGINES}),
+    )
     p.add_argument("--out", type=Path, default=Path("conformance"))
     p.add_argument("--models", type=int, default=len(MODELS), help="the first N models")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         inputs = synthetic_indexer_inputs(args.seq, n_heads=heads, seed=args.seed).to(device)
         layout = "interleaved" if interleaved else "NeoX"
         for name in [*args.profiles, "vllm-exact"]:
+            needs = ENGINE_PROFILES[name].rope_interleaved
+            if needs is not None and needs != interleaved:  # sglang-fused: interleaved models
+                continue
             try:
                 rec = _record(inputs, heads, interleaved, name, args)
             except Exception as exc:  # keep measuring the others; the log has the reason
@@ -178,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         del inputs
     results["rsqrt"] = _rsqrt_check(device) if device.type == "cuda" else None
-    mods = {e: ek.load_engine_kernels(e)[0] for e in {ek.ORACLE_ENGINES[p] for p in args.profiles}}
+    triton_engines = {ek.ORACLE_ENGINES[p] for p in args.profiles if p in ek.ORACLE_ENGINES}
+    mods = {e: ek.load_engine_kernels(e)[0] for e in triton_engines}  # PTX of the Triton kernels
     results["ptx"] = {e: _ptx_summary(m, args.out) for e, m in mods.items()}
     (args.out / "conformance.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({"rsqrt": results["rsqrt"], "ptx": results["ptx"]}, indent=1))

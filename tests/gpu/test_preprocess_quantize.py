@@ -3,6 +3,8 @@ same GPU: bit-identical operands (the cases of ``tests/interpreter``, plus produ
 the hardware paths the interpreter cannot check (code generation without FMA contraction or
 flush-to-zero, float64 division and square root, the BF16 / E4M3 bit arithmetic), and replays."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -318,9 +320,9 @@ def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
     build code and loaded by tvm-ffi (dsa_precision.oracles.engine_kernels, JIT_ORACLE_ENGINES),
     against the package's fused kernel and torch reference with the profile: every q / k byte,
     k descale and folded weight. sglang-fused: the fused path (GLM-5, interleaved RoPE) that
-    SGLang takes on CUDA; docs/numerics.md 8.5 lists the differences its PTX predicts (float32
-    LayerNorm with contractions, RoPE's products), so until the profile follows them this test
-    is expected to fail where SGLang's files are present."""
+    SGLang takes on CUDA, with the rules its SASS shows (docs/numerics.md 8.5: the warp's
+    LayerNorm sums, var / 128 + eps fused, RoPE's "cos-sin" contraction). For a failure's
+    diagnosis the profile's earlier rules are recorded beside it (not asserted)."""
     from dsa_precision.oracles import engine_kernels as ek
     from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
@@ -336,6 +338,17 @@ def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
         ours = ek.package_operands(inputs, profile, interleaved=True, impl=impl)
         diffs[impl] = ek.operand_diff(ours, run.operands)
     record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
+    variants = {
+        "rope_fma=cos": dict(rope_fma="cos"),
+        "layernorm=fp32-ops": dict(layernorm="fp32-ops"),
+        "layernorm=float64": dict(layernorm="float64"),
+        "fma=False": dict(fma=False),
+    }
+    for label, change in variants.items():
+        variant = dataclasses.replace(profile, name=f"{name} ({label})", **change)
+        ours = ek.package_operands(inputs, variant, interleaved=True, impl="torch")
+        record("engine_kernel_variant", profile=name, heads=heads, variant=label,
+               **ek.operand_diff(ours, run.operands))  # fmt: skip
     for impl, diff in diffs.items():
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
 
