@@ -10,7 +10,7 @@ synchronisation, except the ``validate_*`` checks, which read the data.
 from __future__ import annotations
 
 import numbers
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -18,6 +18,7 @@ from .checks import INT32_MAX, as_int32_tensor, check_int_fits, check_int_tensor
 from .devices import shared_device_tensor
 
 __all__ = [
+    "VarlenWindows",
     "causal_key_counts",
     "causal_offsets",
     "check_cu_seqlens",
@@ -28,6 +29,7 @@ __all__ = [
     "validate_cu_seqlens",
     "varlen_key_counts",
     "varlen_row_slice",
+    "varlen_windows",
 ]
 
 
@@ -67,14 +69,42 @@ def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Te
     return torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
 
 
-def varlen_key_counts(
+class VarlenWindows(NamedTuple):
+    """Each packed query row's key window ``[start, end)`` in the packed keys: DeepGEMM's
+    ``cu_seq_len_k_start`` / ``cu_seq_len_k_end``, and ``counts = end - start`` (the top-k's
+    ``seq_lens``). Each ``(T_q,)`` int32, contiguous."""
+
+    start: torch.Tensor  # first key of the row's sequence, cu_seqlens_k[i]
+    end: torch.Tensor  # start + counts
+    counts: torch.Tensor  # the row's visible keys, its sequence's causal limit
+
+
+def _fused_windows(device: torch.device) -> bool:
+    """Whether :func:`varlen_windows` runs as one Triton launch on ``device``."""
+    if device.type != "cuda":
+        return False
+    from .kernels import triton_unavailable_reason
+
+    return triton_unavailable_reason() is None
+
+
+def varlen_windows(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     q_causal_offsets: torch.Tensor,
     ratio: int,
     total_q: int,
-) -> torch.Tensor:
-    """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit)."""
+) -> VarlenWindows:
+    """Every packed query row's key window (its sequence's keys up to its causal limit).
+
+    Arguments: ``(n + 1,)`` int32 / int64 cumulative lengths and ``(n,)`` offsets on one device
+    (checked by the caller), ``ratio`` a positive int, ``total_q`` the packed rows. On CUDA one
+    Triton launch (:mod:`dsa_precision.kernels.varlen_windows`), elsewhere the torch expression
+    below; both give the same integers."""
+    if _fused_windows(cu_seqlens_q.device):
+        from .kernels.varlen_windows import varlen_windows as fused
+
+        return VarlenWindows(*fused(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q))
     rows = torch.arange(total_q, device=cu_seqlens_q.device)
     cu_q = cu_seqlens_q.to(torch.int64)
     seq = packed_sequence_of(cu_q, rows)
@@ -82,7 +112,21 @@ def varlen_key_counts(
     len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)[seq]
     off = q_causal_offsets.to(torch.int64)[seq]
     counts = torch.div(off + local + 1, ratio, rounding_mode="floor")
-    return torch.minimum(counts.clamp_(min=0), len_k).to(torch.int32)
+    counts = torch.minimum(counts.clamp_(min=0), len_k).to(torch.int32)
+    start = cu_seqlens_k.to(torch.int32)[seq]
+    return VarlenWindows(start, start + counts, counts)
+
+
+def varlen_key_counts(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_causal_offsets: torch.Tensor,
+    ratio: int,
+    total_q: int,
+) -> torch.Tensor:
+    """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit):
+    the ``counts`` of :func:`varlen_windows`."""
+    return varlen_windows(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q).counts
 
 
 def varlen_row_slice(

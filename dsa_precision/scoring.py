@@ -45,12 +45,12 @@ from .devices import to_device
 from .operands import ScoringOperands
 from .prepare import as_scoring_operands
 from .rows import (
+    VarlenWindows,
     causal_key_counts,
     causal_offsets,
     check_varlen_args,
     constant_offsets,
-    packed_sequence_of,
-    varlen_key_counts,
+    varlen_windows,
 )
 
 __all__ = [
@@ -256,16 +256,14 @@ def _deepgemm_varlen_windows(
     offsets: torch.Tensor,
     ratio: int,
     max_seqlen_k: int,
-    counts: torch.Tensor | None = None,
+    windows: VarlenWindows | None = None,
 ) -> deepgemm.WindowLogits:
     """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
-    columns. ``counts``: the rows' :func:`varlen_key_counts`, when the caller has them."""
-    tq = ops.q.shape[1]
-    if counts is None:
-        counts = varlen_key_counts(cu_q, cu_k, offsets, ratio, tq)
-    rows = torch.arange(tq, device=ops.device)
-    start = cu_k.to(torch.int32)[packed_sequence_of(cu_q, rows)]
-    return _deepgemm_scores(ops, start, start + counts, max_seqlen_k, counts)
+    columns. ``windows``: the rows' :func:`~dsa_precision.rows.varlen_windows`, when the caller
+    has them (else built here: one launch on CUDA)."""
+    if windows is None:
+        windows = varlen_windows(cu_q, cu_k, offsets, ratio, ops.q.shape[1])
+    return _deepgemm_scores(ops, windows.start, windows.end, max_seqlen_k, windows.counts)
 
 
 def deepgemm_select_input(
@@ -275,16 +273,19 @@ def deepgemm_select_input(
     *,
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
+    windows: VarlenWindows | None = None,
 ) -> deepgemm.WindowLogits:
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`, which has
     checked the arguments and, with ``validate``, the operands): DeepGEMM's uncleaned logits of
     ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM. ``counts``: the
-    rows' causal key counts if the caller has them (read only; BSHD then reads no offsets)."""
+    max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM. ``counts`` (BSHD):
+    the rows' causal key counts if the caller has them (read only; BSHD then reads no offsets);
+    ``windows`` (THD): the rows' :func:`~dsa_precision.rows.varlen_windows` likewise."""
     record_scoring_call(ops.precision.value, "deepgemm")
     if varlen is None:
         return _deepgemm_causal_windows(ops, offsets, ratio, counts)
-    return _deepgemm_varlen_windows(ops, varlen[0], varlen[1], offsets, ratio, varlen[2], counts)
+    cu_q, cu_k, max_seqlen_k = varlen
+    return _deepgemm_varlen_windows(ops, cu_q, cu_k, offsets, ratio, max_seqlen_k, windows)
 
 
 def _reference_scores(

@@ -40,8 +40,8 @@ from .rows import (
     check_varlen_args,
     constant_key_counts,
     constant_offsets,
-    varlen_key_counts,
     varlen_row_slice,
+    varlen_windows,
 )
 from .scoring import (
     Backend,
@@ -295,8 +295,8 @@ def indexer_select_varlen(
     n_seq = cu_seqlens_q.numel() - 1
     offsets = causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
-    ).to(torch.int64)
-    cu_q = to_device(cu_seqlens_q, ops.device, torch.int64)
+    )
+    cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
     cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
     requested, backend = backend, resolve_scoring_backend(backend, ops)
     margins = check_bool("margins", margins)
@@ -318,12 +318,18 @@ def indexer_select_varlen(
     buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
     for r0 in range(0, tq, step):
         r1 = min(r0 + step, tq)
-        cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
         part = ops.rows(r0, r1)
-        lens = varlen_key_counts(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
+        if step >= tq:  # one chunk: the caller's lengths and offsets as they are (no slice)
+            cu_chunk, off_chunk = cu_q, offsets
+        else:  # int32 offsets: within int32, as the caller's offsets were checked to be
+            cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
+            off_chunk = off_chunk.to(torch.int32)
+        # Each row's key window: DeepGEMM's ks / ke, and the top-k's lengths (one launch on CUDA).
+        windows = varlen_windows(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
+        lens = windows.counts
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, counts=lens)
+            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, windows=windows)
             scores = window.rows_in_place()  # the window goes: its logits go with the scores
             del window
             row_backend = _window_topk_backend(scores, topk)
@@ -335,7 +341,7 @@ def indexer_select_varlen(
                 cu_k,
                 min(max_seqlen_q, r1 - r0),
                 max_seqlen_k,
-                off_chunk.to(torch.int32),  # within int32: the caller's offsets were checked
+                off_chunk,
                 ratio,
                 backend,
                 buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
@@ -349,6 +355,6 @@ def indexer_select_varlen(
         if margins:
             assert out_margins is not None and gaps is not None  # chunked, with margins
             out_margins[r0:r1] = gaps
-        del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+        del scores, lens, windows, picks, gaps  # DeepGEMM: free this chunk's logits first
     assert out is not None  # chunked: one chunk returned in the loop
     return _with_margins(out, out_margins)

@@ -2,7 +2,8 @@
 # The H200 runs behind docs/gpu-validation.md, docs/benchmarks.md and docs/megatron.md.
 # On the GPU host, after `source .gpu/bin/env.sh` (../shared/gpu/README.md):
 #   bash tools/gpu_session.sh deepgemm tests bench demo toy replay ...
-#   bash tools/gpu_session.sh deepgemm tests-speed bench bench-long bench-split  (docs/benchmarks.md)
+#   bash tools/gpu_session.sh deepgemm tests-speed bench bench-long bench-split bench-thd
+#   (docs/benchmarks.md)
 # Every step logs to $OUT (default ./gpu-out); the last step packs the logs into $OUT/logs.tgz.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -95,8 +96,11 @@ for step in "$@"; do
       bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
     bench-long-4g)  # issue 20: --long with 4 GiB chunks (a quarter of the chunks of the default)
       bench_step bench_long_4g 600 --long --chunk-bytes 4294967296 ${BENCH_ARGS:-} ;;
-    bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
-      bench_step bench_all 560 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
+    bench-thd)  # packed sequences (THD): indexer_scores_varlen / indexer_select_varlen beside
+      # the raw kernels at T 8192 16384 (with BENCH_ARGS=--long also T 32768-131072, select only)
+      bench_step bench_thd 600 --thd ${BENCH_ARGS:-} ;;
+    bench-all)  # bench, bench-long, bench-split and bench-thd in one process (kernels compile once)
+      bench_step bench_all 560 --seq 8192 16384 --long --split --thd ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)
       for heads in 32 64; do
         for engine in "vllm-exact" "vllm" "vllm-eager" "vllm-legacy" "lmdeploy" \

@@ -19,6 +19,12 @@ repetition, random non-zero inputs checked against the torch reference first):
 - **memory**: the allocator's peak during one end-to-end call beyond what existed before it and
   beyond its output (memory cuDNN takes outside PyTorch's allocator is not seen).
 
+- **packed sequences** (``--thd``): packings of uneven sequences summing to ``T`` tokens, FP8:
+  :func:`~dsa_precision.indexer_scores_varlen` on DeepGEMM and cuDNN beside the kernels called
+  directly on the same operands (DeepGEMM's MQA logits with per-row ``ks`` / ``ke``, compressed
+  and cleaned; cuDNN's THD ``indexer_forward_wrapper``), and
+  :func:`~dsa_precision.indexer_select_varlen` beside the raw kernels' chunked score + top-k.
+
 ``S >= --chunked-from`` is timed end to end only (the full score matrix would not fit).
 """
 
@@ -41,7 +47,9 @@ from .bench_config import (
     LONG_SEQS,
     ROPE_DIM,
     SPLIT_SEQS,
+    THD_SEQS,
     BenchConfig,
+    thd_lengths,
 )
 from .bench_tables import format_tables
 
@@ -131,6 +139,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--split-seq): scoring, top-k, scores written and read back; what a fused kernel saves",
     )
     p.add_argument("--split-seq", type=int, nargs="+", default=None, help="S of --split")
+    p.add_argument(
+        "--thd",
+        action="store_true",
+        help=f"only the packed-sequence (THD) profile: T {' '.join(map(str, THD_SEQS))} tokens "
+        "(or --thd-seq; with --long also its S, selection only), FP8 indexer_scores_varlen and "
+        "indexer_select_varlen on both backends beside the raw kernels",
+    )
+    p.add_argument("--thd-seq", type=int, nargs="+", default=None, help="packed tokens T of --thd")
+    p.add_argument(
+        "--thd-weights",
+        type=int,
+        nargs="+",
+        default=list(d.thd_weights),
+        help="relative sequence lengths of each packing (default "
+        f"{' '.join(map(str, d.thd_weights))}: four uneven sequences)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
     p.set_defaults(func=main)
 
@@ -219,16 +243,19 @@ def _peak_extra_mib(fn: _Call) -> float:
 
 
 def bench_inputs(
-    seq: int, batch: int, heads: int, gen: torch.Generator
+    seq: int, batch: int, heads: int, gen: torch.Generator, lens: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron-layout BF16 projections (q, k, raw head weights) and RoPE angles."""
+    """Megatron-layout BF16 projections (q, k, raw head weights) and RoPE angles: of positions
+    ``0 .. seq - 1``, or with ``lens`` (packed sequences summing to ``seq``) each sequence's own
+    positions from 0."""
 
     def nonzero(*shape: int) -> torch.Tensor:
         x = torch.randn(*shape, device=_DEVICE, generator=gen)
         return torch.where(x == 0, torch.full_like(x, 1e-3), x).to(torch.bfloat16)
 
     inv = 10000.0 ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device=_DEVICE) / ROPE_DIM)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=_DEVICE), inv)
+    pos = [torch.arange(n, dtype=torch.float32) for n in lens or [seq]]
+    angles = torch.outer(torch.cat(pos).to(_DEVICE), inv)
     freqs = torch.cat([angles] * 2, -1).view(seq, 1, 1, ROPE_DIM)
     return (
         nonzero(seq, batch, heads, HEAD_DIM),
@@ -267,9 +294,11 @@ def _check_environment(cfg: BenchConfig) -> None:
         ("seq", cfg.seqs),
         ("long-seq", cfg.long_seqs),
         ("split-seq", cfg.split_seqs),
+        ("thd-seq", cfg.thd_seqs),
     ):
         if any(s < 1 for s in seqs):
             raise CliError(f"--{flag} values must be >= 1.")
+    _check_thd(cfg)
     from ..backends import cudnn
     from ..config import ScoringPrecision
     from ..kernels import triton_unavailable_reason
@@ -288,16 +317,33 @@ def _check_environment(cfg: BenchConfig) -> None:
         raise CliError(reason)
 
 
+def _check_thd(cfg: BenchConfig) -> None:
+    """Every packing of ``--thd-seq`` splits into non-empty sequences (``CliError`` otherwise)."""
+    for total in cfg.thd_seqs:
+        try:
+            thd_lengths(total, cfg.thd_weights)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+
+
 class _Workload:
     """One (S, H) case: projections, preprocessing modules, configs and prepared operands."""
 
-    def __init__(self, cfg: BenchConfig, seq: int, heads: int, gen: torch.Generator) -> None:
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        seq: int,
+        heads: int,
+        gen: torch.Generator,
+        lens: list[int] | None = None,
+    ) -> None:
         from ..config import IndexerPrecisionConfig
         from ..prepare import prepare_indexer_operands
         from ..preprocess import indexer_head_weights
 
         self.seq, self.heads = seq, heads
-        self.q, self.k, w_raw, self.freqs = bench_inputs(seq, cfg.batch, heads, gen)
+        batch = 1 if lens else cfg.batch  # a packing is one row of tokens
+        self.q, self.k, w_raw, self.freqs = bench_inputs(seq, batch, heads, gen, lens)
         self.pre16 = _preprocess(False, cfg.hadamard)
         self.pre8 = _preprocess(cfg.rope_fp32, cfg.hadamard)
         self.cfg16 = IndexerPrecisionConfig()
@@ -363,16 +409,35 @@ class _Raw:
         """Batch row 0 of ``ops`` against keys ``[0, counts)``: compressed and uncleaned (what
         the engines' prefill top-k reads), or with ``clean`` the full cleaned ``(S_q, S_k)``
         scores (``None`` where the entry point takes no ``clean_logits``)."""
+        columns = 0 if clean else ops.k.shape[1]
+        return self.deepgemm_windows(ops, torch.zeros_like(counts), counts, columns)
+
+    def deepgemm_windows(self, ops, ks: torch.Tensor, ke: torch.Tensor, columns: int):
+        """Rows of batch 0 of ``ops`` against their key windows ``[ks, ke)`` (int32, one per
+        row): ``columns > 0``: compressed and uncleaned, ``(rows, columns)``, column ``j`` key
+        ``ks + j``; ``columns == 0``: DeepGEMM's cleaned ``(rows, S_k)`` logits, ``-inf`` outside
+        the windows (``None`` where the entry point takes no ``clean_logits``)."""
         e = self.dg
         assert e is not None  # called only where DeepGEMM imports (_backends)
         q, kv, w = ops.q[0], (ops.k[0], ops.k_descale[0]), ops.weights[0]
-        args = ((q, None) if e.q_pair else q, kv, w, torch.zeros_like(counts), counts)
-        if clean:
+        args = ((q, None) if e.q_pair else q, kv, w, ks, ke)
+        if columns == 0:
             if not e.clean_logits_arg:
                 return None
             return e.fn(*args, clean_logits=True, max_seqlen_k=0)
         extra = {"clean_logits": False} if e.clean_logits_arg else {}
-        return e.fn(*args, max_seqlen_k=kv[0].shape[0], **extra)
+        return e.fn(*args, max_seqlen_k=columns, **extra)
+
+    def cudnn_thd(self, ops, pack: _Packing, chunk: int | None = None, out=None):
+        """cuDNN's THD scores ``(rows, max_len)`` of the packing (or of its chunk ``chunk``)."""
+        cu_q, offsets, max_q, (r0, r1) = pack.cudnn_args(chunk)
+        q, w, qs = ops.q[0, r0:r1], ops.weights[0, r0:r1], ops.q_descale[0, r0:r1]
+        return self.dsa.indexer_forward_wrapper(
+            q, ops.k[0].unsqueeze(1), w, ratio=1, sm_scale=ops.sm_scale,
+            q_causal_offsets=offsets, precision=ops.precision.value, q_scale=qs,
+            k_scale=ops.k_descale[0].unsqueeze(-1), out=out, cu_seqlens_q=cu_q,
+            cu_seqlens_k=pack.cu, max_seqlen_q=max_q, max_seqlen_k=pack.max_len,
+        )["scores"]  # fmt: skip
 
     def topk(self, scores: torch.Tensor, lens: torch.Tensor, val: bool = True):
         return self.dsa.indexer_top_k_wrapper(
@@ -399,6 +464,78 @@ class _Raw:
                 scores = self.cudnn_scores(part, zero + r0, out).view(-1, sk)
             if not score_only:
                 self.topk(scores, lens)
+
+    def select_thd(self, ops, pack: _Packing, backend: str, buf: torch.Tensor | None):
+        """Chunked scoring + top-k (with values) of a packing, its chunks' rows and windows
+        built on the host beforehand (as an engine's metadata): the raw-kernel bound of
+        ``indexer_select_varlen``. Returns each chunk's indices."""
+        from ..backends.deepgemm import WindowLogits
+
+        picks = []
+        for c, (r0, r1) in enumerate(pack.chunks):
+            lens = pack.counts[r0:r1]
+            if backend == "deepgemm":
+                part = ops.rows(r0, r1)
+                logits = self.deepgemm_windows(part, pack.ks[r0:r1], pack.ke[r0:r1], pack.max_len)
+                scores = WindowLogits(logits, lens).rows_in_place()
+            else:
+                assert buf is not None  # given for cuDNN
+                out = buf[: (r1 - r0) * pack.max_len].view(r1 - r0, pack.max_len)
+                scores = self.cudnn_thd(ops, pack, c, out)
+            picks.append(self.topk(scores, lens)["indices"])
+            del scores
+        return picks
+
+
+@dataclasses.dataclass
+class _Packing:
+    """A packing of sequences of ``lens`` tokens (queries and keys alike, causal from 0) and
+    what a caller of the raw kernels builds once for it, on the host: the packed ``cu``, each
+    row's key window ``[ks, ke)`` (DeepGEMM) and its length ``counts`` (the top-k), and per
+    chunk of ``step`` rows cuDNN's ``cu_seqlens_q`` and causal offsets."""
+
+    lens: list[int]
+    step: int
+
+    def __post_init__(self) -> None:
+        starts = [0]
+        for n in self.lens:
+            starts.append(starts[-1] + n)
+        self.total, self.max_len, self.starts = starts[-1], max(self.lens), starts
+        ks = torch.cat(
+            [
+                torch.full((n,), c, dtype=torch.int32)
+                for n, c in zip(self.lens, starts[:-1], strict=True)
+            ]
+        )
+        local = torch.cat([torch.arange(1, n + 1, dtype=torch.int32) for n in self.lens])
+        self.cu = torch.tensor(starts, dtype=torch.int32).to(_DEVICE)
+        self.ks, self.ke, self.counts = ks.to(_DEVICE), (ks + local).to(_DEVICE), local.to(_DEVICE)
+        self.chunks = [
+            (r0, min(r0 + self.step, self.total)) for r0 in range(0, self.total, self.step)
+        ]
+        self._cudnn = [self._chunk_args(r0, r1) for r0, r1 in self.chunks]
+        self._whole = (self.cu, torch.zeros(len(self.lens), dtype=torch.int32, device=_DEVICE))
+
+    def _chunk_args(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        cu = [min(max(c - r0, 0), r1 - r0) for c in self.starts]
+        off = [max(r0 - c, 0) for c in self.starts[:-1]]
+        t = torch.tensor([*cu, *off], dtype=torch.int32).to(_DEVICE)
+        return t[: len(cu)], t[len(cu) :], min(self.max_len, r1 - r0)
+
+    def cudnn_args(self, chunk: int | None):
+        """``(cu_seqlens_q, q_causal_offsets, max_seqlen_q, (r0, r1))`` of the whole packing
+        (``None``) or of chunk ``chunk``."""
+        if chunk is None:
+            return (*self._whole, self.max_len, (0, self.total))
+        return (*self._cudnn[chunk], self.chunks[chunk])
+
+    def varlen_kwargs(self) -> dict[str, Any]:
+        """The packing as the package's varlen entry points take it."""
+        return dict(
+            cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=self.max_len,
+            max_seqlen_k=self.max_len,
+        )  # fmt: skip
 
 
 def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
@@ -638,11 +775,115 @@ def _measure_split(
     return out
 
 
+def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple[str, ...]):
+    """Before timing a packing: ``indexer_scores_varlen`` is the raw kernels' output, bit for
+    bit: on DeepGEMM its compressed logits inside each row's window and ``-inf`` past it (and
+    the same values in DeepGEMM's cleaned logits, the windows read at their packed keys), on
+    cuDNN the THD kernel's scores (``-inf`` included). ``CliError`` otherwise."""
+    from ..scoring import indexer_scores_varlen
+
+    kw = pack.varlen_kwargs()
+    cols = torch.arange(pack.max_len, device=_DEVICE)
+    inside = cols < pack.counts.unsqueeze(1)  # (T, max_len): each row's window
+    checked = []
+    if "deepgemm" in backends:
+        got = indexer_scores_varlen(ops, backend="deepgemm", **kw)
+        logits = raw.deepgemm_windows(ops, pack.ks, pack.ke, pack.max_len)
+        if not torch.equal(got[inside], logits[inside]) or not bool(
+            (got[~inside] == float("-inf")).all()
+        ):
+            raise CliError("DeepGEMM THD scores differ from its raw logits; not timing.")
+        clean = raw.deepgemm_windows(ops, pack.ks, pack.ke, 0)
+        if clean is not None:
+            keys = (pack.ks.long().unsqueeze(1) + cols).clamp_(max=clean.shape[1] - 1)
+            if not torch.equal(clean.gather(1, keys)[inside], got[inside]):
+                raise CliError("DeepGEMM THD scores differ from its cleaned logits; not timing.")
+            checked.append("deepgemm clean")
+        checked.append("deepgemm")
+        del got, logits, clean
+    got = indexer_scores_varlen(ops, backend="cudnn", **kw)
+    if not torch.equal(got, raw.cudnn_thd(ops, pack)):
+        raise CliError("cuDNN THD scores differ from its raw kernel's; not timing.")
+    return {"scores_bit_identical": [*checked, "cudnn"]}
+
+
+def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int]):
+    """One packing of ``lens`` (summing to ``work.seq``) at ``work.heads``, FP8 operands:
+    ``indexer_scores_varlen`` beside the raw kernels (below ``--chunked-from``), and
+    ``indexer_select_varlen`` beside the raw chunked score + top-k, each backend."""
+    from ..scoring import indexer_scores_varlen, resolve_scoring_backend
+    from ..select import SELECT_BYTES_PER_SCORE, chunk_rows, indexer_select_varlen
+
+    raw = _Raw(cfg.topk)
+    backends = _backends(raw, 1)
+    ops = work.prep(True, "triton")
+    step = chunk_rows(cfg.chunk_bytes, work.seq, max(lens) * SELECT_BYTES_PER_SCORE)
+    pack = _Packing(lens, step)
+    kw = pack.varlen_kwargs()
+    chunked = work.seq >= cfg.chunked_from
+    t: dict[str, float] = {}
+    out: dict[str, Any] = {
+        "seq": work.seq,
+        "heads": work.heads,
+        "lens": lens,
+        "chunks": len(pack.chunks),
+        "chunked": chunked,
+        "default_backend": resolve_scoring_backend("auto", ops),
+        "check": None if chunked else _verify_thd(raw, ops, pack, backends),
+    }
+    if not chunked:
+        host: dict[str, _Call] = {
+            "raw_score_cudnn": lambda: raw.cudnn_thd(ops, pack),
+            "score_cudnn": lambda: indexer_scores_varlen(ops, backend="cudnn", **kw),
+        }
+        if "deepgemm" in backends:
+            dg = (pack.ks, pack.ke)
+            host["raw_score_dg"] = lambda: raw.deepgemm_windows(ops, *dg, pack.max_len)
+            if raw.deepgemm_windows(ops, *dg, 0) is not None:
+                t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_windows(ops, *dg, 0))
+            host["score_dg"] = lambda: indexer_scores_varlen(ops, backend="deepgemm", **kw)
+        t |= {name: timer(fn) for name, fn in host.items()}
+        out["host_us"] = {name: timer.host_us(fn) for name, fn in host.items()}
+        del host
+    buf = torch.empty(step * pack.max_len, dtype=torch.float32, device=_DEVICE)
+    picks_equal = {}
+    for name in backends:
+        backend = cast("Backend", name)
+        key = "dg" if name == "deepgemm" else name
+        mine = buf if name == "cudnn" else None
+
+        def select(be: Backend = backend) -> torch.Tensor:
+            picks = indexer_select_varlen(
+                ops, topk=cfg.topk, backend=be, chunk_bytes=cfg.chunk_bytes, **kw
+            )
+            return cast(torch.Tensor, picks)  # no margins: the picks alone
+
+        want = torch.cat(raw.select_thd(ops, pack, backend, mine))
+        picks_equal[name] = bool(torch.equal(select(), want))
+        del want
+        t[f"raw_select_{key}"] = timer(lambda be=backend, b=mine: raw.select_thd(ops, pack, be, b))
+        t[f"select_{key}"] = timer(select)
+    out["picks_equal_raw"] = picks_equal
+    out["times_ms"] = t
+    ratios = {}
+    for ratio, pkg, ref in (
+        ("score_dg", "score_dg", "raw_score_dg"),
+        ("score_dg_clean", "score_dg", "raw_score_dg_clean"),
+        ("score_cudnn", "score_cudnn", "raw_score_cudnn"),
+        ("select_dg", "select_dg", "raw_select_dg"),
+        ("select_cudnn", "select_cudnn", "raw_select_cudnn"),
+    ):
+        if pkg in t and ref in t:
+            ratios[ratio] = t[pkg] / t[ref]
+    out["overhead"] = ratios
+    return out
+
+
 def run_bench(
     cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
     """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints.
-    ``on_profile`` gets the report so far after each profile (default, long, split)."""
+    ``on_profile`` gets the report so far after each profile (default, long, split, thd)."""
     _check_environment(cfg)
     from importlib import metadata
 
@@ -662,17 +903,27 @@ def run_bench(
         "config": dataclasses.asdict(cfg),
     }
     long_timer = Timer(cfg.long_reps, 1)  # --long and --split: seconds per call at S >= 65536
-    bandwidth = _bandwidth(long_timer) if cfg.split_seqs else (0.0, 0.0)
-    plans = [
-        ("results", cfg.seqs, lambda w: _measure(cfg, timer, w)),
-        ("long", cfg.long_seqs, lambda w: _measure_long(cfg, long_timer, w)),
-        ("split", cfg.split_seqs, lambda w: _measure_split(cfg, long_timer, w, bandwidth)),
+    bw = _bandwidth(long_timer) if cfg.split_seqs else (0.0, 0.0)
+
+    def thd(s: int, h: int) -> dict[str, Any]:
+        lens = thd_lengths(s, cfg.thd_weights)
+        packed = _Workload(cfg, s, h, gen, lens)
+        return _measure_thd(cfg, timer if s < cfg.chunked_from else long_timer, packed, lens)
+
+    def work(s: int, h: int) -> _Workload:
+        return _Workload(cfg, s, h, gen)
+
+    plans: list[tuple[str, tuple[int, ...], Callable[[int, int], dict[str, Any]]]] = [
+        ("results", cfg.seqs, lambda s, h: _measure(cfg, timer, work(s, h))),
+        ("long", cfg.long_seqs, lambda s, h: _measure_long(cfg, long_timer, work(s, h))),
+        ("split", cfg.split_seqs, lambda s, h: _measure_split(cfg, long_timer, work(s, h), bw)),
+        ("thd", cfg.thd_seqs, thd),
     ]
     for key, seqs, measure in plans:
         cases = [(s, h) for s in seqs for h in cfg.heads]
         report[key] = []
         for s, h in progress(cases, total=len(cases), desc=f"bench {key}"):
-            report[key].append(measure(_Workload(cfg, s, h, gen)))
+            report[key].append(measure(s, h))
             torch.cuda.empty_cache()
         if cases and on_profile is not None:
             on_profile(report)
@@ -682,8 +933,10 @@ def run_bench(
 def main(args: argparse.Namespace) -> int:
     long = args.long or args.long_seq is not None
     split = args.split or args.split_seq is not None
+    thd = args.thd or args.thd_seq is not None
+    long_seqs = tuple(args.long_seq or LONG_SEQS) if long else ()
     cfg = BenchConfig(
-        seqs=tuple(args.seq) if args.seq else () if long or split else BenchConfig.seqs,
+        seqs=tuple(args.seq) if args.seq else () if long or split or thd else BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,
@@ -695,9 +948,11 @@ def main(args: argparse.Namespace) -> int:
         hadamard=args.hadamard,
         torch_reference=args.torch_reference,
         seed=args.seed,
-        long_seqs=tuple(args.long_seq or LONG_SEQS) if long else (),
+        long_seqs=long_seqs,
         long_reps=args.long_reps,
         split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
+        thd_seqs=tuple(args.thd_seq or (*THD_SEQS, *long_seqs)) if thd else (),
+        thd_weights=tuple(args.thd_weights),
     )
     # With --json the tables of each finished profile go to stderr as it ends, so a run cut
     # short by a time limit still leaves its first profiles in the log.

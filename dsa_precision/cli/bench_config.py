@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FUSED_THRESHOLD", "HEAD_DIM", "LONG_SEQS", "ROPE_DIM", "SPLIT_SEQS", "BenchConfig"]
+__all__ = [
+    "FUSED_THRESHOLD",
+    "HEAD_DIM",
+    "LONG_SEQS",
+    "ROPE_DIM",
+    "SPLIT_SEQS",
+    "THD_SEQS",
+    "THD_WEIGHTS",
+    "BenchConfig",
+    "thd_lengths",
+]
 
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -34,6 +44,10 @@ class BenchConfig:
     long_reps: int = 5
     # The time split of FP8 selection (--split): scoring, top-k, score traffic, at these S.
     split_seqs: tuple[int, ...] = ()
+    # The packed profile (--thd): packings of T tokens, sequences in these proportions
+    # (thd_lengths), FP8 indexer_scores_varlen / indexer_select_varlen beside the raw kernels.
+    thd_seqs: tuple[int, ...] = ()
+    thd_weights: tuple[int, ...] = (4, 1, 3, 2)
 
 
 LONG_SEQS = (32768, 65536, 131072)
@@ -41,3 +55,21 @@ SPLIT_SEQS = (16384, 65536)
 # The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
 # costs more than this share of FP8 end-to-end time at S = 65536.
 FUSED_THRESHOLD = 0.20
+THD_SEQS = (8192, 16384)
+# Four uneven sequences per packing (T = 8192: 3276, 819, 2457, 1640 tokens).
+THD_WEIGHTS = BenchConfig.thd_weights
+
+
+def thd_lengths(total: int, weights: tuple[int, ...]) -> list[int]:
+    """Sequence lengths in proportion to ``weights`` summing to ``total`` (the last takes the
+    rounding); ``ValueError`` naming both when a sequence would be empty."""
+    if not weights or min(weights) < 1:
+        raise ValueError(f"--thd-weights {list(weights)}: give one or more positive integers.")
+    lens = [total * w // sum(weights) for w in weights[:-1]]
+    lens.append(total - sum(lens))
+    if min(lens) < 1:
+        raise ValueError(
+            f"--thd-seq {total} with --thd-weights {list(weights)} leaves an empty sequence "
+            f"({lens}); pass a larger T or fewer sequences."
+        )
+    return lens

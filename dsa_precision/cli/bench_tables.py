@@ -1,5 +1,5 @@
 """The tables of a ``bench`` report (:func:`format_tables`): the package beside the raw kernels
-it wraps, as ratios, then end to end, long context and the FP8 time split."""
+it wraps, as ratios, then end to end, long context, the FP8 time split and packed sequences."""
 
 from __future__ import annotations
 
@@ -190,6 +190,72 @@ def _split_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _thd_select_lines(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> list[str]:
+    """Packed THD: the default backend's selection first, then each backend beside its raw
+    chunked kernels."""
+    lines = [
+        "packed THD, FP8: indexer_select_varlen from prepared operands, the default path "
+        "(backend='auto') first (x = package / raw chunked kernels)",
+        f"{'T':>6} {'H':>3} {'max len':>7} {'chunks':>6} | {'default':>8} {'select':>8} | "
+        f"{'dg raw':>8} {'pkg':>8} {'x':>5} | {'cu raw':>8} {'pkg':>8} {'x':>5} | "
+        f"{'picks = raw':>11}",
+    ]
+    for r in rows:
+        t, o = r["times_ms"], r["overhead"]
+        name = r["default_backend"]
+        mine = t.get("select_dg" if name == "deepgemm" else f"select_{name}")
+        eq = r.get("picks_equal_raw", {})
+        picks = "/".join(("yes" if eq[b] else "NO") for b in ("deepgemm", "cudnn") if b in eq)
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} {max(r['lens']):>7} {r['chunks']:>6} | {name:>8} "
+            f"{_fmt(mine):>8} | {_fmt(t.get('raw_select_dg')):>8} {_fmt(t.get('select_dg')):>8} "
+            f"{_fmt(o.get('select_dg'), '.2f'):>5} | {_fmt(t.get('raw_select_cudnn')):>8} "
+            f"{_fmt(t.get('select_cudnn')):>8} {_fmt(o.get('select_cudnn'), '.2f'):>5} | "
+            f"{picks or '-':>11}"
+        )
+    sizes = "; ".join(
+        f"T={r['seq']}: {', '.join(map(str, r['lens']))}"
+        for r in {r["seq"]: r for r in rows}.values()
+    )
+    lines += [
+        f"sequence lengths {sizes} (causal from 0, keys = queries); T >= "
+        f"{cfg.get('chunked_from')}: selection only, median of {cfg.get('long_reps')} reps",
+        "raw: per chunk DeepGEMM's compressed logits (per-row ks / ke built once on the host) or "
+        "cuDNN's THD scores, then indexer_top_k_wrapper(return_val=True); picks = raw: the "
+        "package's picks equal the raw kernels' (deepgemm/cudnn)",
+    ]
+    return lines
+
+
+def _thd_score_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "packed THD, FP8: indexer_scores_varlen beside the raw kernels (same operands; x = "
+        "package / raw)",
+        f"{'T':>6} {'H':>3} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'x cl':>5} | "
+        f"{'cu raw':>7} {'pkg':>7} {'x':>5} | {'host us dg raw':>14} {'pkg':>6} {'cu raw':>6} "
+        f"{'pkg':>6}",
+    ]
+    for r in rows:
+        t, o, h = r["times_ms"], r["overhead"], r.get("host_us", {})
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t.get('raw_score_dg')):>7} "
+            f"{_fmt(t.get('raw_score_dg_clean')):>7} {_fmt(t.get('score_dg')):>7} "
+            f"{_fmt(o.get('score_dg'), '.2f'):>5} {_fmt(o.get('score_dg_clean'), '.2f'):>5} | "
+            f"{_fmt(t.get('raw_score_cudnn')):>7} {_fmt(t.get('score_cudnn')):>7} "
+            f"{_fmt(o.get('score_cudnn'), '.2f'):>5} | {_fmt(h.get('raw_score_dg'), '.1f'):>14} "
+            f"{_fmt(h.get('score_dg'), '.1f'):>6} {_fmt(h.get('raw_score_cudnn'), '.1f'):>6} "
+            f"{_fmt(h.get('score_cudnn'), '.1f'):>6}"
+        )
+    lines.append(
+        "dg raw: fp8_fp4_mqa_logits(q, (k, k_scales), w, ks, ke, clean_logits=False, "
+        "max_seqlen_k=max len), the compressed uncleaned logits; clean: the same with "
+        "clean_logits=True, max_seqlen_k=0, (T, T) with -inf outside the windows; pkg: "
+        "(T, max len), -inf past each row's window; cu raw: indexer_forward_wrapper with "
+        "cu_seqlens_q/k, max_seqlen_q/k; host us: until the call returns, the device idle"
+    )
+    return lines
+
+
 def format_tables(report: dict[str, Any]) -> str:
     """The human-readable tables of a :func:`run_bench` report (times in ms)."""
     cfg = report["config"]
@@ -212,4 +278,9 @@ def format_tables(report: dict[str, Any]) -> str:
         lines += ["", *_long_lines(report["long"], cfg.get("long_reps"))]
     if report.get("split"):
         lines += ["", *_split_lines(report["split"])]
+    if report.get("thd"):
+        lines += ["", *_thd_select_lines(report["thd"], cfg)]
+        scored = [r for r in report["thd"] if not r["chunked"]]
+        if scored:
+            lines += ["", *_thd_score_lines(scored)]
     return "\n".join(lines)

@@ -30,6 +30,9 @@ def test_help_documents_every_flag():
         "--rope-fp32",
         "--hadamard",
         "--torch-reference",
+        "--thd",
+        "--thd-seq",
+        "--thd-weights",
     ):
         assert flag in out.stdout
 
@@ -116,3 +119,58 @@ def test_json_carries_the_package_version(monkeypatch, capsys):
         "dsa_precision_version": dsa_precision.__version__,
         "results": [],
     }
+
+
+def _thd_row(seq, chunked):
+    lens = [seq * w // 10 for w in (4, 1, 3)]
+    t = dict(raw_select_dg=2.0, select_dg=2.1, raw_select_cudnn=2.5, select_cudnn=2.55)
+    out = {
+        "seq": seq, "heads": 64, "lens": [*lens, seq - sum(lens)], "chunks": 1 if not chunked
+        else 3, "chunked": chunked, "default_backend": "deepgemm", "times_ms": t,
+        "picks_equal_raw": {"cudnn": True, "deepgemm": not chunked},
+        "overhead": dict(select_dg=2.1 / 2.0, select_cudnn=2.55 / 2.5),
+    }  # fmt: skip
+    if not chunked:
+        t |= dict(raw_score_dg=0.4, raw_score_dg_clean=0.5, score_dg=0.44, raw_score_cudnn=0.6,
+                  score_cudnn=0.6)  # fmt: skip
+        out["overhead"] |= dict(score_dg=0.44 / 0.4, score_dg_clean=0.44 / 0.5, score_cudnn=1.0)
+        out["host_us"] = dict(raw_score_dg=40.0, score_dg=75.5, raw_score_cudnn=60.0,
+                              score_cudnn=80.0)  # fmt: skip
+    return out
+
+
+def test_thd_tables_put_the_default_backend_first():
+    report = {
+        "device": "NVIDIA H200",
+        "config": dict(
+            batch=1,
+            topk=2048,
+            reps=20,
+            rope_fp32=True,
+            hadamard=False,
+            chunked_from=32768,
+            long_reps=5,
+        ),
+        "thd": [_thd_row(8192, False), _thd_row(65536, True)],
+    }
+    lines = format_tables(report).splitlines()
+    select = lines.index(next(x for x in lines if x.startswith("packed THD, FP8: indexer_select")))
+    assert "default path (backend='auto') first" in lines[select]
+    header = lines[select + 1].split("|")
+    assert header[1].split() == ["default", "select"] and header[2].split()[0] == "dg"
+    small, large = lines[select + 2], lines[select + 3]
+    assert [p.split() for p in small.split("|")] == [
+        ["8192", "64", "3276", "1"], ["deepgemm", "2.100"], ["2.000", "2.100", "1.05"],
+        ["2.500", "2.550", "1.02"], ["yes/yes"],
+    ]  # fmt: skip
+    assert large.split("|")[0].split() == ["65536", "64", "26214", "3"]
+    assert large.split("|")[-1].split() == ["NO/yes"]  # a mismatch is shown, not hidden
+    assert "T=8192: 3276, 819, 2457, 1640" in lines[select + 4]
+    assert "T >= 32768: selection only, median of 5 reps" in lines[select + 4]
+    score = lines.index(next(x for x in lines if x.startswith("packed THD, FP8: indexer_scores")))
+    rows = [x for x in lines[score:] if x.lstrip().startswith(("8192", "65536"))]
+    assert len(rows) == 1  # the long packing is timed selected only
+    assert [p.split() for p in rows[0].split("|")] == [
+        ["8192", "64"], ["0.400", "0.500", "0.440", "1.10", "0.88"], ["0.600", "0.600", "1.00"],
+        ["40.0", "75.5", "60.0", "80.0"],
+    ]  # fmt: skip

@@ -123,12 +123,91 @@ def test_profiles_are_separate_flags(monkeypatch):
     monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
     monkeypatch.setattr(bench, "format_tables", lambda report: "")
     runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
-            ("--seq", "8192", "--long", "--split"))  # fmt: skip
+            ("--seq", "8192", "--long", "--split"), ("--thd",), ("--thd", "--long"),
+            ("--thd-seq", "4096", "--thd-weights", "1", "2"),
+            ("--seq", "8192", "--long", "--split", "--thd"))  # fmt: skip
     for argv in runs:
         bench.main(_parse(*argv))
-    default, long, split, long_seq, everything = seen
+    default, long, split, long_seq, everything, thd, thd_long, thd_seq, all_four = seen
+    assert not default.thd_seqs and not everything.thd_seqs
+    # --thd alone: only the packed profile, at 8192 and 16384 tokens, four uneven sequences.
+    assert thd.seqs == () and not thd.long_seqs and thd.thd_seqs == (8192, 16384)
+    assert thd.thd_weights == (4, 1, 3, 2)
+    assert thd_long.long_seqs == bench.LONG_SEQS
+    assert thd_long.thd_seqs == (8192, 16384, *bench.LONG_SEQS)  # the long sizes, select only
+    assert thd_seq.seqs == () and thd_seq.thd_seqs == (4096,) and thd_seq.thd_weights == (1, 2)
+    assert all_four.seqs == (8192,) and all_four.long_seqs and all_four.split_seqs
+    assert all_four.thd_seqs == (8192, 16384, *bench.LONG_SEQS)
     assert default.seqs == (8192, 16384) and not default.long_seqs and not default.split_seqs
     assert long.seqs == () and long.long_seqs == bench.LONG_SEQS and long.long_reps == 5
     assert split.seqs == () and split.split_seqs == (4096,)
     assert long_seq.long_seqs == (32768,)
     assert everything.seqs == (8192,) and everything.long_seqs and everything.split_seqs
+
+
+def test_thd_profile_times_both_backends_beside_their_raw_kernels(cpu_bench):
+    dsa, dg = cpu_bench
+    report = bench.run_bench(_cfg(thd_seqs=(300,), chunk_bytes=64 * 120 * 12))
+    assert report["results"] == [] and report["long"] == []
+    (r,) = report["thd"]
+    assert r["lens"] == [120, 30, 90, 60] and r["chunks"] == 5  # 64-row chunks of max len 120
+    assert r["default_backend"] == "deepgemm"  # DeepGEMM importable: 'auto' takes it for FP8
+    assert r["check"] == {"scores_bit_identical": ["deepgemm clean", "deepgemm", "cudnn"]}
+    assert r["picks_equal_raw"] == {"cudnn": True, "deepgemm": True}
+    for key in ("raw_score_dg", "raw_score_dg_clean", "score_dg", "raw_score_cudnn",
+                "score_cudnn", "raw_select_dg", "select_dg", "raw_select_cudnn",
+                "select_cudnn"):  # fmt: skip
+        assert r["times_ms"][key] == 1.0, key
+    assert set(r["overhead"]) == {"score_dg", "score_dg_clean", "score_cudnn", "select_dg",
+                                  "select_cudnn"}  # fmt: skip
+    assert set(r["host_us"]) == {"raw_score_dg", "score_dg", "raw_score_cudnn", "score_cudnn"}
+    # The raw DeepGEMM calls: each row's window in the packed keys, as a DeepGEMM user builds
+    # them: ks = its sequence's first key, ke = ks + its position + 1.
+    starts = [0] * 120 + [120] * 30 + [150] * 90 + [240] * 60
+    local = [i + 1 for n in (120, 30, 90, 60) for i in range(n)]
+    whole = [c for c in dg.calls if c["q"].shape[0] == 300]
+    assert {(c["max_seqlen_k"], c["clean_logits"]) for c in whole} == {(120, False), (0, True)}
+    for c in whole:
+        assert c["ks"].tolist() == starts
+        assert c["ke"].tolist() == [s + n for s, n in zip(starts, local, strict=True)]
+    # Chunked selection: every raw and package launch takes one chunk of at most 64 rows.
+    chunks = [c for c in dg.calls if c["q"].shape[0] != 300]
+    assert chunks and all(c["q"].shape[0] <= 64 and c["max_seqlen_k"] == 120 for c in chunks)
+    thd = [c for c in dsa.forward_calls if c["thd"]]
+    assert {c["max_seqlen_k"] for c in thd} == {120}
+    assert all(c["cu_seqlens_k"].tolist() == [0, 120, 150, 240, 300] for c in thd)
+    # The chunk of rows [128, 192): sequence 1 (rows 120-149) cut at its row 8, sequence 2 from 0.
+    cut = [c for c in thd if c["cu_seqlens_q"].tolist() == [0, 0, 22, 64, 64]]
+    assert len(cut) >= 2 and all(c["offsets"] == [128, 8, 0, 0] for c in cut)  # raw and package
+    text = bench.format_tables(report)
+    assert "packed THD" in text and "T=300: 120, 30, 90, 60" in text
+
+
+def test_thd_profile_at_long_sizes_times_selection_only(cpu_bench):
+    _, dg = cpu_bench
+    report = bench.run_bench(_cfg(thd_seqs=(300,), chunked_from=256))
+    (r,) = report["thd"]
+    assert r["chunked"] and r["check"] is None and "host_us" not in r
+    assert set(r["times_ms"]) == {"raw_select_dg", "select_dg", "raw_select_cudnn", "select_cudnn"}
+    assert all(c["max_seqlen_k"] == 120 for c in dg.calls)  # no cleaned (T, T) logits
+    text = bench.format_tables(report)
+    assert "indexer_select_varlen" in text and "indexer_scores_varlen" not in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--thd-seq", "3"), "--thd-seq 3 with --thd-weights [4, 1, 3, 2] leaves an empty "
+         "sequence ([1, 0, 0, 2]); pass a larger T or fewer sequences."),
+        (("--thd", "--thd-weights", "2", "0"), "--thd-weights [2, 0]: give one or more positive "
+         "integers."),
+        (("--thd-seq", "0"), "--thd-seq values must be >= 1."),
+    ],
+)  # fmt: skip
+def test_bad_packings_are_refused_by_name(monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    args = _parse(*argv)
+    with pytest.raises(bench.CliError) as err:
+        bench.main(args)
+    assert str(err.value) == message

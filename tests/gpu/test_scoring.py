@@ -23,7 +23,12 @@ from dsa_precision import (
 )
 from dsa_precision import rows as rows_module
 from dsa_precision.backends import deepgemm as deepgemm_backend
-from dsa_precision.rows import causal_key_counts, varlen_key_counts
+from dsa_precision.rows import (
+    causal_key_counts,
+    varlen_key_counts,
+    varlen_row_slice,
+    varlen_windows,
+)
 
 from ..support.configs import CONFIGS, FP8
 from ..support.helpers import (
@@ -185,6 +190,30 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     want = indexer_topk(scores, 512, seq_lens=lens_t, backend="cudnn")
     got = indexer_select_varlen(q, k, w, topk=512, chunk_bytes=256 * 1500 * 12, **kw)
     assert torch.equal(got, want)  # 256-row chunks cut three of the four sequences
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_varlen_windows_are_one_launch_with_the_cpu_expressions_values(ratio):
+    """On CUDA the THD windows come from one Triton launch (kernels/varlen_windows.py); they are
+    the integers of the torch expression (the CPU path), for a whole packing and for chunks."""
+    lens_q, lens_k = [3000, 1, 0, 4907, 283], [3000, 7, 4, 4000, 283]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = torch.tensor([0, 5, 0, 17, 2], dtype=torch.int32)
+    cases = [(cu_q, offsets, sum(lens_q))]
+    for r0, r1 in ((0, 2048), (2048, 5120), (5120, 8191)):
+        cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
+        cases.append((cu_chunk, off_chunk.to(torch.int32), r1 - r0))
+    for cu, off, rows in cases:
+        want = varlen_windows(cu, cu_k, off, ratio, rows)
+        args = (cu.to(DEV), cu_k.to(DEV), off.to(DEV))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = varlen_windows(*args, ratio, rows)
+            torch.cuda.synchronize()
+        names = [e.key for e in prof.key_averages()]
+        assert any("_varlen_windows_kernel" in n for n in names), names
+        for name, a, b in zip(want._fields, got, want, strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), b), (name, rows)
 
 
 def _clear_shared_constants():
