@@ -210,9 +210,10 @@ ROPE_ORACLES: dict[str, tuple[str, bool]] = {
 # CUDA: its key quantization has its own oracle, .legacy_kernel; SGLang's are JIT CUDA, below).
 ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeploy": "lmdeploy"}
 # Profiles whose engine kernels are JIT CUDA (SGLang's, compiled by nvcc through SGLang's own
-# build code and loaded by apache-tvm-ffi): engine_kernel_operands runs them, but they are not in
-# ORACLE_ENGINES (so not the inference side of the comparisons, nor the default of the
-# conformance tools) until a GPU run has compared them: docs/numerics.md, section 8.5.
+# build code and loaded by apache-tvm-ffi): engine_kernel_operands runs them (on the H200 every
+# byte equals sglang-fused's: docs/numerics.md, section 8.5). They are kept out of ORACLE_ENGINES
+# (the inference side of the demo, the default of the conformance tools): building them needs
+# nvcc and tvm-ffi at run time, which a Triton-only host lacks.
 # sglang-unfused has none yet (its path is six kernels and torch ops: section 8.6).
 JIT_ORACLE_ENGINES: dict[str, str] = {"sglang-fused": "sglang"}
 
