@@ -79,6 +79,16 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{GPU}::test_deepgemm_replays_bit_exact",
         f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
     ),
+    "dsa_precision/kernels/varlen_windows.py": (
+        f"{INTERPRETER}::test_varlen_windows_replays_bit_exact",
+        f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
+        f"{GPU}::test_chunked_select_varlen_replays_bit_exact",
+    ),
+    "dsa_precision/rows.py": (
+        f"{INTERPRETER}::test_varlen_windows_replays_bit_exact",
+        f"{GPU}::test_deepgemm_varlen_replays_bit_exact",
+        f"{GPU}::test_chunked_select_varlen_replays_bit_exact",
+    ),
     "dsa_precision/scoring.py": (
         f"{CPU}::test_torch_scoring_replays_bit_exact",
         f"{CPU}::test_cudnn_launches_replay_through_the_recording_fake",

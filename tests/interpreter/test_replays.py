@@ -52,3 +52,22 @@ def test_mask_tails_replays_bit_exact():
 
     out = assert_replays_bit_exact(mask, (buf, counts), what="tail mask")
     assert bool(torch.isneginf(out[2, 700:]).all()) and bool(torch.isfinite(out[2, :700]).all())
+
+
+def test_varlen_windows_replays_bit_exact():
+    """Every packed row's key window (DeepGEMM's ks / ke and the visible counts): the one-launch
+    kernel, and dsa_precision.rows' expression of it (its CPU route), equal on every replay."""
+    from dsa_precision import rows
+    from dsa_precision.kernels.varlen_windows import varlen_windows
+
+    cu = torch.tensor([0, 3, 3, 10, 16], dtype=torch.int32)
+    offsets = torch.tensor([0, 0, 2, 0], dtype=torch.int32)
+
+    def windows(cu, offsets):
+        fused = torch.stack(varlen_windows(cu, cu, offsets, 1, 16))
+        torch_route = torch.stack(tuple(rows.varlen_windows(cu, cu, offsets, 1, 16)))
+        return torch.cat((fused, torch_route))
+
+    out = assert_replays_bit_exact(windows, (cu, offsets), what="varlen windows")
+    assert torch.equal(out[:3], out[3:])
+    assert out[2].tolist()[:4] == [1, 2, 3, 3]  # row 3: sequence 2's first row, offset 2
