@@ -131,6 +131,10 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       bench_step bench_split 600 --split ${BENCH_ARGS:-} ;;
     bench-long-4g)  # issue 20: --long with 4 GiB chunks (a quarter of the chunks of the default)
       bench_step bench_long_4g 600 --long --chunk-bytes 4294967296 ${BENCH_ARGS:-} ;;
+    bench-megatron)  # Megatron's own indexer top-k on each dsa_kernel_backend (none, cudnn,
+      # tilelang: after `tilelang`; a missing one is skipped with its reason) beside the package's
+      # FP8 top-k, S 8192 16384 (--megatron-seq in BENCH_ARGS for others)
+      bench_step bench_megatron 600 --megatron ${BENCH_ARGS:-} ;;
     bench-all)  # bench, bench-long and bench-split in one process (the kernels compile once)
       bench_step bench_all 560 --seq 8192 16384 --long --split ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)

@@ -131,6 +131,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--split-seq): scoring, top-k, scores written and read back; what a fused kernel saves",
     )
     p.add_argument("--split-seq", type=int, nargs="+", default=None, help="S of --split")
+    p.add_argument(
+        "--megatron",
+        action="store_true",
+        help="only Megatron Core's own indexer top-k on each dsa_kernel_backend (none, cudnn, "
+        "tilelang; a missing one is skipped with its reason) beside the package's FP8 top-k, at "
+        f"S {' '.join(map(str, d.seqs))} (or --megatron-seq); needs megatron-core",
+    )
+    p.add_argument("--megatron-seq", type=int, nargs="+", default=None, help="S of --megatron")
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
     p.set_defaults(func=main)
 
@@ -267,6 +275,7 @@ def _check_environment(cfg: BenchConfig) -> None:
         ("seq", cfg.seqs),
         ("long-seq", cfg.long_seqs),
         ("split-seq", cfg.split_seqs),
+        ("megatron-seq", cfg.megatron_seqs),
     ):
         if any(s < 1 for s in seqs):
             raise CliError(f"--{flag} values must be >= 1.")
@@ -286,6 +295,14 @@ def _check_environment(cfg: BenchConfig) -> None:
     )
     if reason:
         raise CliError(reason)
+    if cfg.megatron_seqs:
+        from importlib.util import find_spec
+
+        if find_spec("megatron") is None or find_spec("megatron.core") is None:
+            raise CliError(
+                "--megatron times megatron-core's own indexer, which is not installed; "
+                "pip install -e '.[megatron]'."
+            )
 
 
 class _Workload:
@@ -638,6 +655,12 @@ def _measure_split(
     return out
 
 
+def _measure_megatron(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+    from .bench_megatron import measure_megatron
+
+    return measure_megatron(timer, work, cfg.topk, cfg.batch, _DEVICE)
+
+
 def run_bench(
     cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
@@ -667,6 +690,7 @@ def run_bench(
         ("results", cfg.seqs, lambda w: _measure(cfg, timer, w)),
         ("long", cfg.long_seqs, lambda w: _measure_long(cfg, long_timer, w)),
         ("split", cfg.split_seqs, lambda w: _measure_split(cfg, long_timer, w, bandwidth)),
+        ("megatron", cfg.megatron_seqs, lambda w: _measure_megatron(cfg, timer, w)),
     ]
     for key, seqs, measure in plans:
         cases = [(s, h) for s in seqs for h in cfg.heads]
@@ -682,8 +706,10 @@ def run_bench(
 def main(args: argparse.Namespace) -> int:
     long = args.long or args.long_seq is not None
     split = args.split or args.split_seq is not None
+    megatron = args.megatron or args.megatron_seq is not None
+    only = long or split or megatron  # profiles of their own: the default tables only with --seq
     cfg = BenchConfig(
-        seqs=tuple(args.seq) if args.seq else () if long or split else BenchConfig.seqs,
+        seqs=tuple(args.seq) if args.seq else () if only else BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,
@@ -698,6 +724,7 @@ def main(args: argparse.Namespace) -> int:
         long_seqs=tuple(args.long_seq or LONG_SEQS) if long else (),
         long_reps=args.long_reps,
         split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
+        megatron_seqs=tuple(args.megatron_seq or BenchConfig.seqs) if megatron else (),
     )
     # With --json the tables of each finished profile go to stderr as it ends, so a run cut
     # short by a time limit still leaves its first profiles in the log.

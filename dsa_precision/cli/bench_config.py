@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FUSED_THRESHOLD", "HEAD_DIM", "LONG_SEQS", "ROPE_DIM", "SPLIT_SEQS", "BenchConfig"]
+__all__ = [
+    "FUSED_THRESHOLD",
+    "HEAD_DIM",
+    "LONG_SEQS",
+    "MEGATRON_BACKENDS",
+    "ROPE_DIM",
+    "SPLIT_SEQS",
+    "BenchConfig",
+]
 
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -34,10 +42,14 @@ class BenchConfig:
     long_reps: int = 5
     # The time split of FP8 selection (--split): scoring, top-k, score traffic, at these S.
     split_seqs: tuple[int, ...] = ()
+    # Megatron's own indexer per dsa_kernel_backend beside the package's FP8 (--megatron), at S.
+    megatron_seqs: tuple[int, ...] = ()
 
 
 LONG_SEQS = (32768, 65536, 131072)
 SPLIT_SEQS = (16384, 65536)
+# Megatron's dsa_kernel_backend values whose indexer --megatron times.
+MEGATRON_BACKENDS = ("none", "cudnn", "tilelang")
 # The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
 # costs more than this share of FP8 end-to-end time at S = 65536.
 FUSED_THRESHOLD = 0.20

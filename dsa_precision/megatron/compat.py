@@ -125,6 +125,18 @@ CALLS: dict[str, tuple[Call, ...]] = {
     f"{_EAV}.dsa_kernels": (),
     f"{_EAV}.dsa_kernels.use_fused_dsa_kernels": ((1, ()),),
     "megatron.core.utils._validate_dsa_kernel_backend_dependencies": ((1, ()),),
+    # `bench --megatron` (cli/bench_megatron.py): Megatron's own indexer on each backend.
+    "megatron.core.utils": (),
+    "megatron.core.utils._missing_tilelang_dsa_kernel_dependencies": ((0, ()),),
+    "megatron.core.transformer.enums.AttnBackend": (),
+    "megatron.core.transformer.enums.AttnBackend.auto": (),
+    _DSA: (),
+    f"{_DSA}.fused_qk_topk_naive": ((4, ("use_relu", "varlen_ends", "varlen_starts")),),
+    f"{_EAV}.dsa_kernels.run_fused_qk_topk": ((7, ("block_size",)),),
+    f"{_EAV}.dsa_masking": (),
+    f"{_EAV}.dsa_masking.build_fused_indexer_varlen_bounds": (
+        (0, ("device", "key_positions", "mask", "skv", "sq", "varlen_ends", "varlen_starts")),
+    ),
 }  # fmt: skip
 # Names that exist only when a flag of their module is set (Transformer Engine installed).
 _PRESENT_IF = {f"{_SPECS}.TESpecProvider": f"{_SPECS}.HAVE_TE"}
