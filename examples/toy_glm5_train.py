@@ -7,11 +7,14 @@ for the dense MLP of the earlier measurements), random weights, TP = PP = 1, Meg
 PyTorch indexer and sparse attention
 (``dsa_kernel_backend="none"``) or, ``--kernel-backend cudnn``, its fused kernels (cuDNN's BF16
 indexer and FlashMLA's sparse attention, which must be installed: ``tools/flashmla.sh``; the FP8
-configurations then score with the package and attend with FlashMLA). The mock data is a
-copy task (a random segment repeated), so the loss has somewhere to go. For every configuration
-(baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k replayed
-from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed in,
-captured untimed before each step, so the step runs no indexer, the bound of any) it trains
+configurations then score with the package and attend with FlashMLA), or ``--kernel-backend
+tilelang``, its TileLang kernels (the lightning indexer and SparseMLA; tilelang 0.1.15 installed,
+``bash tools/gpu_session.sh tilelang``; the FP8 configurations attend with SparseMLA on the
+package's picks). ``bash tools/gpu_session.sh toy-backends`` runs the three at one S. The mock
+data is a copy task (a random segment repeated), so the loss has somewhere to go. For every
+configuration (baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k
+replayed from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed
+in, captured untimed before each step, so the step runs no indexer, the bound of any) it trains
 ``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
@@ -92,10 +95,11 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--kernel-backend",
-        choices=("none", "cudnn"),
+        choices=("none", "cudnn", "tilelang"),
         default=MODEL_DEFAULTS["kernel_backend"],
         help="Megatron's dsa_kernel_backend (cudnn: its fused indexer and FlashMLA's sparse "
-        "attention, no S x S scores; needs flash_mla importable)",
+        "attention, no S x S scores; needs flash_mla importable; tilelang: its TileLang "
+        "indexer and SparseMLA; needs tilelang importable)",
     )
     p.add_argument(
         "--mlp",

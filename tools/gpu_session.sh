@@ -68,6 +68,42 @@ for step in "$@"; do
         NVTE_FRAMEWORK=pytorch MAX_JOBS=16 NVTE_CUDA_ARCHS=90 python -m pip install --no-deps \
         --no-index --no-build-isolation .bigcarry/te/transformer_engine_torch-2.20.2.tar.gz && \
         python -c 'import transformer_engine.pytorch as te; print(\"TE\", te.__version__)'" ;;
+    tilelang)  # tilelang 0.1.15 (CUDA 13 build, TVM bundled; its JIT compiles with the host's nvcc)
+      # and what it imports, from .bigcarry/ (docs/megatron.md, "TileLang"), into a folder ahead of
+      # the bundle on PYTHONPATH: its apache-tvm-ffi 0.1.12 shadows the bundle's 0.1.15.post2
+      # (tilelang pins <0.1.13; cudnn-frontend takes >=0.1.11); then the smoke test
+      w=tilelang-0.1.15-wheels.tar
+      site=${TILELANG_SITE:-$HOME/tilelang-site}
+      if [ ! -d "$site/tilelang" ]; then
+        TAIL=4 run tilelang_install 300 bash -c "bash .bigcarry/bin/join.sh $w \$HOME/tl-wheels && \
+          tar xf \$HOME/tl-wheels/$w -C \$HOME/tl-wheels && rm -rf $site && \
+          python -m pip install -q --no-deps --no-index --target $site \
+          \$HOME/tl-wheels/${w%.tar}/*.whl && ls $site"
+      else
+        echo "== tilelang: reused $site"
+      fi
+      export PYTHONPATH=$site:${PYTHONPATH:-}
+      command -v nvcc > /dev/null || export PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH
+      TAIL=12 run tilelang_smoke 500 python tools/tilelang_smoke.py ;;
+    tests-tilelang)  # the drop-ins on Megatron's TileLang sparse attention (after `tilelang`)
+      TAIL=30 run gpu_tests_tilelang 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+        tests/gpu/test_tilelang.py ;;
+    toy-backends)  # the toy at one S on each of Megatron's backends (none, cudnn, tilelang):
+      # baseline = Megatron's indexer and sparse attention on that backend, FP8 = the package's
+      # top-k and that backend's sparse attention; a backend whose library is absent is skipped
+      # with megatron-core's reason (cudnn: after `flashmla`; tilelang: after `tilelang`)
+      for kb in none cudnn tilelang; do
+        why=$(python -c "import sys; from megatron.core import utils as u
+m = {'none': lambda: [], 'cudnn': u._missing_cudnn_dsa_kernel_dependencies,
+     'tilelang': u._missing_tilelang_dsa_kernel_dependencies}[sys.argv[1]]()
+print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
+        if [ -n "$why" ]; then echo "== toy_${TOY_SEQ:-8192}_$kb: skipped, missing $why"; continue; fi
+        TAIL=12 run "toy_${TOY_SEQ:-8192}_$kb" 600 python examples/toy_glm5_train.py \
+          --seq ${TOY_SEQ:-8192} --topk ${TOY_TOPK:-2048} --kernel-backend $kb \
+          --steps ${TOY_STEPS:-8} --share-steps 0 --stock-steps 0 --profile-steps 1 \
+          --host-steps 1 --configs ${TOY_CONFIGS:-baseline,rope_fp32+fp8,replay} \
+          --out "$LOGS/toy_${TOY_SEQ:-8192}_$kb.json"
+      done ;;
     bridge-wheels)  # Megatron-Bridge 0.6.2, transformers 5.12.1 and what they import, from the
       # wheels in .gpu-extra/ (README, "With Megatron-Bridge"; the host reaches no registry)
       TAIL=3 run bridge_wheels 300 bash -c 'python -m pip install --no-deps --no-index \
@@ -99,6 +135,10 @@ for step in "$@"; do
     bench-thd)  # packed sequences (THD): indexer_scores_varlen / indexer_select_varlen beside
       # the raw kernels at T 8192 16384 (with BENCH_ARGS=--long also T 32768-131072, select only)
       bench_step bench_thd 600 --thd ${BENCH_ARGS:-} ;;
+    bench-megatron)  # Megatron's own indexer top-k on each dsa_kernel_backend (none, cudnn,
+      # tilelang: after `tilelang`; a missing one is skipped with its reason) beside the package's
+      # FP8 top-k, S 8192 16384 (--megatron-seq in BENCH_ARGS for others)
+      bench_step bench_megatron 600 --megatron ${BENCH_ARGS:-} ;;
     bench-all)  # bench, bench-long, bench-split and bench-thd in one process (kernels compile once)
       bench_step bench_all 560 --seq 8192 16384 --long --split --thd ${BENCH_ARGS:-} ;;
     demo)  # every engine profile, H = 32 and 64, cuDNN training side (DeepGEMM inference side)

@@ -155,6 +155,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="relative sequence lengths of each packing (default "
         f"{' '.join(map(str, d.thd_weights))}: four uneven sequences)",
     )
+    p.add_argument(
+        "--megatron",
+        action="store_true",
+        help="only Megatron Core's own indexer top-k on each dsa_kernel_backend (none, cudnn, "
+        "tilelang; a missing one is skipped with its reason) beside the package's FP8 top-k, at "
+        f"S {' '.join(map(str, d.seqs))} (or --megatron-seq); needs megatron-core",
+    )
+    p.add_argument("--megatron-seq", type=int, nargs="+", default=None, help="S of --megatron")
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
     p.set_defaults(func=main)
 
@@ -295,6 +303,7 @@ def _check_environment(cfg: BenchConfig) -> None:
         ("long-seq", cfg.long_seqs),
         ("split-seq", cfg.split_seqs),
         ("thd-seq", cfg.thd_seqs),
+        ("megatron-seq", cfg.megatron_seqs),
     ):
         if any(s < 1 for s in seqs):
             raise CliError(f"--{flag} values must be >= 1.")
@@ -315,6 +324,14 @@ def _check_environment(cfg: BenchConfig) -> None:
     )
     if reason:
         raise CliError(reason)
+    if cfg.megatron_seqs:
+        from importlib.util import find_spec
+
+        if find_spec("megatron") is None or find_spec("megatron.core") is None:
+            raise CliError(
+                "--megatron times megatron-core's own indexer, which is not installed; "
+                "pip install -e '.[megatron]'."
+            )
 
 
 def _check_thd(cfg: BenchConfig) -> None:
@@ -879,6 +896,12 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
     return out
 
 
+def _measure_megatron(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+    from .bench_megatron import measure_megatron
+
+    return measure_megatron(timer, work, cfg.topk, cfg.batch, _DEVICE)
+
+
 def run_bench(
     cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
@@ -918,6 +941,7 @@ def run_bench(
         ("long", cfg.long_seqs, lambda s, h: _measure_long(cfg, long_timer, work(s, h))),
         ("split", cfg.split_seqs, lambda s, h: _measure_split(cfg, long_timer, work(s, h), bw)),
         ("thd", cfg.thd_seqs, thd),
+        ("megatron", cfg.megatron_seqs, lambda s, h: _measure_megatron(cfg, timer, work(s, h))),
     ]
     for key, seqs, measure in plans:
         cases = [(s, h) for s in seqs for h in cfg.heads]
@@ -934,9 +958,13 @@ def main(args: argparse.Namespace) -> int:
     long = args.long or args.long_seq is not None
     split = args.split or args.split_seq is not None
     thd = args.thd or args.thd_seq is not None
+    megatron = args.megatron or args.megatron_seq is not None
     long_seqs = tuple(args.long_seq or LONG_SEQS) if long else ()
+    only = (
+        long or split or thd or megatron
+    )  # profiles of their own: the default tables only with --seq
     cfg = BenchConfig(
-        seqs=tuple(args.seq) if args.seq else () if long or split or thd else BenchConfig.seqs,
+        seqs=tuple(args.seq) if args.seq else () if only else BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,
@@ -953,6 +981,7 @@ def main(args: argparse.Namespace) -> int:
         split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
         thd_seqs=tuple(args.thd_seq or (*THD_SEQS, *long_seqs)) if thd else (),
         thd_weights=tuple(args.thd_weights),
+        megatron_seqs=tuple(args.megatron_seq or BenchConfig.seqs) if megatron else (),
     )
     # With --json the tables of each finished profile go to stderr as it ends, so a run cut
     # short by a time limit still leaves its first profiles in the log.

@@ -8,6 +8,7 @@ __all__ = [
     "FUSED_THRESHOLD",
     "HEAD_DIM",
     "LONG_SEQS",
+    "MEGATRON_BACKENDS",
     "ROPE_DIM",
     "SPLIT_SEQS",
     "THD_SEQS",
@@ -48,10 +49,14 @@ class BenchConfig:
     # (thd_lengths), FP8 indexer_scores_varlen / indexer_select_varlen beside the raw kernels.
     thd_seqs: tuple[int, ...] = ()
     thd_weights: tuple[int, ...] = (4, 1, 3, 2)
+    # Megatron's own indexer per dsa_kernel_backend beside the package's FP8 (--megatron), at S.
+    megatron_seqs: tuple[int, ...] = ()
 
 
 LONG_SEQS = (32768, 65536, 131072)
 SPLIT_SEQS = (16384, 65536)
+# Megatron's dsa_kernel_backend values whose indexer --megatron times.
+MEGATRON_BACKENDS = ("none", "cudnn", "tilelang")
 # The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
 # costs more than this share of FP8 end-to-end time at S = 65536.
 FUSED_THRESHOLD = 0.20

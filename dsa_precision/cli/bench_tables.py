@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .bench_config import FUSED_THRESHOLD, HEAD_DIM
+from .bench_config import FUSED_THRESHOLD, HEAD_DIM, MEGATRON_BACKENDS
 
 __all__ = ["format_tables"]
 
@@ -256,6 +256,41 @@ def _thd_score_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _megatron_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``--megatron`` table: Megatron's indexer per backend beside the package's FP8."""
+    lines = [
+        "Megatron's indexer top-k per dsa_kernel_backend beside the package's FP8 top-k (same "
+        "projections; e2e = preprocessing + top-k)",
+        f"{'S':>6} {'H':>3} | " + " | ".join(f"{b:>8} {'e2e':>7} {'agree':>6} {'x fp8':>5}"
+                                            for b in MEGATRON_BACKENDS)
+        + f" | {'fp8 sel':>7} {'e2e':>7} | {'dg sel':>7} {'e2e':>7}",
+    ]  # fmt: skip
+    notes: dict[str, str] = {}
+    for r in rows:
+        t, cells = r["times_ms"], []
+        for b in MEGATRON_BACKENDS:
+            row = r["megatron"][b]
+            if "skipped" in row:
+                notes[b] = row["skipped"]
+                cells.append(f"{'skipped':>8} {'-':>7} {'-':>6} {'-':>5}")
+            else:
+                cells.append(
+                    f"{_fmt(row['ms']):>8} {_fmt(row['e2e_ms']):>7} "
+                    f"{100 * row['member_agreement']:>5.1f}% {row['vs_fp8']:>5.2f}"
+                )
+        lines.append(
+            f"{r['seq']:>6} {r['heads']:>3} | " + " | ".join(cells)
+            + f" | {_fmt(t['select_fp8']):>7} {_fmt(t['e2e_fp8']):>7} | "
+            f"{_fmt(t.get('select_fp8_dg')):>7} {_fmt(t.get('e2e_fp8_dg')):>7}"
+        )  # fmt: skip
+    lines.append(
+        "agree: members shared with the package's BF16 picks of the same operands; x fp8: "
+        "Megatron e2e / the package's fastest FP8 e2e"
+    )
+    lines += [f"skipped {b}: {why}" for b, why in notes.items()]
+    return lines
+
+
 def format_tables(report: dict[str, Any]) -> str:
     """The human-readable tables of a :func:`run_bench` report (times in ms)."""
     cfg = report["config"]
@@ -283,4 +318,6 @@ def format_tables(report: dict[str, Any]) -> str:
         scored = [r for r in report["thd"] if not r["chunked"]]
         if scored:
             lines += ["", *_thd_score_lines(scored)]
+    if report.get("megatron"):
+        lines += ["", *_megatron_lines(report["megatron"])]
     return "\n".join(lines)

@@ -52,6 +52,7 @@ from . import compat
 from .config import DSAPrecisionTransformerConfig, layer_decisions
 from .graphs import GraphedCalls
 from .indexer import PrecisionDSAIndexer
+from .kernel_backend import TILELANG, tilelang_picks
 from .layout import Gather, RankLayout, owned_topk, owned_topk_with_margins, query_positions
 from .monitor import TopkMonitor
 from .record import current_recorder
@@ -250,6 +251,8 @@ class PrecisionDSAttention(DSAttention):
             recorder.record(self.layer_number, local, None if every_row else tokens, own)
         if not owned:  # BF16 verify / record: Megatron selects and attends as configured
             return super().forward(*args, **kwargs)
+        if self.config.dsa_kernel_backend == TILELANG:  # its SparseMLA takes 64-wide blocks
+            topk = tilelang_picks(topk, self.index_topk, query, self.layer_number)
         if self._built["index_share"]:  # later layers of the group reuse these (Megatron's rule)
             holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
             holder[self.layer_number] = topk

@@ -121,6 +121,22 @@ CALLS: dict[str, tuple[Call, ...]] = {
         (0, ("force_reset", "inference_rng_tracker")),
     ),
     "megatron.core.transformer.torch_norm.WrappedTorchNorm": (),
+    # dsa_kernel_backend="tilelang" beside the drop-ins (kernel_backend.py).
+    f"{_EAV}.dsa_kernels": (),
+    f"{_EAV}.dsa_kernels.use_fused_dsa_kernels": ((1, ()),),
+    "megatron.core.utils._validate_dsa_kernel_backend_dependencies": ((1, ()),),
+    # `bench --megatron` (cli/bench_megatron.py): Megatron's own indexer on each backend.
+    "megatron.core.utils": (),
+    "megatron.core.utils._missing_tilelang_dsa_kernel_dependencies": ((0, ()),),
+    "megatron.core.transformer.enums.AttnBackend": (),
+    "megatron.core.transformer.enums.AttnBackend.auto": (),
+    _DSA: (),
+    f"{_DSA}.fused_qk_topk_naive": ((4, ("use_relu", "varlen_ends", "varlen_starts")),),
+    f"{_EAV}.dsa_kernels.run_fused_qk_topk": ((7, ("block_size",)),),
+    f"{_EAV}.dsa_masking": (),
+    f"{_EAV}.dsa_masking.build_fused_indexer_varlen_bounds": (
+        (0, ("device", "key_positions", "mask", "skv", "sq", "varlen_ends", "varlen_starts")),
+    ),
 }  # fmt: skip
 # Names that exist only when a flag of their module is set (Transformer Engine installed).
 _PRESENT_IF = {f"{_SPECS}.TESpecProvider": f"{_SPECS}.HAVE_TE"}
@@ -182,6 +198,9 @@ CONFIG_FIELDS = (
     "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "experimental_attention_variant",
     "layernorm_epsilon", "normalization", "params_dtype", "qk_pos_emb_head_dim", "rope_type",
     "sequence_parallel",
+    # dsa_kernel_backend="tilelang": what Megatron's TileLang sparse attention runs.
+    "attention_backend", "dsa_indexer_topk", "dsa_kernel_backend", "kv_lora_rank",
+    "num_attention_heads", "tensor_model_parallel_size",
     # The indexer's RoPE (its RotaryEmbedding / YarnRotaryEmbedding), for the engine's tables.
     "rotary_base", "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim",

@@ -15,6 +15,7 @@ from ..checks import check_positive_int, check_real
 from ..config import SCORING_BACKENDS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
 from ..rope import RopeSpec, YarnScaling
+from .kernel_backend import TILELANG, tilelang_problems
 from .replay import TOPK_SOURCES
 
 __all__ = [
@@ -160,6 +161,13 @@ VALIDATED_MEGATRON_FIELDS = (
     "dsa_indexer_k_norm_epsilon",
     "params_dtype",
     *(name for name, _ in _ROPE_FIELDS),
+    # dsa_kernel_backend="tilelang" with a field switched on (kernel_backend.tilelang_problems)
+    "dsa_kernel_backend",
+    "attention_backend",
+    "kv_lora_rank",
+    "num_attention_heads",
+    "tensor_model_parallel_size",
+    "dsa_indexer_topk",
 )
 _REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
 # Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
@@ -302,11 +310,12 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             "dsa_indexer_cuda_graph=True: dsa_indexer_topk_source='replay' does not score, so "
             "there is nothing to capture; set dsa_indexer_cuda_graph=False"
         )
-    if (
-        precision == IndexerPrecisionConfig(engine=precision.engine)
-        and not problems
-        and backend == "auto"
-    ):
+    stock = precision == IndexerPrecisionConfig(engine=precision.engine)
+    if (not stock or source != "compute") and config.dsa_kernel_backend == TILELANG:
+        # Megatron's TileLang sparse attention declines some layouts and then falls back to its
+        # PyTorch one without a word: with a field of ours on, such a layout is refused here.
+        problems += tilelang_problems(config)
+    if stock and not problems and backend == "auto":
         return precision  # Megatron's behaviour: nothing of ours runs
     # Not checked here: experimental_attention_variant. A DSA module built directly (as Megatron's
     # own tests do) acts on the fields whatever it says; a spec with no DSA layer for them is

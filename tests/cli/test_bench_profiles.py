@@ -211,3 +211,52 @@ def test_bad_packings_are_refused_by_name(monkeypatch, argv, message):
     with pytest.raises(bench.CliError) as err:
         bench.main(args)
     assert str(err.value) == message
+
+
+def test_megatron_profile_runs_megatrons_pytorch_indexer_beside_the_package(cpu_bench):
+    """``--megatron`` on the CPU: Megatron's PyTorch indexer (``fused_qk_topk_naive``) runs for
+    real and selects what the package's BF16 path selects; its fused backends need CUDA and
+    are kept with that reason; the package's FP8 rows are timed."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    report = bench.run_bench(_cfg(megatron_seqs=(256,)))
+    assert report["results"] == [] and report["long"] == []
+    (r,) = report["megatron"]
+    none, cudnn, tilelang = (r["megatron"][b] for b in ("none", "cudnn", "tilelang"))
+    assert none["ms"] == 1.0 and none["e2e_ms"] == 2.0  # the timer: 1 ms a call
+    assert 0.0 <= none["member_agreement"] <= 1.0  # against the fake cuDNN's picks here
+    assert none["vs_fp8"] == 2.0
+    assert cudnn == {"skipped": "dsa_kernel_backend='cudnn' needs a CUDA device"}
+    assert tilelang == {"skipped": "dsa_kernel_backend='tilelang' needs a CUDA device"}
+    assert set(r["times_ms"]) == {"prep_bf16", "select_fp8", "e2e_fp8", "select_fp8_dg",
+                                  "e2e_fp8_dg"}  # fmt: skip
+    text = bench.format_tables(report)
+    assert "Megatron's indexer top-k per dsa_kernel_backend" in text
+    assert "skipped tilelang: dsa_kernel_backend='tilelang' needs a CUDA device" in text
+
+
+def test_megatron_profile_is_its_own_flag(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
+    monkeypatch.setattr(bench, "format_tables", lambda report: "")
+    for argv in (("--megatron",), ("--megatron-seq", "4096", "--seq", "8192")):
+        bench.main(_parse(*argv))
+    alone, both = seen
+    assert alone.seqs == () and alone.megatron_seqs == (8192, 16384)
+    assert both.seqs == (8192,) and both.megatron_seqs == (4096,)
+
+
+def test_megatrons_pytorch_indexer_is_called_in_its_layout(monkeypatch):
+    """The call the ``none`` row times selects, on the bench's operands, the keys of the
+    package's exact BF16 reference (both score the same BF16 operands in float32)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from dsa_precision import indexer_select, topk_agreement
+    from dsa_precision.cli import bench_megatron
+
+    monkeypatch.setattr(bench, "_DEVICE", "cpu")
+    work = bench._Workload(_cfg(), 192, 32, torch.Generator().manual_seed(0))
+    q16, k16 = work.pre16(work.q, work.k, work.freqs)
+    picks = bench_megatron._megatron_topk("none", q16, k16, work.w16, 16, 192)()
+    exact = indexer_select(work.prep(False), topk=16, backend="torch")
+    assert picks.shape == exact.shape == (1, 192, 16)
+    agreement = topk_agreement(picks.to(exact.dtype), exact).as_dict()
+    assert agreement["member_agreement"] >= 0.999, agreement

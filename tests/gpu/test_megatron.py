@@ -31,12 +31,13 @@ def _config(dsap, stock=False, **overrides):
     cls = MLATransformerConfig if stock else dsap.DSAPrecisionTransformerConfig
     # Megatron's default Hadamard needs fast_hadamard_transform, which the GPU host lacks.
     overrides.setdefault("dsa_indexer_rotate_activation", False)
+    overrides.setdefault("dsa_indexer_topk", 256)
     return cls(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, bf16=True,
         params_dtype=torch.bfloat16, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=128,
         qk_pos_emb_head_dim=ROPE, v_head_dim=128, add_bias_linear=False, apply_rope_fusion=False,
         experimental_attention_variant="dsa", dsa_indexer_n_heads=32, dsa_indexer_head_dim=128,
-        dsa_indexer_topk=256, dsa_indexer_loss_coeff=0.0, rope_type="rope",
+        dsa_indexer_loss_coeff=0.0, rope_type="rope",
         layernorm_epsilon=1e-6,  # the indexer k_norm eps vLLM and LMDeploy hard-code
         **overrides,
     )  # fmt: skip

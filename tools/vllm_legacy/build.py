@@ -100,7 +100,10 @@ def smoke(library: Path) -> None:
     flat = cache.view(2, block * (d + 4))
     k8 = flat[:, : block * d].reshape(-1, d)[:s]
     scale = flat[:, block * d :].contiguous().view(torch.float32).reshape(-1)[:s]
-    a = k.float().abs().amax(-1).clamp_min(torch.tensor(1e-4, dtype=torch.float32, device=k.device)) / 448.0
+    a = (
+        k.float().abs().amax(-1).clamp_min(torch.tensor(1e-4, dtype=torch.float32, device=k.device))
+        / 448.0
+    )
     want_scale = torch.exp2(torch.ceil(torch.log2(a)))
     want = (k.float() / want_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
     print(f"{library}: {int((k8 != want).sum())} of {k8.numel()} bytes and "
