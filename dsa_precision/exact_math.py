@@ -170,6 +170,20 @@ def rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
+def _affine_fp32(
+    y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, fma: bool
+) -> torch.Tensor:
+    """The LayerNorm's float32 affine map ``fl(fl(y * w) + b)``, or ``fma(y, w, b)`` under ``fma``
+    (weight and bias read as float32)."""
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    if w is not None and b is not None and fma:
+        return fma_fp32(y, w, b)
+    if w is not None:
+        y = y * w
+    return y if b is None else y + b
+
+
 def layer_norm_fp32_ops(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -193,14 +207,7 @@ def layer_norm_fp32_ops(
     d = x - mean
     var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
     eps32 = device_constant(float(eps), torch.float32, x.device)
-    y = d * rsqrt_fp32(var + eps32)
-    w = None if weight is None else weight.to(torch.float32)
-    b = None if bias is None else bias.to(torch.float32)
-    if w is not None and b is not None and fma:
-        return fma_fp32(y, w, b)
-    if w is not None:
-        y = y * w
-    return y if b is None else y + b
+    return _affine_fp32(d * rsqrt_fp32(var + eps32), weight, bias, fma)
 
 
 # A warp's butterfly over its 32 lanes (shfl.bfly 16, 8, 4, 2, 1): lanes this far apart add.
@@ -266,11 +273,4 @@ def layer_norm_fp32_warp(
         if fma
         else (squares * 2.0**-7 + eps32)
     )
-    y = d * rsqrt_fp32(var_eps)
-    w = None if weight is None else weight.to(torch.float32)
-    b = None if bias is None else bias.to(torch.float32)
-    if w is not None and b is not None and fma:
-        return fma_fp32(y, w, b)
-    if w is not None:
-        y = y * w
-    return y if b is None else y + b
+    return _affine_fp32(d * rsqrt_fp32(var_eps), weight, bias, fma)
