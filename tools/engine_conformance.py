@@ -14,14 +14,30 @@ Triton's ``tl.rsqrt``, and the PTX the engines' kernels compiled to.
         python tools/engine_conformance.py --out OUT_DIR
 
 Prints one table (markdown) last; writes ``conformance.json`` and the PTX to ``--out``.
+
+``--engine-triton DIR`` runs the engines' Triton kernels under another Triton release: in a child
+process (this tool, ``--engine-child``) whose ``PYTHONPATH`` puts ``DIR`` (a ``pip install
+--target`` of that release) first, with its own ``TRITON_CACHE_DIR``. The child builds the same
+synthetic inputs (checked by their SHA-256), runs the engine kernels of each model and profile,
+and writes what they built (q / k E4M3 bytes, k descales, folded weights, vLLM's float32 keys), its
+``triton.__version__``, the PTX and its ``tl.rsqrt`` check to ``--out``/``engine-child``; this
+process (the host's Triton, the package's fused kernel) compares and scores them as above. Every
+row of the table names the release that compiled the engine's kernels. Without the flag nothing
+changes: the engine kernels run here, under this process's Triton.
+
+    PYTHONPATH=$PWD:/root/dg/DeepGEMM DSA_ENGINE_KERNELS=$PWD/.engine-kernels \\
+        python tools/engine_conformance.py --engine-triton $HOME/triton38 --out OUT_DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import platform
 import re
+import subprocess
 import sys
 import time
 import traceback
@@ -32,12 +48,13 @@ import torch
 from dsa_precision import ENGINE_PROFILES
 from dsa_precision.exact_math import layer_norm_fp32_ops
 from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles.engine_model import engine_scores, engine_select
+from dsa_precision.oracles.engine_model import EngineOperands, engine_scores, engine_select
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 from dsa_precision.preprocess import layer_norm_params
 from dsa_precision.rope import apply_rope
 
 MODELS = ((32, True), (64, False), (32, False), (64, True))  # (heads, interleaved RoPE)
+CHILD_DIR = "engine-child"  # under --out: what the --engine-triton child wrote
 
 
 def _rows_identical(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
@@ -147,7 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=int, default=len(MODELS), help="the first N models")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     p.add_argument("--scores", default="deepgemm", choices=("deepgemm", "exact"))
+    p.add_argument(
+        "--engine-triton",
+        type=Path,
+        default=None,
+        help="a folder holding another Triton (pip install --target): the engines' Triton "
+        "kernels run in a child process with it first on PYTHONPATH",
+    )
+    p.add_argument("--engine-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.engine_child is not None:
+        return _child_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
 
@@ -159,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
     }
     print(json.dumps(env), flush=True)
+    child = _run_child(args) if args.engine_triton is not None else None
     rows, results = [], {"env": env, "models": []}
+    if child is not None:
+        results["engine_child"] = {k: v for k, v in child.items() if k != "runs"}
     for heads, interleaved in MODELS[: args.models]:
         inputs = synthetic_indexer_inputs(args.seq, n_heads=heads, seed=args.seed).to(device)
         layout = "interleaved" if interleaved else "NeoX"
@@ -168,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             if needs is not None and needs != interleaved:  # sglang-fused: interleaved models
                 continue
             try:
-                rec = _record(inputs, heads, interleaved, name, args)
+                rec = _record(inputs, heads, interleaved, name, args, child)
             except Exception as exc:  # keep measuring the others; the log has the reason
-                rec = {"heads": heads, "layout": layout, "profile": name, "error": repr(exc)}
+                rec = {"heads": heads, "layout": layout, "profile": name, "error": repr(exc),
+                       "engine_compiler": _compiler(name, child, triton.__version__)}  # fmt: skip
                 traceback.print_exc()
                 print(json.dumps(rec), flush=True)
                 results["models"].append(rec)
@@ -179,41 +210,67 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rec), flush=True)
             t = rec["triton"]
             rows.append(
-                f"| H={heads}, {layout} | `{name}` | {t['rows_identical'] * 100:.2f} % "
+                f"| H={heads}, {layout} | `{name}` | {rec['engine_compiler']} | "
+                f"{t['rows_identical'] * 100:.2f} % "
                 f"({t['rows_differ']}) | {t['q_differ']} / {t['q_total']} | "
                 f"{t['k_differ']} / {t['k_total']} | {t['k_descale_differ']} | "
                 f"{t['weights_differ']} | {rec['torch']['rows_differ']} |"
             )
         del inputs
     results["rsqrt"] = _rsqrt_check(device) if device.type == "cuda" else None
-    triton_engines = {ek.ORACLE_ENGINES[p] for p in args.profiles if p in ek.ORACLE_ENGINES}
-    mods = {e: ek.load_engine_kernels(e)[0] for e in triton_engines}  # PTX of the Triton kernels
-    results["ptx"] = {e: _ptx_summary(m, args.out) for e, m in mods.items()}
+    if child is not None:  # the engine kernels compiled there, by the child's Triton
+        results["ptx"] = child["ptx"]
+    else:
+        triton_engines = {ek.ORACLE_ENGINES[p] for p in args.profiles if p in ek.ORACLE_ENGINES}
+        mods = {e: ek.load_engine_kernels(e)[0] for e in triton_engines}  # PTX of their kernels
+        results["ptx"] = {e: _ptx_summary(m, args.out) for e, m in mods.items()}
     (args.out / "conformance.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({"rsqrt": results["rsqrt"], "ptx": results["ptx"]}, indent=1))
     print(
         f"\nS={args.seq}, top-{args.topk}, seed {args.seed}; {env['gpu']}, torch {env['torch']}, "
-        f"Triton {env['triton']}; engine side: the engines' kernels, package side: rope_fp32+fp8 "
-        "with the profile (fused kernel; last column: torch reference), both scored by "
-        f"{args.scores}\n"
+        f"Triton {env['triton']}; engine side: the engines' kernels (compiled by the release in "
+        "the third column), package side: rope_fp32+fp8 with the profile (fused kernel, "
+        f"Triton {env['triton']}; last column: torch reference), both scored by {args.scores}\n"
     )
-    print("| model | profile | rows identical (differ) | q bytes differ | k bytes differ | "
-          "k scales differ | weights differ | rows differ (reference) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | profile | engine kernels compiled by | rows identical (differ) | "
+          "q bytes differ | k bytes differ | k scales differ | weights differ | "
+          "rows differ (reference) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 
 
-def _record(inputs, heads: int, interleaved: bool, name: str, args) -> dict:
-    """One model and profile: the engine kernel against the package (fused and reference)."""
+def _oracle_name(name: str) -> str:
+    """The profile whose engine kernels a row runs (``vllm-exact`` is measured against vLLM)."""
+    return "vllm" if name == "vllm-exact" else name
+
+
+def _compiler(name: str, child: dict | None, host_triton: str) -> str:
+    """Which compiler built the engine kernels of profile ``name``'s row."""
+    if _oracle_name(name) in ek.JIT_ORACLE_ENGINES:
+        return "nvcc (SGLang JIT)"
+    if child is not None:
+        return f"Triton {child['env']['triton']} (child)"
+    return f"Triton {host_triton}"
+
+
+def _record(inputs, heads: int, interleaved: bool, name: str, args, child=None) -> dict:
+    """One model and profile: the engine kernel against the package (fused and reference);
+    ``child``: what the ``--engine-triton`` child built (its Triton profiles' runs)."""
+    import triton
+
     layout = "interleaved" if interleaved else "NeoX"
     t0 = time.perf_counter()
-    oracle_profile = ENGINE_PROFILES["vllm" if name == "vllm-exact" else name]
-    run = ek.engine_kernel_operands(inputs, oracle_profile, interleaved=interleaved)
+    oracle_profile = ENGINE_PROFILES[_oracle_name(name)]
+    if child is not None and oracle_profile.name in ek.ORACLE_ENGINES:
+        run = _child_run(child, inputs, interleaved, oracle_profile.name)
+    else:
+        run = ek.engine_kernel_operands(inputs, oracle_profile, interleaved=interleaved)
     eng_top = engine_select(engine_scores(run.operands, kernel=args.scores), args.topk)
     profile = ENGINE_PROFILES[name]
     rec = {"heads": heads, "layout": layout, "profile": name,
-           "engine_kernel": f"{oracle_profile.name}: {run.source}"}  # fmt: skip
+           "engine_kernel": f"{oracle_profile.name}: {run.source}",
+           "engine_compiler": _compiler(name, child, triton.__version__)}  # fmt: skip
     built = {}
     for impl in ("triton", "torch"):
         ops = built[impl] = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
@@ -226,6 +283,113 @@ def _record(inputs, heads: int, interleaved: bool, name: str, args) -> dict:
         rec.update(_key_diagnostics(inputs, profile, interleaved, run.k_float))
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     return rec
+
+
+# ------------------------------------------------------- the engine kernels under another Triton
+
+
+def _inputs_digest(inputs) -> str:
+    """SHA-256 of the BF16 projections (q, k, head weights, k_norm weight and bias)."""
+    h = hashlib.sha256()
+    for t in (inputs.q, inputs.k, inputs.w, inputs.k_norm.weight, inputs.k_norm.bias):
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _run_key(heads: int, interleaved: bool, profile: str) -> str:
+    return f"H{heads}-{'interleaved' if interleaved else 'neox'}-{profile}"
+
+
+def _child_profiles(profiles: list[str]) -> list[str]:
+    """The Triton profiles whose engine kernels the child runs (``vllm`` always: ``vllm-exact``
+    is measured against it)."""
+    return sorted({"vllm", *(p for p in profiles if p in ek.ORACLE_ENGINES)})
+
+
+def _run_child(args) -> dict:
+    """Runs this tool as ``--engine-child`` with ``args.engine_triton`` first on PYTHONPATH;
+    returns its ``child.json`` (``env``, ``ptx``, ``rsqrt``, ``runs``: key -> file) with ``dir``."""
+    out = (args.out / CHILD_DIR).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    paths = [os.path.abspath(args.engine_triton), str(repo), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["TRITON_CACHE_DIR"] = str(out / "triton-cache")  # compiled fresh, by the child's Triton
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-child", str(out),
+           "--seq", str(args.seq), "--seed", str(args.seed), "--models", str(args.models),
+           "--device", args.device, "--profiles", *_child_profiles(args.profiles)]  # fmt: skip
+    print(json.dumps({"engine_child": cmd, "PYTHONPATH": env["PYTHONPATH"]}), flush=True)
+    subprocess.run(cmd, env=env, check=True)
+    child = json.loads((out / "child.json").read_text())
+    where = Path(child["env"]["triton_file"])  # as imported (a link in DIR stays in DIR)
+    if not where.is_relative_to(Path(os.path.abspath(args.engine_triton))):
+        raise RuntimeError(
+            f"the engine child imported triton {child['env']['triton']} from {where}, not from "
+            f"--engine-triton {args.engine_triton}."
+        )
+    child["dir"] = str(out)
+    return child
+
+
+def _child_run(child: dict, inputs, interleaved: bool, profile: str) -> ek.EngineKernelRun:
+    """The engine kernel run the child wrote, on the inputs' device."""
+    key = _run_key(inputs.n_heads, interleaved, profile)
+    if key not in child["runs"]:
+        raise RuntimeError(f"the engine child wrote no run {key}: {sorted(child['runs'])}.")
+    saved = torch.load(Path(child["dir"]) / child["runs"][key], weights_only=True)
+    digest = _inputs_digest(inputs)
+    if saved["inputs_sha256"] != digest:
+        raise RuntimeError(
+            f"run {key}: the child's inputs (sha256 {saved['inputs_sha256'][:12]}) are not "
+            f"these ({digest[:12]})."
+        )
+    dev = inputs.q.device
+    ops = EngineOperands(*(saved[n].to(dev) for n in ("q", "k", "k_descale", "weights")))
+    k_float = saved["k_float"].to(dev) if saved["k_float"] is not None else None
+    return ek.EngineKernelRun(ops, saved["engine"], saved["source"], k_float)
+
+
+def _child_main(args) -> int:
+    """``--engine-child DIR``: the engine kernels of ``args.profiles`` under this interpreter's
+    Triton, their operands written to ``DIR`` (one ``.pt`` a model and profile) with
+    ``child.json``."""
+    import triton
+
+    out = args.engine_child
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    env = {
+        "triton": triton.__version__,
+        "triton_file": os.path.abspath(triton.__file__),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+    }
+    print(json.dumps({"engine_child": env}), flush=True)
+    runs = {}
+    for heads, interleaved in MODELS[: args.models]:
+        inputs = synthetic_indexer_inputs(args.seq, n_heads=heads, seed=args.seed).to(device)
+        digest = _inputs_digest(inputs)
+        for name in args.profiles:
+            run = ek.engine_kernel_operands(inputs, ENGINE_PROFILES[name], interleaved=interleaved)
+            key = _run_key(heads, interleaved, name)
+            o = run.operands
+            # Copies: vLLM's k bytes and descales are views of one cache buffer.
+            saved = {n: getattr(o, n).cpu().clone() for n in ("q", "k", "k_descale", "weights")}
+            saved["k_float"] = run.k_float.cpu().clone() if run.k_float is not None else None
+            saved.update(engine=run.engine, source=run.source, inputs_sha256=digest)
+            saved["triton"] = triton.__version__
+            torch.save(saved, out / f"{key}.pt")
+            runs[key] = f"{key}.pt"
+        del inputs
+    engines = {ek.ORACLE_ENGINES[p] for p in args.profiles}
+    ptx = {e: _ptx_summary(ek.load_engine_kernels(e)[0], out) for e in engines}
+    rsqrt = _rsqrt_check(device) if device.type == "cuda" else None
+    summary = {"env": env, "ptx": ptx, "rsqrt": rsqrt, "runs": runs}
+    (out / "child.json").write_text(json.dumps(summary, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

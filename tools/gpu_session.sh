@@ -216,6 +216,19 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
       TAIL=20 run layer_conformance 900 python tools/layer_conformance.py \
         --out "$LOGS/layer_conformance" ;;
+    triton38)  # issue 29: vLLM 0.33's / LMDeploy 0.18's Triton kernels compiled by Triton 3.8
+      # (vLLM 0.33's pin) in a child process, beside the host's Triton (after `deepgemm`; the
+      # wheel from .bigcarry/, installed with --target so torch keeps the host's triton)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      w=triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+      TAIL=5 run triton38_install 600 bash -c "bash .bigcarry/bin/join.sh $w \$HOME/t38w && \
+        python -m pip install --no-deps --no-index --target \$HOME/triton38 \$HOME/t38w/$w && \
+        PYTHONPATH=\$HOME/triton38 python -c 'import triton; print(triton.__version__, triton.__file__)'"
+      for t in 38 host; do  # the same inputs and arguments, the engines' kernels by 3.8, then here
+        flag=$([ $t = 38 ] && echo "--engine-triton $HOME/triton38")
+        TAIL=12 run "conformance_triton$t" 600 python tools/engine_conformance.py --seq 8192 \
+          --models 2 --profiles vllm vllm-eager lmdeploy $flag --out "$LOGS/conformance_triton$t"
+      done ;;
     replay)
       TAIL=20 run replay 900 python examples/replay_verify.py --steps 10 \
         --out "$LOGS/replay.json" ;;
