@@ -235,8 +235,8 @@ def warp_block_sum(
         v = ((e[0] + e[1]) + e[2]) + e[3]
     else:
         v = e[0] * e[0]
-        for d in e[1:]:
-            v = fma_fp32(d, d, v) if fma else v + d * d
+        for sq in e[1:]:
+            v = fma_fp32(sq, sq, v) if fma else v + sq * sq
     for d in _tree_distances(_WARP_LANE_DISTANCES):
         lo, hi = _pair_step(v, d)
         v = lo + hi

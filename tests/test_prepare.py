@@ -242,7 +242,12 @@ def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
     from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
     from dsa_precision.oracles.training import IndexerFields, training_operands
 
-    engine = ENGINE_PROFILES["sglang-fused"]
+    # The model's arithmetic: float64 LayerNorm, no contraction (sglang-fused's lane order and
+    # scales; its compiled LayerNorm and RoPE rules are checked against SGLang's own kernels).
+    engine = dataclasses.replace(
+        ENGINE_PROFILES["sglang-fused"], name="sglang-fused-uncontracted", layernorm="float64",
+        fma=False,
+    )  # fmt: skip
     inputs = synthetic_indexer_inputs(64, n_heads=32, head_dim=128, rope_dim=64, seed=3)
     ref = engine_operands(inputs, engine, hadamard=False, interleaved=True)
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=engine)
