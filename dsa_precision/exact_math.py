@@ -136,6 +136,14 @@ def _tree_distances(distances: tuple[int, ...]) -> list[int]:
     return out
 
 
+def _tree_add(x: torch.Tensor, distances: list[int]) -> torch.Tensor:
+    """Add the pairs of each step of :func:`_tree_distances`' reshaped tree, step by step."""
+    for d in distances:
+        lo, hi = _pair_step(x, d)
+        x = lo + hi
+    return x
+
+
 def triton_block_sum(
     x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
 ) -> torch.Tensor:
@@ -153,10 +161,7 @@ def triton_block_sum(
         lo, hi = _pair_step(squares_of, distances[0])
         x = fma_fp32(lo, lo, hi * hi) if fma else lo * lo + hi * hi
         distances = distances[1:]
-    for d in distances:
-        lo, hi = _pair_step(x, d)
-        x = lo + hi
-    return x
+    return _tree_add(x, distances)
 
 
 def rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -237,10 +242,7 @@ def warp_block_sum(
         v = e[0] * e[0]
         for sq in e[1:]:
             v = fma_fp32(sq, sq, v) if fma else v + sq * sq
-    for d in _tree_distances(_WARP_LANE_DISTANCES):
-        lo, hi = _pair_step(v, d)
-        v = lo + hi
-    return v
+    return _tree_add(v, _tree_distances(_WARP_LANE_DISTANCES))
 
 
 def layer_norm_fp32_warp(

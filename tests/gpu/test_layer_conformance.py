@@ -4,14 +4,13 @@ and kernels, each profile with an oracle, ``use_cpu_initialization`` both ways. 
 table entry, byte, k descale and folded weight equal, every row identical. Skipped without the
 engines' files in ``DSA_ENGINE_KERNELS`` (docs/gpu-validation.md, "Layer conformance")."""
 
-import importlib.util
 import json
 
 import pytest
 
 from dsa_precision.oracles import engine_kernels as ek
 
-from ..support.configs import ROOT
+from ..support.configs import load_tool
 from ..support.helpers import needs_deepgemm
 
 MISSING = [
@@ -22,11 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".joi
 
 @pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
 def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record, scores):
-    spec = importlib.util.spec_from_file_location(
-        "layer_conformance", ROOT / "tools/layer_conformance.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("layer_conformance")
     argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--out", str(tmp_path)]
     assert tool.main(argv) == 0
     records = json.loads((tmp_path / "layer_conformance.json").read_text())["records"]

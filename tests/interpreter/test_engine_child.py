@@ -9,7 +9,6 @@ inputs are these; its release is recorded and printed), not the arithmetic (the 
 tool itself; docs/gpu-validation.md, "Triton 3.8"). Skipped without the engines' files in
 ``DSA_ENGINE_KERNELS``."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,19 +19,14 @@ from dsa_precision import ENGINE_PROFILES
 from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
-from ..support.configs import ROOT
+from ..support.configs import load_tool
 
 MISSING = [r for e in ("vllm", "lmdeploy") if (r := ek.missing_reason(e))]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "engine_conformance", ROOT / "tools/engine_conformance.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("engine_conformance")
 
 
 @pytest.fixture(scope="module")

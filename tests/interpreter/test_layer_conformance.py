@@ -6,14 +6,13 @@ interpreter does not contract): every table entry, E4M3 byte, k descale and fold
 every row's top-k identical. Skipped without the engines' files in ``DSA_ENGINE_KERNELS``
 (docs/gpu-validation.md, "Layer conformance"); the GPU run is the tool itself."""
 
-import importlib.util
 import json
 
 import pytest
 
 from dsa_precision.oracles import engine_kernels as ek
 
-from ..support.configs import ROOT
+from ..support.configs import load_tool
 from ..support.engine_oracles import hardware_casts
 
 MISSING = [
@@ -23,12 +22,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "layer_conformance", ROOT / "tools/layer_conformance.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("layer_conformance")
 
 
 def test_the_layer_matches_the_engines_own_code_at_a_small_size(tmp_path):
