@@ -537,8 +537,9 @@ class _Packing:
     def _chunk_args(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         cu = [min(max(c - r0, 0), r1 - r0) for c in self.starts]
         off = [max(r0 - c, 0) for c in self.starts[:-1]]
-        t = torch.tensor([*cu, *off], dtype=torch.int32).to(_DEVICE)
-        return t[: len(cu)], t[len(cu) :], min(self.max_len, r1 - r0)
+        # Two tensors, not two views of one: cuDNN binds each at a 16-byte aligned base.
+        cu_t, off_t = (torch.tensor(v, dtype=torch.int32).to(_DEVICE) for v in (cu, off))
+        return cu_t, off_t, min(self.max_len, r1 - r0)
 
     def cudnn_args(self, chunk: int | None):
         """``(cu_seqlens_q, q_causal_offsets, max_seqlen_q, (r0, r1))`` of the whole packing
