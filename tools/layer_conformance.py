@@ -7,8 +7,9 @@ core attention from a ``DSAPrecisionTransformerConfig`` (``rope_fp32+fp8`` with 
 k_norm epsilon 1e-6 set by ``dsa_indexer_k_norm_epsilon`` over a model-wide 1e-5, Megatron's own
 DSA test pattern), takes the indexer's BF16 projections from that layer
 (:meth:`PrecisionDSAIndexer.projections`) and hands the same projections to the engine's own
-code: its RoPE table construction (vLLM 0.33's rotary modules built on the device as vLLM's
-loader builds them; LMDeploy 0.18's, its ``inv_freq`` on the CPU) and its indexer kernels
+code: its RoPE table construction (vLLM 0.33's and SGLang 0.5.23's rotary modules built on the
+device as their loaders build them; LMDeploy 0.18's, its ``inv_freq`` on the CPU) and its indexer
+kernels (SGLang's fused JIT CUDA for ``sglang-fused``, the interleaved model only)
 (``dsa_precision.oracles.engine_kernels``), all unmodified from ``DSA_ENGINE_KERNELS``.
 Compared: the tables (the layer's against the engine's, and Megatron's own angles against the
 engine's, for Megatron's ``inv_freq`` where the layer has it and built on the CPU), every q / k
@@ -69,6 +70,12 @@ MODELS = {
 }  # fmt: skip
 HIDDEN, Q_LORA = 512, 256
 
+
+# The profiles with both oracles: the engine's RoPE code and its kernels (SGLang's JIT CUDA needs
+# nvcc and apache-tvm-ffi where it runs: ek.missing_reason("sglang")).
+ORACLE_PROFILES = sorted(
+    p for p in ek.ROPE_ORACLES if p in ek.ORACLE_ENGINES or p in ek.JIT_ORACLE_ENGINES
+)
 
 # The layer's scoring backend for each --scores: the layer's own top-k is scored by the scorer
 # the engine's rows are scored by (DeepGEMM's kernel, or the exact float64 reference).
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--profiles", nargs="+", default=sorted(ek.ROPE_ORACLES))
+    p.add_argument("--profiles", nargs="+", default=ORACLE_PROFILES, choices=ORACLE_PROFILES)
     p.add_argument("--cpu-init", nargs="+", default=["true", "false"], choices=["true", "false"])
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     p.add_argument("--scores", default="deepgemm", choices=("deepgemm", "exact"))
@@ -262,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.profiles:
                     if name == "vllm-eager" and MODELS[model][2]["rope_type"] != "yarn":
                         continue  # vLLM's eager run of a plain-RoPE model is the vllm profile
+                    layout = ENGINE_PROFILES[name].rope_interleaved
+                    if layout is not None and layout != MODELS[model][1]:
+                        continue  # not the engine's path for this model (sglang-fused: GLM-5)
                     t0 = time.perf_counter()
                     try:
                         rec = _record(model, name, cpu_init, args)

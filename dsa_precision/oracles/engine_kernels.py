@@ -97,6 +97,7 @@ ENV_VAR = "DSA_ENGINE_KERNELS"
 # The files each oracle runs, relative to a root of ENV_VAR (the first one is the entry module).
 _VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
 _LMDEPLOY_ROPE = "lmdeploy/pytorch"
+_SGLANG_ROPE = "sglang/srt/layers/rotary_embedding"
 _SGLANG = "sglang/kernels"
 _SGLANG_JIT = f"{_SGLANG}/jit"
 # SGLang's JIT utilities the oracle runs (in this order: each imports only the ones before it).
@@ -140,6 +141,10 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
         f"{_LMDEPLOY_ROPE}/backends/rotary_embedding.py",
         f"{_LMDEPLOY_ROPE}/backends/default/rotary_embedding.py",
         f"{_LMDEPLOY_ROPE}/nn/rotary_embedding.py",
+    ),
+    # SGLang 0.5.23's (in import order: base imports utils, yarn base, rope_variant all three).
+    "sglang-rope": tuple(
+        f"{_SGLANG_ROPE}/{name}.py" for name in ("utils", "base", "yarn", "rope_variant")
     ),
     # SGLang 0.5.23's fused DSA indexer (GLM-5, interleaved RoPE): the two Python wrappers that
     # JIT-compile and call the CUDA kernels, the pure-Python half of SGLang's JIT build (how it
@@ -194,6 +199,11 @@ KNOWN_SHA256: dict[str, str] = {
     "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
     "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
     "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
+    # ENGINE_FILES["sglang-rope"], in order.
+    "828a50285218e40c3429d2f4e75b1d051e3a89d831a7ab005e8c2609278aeddc": "sglang 0.5.23",
+    "2a2abfbef7be789d2e992478714a5040583e71ed71a1accd1fecd65cab5da297": "sglang 0.5.23",
+    "c67436ffa26f096bfb426e6d5561acd189073fc919aa2b152b5f6ae82ce1f361": "sglang 0.5.23",
+    "262b371e4c420677f08238ef78687e0da1e2cfe837e3b4f95368067cab6289b6": "sglang 0.5.23",
 }
 
 # Engine profile -> the engine whose own rotary code builds its RoPE tables, and whether vLLM's
@@ -203,6 +213,8 @@ ROPE_ORACLES: dict[str, tuple[str, bool]] = {
     "vllm": ("vllm-rope", False),
     "vllm-eager": ("vllm-rope", True),
     "lmdeploy": ("lmdeploy-rope", False),
+    "sglang-fused": ("sglang-rope", False),
+    "sglang-unfused": ("sglang-rope", False),
 }
 
 # Engine profile -> the engine whose kernels serve it. Profiles absent here have no kernel that
@@ -237,8 +249,8 @@ def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Pa
 
 
 def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | None:
-    """Why the engine's kernels (or, for ``"vllm-rope"`` / ``"lmdeploy-rope"``, its rotary
-    code) cannot run here, or ``None`` when they can."""
+    """Why the engine's kernels (or, for the ``"*-rope"`` engines, its rotary code) cannot run
+    here, or ``None`` when they can."""
     if kernel_files(engine, root) is None:
         where = os.fspath(root) if root is not None else os.environ.get(ENV_VAR)
         if not where:
@@ -526,6 +538,62 @@ def _lmdeploy_rope_stubs(root: Path) -> dict[str, types.ModuleType]:
     }
 
 
+class _SglangRopeSwitches:
+    """The device SGLang's ``get_device()`` names while a rotary module is built (its model
+    loader's ``target_device``; DeepSeek's YaRN class builds its tables there explicitly)."""
+
+    device = "cuda"
+
+
+class _SglangRopeEnvs:
+    """``sglang.srt.environ.envs`` for the rotary modules: ``SGLANG_ROPE_CACHE_FP32`` off (on
+    CUDA the cache stays float32 regardless), ``SGLANG_ROPE_CACHE_ALIGN`` its default."""
+
+    SGLANG_ROPE_CACHE_FP32 = types.SimpleNamespace(get=lambda: False)
+    SGLANG_ROPE_CACHE_ALIGN = types.SimpleNamespace(get=lambda: 128)
+
+
+def _sglang_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
+    """SGLang's answers on a CUDA host (``is_cuda`` true, every other platform false), no RL
+    on-policy role (``publish_role()`` is ``None``: the cache on the device, not the CPU), and
+    ``BaseFusedOp`` as the ``torch.nn.Module`` it is; the fused RoPE kernels it imports on CUDA
+    are never called while building tables."""
+    rope = "sglang.srt.layers.rotary_embedding"
+    no = lambda *args, **kwargs: False  # noqa: E731
+    utils = dict.fromkeys(
+        ("is_hip", "is_npu", "is_cpu", "is_xpu", "is_musa", "is_mps", "cpu_has_amx_support",
+         "get_bool_env_var"), no,
+    )  # fmt: skip
+    return {
+        "sglang": _package("sglang"),
+        "sglang.kernels": _package("sglang.kernels"),
+        "sglang.kernels.fused_op": _package("sglang.kernels.fused_op", BaseFusedOp=torch.nn.Module),
+        "sglang.kernels.ops": _package("sglang.kernels.ops"),
+        "sglang.kernels.ops.attention": _package("sglang.kernels.ops.attention"),
+        "sglang.kernels.ops.attention.rope": _package(
+            "sglang.kernels.ops.attention.rope", apply_rope_with_cos_sin_cache_inplace=None
+        ),
+        "sglang.srt": _package("sglang.srt"),
+        "sglang.srt.environ": _package("sglang.srt.environ", envs=_SglangRopeEnvs()),
+        "sglang.srt.layers": _package("sglang.srt.layers"),
+        # The real folder, never its __init__.py (the factory and every model's classes).
+        rope: _package(rope, folder),
+        "sglang.srt.platforms": _package(
+            "sglang.srt.platforms", current_platform=types.SimpleNamespace(is_out_of_tree=no)
+        ),
+        "sglang.srt.runtime_context": _package(
+            "sglang.srt.runtime_context", publish_role=lambda: None, get_exec=lambda: None
+        ),
+        "sglang.srt.utils": _package(
+            "sglang.srt.utils",
+            is_cuda=lambda: True,
+            get_compiler_backend=lambda: "inductor",
+            get_device=lambda *args: _SglangRopeSwitches.device,
+            **utils,
+        ),
+    }
+
+
 _ROPE_LOADED: dict[tuple[str, tuple[Path, ...]], dict[str, types.ModuleType]] = {}
 
 
@@ -539,10 +607,12 @@ def _load_rope_code(engine: str, root: str | os.PathLike | None) -> tuple[dict, 
     key = (engine, files)
     if key not in _ROPE_LOADED:
         loaded: dict[str, types.ModuleType] = {}
-        if engine == "vllm-rope":
-            stubs = _vllm_rope_stubs(files[0].parent)
-            rope = "vllm.model_executor.layers.rotary_embedding"
-            for path in files:  # common, then base (imports .common), then the YaRN class
+        if engine in ("vllm-rope", "sglang-rope"):
+            if engine == "vllm-rope":
+                stubs, rope = _vllm_rope_stubs(files[0].parent), _VLLM_ROPE.replace("/", ".")
+            else:
+                stubs, rope = _sglang_rope_stubs(files[0].parent), _SGLANG_ROPE.replace("/", ".")
+            for path in files:  # each file after the ones it imports (ENGINE_FILES' order)
                 name = f"{rope}.{path.stem}"
                 loaded[path.stem] = stubs[name] = load_module(path, name, stubs)
         else:
@@ -583,7 +653,11 @@ def engine_rope(
     checkpoint's ``rope_scaling`` and the default backend's rotary embedding, built with no
     device (LMDeploy builds its model so: ``inv_freq`` on the CPU) and called on ``device``
     with position ids ``[1, n]`` (its ``torch.compile``'d table function; LMDeploy falls back to
-    eager itself when compiling fails), in ``model_dtype``.
+    eager itself when compiling fails), in ``model_dtype``. SGLang: what its indexer's
+    ``get_rope_wrapper`` builds (``RotaryEmbedding`` for a plain checkpoint; for a YaRN one
+    DeepSeek's ``deepseek_yarn``, ``DeepseekScalingRotaryEmbedding``), constructed under ``with
+    torch.device(device)`` as its model loader constructs the model, the cache left in float32
+    as SGLang leaves it on CUDA; ``max_position_embeddings`` as vLLM's.
     """
     if profile.name not in ROPE_ORACLES:
         raise ValueError(
@@ -614,6 +688,30 @@ def engine_rope(
         if cache.shape[0] < n_positions:
             raise ValueError(
                 f"vLLM's cache holds {cache.shape[0]} positions, fewer than n_positions="
+                f"{n_positions}; pass max_position_embeddings >= {n_positions}."
+            )
+        cos, sin = cache[:n_positions].chunk(2, dim=-1)
+        return EngineRope(cos.contiguous(), sin.contiguous(), source)
+    if engine == "sglang-rope":
+        _SglangRopeSwitches.device = str(device)
+        try:
+            with torch.device(device):
+                if y is None:
+                    rotary = modules["base"].RotaryEmbedding(
+                        r, r, max_position_embeddings or n_positions, spec.base, True, model_dtype
+                    )
+                else:
+                    rotary = modules["rope_variant"].DeepseekScalingRotaryEmbedding(
+                        r, r, y.original_max_position_embeddings, spec.base, True,
+                        y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
+                        beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
+                    )  # fmt: skip
+        finally:
+            _SglangRopeSwitches.device = "cuda"
+        cache = rotary.cos_sin_cache
+        if cache.shape[0] < n_positions:
+            raise ValueError(
+                f"SGLang's cache holds {cache.shape[0]} positions, fewer than n_positions="
                 f"{n_positions}; pass max_position_embeddings >= {n_positions}."
             )
         cos, sin = cache[:n_positions].chunk(2, dim=-1)

@@ -16,16 +16,31 @@ from ..support.helpers import needs_deepgemm
 MISSING = [
     r for e in ("vllm", "lmdeploy", "vllm-rope", "lmdeploy-rope") if (r := ek.missing_reason(e))
 ]
+MISSING_SGLANG = [r for e in ("sglang", "sglang-rope") if (r := ek.missing_reason(e))]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(MISSING), reason="; ".join(MISSING))]
 
 
 @pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
 def test_the_layer_matches_the_engines_own_code_on_the_gpu(tmp_path, record, scores):
+    """vLLM's and LMDeploy's profiles, both models."""
+    _check(tmp_path, record, scores, ["vllm", "vllm-eager", "lmdeploy"], ["glm5", "v32"], 10)
+
+
+@pytest.mark.skipif(bool(MISSING_SGLANG), reason="; ".join(MISSING_SGLANG))
+@pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
+def test_the_layer_matches_sglangs_own_code_on_the_gpu(tmp_path, record, scores):
+    """sglang-fused: SGLang's rotary module built on the device and its fused JIT CUDA kernels
+    (built here by nvcc), the GLM-5-like model (the only one its fused path serves)."""
+    _check(tmp_path, record, scores, ["sglang-fused"], ["glm5"], 2)
+
+
+def _check(tmp_path, record, scores: str, profiles: list[str], models: list[str], n: int):
     tool = load_tool("layer_conformance")
-    argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--out", str(tmp_path)]
+    argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--profiles", *profiles,
+            "--models", *models, "--out", str(tmp_path)]  # fmt: skip
     assert tool.main(argv) == 0
     records = json.loads((tmp_path / "layer_conformance.json").read_text())["records"]
-    assert len(records) == 10, [r.get("error") for r in records]
+    assert len(records) == n, [r.get("error") for r in records]
     for rec in records:
         record(
             "layer_conformance_small",

@@ -1,4 +1,5 @@
-"""The engines' own RoPE table code (vLLM 0.33.0's rotary modules, LMDeploy 0.18.0's), loaded
+"""The engines' own RoPE table code (vLLM 0.33.0's rotary modules, LMDeploy 0.18.0's, SGLang
+0.5.23's), loaded
 unmodified from ``DSA_ENGINE_KERNELS`` and run on the CPU, against the tables ``rope_fp32``
 reads (:class:`dsa_precision.rope.EngineRopeTables`): every entry, bit for bit. Skipped with the
 reason when the files are absent (docs/gpu-validation.md has the recipe); on the GPU,
@@ -13,7 +14,7 @@ from dsa_precision.rope import EngineRopeTables, RopePositions, RopeSpec, YarnSc
 
 needs = {
     e: pytest.mark.skipif(ek.missing_reason(e) is not None, reason=str(ek.missing_reason(e)))
-    for e in ("vllm-rope", "lmdeploy-rope")
+    for e in ("vllm-rope", "lmdeploy-rope", "sglang-rope")
 }
 SPECS = {
     "rope-1e4": RopeSpec(64, 1e4),
@@ -68,6 +69,20 @@ def test_lmdeploys_own_tables_are_the_package_table(spec):
     assert torch.equal(run.cos, cos) and torch.equal(run.sin, sin)
 
 
+@needs["sglang-rope"]
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("profile", ["sglang-fused", "sglang-unfused"])
+def test_sglangs_own_cos_sin_cache_is_the_package_table(profile, spec):
+    """SGLang's indexer builds its rotary module by get_rope_wrapper (RotaryEmbedding, or
+    DeepseekScalingRotaryEmbedding for deepseek_yarn) under its loader's device and keeps the
+    cache float32 on CUDA: both SGLang profiles' tables, every entry."""
+    run = ek.engine_rope(ENGINE_PROFILES[profile], SPECS[spec], N, device="cpu")
+    assert run.source.startswith("sglang 0.5.23 (sha256 "), run.source
+    assert run.cos.dtype == torch.float32 == ENGINE_PROFILES[profile].cos_sin_dtype
+    cos, sin = _ours(profile, SPECS[spec])
+    assert torch.equal(run.cos, cos) and torch.equal(run.sin, sin)
+
+
 def test_profiles_without_a_rope_oracle_say_so():
     with pytest.raises(ValueError, match="has no RoPE oracle here"):
-        ek.engine_rope(ENGINE_PROFILES["sglang-fused"], SPECS["rope-1e4"], 8, device="cpu")
+        ek.engine_rope(ENGINE_PROFILES["vllm-legacy"], SPECS["rope-1e4"], 8, device="cpu")
