@@ -128,8 +128,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
         profile = ENGINE_PROFILES[args.engine] if args.engine in ENGINE_PROFILES else None
         if profile is None or ek.oracle_for(profile) is None or args.engine not in ek.ROPE_ORACLES:
+            served = sorted(set(ek.ROPE_ORACLES) & set(ek.ORACLE_ENGINES))  # Triton kernels
             p.error(f"--rollout engine-kernels --engine {args.engine}: the engine's own code runs "
-                    f"for {sorted(ek.ROPE_ORACLES)} only")  # fmt: skip
+                    f"for {served} only")  # fmt: skip
         missing = [r for e in (ek.oracle_for(profile), ek.ROPE_ORACLES[args.engine][0])
                    if (r := ek.missing_reason(e))]  # fmt: skip
         if missing:

@@ -12,9 +12,11 @@ tilelang``, its TileLang kernels (the lightning indexer and SparseMLA; tilelang 
 ``bash tools/gpu_session.sh tilelang``; the FP8 configurations attend with SparseMLA on the
 package's picks). ``bash tools/gpu_session.sh toy-backends`` runs the three at one S. The mock
 data is a copy task (a random segment repeated), so the loss has somewhere to go. For every
-configuration (baseline, rope_fp32, fp8, rope_fp32+fp8, on CUDA rope_fp32+fp8 with its top-k
-replayed from CUDA graphs, ``dsa_indexer_cuda_graph``, and ``replay``: rope_fp32+fp8's picks handed
-in, captured untimed before each step, so the step runs no indexer, the bound of any) it trains
+configuration (baseline, rope_fp32, fp8, rope_fp32+fp8 -- the switches alone, its top-k from
+CUDA graphs where ``dsa_indexer_cuda_graph``'s default "auto" takes them -- rope_fp32+fp8+eager
+(``dsa_indexer_cuda_graph=False``), on CUDA rope_fp32+fp8+graph (``True``), and ``replay``:
+rope_fp32+fp8's picks handed in, captured untimed before each step, so the step runs no indexer,
+the bound of any) it trains
 ``--steps`` steps from the same initial
 weights and data and reports, side by side: the losses, the median step time, the indexer's time
 per step (its top-k of both layers, measured alone on the step's inputs) and its share, and the
@@ -24,6 +26,8 @@ profile of a few steps gives each one's GPU kernel time per step beside its wall
 checks that on identical inputs FP8 scoring selects a different top-k than BF16, that a
 top-k-sharing variant trains, and that the
 default configuration trains bit-identically to stock Megatron modules.
+
+``--packed N`` trains on packed (THD) micro-batches of N uneven sequences instead.
 
 GPU (see docs/megatron.md):  python examples/toy_glm5_train.py --out $OUT/toy.json
                              python examples/toy_glm5_train.py --seq 8192 --topk 2048 --steps 10
@@ -48,8 +52,16 @@ CONFIGS = {
     "baseline": dict(),
     "rope_fp32": dict(dsa_indexer_rope_fp32=True),
     "fp8": dict(dsa_indexer_scoring_precision="fp8"),
+    # The two switches and nothing else: the owned top-k from CUDA graphs where
+    # dsa_indexer_cuda_graph's default "auto" takes them (CUDA, up to AUTO_GRAPH_MAX_ROWS rows).
     "rope_fp32+fp8": dict(dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8"),
-    # The same, its owned top-k replayed from CUDA graphs (CUDA only).
+    # The same, always eager.
+    "rope_fp32+fp8+eager": dict(
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_cuda_graph=False,
+    ),
+    # The same, always from CUDA graphs (CUDA only).
     "rope_fp32+fp8+graph": dict(
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8", dsa_indexer_cuda_graph=True
     ),
@@ -72,6 +84,49 @@ REPLAYED = {
 MODEL_DEFAULTS = dict(attention_heads=16, kernel_backend="none", mlp="moe", bridge=False)
 MLPS = ("moe", "dense")
 
+# --packed N: the THD packing of the toy's (1, T) batches, by their shape: position ids and
+# Megatron's PackedSeqParams (set once by _run; call_model reads it).
+PACKINGS: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
+
+
+def packed_lengths(total: int, n: int) -> list[int]:
+    """``n`` sequences of uneven lengths (in proportion 4 : 1 : 3 : 2, repeated) summing to
+    ``total``, as the benchmarks pack them."""
+    weights = [(4, 1, 3, 2)[i % 4] for i in range(n)]
+    lens = [total * w // sum(weights) for w in weights[:-1]]
+    return [*lens, total - sum(lens)]
+
+
+def set_packing(total: int, n: int, device: str) -> list[int]:
+    """Register the THD packing of ``n`` sequences for batches of shape ``(1, total)``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = packed_lengths(total, n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n_) for n_ in lens]).view(1, -1).to(device)
+    cu = cu.to(device)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))  # fmt: skip
+    PACKINGS[(1, total)] = (pos, psp)
+    return lens
+
+
+def call_model(model, tokens: torch.Tensor, **kwargs):
+    """``model`` on ``tokens``: BSHD positions, or the registered THD packing of their shape."""
+    packing = PACKINGS.get(tuple(tokens.shape))
+    if packing is None:
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).expand(b, s)
+        return model(tokens, pos, None, **kwargs)
+    pos, psp = packing
+    return model(tokens, pos, None, packed_seq_params=psp, **kwargs)
+
+
+def packed_params(tokens: torch.Tensor):
+    """The registered ``PackedSeqParams`` of ``tokens``' shape, or ``None`` (BSHD)."""
+    packing = PACKINGS.get(tuple(tokens.shape))
+    return None if packing is None else packing[1]
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -86,6 +141,14 @@ def parse() -> argparse.Namespace:
         "--engine", default="vllm", help="dsa_indexer_engine of the FP8 runs (default vllm)"
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--packed",
+        type=int,
+        default=0,
+        help="N > 0: each batch is one packed (THD) micro-batch of N sequences of uneven lengths "
+        "(4 : 1 : 3 : 2) summing to --seq, Megatron's PackedSeqParams (needs --batch 1; the "
+        "replay configuration is left out)",
+    )
     p.add_argument(
         "--attention-heads",
         type=int,
@@ -351,9 +414,7 @@ class Trainer:
         return loss.item()
 
     def forward(self, tokens, labels) -> torch.Tensor:
-        b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).expand(b, s)
-        return self.model(tokens, pos, None, labels=labels).float().mean()
+        return call_model(self.model, tokens, labels=labels).float().mean()
 
     def backward(self, loss: torch.Tensor) -> None:
         for p in self.params:
@@ -409,18 +470,18 @@ def indexer_ms(args, model, tokens) -> tuple[float | None, float | None]:
 
     handles = [core.register_forward_pre_hook(hook, with_kwargs=True) for core in cores]
     with torch.no_grad():
-        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        model(tokens, pos, None)
+        call_model(model, tokens)
     for h in handles:
         h.remove()
 
     def run():
         with torch.no_grad():
             for core, query, x, qr in captured:
+                psp = packed_params(tokens)
                 if core.owns_topk():
-                    core.compute_topk(query, x, qr, None)
+                    core.compute_topk(query, x, qr, psp)
                 elif core.indexer is not None:  # Megatron's own scoring and top-k
-                    core.indexer(x, qr)
+                    core.indexer(x, qr, packed_seq_params=psp)
 
     times = [timed(run, args.device)[1] for _ in range(6)]
     hosts = []
@@ -456,8 +517,7 @@ def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:
 
     engine.load_state_dict(model.state_dict())
     with torch.no_grad(), dsap.record_topk() as recorder:
-        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        engine(tokens, pos, None)
+        call_model(engine, tokens)
     return dict(recorder.picks.indices)
 
 
@@ -492,13 +552,11 @@ def package_host_ms(trainer, batch, steps: int, forwards: int, by_function=None)
     from host_time import package_host_seconds
 
     tokens, labels = batch
-    b, s = tokens.shape
-    pos = torch.arange(s, device=tokens.device).expand(b, s)
     split: dict[str, float] = {}
     total = 0.0
     for _ in range(steps):
         _, seconds = package_host_seconds(
-            lambda: trainer.model(tokens, pos, None, labels=labels), by_function=split
+            lambda: call_model(trainer.model, tokens, labels=labels), by_function=split
         )
         total += seconds
     scale = 1e3 / (steps * forwards)
@@ -684,8 +742,9 @@ def topk_on_identical_inputs(args) -> dict:
 
         handle = core.register_forward_pre_hook(hook, with_kwargs=True)
         with torch.no_grad():
-            pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            model(tokens, pos, None)
+            model(
+                tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None
+            )
             if core.owns_topk():
                 picks[name] = core.compute_topk(
                     captured["query"], captured["x"], captured["qr"], None
@@ -752,9 +811,19 @@ def main() -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.configs is None:
         names = [n for n in CONFIGS if args.device != "cpu" or n not in GRAPHED]
+        names = [n for n in names if not args.packed or n not in REPLAYED]
         args.configs = ",".join(names)
+    if args.packed:
+        if args.batch != 1 or set(args.configs.split(",")) & REPLAYED or args.stock_steps:
+            raise SystemExit(
+                f"--packed {args.packed}: pass --batch 1, --stock-steps 0 and no replay "
+                f"configuration (got --batch {args.batch}, --stock-steps {args.stock_steps}, "
+                f"--configs {args.configs})."
+            )
     if args.tiny and args.seq == 2048:
         args.seq = 256
+    if args.packed:
+        args.packed_lengths = set_packing(args.seq, args.packed, args.device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     import torch.distributed as dist
@@ -763,7 +832,8 @@ def _run(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
-    results = {"mlp": args.mlp, "runs": train(args, args.configs.split(","))}
+    results = {"mlp": args.mlp, "packed_lengths": getattr(args, "packed_lengths", None),
+               "runs": train(args, args.configs.split(","))}  # fmt: skip
     by_name = {r["name"]: r for r in results["runs"]}
     # Megatron's fused kernels are not deterministic in the backward (cuDNN's SM90 sparse
     # attention backward atomic-adds into dKV), so after the first update two runs of one
@@ -771,17 +841,20 @@ def _run(args: argparse.Namespace) -> int:
     # weights) can be compared bit for bit.
     compared = slice(None) if args.kernel_backend == "none" else slice(0, 1)
     results["losses_compared"] = "all" if args.kernel_backend == "none" else "first"
-    for other, key in (("rope_fp32+fp8+graph", "graph"), ("replay", "replay")):
+    for other, key in (("rope_fp32+fp8+graph", "graph"), ("rope_fp32+fp8+eager", "eager"),
+                       ("replay", "replay")):  # fmt: skip
         if {"rope_fp32+fp8", other} <= set(by_name):
             results[f"{key}_losses_identical"] = (
                 by_name["rope_fp32+fp8"]["losses"][compared] == by_name[other]["losses"][compared]
             )
-    results["topk_identical_inputs"] = topk_on_identical_inputs(args)
+    # (BSHD only: its BF16 side scores what the indexer hands Megatron as one sequence.)
+    results["topk_identical_inputs"] = {} if args.packed else topk_on_identical_inputs(args)
     if args.stock_steps:
         results["stock_equivalence"] = stock_equivalence(args, args.stock_steps)
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
-    print(f"S={args.seq} top-k={args.topk if not args.tiny else 32} {args.device}, "
+    layout = f"packed THD {args.packed_lengths}" if args.packed else f"BSHD batch {args.batch}"
+    print(f"S={args.seq} ({layout}) top-k={args.topk if not args.tiny else 32} {args.device}, "
           f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}, MLP {args.mlp}; "
           f"median step of "
           f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: "
@@ -821,8 +894,11 @@ def _run(args: argparse.Namespace) -> int:
               f"{a['rows_identical']:.2%}")  # fmt: skip
     which = "" if results["losses_compared"] == "all" else " (first step's: fused backward)"
     if "graph_losses_identical" in results:
-        print(f"rope_fp32+fp8 from CUDA graphs vs eager: losses identical{which} "
+        print(f"rope_fp32+fp8 (default) vs always from CUDA graphs: losses identical{which} "
               f"{results['graph_losses_identical']}")  # fmt: skip
+    if "eager_losses_identical" in results:
+        print(f"rope_fp32+fp8 (default) vs always eager: losses identical{which} "
+              f"{results['eager_losses_identical']}")  # fmt: skip
     if "replay_losses_identical" in results:
         print(f"rope_fp32+fp8 with its picks handed in (replay) vs computed: losses "
               f"identical{which} {results['replay_losses_identical']}")  # fmt: skip

@@ -178,6 +178,19 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
         --steps 8 --share-steps 1 --stock-steps 1 --profile-steps 1 --host-steps 3 \
         --configs $configs \
         --out "$LOGS/toy_8192.json" ;;
+    toy3-auto|toy3-packed)  # issue 33: three interleaved runs at S = 2048 of the FP8 switches
+      # alone (dsa_indexer_cuda_graph's default "auto"), always eager and always graphed beside
+      # the baseline; toy3-packed on packed THD micro-batches of 4 sequences, then S = 8192
+      pack=$([ "$step" = toy3-packed ] && echo "--packed 4 --stock-steps 0" || echo "--stock-steps 1")
+      configs=baseline,rope_fp32+fp8,rope_fp32+fp8+eager,rope_fp32+fp8+graph
+      for i in 1 2 3; do
+        TAIL=10 run "${step}_2048_$i" 300 python examples/toy_glm5_train.py --steps 30 \
+          --share-steps 0 --profile-steps 2 --host-steps 3 --configs $configs $pack \
+          --out "$LOGS/${step}_2048_$i.json"
+      done
+      TAIL=10 run "${step}_8192" 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
+        --steps 8 --share-steps 0 --profile-steps 1 --host-steps 2 --configs $configs $pack \
+        --out "$LOGS/${step}_8192.json" ;;
     host-profile)  # issue 19: host us of each piece of the owned top-k, the step's phases, the
       # package's host time per layer split by function (S 2048, then 8192)
       TAIL=80 run host_profile_2048 300 python tools/host_profile.py

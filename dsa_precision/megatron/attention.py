@@ -50,7 +50,7 @@ from ..rows import packed_sequence_of
 from ..scoring import ResolvedBackend
 from . import compat
 from .config import DSAPrecisionTransformerConfig, layer_decisions
-from .graphs import GraphedCalls
+from .graphs import AUTO_GRAPH_MAX_ROWS, GraphedCalls, graph_packing
 from .indexer import PrecisionDSAIndexer
 from .kernel_backend import TILELANG, tilelang_picks
 from .layout import Gather, RankLayout, owned_topk, owned_topk_with_margins, query_positions
@@ -106,13 +106,16 @@ class PrecisionDSAttention(DSAttention):
         self._owns_topk = not self._built["skip_topk"] and (
             self._precision.fp8 or self._topk_source == "replay"
         )
-        # dsa_indexer_cuda_graph: the owned top-k replayed from CUDA graphs (a computing layer).
-        graphed = (
-            isinstance(self.config, DSAPrecisionTransformerConfig)
-            and self.config.dsa_indexer_cuda_graph
-            and self._owns_topk
-            and self._topk_source != "replay"
+        # dsa_indexer_cuda_graph: the owned top-k replayed from CUDA graphs (a computing layer):
+        # True for every forward (one that cannot be captured raises), "auto" for the forwards
+        # graph_applies() admits.
+        mode = (
+            self.config.dsa_indexer_cuda_graph
+            if isinstance(self.config, DSAPrecisionTransformerConfig)
+            else False
         )
+        graphed = mode is not False and self._owns_topk and self._topk_source != "replay"
+        self._graph_mode = mode if graphed else False
         self._graphs = GraphedCalls() if graphed else None
         # The indexer's parameters by name, looked up on every replay (a replaced Parameter
         # object is read as the module now holds it): their addresses are part of a graph's key.
@@ -417,7 +420,7 @@ class PrecisionDSAttention(DSAttention):
         )
         before = audit.scoring_calls() if strict else 0
         with torch.no_grad(), audit.scoring_site("megatron"), guard:
-            if self._graphs is None:
+            if self._graphs is None or not self.graph_applies(x, packed_seq_params, layout):
                 topk = self._select(x, qr, packed_seq_params, layout, margins, gather)
             else:
                 topk = self._graphed(x, qr, packed_seq_params, layout, margins)
@@ -444,13 +447,38 @@ class PrecisionDSAttention(DSAttention):
             ops, layout, self.index_topk, gather=gather, backend=self.indexer.backend_for(ops)
         )
 
+    def graph_applies(
+        self,
+        x: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None,
+        layout: RankLayout | None = None,
+    ) -> bool:
+        """Whether this forward's owned top-k replays from a CUDA graph: always with
+        ``dsa_indexer_cuda_graph=True`` (a forward that cannot be captured raises when it runs),
+        never with ``False``; with ``"auto"`` (the default) where it can be captured and the
+        layer's rows are at most :data:`AUTO_GRAPH_MAX_ROWS` (short sequences, where the eager
+        top-k waits for the host; longer ones are bound by the device). Host facts only."""
+        mode = self._graph_mode
+        if mode is not True and mode != "auto":
+            return False
+        if mode is True:
+            return True
+        if layout is None:
+            raise ValueError("graph_applies(..., layout=None): pass the forward's rank_layout.")
+        if self._graph_unsupported_reason(x, packed_seq_params, layout) is not None:
+            return False
+        return x.size(0) * x.size(1) <= AUTO_GRAPH_MAX_ROWS
+
     def _graph_unsupported_reason(
         self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None, layout: RankLayout
     ) -> str | None:
         if not x.is_cuda:
             return f"the inputs are on {x.device}; CUDA graphs need a CUDA device"
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return "packed (THD) sequences change their lengths per micro-batch"
+        if layout.cu_seqlens is not None and layout.max_seqlen is None:
+            return (
+                "the packed sequences' max_seqlen_q / max_seqlen_kv are not host ints (a graph "
+                "is sized by a host bound on the lengths)"
+            )
         if layout.cp_size > 1:
             return f"context parallelism (cp_size={layout.cp_size}) gathers the keys over ranks"
         if self._indexer_rows(x) != x.size(0):
@@ -473,11 +501,17 @@ class PrecisionDSAttention(DSAttention):
                 f"forward ({reason}); set dsa_indexer_cuda_graph=False for it."
             )
         indexer = self.indexer
-        # What the launches depend on besides the inputs: the layout, margins, the parameters'
-        # storage, the preprocessing module (rebuilt when a Megatron field it follows changes),
-        # the top-k size and RoPE type.
+        inputs: tuple[torch.Tensor, ...] = (x.detach(), qr.detach())
+        key_layout, max_len = layout, None
+        if layout.cu_seqlens is not None:  # packed: the lengths are an input, bucketed
+            cu, max_len = graph_packing(layout, x.size(0), x.device)
+            inputs += (cu,)
+            key_layout = dataclasses.replace(layout, cu_seqlens=None, max_seqlen=max_len)
+        # What the launches depend on besides the inputs: the layout (packed: the bucketed
+        # bound), margins, the parameters' storage, the preprocessing module (rebuilt when a
+        # Megatron field it follows changes), the top-k size and RoPE type.
         key = (
-            layout,
+            key_layout,
             margins,
             tuple([param(indexer).data_ptr() for param in self._indexer_params]),
             id(indexer.preprocess()),
@@ -485,17 +519,28 @@ class PrecisionDSAttention(DSAttention):
             self.config.rope_type,
         )
 
+        def packed(cu_: torch.Tensor) -> tuple[PackedSeqParams, RankLayout]:
+            assert max_len is not None  # packed
+            params = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu_, cu_seqlens_kv=cu_, max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            )  # fmt: skip
+            return params, dataclasses.replace(layout, cu_seqlens=cu_, max_seqlen=max_len)
+
         def select(
-            x_: torch.Tensor, qr_: torch.Tensor
+            x_: torch.Tensor, qr_: torch.Tensor, *cu_: torch.Tensor
         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-            return self._select(x_, qr_, None, layout, margins, None)
+            if not cu_:
+                return self._select(x_, qr_, None, layout, margins, None)
+            return self._select(x_, qr_, *packed(cu_[0]), margins, None)
 
         # Megatron's cached angles, read by the graph where they lie
         def keep() -> tuple[torch.Tensor, IndexerPreprocess]:
-            return (indexer.rope_angles(x, None)[0], indexer.preprocess())
+            params = None if max_len is None else packed(inputs[2])[0]
+            return (indexer.rope_angles(x, params)[0], indexer.preprocess())
 
         assert self._graphs is not None  # only called with its graphs (dsa_indexer_cuda_graph)
-        return self._graphs(select, (x.detach(), qr.detach()), key, keep)
+        return self._graphs(select, inputs, key, keep)
 
     # -- Megatron reads a staged top-k through its index-share holder ------------------------
 

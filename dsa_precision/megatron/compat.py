@@ -54,7 +54,10 @@ _LAYOUT = f"{_EAV}.dsa_layout"
 # name that is only referenced (a class subclassed or annotated, a flag read).
 Call = tuple[int, tuple[str, ...]]
 CALLS: dict[str, tuple[Call, ...]] = {
-    "megatron.core.packed_seq_params.PackedSeqParams": (),
+    # constructed by a packed forward's CUDA graph (graphs.graph_packing's buckets)
+    "megatron.core.packed_seq_params.PackedSeqParams": (
+        (0, ("cu_seqlens_kv", "cu_seqlens_q", "max_seqlen_kv", "max_seqlen_q", "qkv_format")),
+    ),
     "megatron.core.tensor_parallel.mappings.gather_from_sequence_parallel_region": (
         (1, ("group",)),
     ),

@@ -64,13 +64,17 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
     "verify" (compute as configured and compare with the engine's picks; metrics from
     dsa_precision.megatron.topk_metrics). Default "compute"."""
 
-    dsa_indexer_cuda_graph: bool = False
+    dsa_indexer_cuda_graph: bool | Literal["auto"] = "auto"
     """Replay each FP8 layer's owned top-k (projections, fused preprocess + quantize, scoring,
-    top-k) from a CUDA graph captured on its first forward of each input shape, so a step pays
+    top-k) from a CUDA graph captured on its first forward of each input layout, so a step pays
     one graph launch per layer instead of the indexer's host work (the short-sequence steps that
-    wait for the host). Needs FP8 scoring, a CUDA device, BSHD input, no context parallelism and
-    no sequence-parallel gather; costs one graph (and a share of one memory pool per device) per
-    layer and shape. Default False: the top-k runs eagerly."""
+    wait for the host); the same bits as the eager top-k. A graph needs a CUDA device, no context
+    parallelism and no sequence-parallel gather; packed (THD) input is captured per bucket of
+    sequence count and length bound (dsa_precision.megatron.graphs.graph_packing). Default
+    "auto": graphed where it can be, for forwards of at most AUTO_GRAPH_MAX_ROWS indexer rows,
+    eager otherwise; True: every forward (one that cannot be captured raises; needs FP8
+    scoring); False: always eager. Only FP8 layers that compute their top-k are affected: BF16
+    scoring is Megatron's own."""
 
     dsa_indexer_scoring_backend: Literal["auto", "cudnn", "deepgemm", "torch"] = "auto"
     """The kernel the package scores the indexer with where it scores (FP8; BF16 verify and
@@ -298,14 +302,14 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             "only; set dsa_indexer_scoring_precision='fp8' or another backend"
         )
     graph = config.dsa_indexer_cuda_graph
-    if not isinstance(graph, bool):
-        raise TypeError(f"dsa_indexer_cuda_graph={graph!r}: pass True or False.")
-    if graph and not precision.fp8:
+    if not isinstance(graph, bool) and graph != "auto":
+        raise TypeError(f"dsa_indexer_cuda_graph={graph!r}: pass True, False or 'auto'.")
+    if graph is True and not precision.fp8:
         problems.append(
             "dsa_indexer_cuda_graph=True: the graph replays the owned FP8 top-k, and BF16 scoring "
             "is Megatron's; set dsa_indexer_scoring_precision='fp8' or dsa_indexer_cuda_graph=False"
         )
-    if graph and source == "replay":
+    if graph is True and source == "replay":
         problems.append(
             "dsa_indexer_cuda_graph=True: dsa_indexer_topk_source='replay' does not score, so "
             "there is nothing to capture; set dsa_indexer_cuda_graph=False"
@@ -383,8 +387,10 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     group.add_argument(
         "--dsa-indexer-cuda-graph",
-        action="store_true",
-        help="Replay each FP8 layer's owned top-k from a CUDA graph (BSHD, no CP/SP gather).",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="Replay each FP8 layer's owned top-k from a CUDA graph (no CP/SP gather): auto "
+        "(default: where it can be, up to AUTO_GRAPH_MAX_ROWS rows), true (always), false.",
     )
     group.add_argument(
         "--dsa-indexer-scoring-backend",
@@ -401,6 +407,12 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
         f"(default {DEFAULT_ENGINE.name}).",
     )
     return parser
+
+
+def _graph_flag(value: str | bool) -> bool | str:
+    """``--dsa-indexer-cuda-graph``'s value as the field takes it (``"true"`` / ``"false"`` ->
+    ``True`` / ``False``; a namespace may also carry the bool or ``"auto"``)."""
+    return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecisionTransformerConfig:
@@ -420,7 +432,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> DSAPrecision
         dsa_indexer_scoring_precision=getattr(args, "dsa_indexer_scoring_precision", "bf16"),
         dsa_indexer_engine=getattr(args, "dsa_indexer_engine", DEFAULT_ENGINE.name),
         dsa_indexer_topk_source=getattr(args, "dsa_indexer_topk_source", "compute"),
-        dsa_indexer_cuda_graph=getattr(args, "dsa_indexer_cuda_graph", False),
+        dsa_indexer_cuda_graph=_graph_flag(getattr(args, "dsa_indexer_cuda_graph", "auto")),
         dsa_indexer_scoring_backend=getattr(args, "dsa_indexer_scoring_backend", "auto"),
     )
     fields.update(overrides)

@@ -560,10 +560,15 @@ def _sglang_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
     are never called while building tables."""
     rope = "sglang.srt.layers.rotary_embedding"
     no = lambda *args, **kwargs: False  # noqa: E731
-    utils = dict.fromkeys(
-        ("is_hip", "is_npu", "is_cpu", "is_xpu", "is_musa", "is_mps", "cpu_has_amx_support",
-         "get_bool_env_var"), no,
-    )  # fmt: skip
+    utils = _package(
+        "sglang.srt.utils",
+        is_cuda=lambda: True,
+        get_compiler_backend=lambda: "inductor",
+        get_device=lambda *args: _SglangRopeSwitches.device,
+    )
+    for name in ("is_hip", "is_npu", "is_cpu", "is_xpu", "is_musa", "is_mps",
+                 "cpu_has_amx_support", "get_bool_env_var"):  # fmt: skip
+        setattr(utils, name, no)
     return {
         "sglang": _package("sglang"),
         "sglang.kernels": _package("sglang.kernels"),
@@ -584,13 +589,7 @@ def _sglang_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
         "sglang.srt.runtime_context": _package(
             "sglang.srt.runtime_context", publish_role=lambda: None, get_exec=lambda: None
         ),
-        "sglang.srt.utils": _package(
-            "sglang.srt.utils",
-            is_cuda=lambda: True,
-            get_compiler_backend=lambda: "inductor",
-            get_device=lambda *args: _SglangRopeSwitches.device,
-            **utils,
-        ),
+        "sglang.srt.utils": utils,
     }
 
 

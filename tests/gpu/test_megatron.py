@@ -7,6 +7,7 @@ synchronisation debug mode (the owned top-k never waits for the host).
 """
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -494,3 +495,93 @@ def test_graphs_are_dropped_least_recently_used_and_a_copy_captures_its_own(dsap
         assert call(n)[1] == calls, n
     twin = copy.deepcopy(graphed._graphs)  # a copied layer captures its own graphs
     assert len(graphed._graphs) == 2 and len(twin) == 0 and twin._max == 2
+
+
+def _packed(cu: list[int], longest: int | None = None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    m = longest or max(b - a for a, b in itertools.pairwise(cu))
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, max_seqlen_q=m, max_seqlen_kv=m
+    )
+
+
+def test_packed_micro_batches_replay_one_graph_per_bucket(dsap):
+    """Packed (THD) forwards from CUDA graphs: micro-batches of other sequence counts and
+    lengths in one bucket (cu_seqlens padded to a power-of-two count, the length bound rounded
+    up) replay one graph; the eager picks (and margins) bit for bit, no host synchronisation on
+    a replay; another bucket captures its own."""
+    eager, graphed = _graph_pair(dsap)
+    query, _, x, qr, _ = _inputs(seed=11)
+    batches = [  # cu_seqlens entries -> their bucket, longest -> its bound (rows 2048)
+        [0, 300, 301, 1400, 2048],  # 5 -> 8, 1099 -> 2047 (a power of two below the rows)
+        [0, 900, 1000, 2048],  # 4 -> 4, 1048 -> 2047: another bucket
+        [0, 1100, 1700, 1701, 2048],  # 5 -> 8, 1100 -> 2047: the first graph again
+        [0, 512, 1024, 1536, 1800, 2000, 2048],  # 7 -> 8, 512 -> 512: a third graph
+    ]
+    graphs = [1, 2, 2, 3]
+    for i, (cu, n) in enumerate(zip(batches, graphs, strict=True)):
+        psp = _packed(cu)
+        with no_host_sync() if i == 2 else contextlib.nullcontext():
+            got = graphed.compute_topk(query, x, qr, psp)
+        assert torch.equal(got, eager.compute_topk(query, x, qr, psp)), cu
+        assert len(graphed._graphs) == n, cu
+    psp = _packed(batches[0])
+    picks, margins = graphed.compute_topk(query, x, qr, psp, margins=True)
+    want_picks, want_margins = eager.compute_topk(query, x, qr, psp, margins=True)
+    assert torch.equal(picks, want_picks)
+    assert torch.equal(margins.view(torch.int32), want_margins.view(torch.int32))
+
+
+def test_the_default_graphs_short_forwards_and_runs_long_ones_eagerly(dsap):
+    """dsa_indexer_cuda_graph's default, "auto": a forward of at most AUTO_GRAPH_MAX_ROWS rows
+    replays from a graph (the eager picks bit for bit), a longer one runs eagerly."""
+    from dsa_precision.megatron.graphs import AUTO_GRAPH_MAX_ROWS
+
+    fields = CONFIGS["rope_fp32+fp8"]
+    auto = _attention(dsap, _config(dsap, **fields))
+    eager = _attention(dsap, _config(dsap, dsa_indexer_cuda_graph=False, **fields))
+    eager.load_state_dict(auto.state_dict())
+    assert auto.config.dsa_indexer_cuda_graph == "auto"
+    query, _, x, qr, _ = _inputs(seed=12)
+    for _ in range(2):
+        assert torch.equal(
+            auto.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+        )
+    assert len(auto._graphs) == 1
+    query, _, x, qr, _ = _inputs(s=AUTO_GRAPH_MAX_ROWS + 512, seed=13)
+    assert torch.equal(
+        auto.compute_topk(query, x, qr, None), eager.compute_topk(query, x, qr, None)
+    )
+    assert len(auto._graphs) == 1  # not captured
+
+
+def test_layers_share_the_static_buffers_of_their_graphs(dsap):
+    """Every graph reads its inputs from and writes its result to buffers shared by all graphs
+    of one layout: two layers, replayed in turn on other inputs, each give their own eager
+    picks."""
+    from dsa_precision.megatron import graphs
+
+    fields = CONFIGS["rope_fp32+fp8"]
+    layers = []
+    for n in (1, 2):
+        eager = _attention(
+            dsap, _config(dsap, dsa_indexer_cuda_graph=False, **fields), layer_number=n
+        )
+        graphed = _attention(
+            dsap, _config(dsap, dsa_indexer_cuda_graph=True, **fields), layer_number=n
+        )
+        with torch.no_grad():
+            for p in eager.indexer.parameters():
+                p.add_(torch.randn_like(p) * 0.1 * n)
+        graphed.load_state_dict(eager.state_dict())
+        layers.append((eager, graphed))
+    before = len(graphs._STATIC)
+    for seed in range(3):
+        for eager, graphed in layers:
+            query, _, x, qr, _ = _inputs(seed=20 + seed)
+            got = graphed.compute_topk(query, x, qr, None)
+            assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed
+    # x, qr in; the picks out: one set for both layers (none if an earlier test made them)
+    assert len(graphs._STATIC) - before <= 3

@@ -14,6 +14,7 @@ validated, the Megatron fields they were validated against are re-validated on a
 import argparse
 import dataclasses
 import threading
+import unittest.mock
 
 import pytest
 import torch
@@ -285,8 +286,10 @@ def test_a_plain_megatron_config_cannot_carry_loose_precision_fields():
 def test_cuda_graph_needs_an_owned_fp8_top_k(fields, message):
     with pytest.raises(ValueError, match=message):
         make_config(dsa_indexer_cuda_graph=True, **fields)
-    with pytest.raises(TypeError, match=r"dsa_indexer_cuda_graph='yes': pass True or False"):
+    with pytest.raises(TypeError, match=r"dsa_indexer_cuda_graph='yes': pass True, False or"):
         make_config(dsa_indexer_cuda_graph="yes", **FP8)
+    # The default, "auto", asks for nothing that could be refused: BF16 and replay take it.
+    assert make_config(**fields).dsa_indexer_cuda_graph == "auto"
 
 
 def test_cuda_graph_is_decided_per_layer_at_construction():
@@ -294,7 +297,70 @@ def test_cuda_graph_is_decided_per_layer_at_construction():
     computing, reading = make_attention(config), make_attention(config, layer_number=2)
     assert computing._graphs is not None and len(computing._graphs) == 0
     assert reading._graphs is None  # it reuses layer 1's top-k: nothing to capture
-    assert make_attention(make_config(**FP8))._graphs is None
+    assert make_attention(make_config(**FP8, dsa_indexer_cuda_graph=False))._graphs is None
+    assert make_attention(make_config())._graphs is None  # BF16: Megatron's own top-k
+    auto = make_attention(make_config(**FP8))  # the default, "auto"
+    assert auto._graphs is not None and len(auto._graphs) == 0
+
+
+def test_auto_graphs_only_what_it_can_capture_and_runs_the_rest_eagerly():
+    """dsa_indexer_cuda_graph="auto" (the default): a forward it cannot capture (CPU tensors
+    here) or of more than AUTO_GRAPH_MAX_ROWS rows runs eagerly, without a word; True takes
+    every forward (and raises on one it cannot capture: the test below)."""
+    from dsa_precision.megatron.graphs import AUTO_GRAPH_MAX_ROWS
+
+    auto = make_attention(make_config(**FP8))
+    inp = attention_inputs()
+    layout = auto.rank_layout(inp["query"], inp["x"], None)
+    assert not auto.graph_applies(inp["x"], None, layout)  # on the CPU
+    want = make_attention(make_config(**FP8, dsa_indexer_cuda_graph=False))
+    assert torch.equal(
+        auto.compute_topk(inp["query"], inp["x"], inp["qr"], None),
+        want.compute_topk(inp["query"], inp["x"], inp["qr"], None),
+    )
+    assert len(auto._graphs) == 0
+    cuda_like = torch.empty(AUTO_GRAPH_MAX_ROWS + 1, 1, 1, device="meta")
+    with unittest.mock.patch.object(torch.Tensor, "is_cuda", True):
+        assert auto.graph_applies(cuda_like[:AUTO_GRAPH_MAX_ROWS], None, layout)
+        assert not auto.graph_applies(cuda_like, None, layout)  # longer: the device's bound
+    forced = make_attention(make_config(**FP8, dsa_indexer_cuda_graph=True))
+    assert forced.graph_applies(inp["x"], None, layout)
+
+
+@pytest.mark.parametrize("rope_fp32", [False, True], ids=["fp8", "rope_fp32+fp8"])
+@pytest.mark.parametrize(
+    "rows, cu",
+    [(64, [0, 20, 64]), (512, [0, 100, 300, 310, 400, 512]), (48, [0, 48])],
+    ids=["pad_entry", "buckets", "one_sequence"],
+)
+def test_a_packed_graph_s_buckets_select_the_same_keys(rows, cu, rope_fp32):
+    """What a packed forward's graph reads instead of the micro-batch's own metadata
+    (graph_packing: cu_seqlens padded with empty sequences to a power-of-two count, the length
+    bound rounded up) selects exactly the same keys and margins, eagerly on the CPU (torch
+    scoring): the buckets change no pick."""
+    from dsa_precision.megatron.graphs import graph_packing
+
+    config = make_config(**FP8, dsa_indexer_rope_fp32=rope_fp32, dsa_indexer_cuda_graph=False)
+    attn = make_attention(config)
+    inp = attention_inputs(sq=rows, b=1, packed=True)
+    psp = packed_params(cu)
+    layout = attn.rank_layout(inp["query"], inp["x"], psp)
+    padded, bound = graph_packing(layout, rows, torch.device("cpu"))
+    n = len(cu)
+    assert padded.numel() == max(2, 1 << (n - 1).bit_length()) and padded.dtype == torch.int32
+    assert padded[:n].tolist() == cu and set(padded[n:].tolist()) <= {cu[-1]}
+    longest = psp.max_seqlen_q
+    pow2 = max(256, 1 << (longest - 1).bit_length())
+    assert bound == (longest if longest == rows else min(pow2, rows - 1))
+    bucketed = packed_params(cu)
+    bucketed.cu_seqlens_q = bucketed.cu_seqlens_kv = padded
+    bucketed.max_seqlen_q = bucketed.max_seqlen_kv = bound
+    args = (inp["query"], inp["x"], inp["qr"])
+    for margins in (False, True):
+        want = attn.compute_topk(*args, psp, margins=margins)
+        got = attn.compute_topk(*args, bucketed, margins=margins)
+        for a, b in zip(*(t if margins else (t,) for t in (want, got)), strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (rows, cu, margins)
 
 
 def test_cuda_graph_refuses_a_forward_it_cannot_capture():
@@ -311,9 +377,12 @@ def test_cuda_graph_refuses_a_forward_it_cannot_capture():
 def test_cuda_graph_flag_round_trips_through_megatron_args():
 
     parser = dsap.add_dsa_precision_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--dsa-indexer-cuda-graph", "--dsa-indexer-scoring-precision", "fp8"])
-    assert args.dsa_indexer_cuda_graph is True
-    assert parser.parse_args([]).dsa_indexer_cuda_graph is False
+    for flag, field in (("true", True), ("false", False), ("auto", "auto")):
+        args = parser.parse_args(["--dsa-indexer-cuda-graph", flag])
+        assert config_module._graph_flag(args.dsa_indexer_cuda_graph) == field
+    assert parser.parse_args([]).dsa_indexer_cuda_graph == "auto"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["--dsa-indexer-cuda-graph", "yes"])
 
 
 def test_an_mla_config_without_an_indexer_takes_the_fields():
