@@ -67,7 +67,7 @@ for step in "$@"; do
         python -m pip install --no-deps --no-index \$HOME/te-wheel/$w .bigcarry/te/*.whl && \
         NVTE_FRAMEWORK=pytorch MAX_JOBS=16 NVTE_CUDA_ARCHS=90 python -m pip install --no-deps \
         --no-index --no-build-isolation .bigcarry/te/transformer_engine_torch-2.20.2.tar.gz && \
-        python -c 'import transformer_engine.pytorch as te; print(\"TE\", te.__version__)'" ;;
+        python -c 'import transformer_engine as t, transformer_engine.pytorch; print(\"TE\", t.__version__)'" ;;
     tilelang)  # tilelang 0.1.15 (CUDA 13 build, TVM bundled; its JIT compiles with the host's nvcc)
       # and what it imports, from .bigcarry/ (docs/megatron.md, "TileLang"), into a folder ahead of
       # the bundle on PYTHONPATH: its apache-tvm-ffi 0.1.12 shadows the bundle's 0.1.15.post2
