@@ -432,6 +432,10 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         q_quant=Fp8Rule(amax_floor=1e-10, scale_ratio="reciprocal", ue8m0_ceil="log2"),
         k_quant=_VLLM_RULE,
         weights_fold=("qs", "Ds", "Hs"),
+        # The query kernel (fused_indexer_q_rope_quant) launches with Triton's default
+        # contraction: fma(x0, cos, -fl(x1 sin)), fma(x1, cos, fl(x0 sin)) in its PTX
+        # (docs/numerics.md, section 8.4); the key's RoPE is Inductor's Triton, read alike.
+        fma=True,
     ),
     EngineProfile(
         name="sglang-fused",

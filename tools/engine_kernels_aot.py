@@ -1,7 +1,8 @@
 """The engines' Triton indexer kernels compiled ahead of time for Hopper, without a GPU.
 
 Runs the engines' own launch code (``dsa_precision.oracles.engine_kernels``: vLLM 0.33's
-``fused_norm_rope`` / ``fused_q``, LMDeploy 0.18's ``prepare_dsa_indexer_{q,k_cache}``, unmodified
+``fused_norm_rope`` / ``fused_q``, LMDeploy 0.18's ``prepare_dsa_indexer_{q,k_cache}``; with
+``--profiles vllm-legacy`` vLLM 0.28's ``fused_indexer_q_rope_quant``, ``.legacy_q``; unmodified
 from ``DSA_ENGINE_KERNELS``) on CPU tensors with a stand-in driver that answers ``sm_90`` (Triton
 compiles capability 90 for ``sm_90a``) and turns every launch into a warm-up: each kernel is
 specialised exactly as its launch specialises it (signature, constexprs, divisibility of the
@@ -33,6 +34,7 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES
 from dsa_precision.oracles import engine_kernels as ek
+from dsa_precision.oracles import legacy_q
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 
 # (heads, interleaved RoPE): GLM-5-like, DeepSeek-V3.2-like.
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192, help="tokens (the launch's integer arguments)")
     p.add_argument("--profiles", nargs="+", default=["vllm", "vllm-eager", "lmdeploy"],
-                   choices=sorted(ek.ORACLE_ENGINES))  # fmt: skip
+                   choices=[*sorted(ek.ORACLE_ENGINES), "vllm-legacy"])  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("aot"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -108,11 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         layout = "interleaved" if interleaved else "neox"
         for name in args.profiles:
             captured: list = []
+            profile = ENGINE_PROFILES[name]
             with compile_only(captured):
-                run = ek.engine_kernel_operands(
-                    inputs, ENGINE_PROFILES[name], interleaved=interleaved
-                )
-            summary["source_" + run.engine] = run.source
+                if name == "vllm-legacy":  # vLLM 0.28's query kernel (its key kernel is CUDA)
+                    keys = ek.package_operands(
+                        inputs, profile, interleaved=interleaved, impl="torch"
+                    )
+                    _, source = legacy_q.legacy_q_operands(
+                        inputs, profile, keys, interleaved=interleaved
+                    )
+                    summary["source_vllm-legacy-q"] = source
+                else:
+                    run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved)
+                    summary["source_" + run.engine] = run.source
             for kname, kernel in captured:
                 tag = f"{name}.H{heads}.{layout}.{kname}"
                 (args.out / f"{tag}.ptx").write_text(kernel.asm["ptx"])

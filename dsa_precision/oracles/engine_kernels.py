@@ -131,6 +131,8 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
         "lmdeploy/pytorch/kernels/cuda/dsa_indexer_preprocess.py",
         "lmdeploy/pytorch/kernels/cuda/blocked_gemm_fp8.py",
     ),
+    # vLLM 0.28.0's query kernel for vllm-legacy (.legacy_q; its key kernel is CUDA: .legacy_kernel).
+    "vllm-legacy-q": ("vllm/model_executor/layers/sparse_attn_indexer.py",),
     # The engines' RoPE table construction (engine_rope).
     "vllm-rope": (
         f"{_VLLM_ROPE}/common.py",
@@ -199,6 +201,8 @@ KNOWN_SHA256: dict[str, str] = {
     "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
     "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
     "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
+    # vllm-0.28.0-cp38-abi3-manylinux_2_28_x86_64.whl: ENGINE_FILES["vllm-legacy-q"].
+    "22d1d98bd475b1dc22de85d0e414d0490860de50c8bbd26371175e5ea6411116": "vllm 0.28.0",
     # ENGINE_FILES["sglang-rope"], in order.
     "828a50285218e40c3429d2f4e75b1d051e3a89d831a7ab005e8c2609278aeddc": "sglang 0.5.23",
     "2a2abfbef7be789d2e992478714a5040583e71ed71a1accd1fecd65cab5da297": "sglang 0.5.23",

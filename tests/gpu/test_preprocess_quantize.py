@@ -392,6 +392,40 @@ def test_vllm_028s_own_key_kernel_builds_the_legacy_profiles_k(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("heads, interleaved", [(32, True), (64, False)])
+def test_vllm_028s_own_query_kernel_builds_the_legacy_profiles_q(record, heads, interleaved):
+    """vLLM 0.28.0's Triton fused_indexer_q_rope_quant (from its wheel, DSA_ENGINE_KERNELS), as
+    vLLM launches it (Triton's default contraction), against the package's vllm-legacy fused
+    kernel and torch reference: every q byte and folded weight; the uncontracted profile beside
+    it, recorded."""
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles import legacy_q
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+
+    reason = ek.missing_reason("vllm-legacy-q")
+    if reason is not None:
+        pytest.skip(reason)
+    profile = ENGINE_PROFILES["vllm-legacy"]
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=3).to(DEV)
+    diffs = {}
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
+        theirs, source = legacy_q.legacy_q_operands(inputs, profile, ours, interleaved=interleaved)
+        diffs[impl] = ek.operand_diff(ours, theirs)
+    assert source.startswith("vllm 0.28.0 "), source
+    uncontracted = dataclasses.replace(profile, fma=False)
+    ours = ek.package_operands(inputs, uncontracted, interleaved=interleaved, impl="torch")
+    record(
+        "vllm_legacy_query_kernel",
+        heads=heads,
+        source=source,
+        fma_false=ek.operand_diff(ours, theirs),
+        **diffs,
+    )
+    for impl, diff in diffs.items():
+        assert diff["q_differ"] == diff["weights_differ"] == 0, (impl, diff)
+
+
 def test_packed_angles_from_device_lengths_never_wait_for_the_host():
     """cu_seqlens on the device: the per-token angles are gathered without reading it."""
     from dsa_precision.preprocess import thd_token_freqs

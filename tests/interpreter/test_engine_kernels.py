@@ -114,3 +114,28 @@ def test_the_engine_kernel_builds_the_profiles_operands(name, heads, interleaved
         ours = ek.package_operands(inputs, uncontracted, interleaved=interleaved, impl=impl)
         diff = ek.operand_diff(ours, run.operands)
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
+
+
+@needs["vllm-legacy-q"]
+@pytest.mark.parametrize("heads, interleaved", [(32, True), (64, False)])
+def test_vllm_028s_own_query_kernel_builds_the_legacy_profiles_q(heads, interleaved):
+    """vLLM 0.28.0's fused_indexer_q_rope_quant (the query of vllm-legacy) against the package's
+    operands of that profile uncontracted (the interpreter does not contract): every q byte and
+    folded weight, the key side handed through."""
+    from dsa_precision.oracles import legacy_q
+
+    inputs = synthetic_indexer_inputs(64, n_heads=heads, seed=2)
+    profile = ENGINE_PROFILES["vllm-legacy"]
+    uncontracted = dataclasses.replace(profile, fma=False)
+    for impl in ("torch", "triton"):
+        ours = ek.package_operands(inputs, uncontracted, interleaved=interleaved, impl=impl)
+        with hardware_casts():
+            theirs, source = legacy_q.legacy_q_operands(
+                inputs, profile, ours, interleaved=interleaved
+            )
+        assert source.startswith("vllm 0.28.0 (sha256 22d1d98bd475)"), source
+        diff = ek.operand_diff(ours, theirs)
+        assert diff["q_differ"] == diff["weights_differ"] == 0, (impl, diff)
+    # The comparison sees a moved weight.
+    theirs.weights[0, 0] = theirs.weights[0, 0].nextafter(theirs.weights.new_tensor(1e9))
+    assert ek.operand_diff(ours, theirs)["weights_differ"] == 1
