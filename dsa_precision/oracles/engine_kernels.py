@@ -671,51 +671,33 @@ def engine_rope(
     modules, source = _load_rope_code(engine, root)
     r, y = spec.rope_dim, spec.yarn
     device = torch.device(device)
-    if engine == "vllm-rope":
-        _VllmSwitches.eager = eager
+    if engine in ("vllm-rope", "sglang-rope"):
+        vllm = engine == "vllm-rope"
+        # vLLM's loader builds the model under its device, with custom ops on in an eager run;
+        # SGLang's under its target device, DeepSeek's YaRN class at get_device() explicitly.
+        _VllmSwitches.eager, _SglangRopeSwitches.device = (
+            (eager, "cuda") if vllm else (False, str(device))
+        )
+        plain, scaled = ("base", "deepseek_scaling_rope") if vllm else ("base", "rope_variant")
         try:
             with torch.device(device):
                 if y is None:
-                    rotary = modules["base"].RotaryEmbedding(
+                    rotary = modules[plain].RotaryEmbedding(
                         r, r, max_position_embeddings or n_positions, spec.base, True, model_dtype
                     )
                 else:
-                    rotary = modules["deepseek_scaling_rope"].DeepseekScalingRotaryEmbedding(
+                    rotary = modules[scaled].DeepseekScalingRotaryEmbedding(
                         r, r, y.original_max_position_embeddings, spec.base, True,
                         y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
                         beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
                     )  # fmt: skip
         finally:
-            _VllmSwitches.eager = False
+            _VllmSwitches.eager, _SglangRopeSwitches.device = False, "cuda"
         cache = rotary.cos_sin_cache
         if cache.shape[0] < n_positions:
             raise ValueError(
-                f"vLLM's cache holds {cache.shape[0]} positions, fewer than n_positions="
-                f"{n_positions}; pass max_position_embeddings >= {n_positions}."
-            )
-        cos, sin = cache[:n_positions].chunk(2, dim=-1)
-        return EngineRope(cos.contiguous(), sin.contiguous(), source)
-    if engine == "sglang-rope":
-        _SglangRopeSwitches.device = str(device)
-        try:
-            with torch.device(device):
-                if y is None:
-                    rotary = modules["base"].RotaryEmbedding(
-                        r, r, max_position_embeddings or n_positions, spec.base, True, model_dtype
-                    )
-                else:
-                    rotary = modules["rope_variant"].DeepseekScalingRotaryEmbedding(
-                        r, r, y.original_max_position_embeddings, spec.base, True,
-                        y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
-                        beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
-                    )  # fmt: skip
-        finally:
-            _SglangRopeSwitches.device = "cuda"
-        cache = rotary.cos_sin_cache
-        if cache.shape[0] < n_positions:
-            raise ValueError(
-                f"SGLang's cache holds {cache.shape[0]} positions, fewer than n_positions="
-                f"{n_positions}; pass max_position_embeddings >= {n_positions}."
+                f"{'vLLM' if vllm else 'SGLang'}'s cache holds {cache.shape[0]} positions, fewer "
+                f"than n_positions={n_positions}; pass max_position_embeddings >= {n_positions}."
             )
         cos, sin = cache[:n_positions].chunk(2, dim=-1)
         return EngineRope(cos.contiguous(), sin.contiguous(), source)
