@@ -82,7 +82,9 @@ def _stubs() -> dict[str, types.ModuleType]:
     import triton.language as tl
 
     def package(name: str, **attrs: object) -> types.ModuleType:
-        return _package(name, **attrs)
+        module = _package(name)
+        module.__dict__.update(attrs)
+        return module
 
     def unused(name: str) -> types.ModuleType:
         module = _Unused(name)
