@@ -20,6 +20,7 @@ own on Hopper). Nothing of vLLM is in this repository.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import types
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..engines import EngineProfile
-from .engine_kernels import _package, kernel_files, load_module, missing_reason
+from .engine_kernels import KNOWN_SHA256, kernel_files, load_module, missing_reason
 from .engine_model import EngineOperands
 from .synthetic import SyntheticIndexerInputs
 
@@ -82,7 +83,8 @@ def _stubs() -> dict[str, types.ModuleType]:
     import triton.language as tl
 
     def package(name: str, **attrs: object) -> types.ModuleType:
-        module = _package(name)
+        module = types.ModuleType(name)
+        module.__path__ = []
         module.__dict__.update(attrs)
         return module
 
@@ -131,8 +133,6 @@ def _stubs() -> dict[str, types.ModuleType]:
 
 def load(root: str | os.PathLike | None = None) -> tuple[types.ModuleType, str]:
     """vLLM 0.28.0's ``sparse_attn_indexer.py``, loaded unmodified once, and its release."""
-    from .engine_kernels import _release
-
     reason = missing_reason("vllm-legacy-q", root)
     if reason is not None:
         raise RuntimeError(f"the vllm-legacy-q oracle cannot run: {reason}.")
@@ -140,7 +140,8 @@ def load(root: str | os.PathLike | None = None) -> tuple[types.ModuleType, str]:
     assert files is not None
     if files not in _LOADED:
         _LOADED[files] = load_module(files[0], "_dsa_oracle_vllm028_indexer", _stubs())
-    return _LOADED[files], _release("vllm-legacy-q", files)
+    digest = hashlib.sha256(files[0].read_bytes()).hexdigest()
+    return _LOADED[files], f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
 
 
 def legacy_q_operands(
