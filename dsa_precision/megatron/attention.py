@@ -420,10 +420,10 @@ class PrecisionDSAttention(DSAttention):
         )
         before = audit.scoring_calls() if strict else 0
         with torch.no_grad(), audit.scoring_site("megatron"), guard:
-            if self._graphs is None or not self.graph_applies(x, packed_seq_params, layout):
+            if self._graphs is None or not self.graph_applies(x, layout):
                 topk = self._select(x, qr, packed_seq_params, layout, margins, gather)
             else:
-                topk = self._graphed(x, qr, packed_seq_params, layout, margins)
+                topk = self._graphed(x, qr, layout, margins)
         if strict and audit.scoring_calls() == before:
             raise audit.PrecisionMismatchError(
                 f"DSA layer {self.layer_number} selected its top-k without a scoring call "
@@ -447,31 +447,19 @@ class PrecisionDSAttention(DSAttention):
             ops, layout, self.index_topk, gather=gather, backend=self.indexer.backend_for(ops)
         )
 
-    def graph_applies(
-        self,
-        x: torch.Tensor,
-        packed_seq_params: PackedSeqParams | None,
-        layout: RankLayout | None = None,
-    ) -> bool:
+    def graph_applies(self, x: torch.Tensor, layout: RankLayout) -> bool:
         """Whether this forward's owned top-k replays from a CUDA graph: always with
         ``dsa_indexer_cuda_graph=True`` (a forward that cannot be captured raises when it runs),
         never with ``False``; with ``"auto"`` (the default) where it can be captured and the
         layer's rows are at most :data:`AUTO_GRAPH_MAX_ROWS` (short sequences, where the eager
         top-k waits for the host; longer ones are bound by the device). Host facts only."""
-        mode = self._graph_mode
-        if mode is not True and mode != "auto":
-            return False
-        if mode is True:
-            return True
-        if layout is None:
-            raise ValueError("graph_applies(..., layout=None): pass the forward's rank_layout.")
-        if self._graph_unsupported_reason(x, packed_seq_params, layout) is not None:
+        if self._graph_mode != "auto":
+            return self._graph_mode is True
+        if self._graph_unsupported_reason(x, layout) is not None:
             return False
         return x.size(0) * x.size(1) <= AUTO_GRAPH_MAX_ROWS
 
-    def _graph_unsupported_reason(
-        self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None, layout: RankLayout
-    ) -> str | None:
+    def _graph_unsupported_reason(self, x: torch.Tensor, layout: RankLayout) -> str | None:
         if not x.is_cuda:
             return f"the inputs are on {x.device}; CUDA graphs need a CUDA device"
         if layout.cu_seqlens is not None and layout.max_seqlen is None:
@@ -486,15 +474,10 @@ class PrecisionDSAttention(DSAttention):
         return None
 
     def _graphed(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        packed_seq_params: PackedSeqParams | None,
-        layout: RankLayout,
-        margins: bool,
+        self, x: torch.Tensor, qr: torch.Tensor, layout: RankLayout, margins: bool
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The owned top-k from this layer's CUDA graph of it (``dsa_indexer_cuda_graph``)."""
-        reason = self._graph_unsupported_reason(x, packed_seq_params, layout)
+        reason = self._graph_unsupported_reason(x, layout)
         if reason is not None:
             raise RuntimeError(
                 f"DSA layer {self.layer_number}: dsa_indexer_cuda_graph=True cannot capture this "

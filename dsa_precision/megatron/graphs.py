@@ -65,7 +65,10 @@ _LIVE: dict[torch.device, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}
 
 # The static buffers every graph copies its inputs into and its result out of, by (role,
 # position, shape, dtype, device), and the lock that serialises captures and replays.
-_STATIC: dict[tuple[str, int, torch.Size, torch.dtype, torch.device], torch.Tensor] = {}
+# Held weakly: the graphs that read a buffer keep it alive, and it goes with the last of them.
+_STATIC: weakref.WeakValueDictionary[
+    tuple[str, int, torch.Size, torch.dtype, torch.device], torch.Tensor
+] = weakref.WeakValueDictionary()
 _LOCK = threading.RLock()
 
 

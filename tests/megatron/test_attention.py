@@ -312,7 +312,7 @@ def test_auto_graphs_only_what_it_can_capture_and_runs_the_rest_eagerly():
     auto = make_attention(make_config(**FP8))
     inp = attention_inputs()
     layout = auto.rank_layout(inp["query"], inp["x"], None)
-    assert not auto.graph_applies(inp["x"], None, layout)  # on the CPU
+    assert not auto.graph_applies(inp["x"], layout)  # on the CPU
     want = make_attention(make_config(**FP8, dsa_indexer_cuda_graph=False))
     assert torch.equal(
         auto.compute_topk(inp["query"], inp["x"], inp["qr"], None),
@@ -321,10 +321,10 @@ def test_auto_graphs_only_what_it_can_capture_and_runs_the_rest_eagerly():
     assert len(auto._graphs) == 0
     cuda_like = torch.empty(AUTO_GRAPH_MAX_ROWS + 1, 1, 1, device="meta")
     with unittest.mock.patch.object(torch.Tensor, "is_cuda", True):
-        assert auto.graph_applies(cuda_like[:AUTO_GRAPH_MAX_ROWS], None, layout)
-        assert not auto.graph_applies(cuda_like, None, layout)  # longer: the device's bound
+        assert auto.graph_applies(cuda_like[:AUTO_GRAPH_MAX_ROWS], layout)
+        assert not auto.graph_applies(cuda_like, layout)  # longer: the device's bound
     forced = make_attention(make_config(**FP8, dsa_indexer_cuda_graph=True))
-    assert forced.graph_applies(inp["x"], None, layout)
+    assert forced.graph_applies(inp["x"], layout)
 
 
 @pytest.mark.parametrize("rope_fp32", [False, True], ids=["fp8", "rope_fp32+fp8"])
