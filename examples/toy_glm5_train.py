@@ -89,19 +89,14 @@ MLPS = ("moe", "dense")
 PACKINGS: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
 
 
-def packed_lengths(total: int, n: int) -> list[int]:
-    """``n`` sequences of uneven lengths (in proportion 4 : 1 : 3 : 2, repeated) summing to
-    ``total``, as the benchmarks pack them."""
-    weights = [(4, 1, 3, 2)[i % 4] for i in range(n)]
-    lens = [total * w // sum(weights) for w in weights[:-1]]
-    return [*lens, total - sum(lens)]
-
-
 def set_packing(total: int, n: int, device: str) -> list[int]:
     """Register the THD packing of ``n`` sequences for batches of shape ``(1, total)``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    lens = packed_lengths(total, n)
+    from dsa_precision.cli.bench_config import thd_lengths
+
+    # n uneven sequences in proportion 4 : 1 : 3 : 2 (repeated), as the benchmarks pack them
+    lens = thd_lengths(total, tuple((4, 1, 3, 2)[i % 4] for i in range(n)))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n_) for n_ in lens]).view(1, -1).to(device)
     cu = cu.to(device)
