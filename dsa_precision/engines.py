@@ -47,8 +47,10 @@ WeightsDtype = Literal["bf16", "fp32"]
 # "fp32-warp" (float32, operation by operation, as SGLang's CUDA kernel runs it: one warp per
 # 128-vector, each lane summing its four consecutive elements in order, then a butterfly over the
 # 32 lanes; under fma the variance's lane sum is a chain of fused multiply-adds and var / 128 + eps
-# one fused multiply-add; docs/numerics.md, section 8.5).
-LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp"]
+# one fused multiply-add; docs/numerics.md, section 8.5) or "fp32-warp-up" (the same with the
+# butterfly's steps the other way round, lanes 1, 2, 4, 8, 16 apart: FlashInfer 0.7.2's CuTe DSL
+# LayerNorm, section 8.6).
+LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp", "fp32-warp-up"]
 # Which product of the float32 RoPE the engine's contraction fuses (fma=True), per half of the
 # rotate-half slice, out = x * cos + rot(x) * sin: "cos" (every lane fma(x, cos, fl(rot(x) * sin)):
 # Triton's contraction in vLLM's and LMDeploy's kernels) or "cos-sin" (the first half as "cos",

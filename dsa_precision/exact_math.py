@@ -220,12 +220,17 @@ _WARP_LANE_DISTANCES = (16, 8, 4, 2, 1)
 
 
 def warp_block_sum(
-    x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
+    x: torch.Tensor,
+    *,
+    squares_of: torch.Tensor | None = None,
+    fma: bool = False,
+    butterfly_up: bool = False,
 ) -> torch.Tensor:
     """float32 sum over the last dimension (128) as one CUDA warp sums a vector whose lane ``l``
     holds the four consecutive elements ``4l .. 4l + 3`` (SGLang's ``warp::reduce_sum``): each
     lane adds its elements in order, ``((x0 + x1) + x2) + x3``, then the lanes' partials add in
-    the butterfly 16, 8, 4, 2, 1 lanes apart.
+    the butterfly 16, 8, 4, 2, 1 lanes apart (``butterfly_up``: 1, 2, 4, 8, 16 apart, as
+    FlashInfer's CuTe DSL ``row_reduce_sum``).
 
     ``squares_of=d``: the sum of ``d * d`` (``x`` unused), each lane accumulating from zero,
     ``v = fl(v + fl(d_i * d_i))``, or with ``fma`` the chain ``v = fma(d_i, d_i, v)`` a contracting
@@ -242,7 +247,8 @@ def warp_block_sum(
         v = e[0] * e[0]
         for sq in e[1:]:
             v = fma_fp32(sq, sq, v) if fma else v + sq * sq
-    return _tree_add(v, _tree_distances(_WARP_LANE_DISTANCES))
+    distances = _WARP_LANE_DISTANCES[::-1] if butterfly_up else _WARP_LANE_DISTANCES
+    return _tree_add(v, _tree_distances(distances))
 
 
 def layer_norm_fp32_warp(
@@ -252,10 +258,12 @@ def layer_norm_fp32_warp(
     eps: float,
     *,
     fma: bool,
+    butterfly_up: bool = False,
 ) -> torch.Tensor:
     """The key LayerNorm float32 operation by operation, as SGLang 0.5.23's fused key kernel
     (``fused_k_indexer_norm_rope_store``, one warp per vector) evaluates it as nvcc compiles it
-    (``x``: ``[..., 128]``; float32 out)::
+    (``x``: ``[..., 128]``; float32 out); ``butterfly_up``: the warp's sums the other way round,
+    as FlashInfer 0.7.2's CuTe DSL LayerNorm (SGLang's unfused path) evaluates it::
 
         mean = warp_sum(x) * 2**-7;  d = fl(x - mean)
         rstd = rsqrt(fma(warp_sum(d * d), 2**-7, fl32(eps)))    (no fma: fl(fl(. * 2**-7) + eps))
@@ -266,9 +274,9 @@ def layer_norm_fp32_warp(
     ``rsqrt.approx``). Differentiable.
     """
     x = x.to(torch.float32)
-    mean = warp_block_sum(x) * 2.0**-7  # exact: nvcc's x - sum * 2**-7 is one rounding too
+    mean = warp_block_sum(x, butterfly_up=butterfly_up) * 2.0**-7  # exact: one rounding in d
     d = x - mean
-    squares = warp_block_sum(d, squares_of=d, fma=fma)
+    squares = warp_block_sum(d, squares_of=d, fma=fma, butterfly_up=butterfly_up)
     eps32 = device_constant(float(eps), torch.float32, x.device)
     var_eps = (
         fma_fp32(squares, torch.full_like(squares, 2.0**-7), eps32)

@@ -58,6 +58,7 @@ __all__ = [
     "check_layer_norm",
     "indexer_head_weights",
     "layer_norm_params",
+    "weights_gemm_fp32",
 ]
 
 # (x [s, b, *, d], freqs, mscale, cu_seqlens) -> x rotated: a model's own RoPE (e.g. Megatron's
@@ -109,6 +110,23 @@ def indexer_head_weights(
     if fp32:
         return (w_proj.to(torch.float32) * head_dim**-0.5) * n_heads**-0.5
     return w_proj * (n_heads**-0.5) * head_dim**-0.5
+
+
+def weights_gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The head-weight projection ``x @ weight.T`` with a float32 output: ``x`` ``[..., hidden]``,
+    ``weight`` ``[H, hidden]`` -> ``[..., H]`` float32.
+
+    BF16 (or FP16) operands on CUDA take the call SGLang's unfused indexer makes,
+    ``torch.mm(x, weight.t(), out_dtype=torch.float32)`` (cuBLAS with float32 accumulation and
+    output, no rounding to BF16; ``srt/layers/attention/dsa/dsa_indexer.py:568``), so the same
+    rows of the same operands give the same bits. Elsewhere (no such GEMM on the CPU) the
+    float32 product of the widened operands: each product exact, the accumulation order the
+    float32 GEMM's.
+    """
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return nn.functional.linear(x.float(), weight.float())
 
 
 class IndexerPreprocess(nn.Module):
@@ -362,8 +380,9 @@ class IndexerPreprocess(nn.Module):
         # dtype, its multiply-add contracted where the engine's compiler contracts it.
         if e.layernorm == "fp32-ops":
             k = layer_norm_fp32_ops(k, *layer_norm_params(self.k_norm), fma=e.fma)
-        elif e.layernorm == "fp32-warp":
-            k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma)
+        elif e.layernorm in ("fp32-warp", "fp32-warp-up"):
+            up = e.layernorm == "fp32-warp-up"
+            k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma, butterfly_up=up)
         else:
             k = layer_norm_fp32(k, *layer_norm_params(self.k_norm))
         k = k.to(e.k_norm_dtype)

@@ -152,13 +152,14 @@ def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
     assert (got - exact).abs().max() < 1e-5 and not torch.equal(got, exact)
 
 
-def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool):
+def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool, up: bool = False):
     """A simulation of SGLang 0.5.23's fused key LayerNorm over one 128-vector as its SASS reads
     (nvcc 13.0, sm_90a; docs/numerics.md, section 8.5): lane ``l`` holds elements ``4l .. 4l+3``;
     ``FADD`` from zero over them, ``SHFL.BFLY`` 16 ... 1; ``d = FFMA(sum, -2**-7, x)``; the
     squares ``FFMA(d, d, v)`` from zero; ``FFMA(var_sum, 2**-7, eps)``; ``MUFU.RSQ`` (here
     1 / sqrt, the CPU's); ``FFMA(gamma, FMUL(d, rstd), beta)``. ``fma=False``: each product and
-    sum rounded."""
+    sum rounded. ``up``: the butterfly 1 ... 16 (FlashInfer 0.7.2's CuTe DSL LayerNorm, whose
+    PTX for sm_90a has the same sequence with ``shfl.sync.bfly`` 1, 2, 4, 8, 16)."""
     from fractions import Fraction
 
     import numpy as np
@@ -169,7 +170,7 @@ def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool):
         return f(_f32_exact(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))))
 
     def butterfly(lane):
-        for m in (16, 8, 4, 2, 1):
+        for m in (1, 2, 4, 8, 16) if up else (16, 8, 4, 2, 1):
             lane = [f(lane[i] + lane[i ^ m]) for i in range(32)]
         return lane[0]
 
@@ -196,6 +197,27 @@ def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool):
         float(fused(f(wi), f(di * rstd), f(bi)) if fma else f(f(f(di * rstd) * f(wi)) + f(bi)))
         for di, wi, bi in zip(d, w, b, strict=True)
     ]
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_layer_norm_fp32_warp_up_is_flashinfers_kernel_sequence(fma):
+    """butterfly_up: the same simulation with the lanes' steps 1 ... 16; other bits than 16 ... 1
+    on some rows (the profile's "fp32-warp-up" is a rule of its own)."""
+    from dsa_precision.exact_math import layer_norm_fp32_warp, warp_block_sum
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(24, 128, generator=g) * 2.0 ** torch.randint(-6, 6, (24, 128), generator=g)
+    x = (x + 3).to(torch.bfloat16).float()
+    w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
+    got = layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma, butterfly_up=True)
+    for i in range(x.shape[0]):
+        want = _cuda_warp_layer_norm(
+            x[i].tolist(), w.float().tolist(), b.float().tolist(), 1e-6, fma=fma, up=True
+        )
+        assert got[i].tolist() == want, i
+    r = torch.randn(64, 128, generator=g)
+    assert not torch.equal(warp_block_sum(r, butterfly_up=True), warp_block_sum(r))
 
 
 @pytest.mark.parametrize("fma", [False, True])

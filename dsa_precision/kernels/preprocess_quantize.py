@@ -158,12 +158,14 @@ def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constex
 
 
 @triton.jit
-def _warp_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
+def _warp_block_sum(
+    x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW, UP: tl.constexpr
+):
     """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
     ``dsa_precision.exact_math.warp_block_sum``: lane ``l`` holds elements ``4l .. 4l + 3`` and
     adds them in order (the squares from zero, a chain of fused multiply-adds under ``FMA``), then
-    the 32 lane partials add 16, 8, 4, 2, 1 lanes apart. A sum over a size-2 axis is one
-    addition."""
+    the 32 lane partials add 16, 8, 4, 2, 1 lanes apart (``UP``: 1, 2, 4, 8, 16 apart). A sum
+    over a size-2 axis is one addition."""
     even, odd = tl.split(tl.reshape(x, (R, 32, 2, 2)))  # [R, 32, 2]: (x0, x2), (x1, x3)
     x0, x2 = tl.split(even)
     x1, x3 = tl.split(odd)
@@ -177,8 +179,11 @@ def _warp_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr
             v = ((v + x1 * x1) + x2 * x2) + x3 * x3
     else:
         v = ((x0 + x1) + x2) + x3
-    for i in tl.static_range(5):  # lanes 16, 8, 4, 2, 1 apart
-        v = tl.sum(tl.reshape(v, (R, 2, 16 >> i)), axis=1)
+    for i in tl.static_range(5):
+        if UP:  # lanes 1, 2, 4, 8, 16 apart
+            v = tl.sum(tl.reshape(v, (R, 16 >> i, 2)), axis=2)
+        else:  # lanes 16, 8, 4, 2, 1 apart
+            v = tl.sum(tl.reshape(v, (R, 2, 16 >> i)), axis=1)
     return tl.reshape(v, (R,))
 
 
@@ -287,7 +292,8 @@ def _preprocess_quantize_kernel(
     FOLD_W: tl.constexpr,
     W_BF16: tl.constexpr,
     LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation: 1 Triton's tree
-    # (layernorm="fp32-ops"), 2 a CUDA warp's ("fp32-warp"); 0 float64 once
+    # (layernorm="fp32-ops"), 2 a CUDA warp's ("fp32-warp"), 3 with its butterfly up
+    # ("fp32-warp-up"); 0 float64 once
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
     FMA_SIN2: tl.constexpr,  # FMA fuses rotate_half(x) * sin on the second half (rope_fma)
     HAD_SCALE_F32: tl.constexpr,
@@ -328,10 +334,11 @@ def _preprocess_quantize_kernel(
 
     if LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
         x32 = _load_f32(row + lanes, mask, X_BF16)
-        if LN_OPS == 2:  # a CUDA warp's sums; var / 128 + eps fused under FMA
-            mean = _warp_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) * 0.0078125  # exact
+        if LN_OPS >= 2:  # a CUDA warp's sums (3: the butterfly up); var / 128 + eps fused
+            up: tl.constexpr = LN_OPS == 3
+            mean = _warp_block_sum(x32, BLOCK_R, False, FMA, HW_CAST, up) * 0.0078125  # exact
             centered = x32 - mean[:, None]
-            var = _warp_block_sum(centered, BLOCK_R, True, FMA, HW_CAST)
+            var = _warp_block_sum(centered, BLOCK_R, True, FMA, HW_CAST, up)
             if FMA:
                 zero = tl.zeros_like(var)  # the scalars as [R] tensors (exact: 0 + v)
                 var_eps = _fma(var, zero + 0.0078125, zero + eps32, HW_CAST)
@@ -604,7 +611,7 @@ def _layer_norm_param(
 
 _PARAM_KINDS = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3}
 # The kernel's LN_OPS for each LayerNorm arithmetic (EngineProfile.layernorm).
-_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2}
+_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2, "fp32-warp-up": 3}
 
 
 @functools.lru_cache(maxsize=256)

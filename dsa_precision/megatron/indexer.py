@@ -32,7 +32,7 @@ from ..config import IndexerPrecisionConfig
 from ..devices import shared_device_tensor, to_device
 from ..operands import ScoringOperands
 from ..prepare import prepare_indexer_operands
-from ..preprocess import IndexerPreprocess, indexer_head_weights
+from ..preprocess import IndexerPreprocess, indexer_head_weights, weights_gemm_fp32
 from ..rope import EngineRopeTables, RopePositions
 from ..rows import packed_sequence_of
 from ..scoring import ResolvedBackend, indexer_scores, resolve_scoring_backend
@@ -177,9 +177,8 @@ class PrecisionDSAIndexer(DSAIndexer):
         ``rope_fp32``), ``positions`` each row's RoPE position with ``rope_fp32`` (the rank's
         zigzag chunks under context parallelism, per sequence for packed input), for the
         engine's tables. ``weights_fp32``: the ``linear_weights_proj`` product in float32, for
-        an engine whose weights GEMM outputs FP32 (the BF16 inputs are exact in float32; only
-        the GEMM's accumulation order may differ from the engine's); otherwise the BF16
-        projection.
+        an engine whose weights GEMM outputs FP32 (:func:`weights_gemm_fp32`, the engine's own
+        call on CUDA); otherwise the BF16 projection.
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         rotary_seq_len = self._rotary_seq_len(x, packed_seq_params)
@@ -205,7 +204,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         q = q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim)
         k, _ = self.linear_wk(x)
         if weights_fp32:
-            w = torch.nn.functional.linear(x.float(), self.linear_weights_proj.weight.float())
+            w = weights_gemm_fp32(x, self.linear_weights_proj.weight)
         else:
             w, _ = self.linear_weights_proj(x)
         token_freqs = positions = None

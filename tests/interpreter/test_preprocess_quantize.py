@@ -75,6 +75,17 @@ def test_custom_profile_with_bf16_rope_and_float32_outputs():
     _check(make_case(rope_fp32=True, engine=engine, seq=5, hadamard=True))
 
 
+@pytest.mark.parametrize("layernorm", ["fp32-warp", "fp32-warp-up"])
+@pytest.mark.parametrize("fma", [False, True])
+def test_both_warp_layer_norm_orders(layernorm, fma):
+    """The key LayerNorm of a CUDA warp, its butterfly down (SGLang's fused kernel) or up
+    (FlashInfer's CuTe DSL kernel), with and without contraction, on the NeoX Hadamard model."""
+    engine = dataclasses.replace(
+        ENGINE_PROFILES["sglang-unfused"], name="custom", layernorm=layernorm, fma=fma
+    )
+    _check(make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine)), mscale=1.07)
+
+
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_engine_profile_at_the_quantization_edges(name):
     engine = ENGINE_PROFILES[name]
