@@ -191,6 +191,17 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       TAIL=10 run "${step}_8192" 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
         --steps 8 --share-steps 0 --profile-steps 1 --host-steps 2 --configs $configs $pack \
         --out "$LOGS/${step}_8192.json" ;;
+    toy3-8192)  # issue 33: three runs in a row at S = 8192, top-2048, packed THD and BSHD
+      # (TOY_LAYOUTS), the default FP8 step beside the baseline, TOY_STEPS steps each (the median
+      # of all but the first three)
+      for i in 1 2 3; do
+        for layout in ${TOY_LAYOUTS:-packed bshd}; do
+          pack=$([ $layout = packed ] && echo "--packed 4 --stock-steps 0" || echo "--stock-steps 0")
+          TAIL=8 run "toy_8192_${layout}_$i" 300 python examples/toy_glm5_train.py --seq 8192 \
+            --topk 2048 --steps ${TOY_STEPS:-16} --share-steps 0 --profile-steps 1 --host-steps 1 \
+            --configs baseline,rope_fp32+fp8 $pack --out "$LOGS/toy_8192_${layout}_$i.json"
+        done
+      done ;;
     host-profile)  # issue 19: host us of each piece of the owned top-k, the step's phases, the
       # package's host time per layer split by function (S 2048, then 8192)
       TAIL=80 run host_profile_2048 300 python tools/host_profile.py
@@ -225,10 +236,11 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --rollout engine-kernels \
         --seq 8192 --topk 2048 --steps ${LOGPROB_STEPS_8192:-10} --out "$LOGS/logprobs_8192.json" ;;
     layer-conformance)  # issue 29: Megatron's DSA layer against the engines' own RoPE code and
-      # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels)
+      # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels;
+      # LAYER_ARGS for the tool's flags, e.g. "--profiles sglang-unfused --models v32")
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
       TAIL=20 run layer_conformance 900 python tools/layer_conformance.py \
-        --out "$LOGS/layer_conformance" ;;
+        --out "$LOGS/layer_conformance" ${LAYER_ARGS:-} ;;
     triton38)  # issue 29: vLLM 0.33's / LMDeploy 0.18's Triton kernels compiled by Triton 3.8
       # (vLLM 0.33's pin) in a child process, beside the host's Triton (after `deepgemm`; the
       # wheel from .bigcarry/, installed with --target so torch keeps the host's triton)

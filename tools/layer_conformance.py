@@ -9,7 +9,8 @@ DSA test pattern), takes the indexer's BF16 projections from that layer
 (:meth:`PrecisionDSAIndexer.projections`) and hands the same projections to the engine's own
 code: its RoPE table construction (vLLM 0.33's and SGLang 0.5.23's rotary modules built on the
 device as their loaders build them; LMDeploy 0.18's, its ``inv_freq`` on the CPU) and its indexer
-kernels (SGLang's fused JIT CUDA for ``sglang-fused``, the interleaved model only)
+kernels (SGLang's fused JIT CUDA for ``sglang-fused``, the interleaved model only; its unfused
+path for ``sglang-unfused``, the NeoX one, FlashInfer's CuTe DSL LayerNorm included)
 (``dsa_precision.oracles.engine_kernels``), all unmodified from ``DSA_ENGINE_KERNELS``.
 Compared: the tables (the layer's against the engine's, and Megatron's own angles against the
 engine's, for Megatron's ``inv_freq`` where the layer has it and built on the CPU), every q / k
@@ -92,7 +93,7 @@ def _config(model: str, profile: EngineProfile, cpu_init: bool, topk: int, score
         qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64, add_bias_linear=False,
         apply_rope_fusion=False, experimental_attention_variant="dsa",
         dsa_indexer_n_heads=heads, dsa_indexer_head_dim=128, dsa_indexer_topk=topk,
-        dsa_indexer_loss_coeff=0.0, dsa_indexer_rotate_activation=False,
+        dsa_indexer_loss_coeff=0.0, dsa_indexer_rotate_activation=bool(profile.hadamard),
         dsa_indexer_rope_interleaved=interleaved,
         layernorm_epsilon=1e-5, dsa_indexer_k_norm_epsilon=1e-6,
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8",
@@ -173,8 +174,11 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     qr = torch.randn(s, 1, Q_LORA, generator=g).to(torch.bfloat16).to(device)
     rec: dict = {"model": model, "heads": heads, "interleaved": interleaved, "profile": name,
                  "use_cpu_initialization": cpu_init}  # fmt: skip
+    # An engine whose head-weight GEMM outputs float32 (sglang-unfused) multiplies x by the
+    # layer's weights_proj itself: both sides from the GEMM's BF16 inputs.
+    weights_fp32 = profile.weights_dtype == "fp32"
     with torch.no_grad():
-        p = indexer.projections(x, qr, None)
+        p = indexer.projections(x, qr, None, weights_fp32)
         layer_ops = indexer.scoring_operands(x, qr)
         pre = indexer.preprocess()
         torch_ops = prepare_indexer_operands(
@@ -190,7 +194,10 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     )
     rec["engine_rope"] = rope.source
     inputs = SyntheticIndexerInputs(p.q, p.k, p.w, indexer.k_norm, p.freqs)
-    run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved, rope=rope)
+    gemm = (x[:, 0], indexer.linear_weights_proj.weight.detach()) if weights_fp32 else None
+    run = ek.engine_kernel_operands(
+        inputs, profile, interleaved=interleaved, rope=rope, weights_gemm=gemm
+    )
     rec["engine_kernel"] = run.source
     ours_cos, ours_sin = pre.engine_rope_rows(
         RopePositions.first(s), s, device, p.freqs, dtype=rope.cos.dtype

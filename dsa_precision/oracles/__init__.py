@@ -5,7 +5,13 @@ command; nothing here is on a training path, and importing it loads no kernel.
 
 - :mod:`.synthetic`: structured synthetic projections (:func:`synthetic_indexer_inputs`).
 - :mod:`.engine_model`: the engine's operands, scores and top-k, written from its sources.
-- :mod:`.engine_kernels`: vLLM's and LMDeploy's own Triton kernels as oracles.
+- :mod:`.loader`: loading an engine's files unmodified, with stand-ins for its imports.
+- :mod:`.engine_kernels`: the engines' own kernels and RoPE table code as oracles (vLLM's and
+  LMDeploy's Triton kernels, SGLang's fused JIT CUDA), one entry point per profile.
+- :mod:`.sglang_jit`: SGLang's own JIT build code, less its cache, for its CUDA kernels.
+- :mod:`.sglang_unfused`: SGLang's unfused indexer path (DeepSeek-V3.2), the ``sglang-unfused``
+  oracle.
 - :mod:`.legacy_kernel`: vLLM 0.28's own CUDA key quantization, the ``vllm-legacy`` k oracle.
+- :mod:`.legacy_q`: vLLM 0.28's own Triton query kernel, the ``vllm-legacy`` q oracle.
 - :mod:`.training`: the package's operands of the same inputs (:func:`training_operands`).
 """

@@ -21,13 +21,9 @@ differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until 
 
 SGLang 0.5.23's fused indexer (``sglang/kernels/ops/attention/dsa/indexer_{k,q}.py``, the CUDA
 sources ``deepseek_v32/indexer_k.cuh`` and ``deepseek_v4/main_norm_rope.cuh`` with the headers
-they include) is JIT CUDA: its wrappers call SGLang's ``load_jit``, which this module replaces by
-SGLang's own build code (``jit/utils/{common,arch}.py``, ``jit/utils/compile/{paths,cpp_args,
-spec,toolchain,ninja}.py``, unmodified) less its build cache: the same wrapper translation unit,
-flags and ``build.ninja``, built by ninja (or the same commands) with the host's nvcc into
-:func:`sglang_jit_dir` and loaded by apache-tvm-ffi. Its stand-ins: ``sglang.srt.environ.envs``
-(every switch off), ``sglang.srt.utils.common.is_cuda``, ``msgspec.Struct`` (a dataclass).
-:data:`JIT_ORACLE_ENGINES` names the profile it serves (``sglang-fused``).
+they include) is JIT CUDA, built by SGLang's own build code less its cache (:mod:`.sglang_jit`);
+its unfused path (DeepSeek-V3.2) runs from :mod:`.sglang_unfused`. :data:`JIT_ORACLE_ENGINES`
+names the profiles they serve.
 
 The engines' RoPE tables come from their own rotary code the same way (:func:`engine_rope`):
 vLLM 0.33's ``RotaryEmbedding`` / ``DeepseekScalingRotaryEmbedding``
@@ -42,18 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +54,20 @@ from ..engines import EngineProfile
 from ..fused_path import Impl
 from ..rope import RopeSpec
 from .engine_model import EngineOperands, engine_scores, engine_select
+from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, sha256
+from .sglang_jit import (
+    SGLANG_JIT,
+    SGLANG_JIT_DIR_VAR,
+    SGLANG_JIT_PY,
+    SGLANG_K_NORM_EPS,
+    SGLANG_KERNELS,
+    SGLANG_PAGE,
+    SglangJit,
+    sglang_jit_dir,
+    sglang_stubs,
+    sglang_toolchain_reason,
+)
+from .sglang_unfused import run_sglang_unfused, sglang_unfused_missing_reason
 from .synthetic import SyntheticIndexerInputs
 from .training import IndexerFields, training_operands
 
@@ -92,24 +96,10 @@ __all__ = [
     "sglang_toolchain_reason",
 ]
 
-ENV_VAR = "DSA_ENGINE_KERNELS"
-
 # The files each oracle runs, relative to a root of ENV_VAR (the first one is the entry module).
 _VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
 _LMDEPLOY_ROPE = "lmdeploy/pytorch"
 _SGLANG_ROPE = "sglang/srt/layers/rotary_embedding"
-_SGLANG = "sglang/kernels"
-_SGLANG_JIT = f"{_SGLANG}/jit"
-# SGLang's JIT utilities the oracle runs (in this order: each imports only the ones before it).
-_SGLANG_JIT_PY = (
-    "common",
-    "arch",
-    "compile/paths",
-    "compile/cpp_args",
-    "compile/spec",
-    "compile/toolchain",
-    "compile/ninja",
-)
 _SGLANG_HEADERS = (
     "bits.h",
     "deepseek_v4/fp4_utils.cuh",
@@ -154,13 +144,13 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
     # sources and every header they include (nvcc -M). The loader's build cache (compile/
     # cache.py) is not among them: the oracle keeps its own build folder (sglang_jit_dir).
     "sglang": (
-        f"{_SGLANG}/ops/attention/dsa/indexer_k.py",
-        f"{_SGLANG}/ops/attention/dsa/indexer_q.py",
-        f"{_SGLANG}/ops/attention/dsv4/utils.py",
-        *(f"{_SGLANG_JIT}/utils/{name}.py" for name in _SGLANG_JIT_PY),
-        f"{_SGLANG_JIT}/csrc/deepseek_v32/indexer_k.cuh",
-        f"{_SGLANG_JIT}/csrc/deepseek_v4/main_norm_rope.cuh",
-        *(f"{_SGLANG_JIT}/include/sgl_kernel/{name}" for name in _SGLANG_HEADERS),
+        f"{SGLANG_KERNELS}/ops/attention/dsa/indexer_k.py",
+        f"{SGLANG_KERNELS}/ops/attention/dsa/indexer_q.py",
+        f"{SGLANG_KERNELS}/ops/attention/dsv4/utils.py",
+        *(f"{SGLANG_JIT}/utils/{name}.py" for name in SGLANG_JIT_PY),
+        f"{SGLANG_JIT}/csrc/deepseek_v32/indexer_k.cuh",
+        f"{SGLANG_JIT}/csrc/deepseek_v4/main_norm_rope.cuh",
+        *(f"{SGLANG_JIT}/include/sgl_kernel/{name}" for name in _SGLANG_HEADERS),
     ),
 }
 
@@ -230,13 +220,9 @@ ORACLE_ENGINES: dict[str, str] = {"vllm": "vllm", "vllm-eager": "vllm", "lmdeplo
 # byte equals sglang-fused's: docs/numerics.md, section 8.5). They are kept out of ORACLE_ENGINES
 # (the inference side of the demo, the default of the conformance tools): building them needs
 # nvcc and tvm-ffi at run time, which a Triton-only host lacks.
-# sglang-unfused has none yet (its path is six kernels and torch ops: section 8.6).
-JIT_ORACLE_ENGINES: dict[str, str] = {"sglang-fused": "sglang"}
-
-
-def _roots(root: str | os.PathLike | None = None) -> list[Path]:
-    value = os.fspath(root) if root is not None else os.environ.get(ENV_VAR, "")
-    return [Path(p) for p in value.split(os.pathsep) if p]
+# sglang-unfused's path (DeepSeek-V3.2: six launches, FlashInfer's CuTe DSL LayerNorm among
+# them, section 8.6) runs from SGLang's and FlashInfer's files by .sglang_unfused.
+JIT_ORACLE_ENGINES: dict[str, str] = {"sglang-fused": "sglang", "sglang-unfused": "sglang-unfused"}
 
 
 def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Path, ...] | None:
@@ -245,7 +231,7 @@ def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Pa
         raise ValueError(
             f"engine={engine!r} has no kernel oracle; use one of {sorted(ENGINE_FILES)}."
         )
-    for r in _roots(root):
+    for r in roots(root):
         paths = tuple(r / f for f in ENGINE_FILES[engine])
         if all(p.is_file() for p in paths):
             return paths
@@ -255,6 +241,8 @@ def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Pa
 def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | None:
     """Why the engine's kernels (or, for the ``"*-rope"`` engines, its rotary code) cannot run
     here, or ``None`` when they can."""
+    if engine == "sglang-unfused":  # two wheels' files and three toolchains: its own check
+        return sglang_unfused_missing_reason(root)
     if kernel_files(engine, root) is None:
         where = os.fspath(root) if root is not None else os.environ.get(ENV_VAR)
         if not where:
@@ -270,58 +258,6 @@ def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | 
 def oracle_for(profile: EngineProfile) -> str | None:
     """The engine whose own kernels build ``profile``'s operands, or ``None`` if none does."""
     return ORACLE_ENGINES.get(profile.name)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@contextlib.contextmanager
-def _scoped_modules(stubs: Mapping[str, types.ModuleType]) -> Iterator[None]:
-    """``sys.modules`` with ``stubs`` in place for the duration; everything restored after."""
-    saved = {name: sys.modules.get(name) for name in stubs}
-    added_before = set(sys.modules)
-    sys.modules.update(stubs)
-    try:
-        yield
-    finally:
-        for name in set(sys.modules) - added_before:
-            if name.split(".")[0] in {n.split(".")[0] for n in stubs}:
-                del sys.modules[name]
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
-def load_module(
-    path: Path, name: str, stubs: Mapping[str, types.ModuleType] | None = None
-) -> types.ModuleType:
-    """Execute the file ``path`` as module ``name`` with ``stubs`` importable meanwhile.
-
-    The module keeps its own globals (its kernels see the stand-ins they imported); neither it nor
-    the stand-ins stay in ``sys.modules``. ``name`` may be dotted: its parents must be among ``stubs``
-    (packages, so that the file's relative imports resolve against them).
-    """
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    with _scoped_modules(dict(stubs or {})):
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.modules.pop(name, None)
-    return module
-
-
-def _package(name: str, path: Path | None = None, **attrs: object) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__path__ = [os.fspath(path)] if path is not None else []
-    module.__dict__.update(attrs)
-    return module
 
 
 class _HopperPlatform:
@@ -356,20 +292,20 @@ def _vllm_stubs() -> dict[str, types.ModuleType]:
         return scale
 
     return {
-        "vllm": _package("vllm"),
-        "vllm.platforms": _package("vllm.platforms", current_platform=_HopperPlatform()),
-        "vllm.triton_utils": _package("vllm.triton_utils", tl=tl, triton=triton),
-        "vllm.utils": _package("vllm.utils"),
-        "vllm.utils.deep_gemm": _package(
+        "vllm": package("vllm"),
+        "vllm.platforms": package("vllm.platforms", current_platform=_HopperPlatform()),
+        "vllm.triton_utils": package("vllm.triton_utils", tl=tl, triton=triton),
+        "vllm.utils": package("vllm.utils"),
+        "vllm.utils.deep_gemm": package(
             "vllm.utils.deep_gemm", mqa_logits_use_mx_scales=lambda: False
         ),
-        "vllm.v1": _package("vllm.v1"),
-        "vllm.v1.attention": _package("vllm.v1.attention"),
-        "vllm.v1.attention.ops": _package("vllm.v1.attention.ops"),
-        "vllm.v1.attention.ops.common": _package(
+        "vllm.v1": package("vllm.v1"),
+        "vllm.v1.attention": package("vllm.v1.attention"),
+        "vllm.v1.attention.ops": package("vllm.v1.attention.ops"),
+        "vllm.v1.attention.ops.common": package(
             "vllm.v1.attention.ops.common", pack_ue8m0_x4=pack_ue8m0_x4
         ),
-        "vllm.v1.kv_cache_interface": _package(
+        "vllm.v1.kv_cache_interface": package(
             "vllm.v1.kv_cache_interface", is_quantized_kv_cache=lambda dtype: dtype != "auto"
         ),
     }
@@ -378,13 +314,13 @@ def _vllm_stubs() -> dict[str, types.ModuleType]:
 def _lmdeploy_stubs(cuda_dir: Path) -> dict[str, types.ModuleType]:
     pkg = "lmdeploy.pytorch.kernels.cuda"
     return {
-        "lmdeploy": _package("lmdeploy"),
-        "lmdeploy.utils": _package("lmdeploy.utils", get_logger=logging.getLogger),
-        "lmdeploy.pytorch": _package("lmdeploy.pytorch"),
-        "lmdeploy.pytorch.kernels": _package("lmdeploy.pytorch.kernels"),
+        "lmdeploy": package("lmdeploy"),
+        "lmdeploy.utils": package("lmdeploy.utils", get_logger=logging.getLogger),
+        "lmdeploy.pytorch": package("lmdeploy.pytorch"),
+        "lmdeploy.pytorch.kernels": package("lmdeploy.pytorch.kernels"),
         # The real folder: ``from .blocked_gemm_fp8 import fast_round_scale`` loads that file.
-        pkg: _package(pkg, cuda_dir),
-        f"{pkg}.utils": _package(
+        pkg: package(pkg, cuda_dir),
+        f"{pkg}.utils": package(
             f"{pkg}.utils", get_device_props=lambda *a, **k: {}, supports_pdl=lambda *a, **k: False
         ),
     }
@@ -426,13 +362,13 @@ def _release(engine: str, files: tuple[Path, ...]) -> str:
     the Triton engines; for SGLang, whose every file is compiled or run, all of them, naming
     those that are not the wheel's."""
     if engine == "sglang":
-        digests = [_sha256(p) for p in files]
+        digests = [sha256(p) for p in files]
         releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
         pairs = zip(ENGINE_FILES[engine], digests, strict=True)
         unknown = [f for f, d in pairs if d not in KNOWN_SHA256]
         note = f"; not the wheel's: {' '.join(unknown)}" if unknown else ""
         return f"{', '.join(releases)} ({len(files)} files{note})"
-    digest = _sha256(files[0])
+    digest = sha256(files[0])
     return f"{KNOWN_SHA256.get(digest, 'unknown release')} (sha256 {digest[:12]})"
 
 
@@ -493,25 +429,25 @@ class _RopePlatform:
 def _vllm_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
     rope = "vllm.model_executor.layers.rotary_embedding"
     return {
-        "vllm": _package("vllm"),
-        "vllm._aiter_ops": _package(
+        "vllm": package("vllm"),
+        "vllm._aiter_ops": package(
             "vllm._aiter_ops",
             rocm_aiter_ops=types.SimpleNamespace(is_triton_rotary_embed_enabled=lambda: False),
         ),
-        "vllm.logger": _package("vllm.logger", init_logger=logging.getLogger),
-        "vllm.model_executor": _package("vllm.model_executor"),
-        "vllm.model_executor.custom_op": _package(
+        "vllm.logger": package("vllm.logger", init_logger=logging.getLogger),
+        "vllm.model_executor": package("vllm.model_executor"),
+        "vllm.model_executor.custom_op": package(
             "vllm.model_executor.custom_op", CustomOp=_VllmCustomOp
         ),
-        "vllm.model_executor.layers": _package("vllm.model_executor.layers"),
+        "vllm.model_executor.layers": package("vllm.model_executor.layers"),
         # The real folder, never its __init__.py: ``from .base import ...`` finds the files.
-        rope: _package(rope, folder),
-        "vllm.platforms": _package("vllm.platforms", current_platform=_RopePlatform()),
-        "vllm.utils": _package("vllm.utils"),
-        "vllm.utils.torch_utils": _package(
+        rope: package(rope, folder),
+        "vllm.platforms": package("vllm.platforms", current_platform=_RopePlatform()),
+        "vllm.utils": package("vllm.utils"),
+        "vllm.utils.torch_utils": package(
             "vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None
         ),
-        "vllm.utils.flashinfer": _package(
+        "vllm.utils.flashinfer": package(
             "vllm.utils.flashinfer", has_flashinfer=lambda: _VllmSwitches.eager
         ),
     }
@@ -525,17 +461,17 @@ def _lmdeploy_rope_stubs(root: Path) -> dict[str, types.ModuleType]:
     pkg = "lmdeploy.pytorch"
     backends = root / "lmdeploy/pytorch/backends"
     return {
-        "transformers": _package("transformers", PretrainedConfig=object),
-        "lmdeploy": _package("lmdeploy"),
-        pkg: _package(pkg, root / "lmdeploy/pytorch"),
-        f"{pkg}.backends": _package(f"{pkg}.backends", backends, get_backend=None),
-        f"{pkg}.backends.base": _package(f"{pkg}.backends.base", BuildSpec=_LmdeployBuildSpec),
-        f"{pkg}.backends.apply_rotary_emb": _package(
+        "transformers": package("transformers", PretrainedConfig=object),
+        "lmdeploy": package("lmdeploy"),
+        pkg: package(pkg, root / "lmdeploy/pytorch"),
+        f"{pkg}.backends": package(f"{pkg}.backends", backends, get_backend=None),
+        f"{pkg}.backends.base": package(f"{pkg}.backends.base", BuildSpec=_LmdeployBuildSpec),
+        f"{pkg}.backends.apply_rotary_emb": package(
             f"{pkg}.backends.apply_rotary_emb", ApplyRotaryEmbBuildSpec=object
         ),
-        f"{pkg}.backends.default": _package(f"{pkg}.backends.default", backends / "default"),
-        f"{pkg}.models": _package(f"{pkg}.models"),
-        f"{pkg}.models.patch": _package(
+        f"{pkg}.backends.default": package(f"{pkg}.backends.default", backends / "default"),
+        f"{pkg}.models": package(f"{pkg}.models"),
+        f"{pkg}.models.patch": package(
             f"{pkg}.models.patch",
             get_build_model_context=lambda: types.SimpleNamespace(enable_deterministic=False),
         ),
@@ -564,7 +500,7 @@ def _sglang_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
     are never called while building tables."""
     rope = "sglang.srt.layers.rotary_embedding"
     no = lambda *args, **kwargs: False  # noqa: E731
-    utils = _package(
+    utils = package(
         "sglang.srt.utils",
         is_cuda=lambda: True,
         get_compiler_backend=lambda: "inductor",
@@ -574,23 +510,23 @@ def _sglang_rope_stubs(folder: Path) -> dict[str, types.ModuleType]:
                  "cpu_has_amx_support", "get_bool_env_var"):  # fmt: skip
         setattr(utils, name, no)
     return {
-        "sglang": _package("sglang"),
-        "sglang.kernels": _package("sglang.kernels"),
-        "sglang.kernels.fused_op": _package("sglang.kernels.fused_op", BaseFusedOp=torch.nn.Module),
-        "sglang.kernels.ops": _package("sglang.kernels.ops"),
-        "sglang.kernels.ops.attention": _package("sglang.kernels.ops.attention"),
-        "sglang.kernels.ops.attention.rope": _package(
+        "sglang": package("sglang"),
+        "sglang.kernels": package("sglang.kernels"),
+        "sglang.kernels.fused_op": package("sglang.kernels.fused_op", BaseFusedOp=torch.nn.Module),
+        "sglang.kernels.ops": package("sglang.kernels.ops"),
+        "sglang.kernels.ops.attention": package("sglang.kernels.ops.attention"),
+        "sglang.kernels.ops.attention.rope": package(
             "sglang.kernels.ops.attention.rope", apply_rope_with_cos_sin_cache_inplace=None
         ),
-        "sglang.srt": _package("sglang.srt"),
-        "sglang.srt.environ": _package("sglang.srt.environ", envs=_SglangRopeEnvs()),
-        "sglang.srt.layers": _package("sglang.srt.layers"),
+        "sglang.srt": package("sglang.srt"),
+        "sglang.srt.environ": package("sglang.srt.environ", envs=_SglangRopeEnvs()),
+        "sglang.srt.layers": package("sglang.srt.layers"),
         # The real folder, never its __init__.py (the factory and every model's classes).
-        rope: _package(rope, folder),
-        "sglang.srt.platforms": _package(
+        rope: package(rope, folder),
+        "sglang.srt.platforms": package(
             "sglang.srt.platforms", current_platform=types.SimpleNamespace(is_out_of_tree=no)
         ),
-        "sglang.srt.runtime_context": _package(
+        "sglang.srt.runtime_context": package(
             "sglang.srt.runtime_context", publish_role=lambda: None, get_exec=lambda: None
         ),
         "sglang.srt.utils": utils,
@@ -629,7 +565,7 @@ def _load_rope_code(engine: str, root: str | os.PathLike | None) -> tuple[dict, 
             for label, name, path in zip(("spec", "default", "nn"), names, files, strict=True):
                 loaded[label] = stubs[name] = load_module(path, name, stubs)
         _ROPE_LOADED[key] = loaded
-    digests = [_sha256(p) for p in files]
+    digests = [sha256(p) for p in files]
     releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
     return _ROPE_LOADED[key], f"{', '.join(releases)} (sha256 {' '.join(d[:12] for d in digests)})"
 
@@ -725,17 +661,6 @@ def engine_rope(
     return EngineRope(cos[0, :, : r // 2].contiguous(), sin[0, :, : r // 2].contiguous(), source)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineKernelRun:
-    """The operands one engine kernel built, and what ran."""
-
-    operands: EngineOperands
-    engine: str  # "vllm" | "lmdeploy"
-    source: str  # release and file hash, e.g. "vllm 0.33.0 (sha256 23be4ed95ae4)"
-    # float32 keys before quantization, when the kernel writes them (vLLM's index_k_out).
-    k_float: torch.Tensor | None = None
-
-
 def _cos_sin(inputs: SyntheticIndexerInputs, dtype: torch.dtype, mscale: float = 1.0):
     """float32 cos / sin of the first half of the angles (``[S, rope_dim / 2]``), in ``dtype``."""
     angles = inputs.freqs[:, 0, 0, : inputs.rope_dim // 2].float()
@@ -749,8 +674,13 @@ def engine_kernel_operands(
     interleaved: bool,
     root: str | os.PathLike | None = None,
     rope: EngineRope | None = None,
+    weights_gemm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> EngineKernelRun:
     """The FP8 operands the engine kernel of ``profile`` builds from ``inputs`` (batch 1).
+
+    ``weights_gemm``: ``(x [S, hidden], weight [H, hidden])`` BF16, the head-weight GEMM's
+    inputs, for ``sglang-unfused`` (whose code multiplies them into float32 itself); default its
+    identity on ``inputs.w`` (the float32 product is then ``inputs.w`` exactly).
 
     ``rope``: the engine's own RoPE tables (:func:`engine_rope`, positions ``0 .. S - 1`` at
     least); default the tables of ``inputs.freqs`` in the profile's cache dtype. ``profile``
@@ -765,10 +695,18 @@ def engine_kernel_operands(
             f"engine profile {profile.name!r} has no kernel oracle here; the profiles with one: "
             f"{sorted({**ORACLE_ENGINES, **JIT_ORACLE_ENGINES})}."
         )
-    module, source = load_engine_kernels(engine, root)
-    run = {"vllm": _run_vllm, "lmdeploy": _run_lmdeploy, "sglang": _run_sglang}[engine]
+    if engine == "sglang-unfused":  # loaded by run_sglang_unfused; its files checked first
+        if (reason := missing_reason(engine, root)) is not None:
+            raise RuntimeError(f"the {engine} kernel oracle cannot run: {reason}.")
+    else:
+        module, source = load_engine_kernels(engine, root)
+    if weights_gemm is not None and engine != "sglang-unfused":
+        raise ValueError(
+            f"weights_gemm: the {engine} kernels take the BF16 head-weight projection (inputs.w); "
+            "only sglang-unfused multiplies the GEMM's inputs itself."
+        )
     eps = profile.k_norm_eps if profile.k_norm_eps is not None else inputs.k_norm.eps
-    if engine == "sglang":
+    if engine == "sglang" or engine == "sglang-unfused":
         # Indexer.__init__ builds LayerNorm(self.head_dim, dtype=...) with no eps: SGLang's
         # LayerNorm default, 1e-6, whatever the checkpoint (srt/layers/layernorm.py:1019-1030,
         # srt/layers/attention/dsa/dsa_indexer.py:378-385), as the sglang profiles say.
@@ -782,6 +720,17 @@ def engine_kernel_operands(
                 f"read {inputs.seq_len} on {inputs.q.device}."
             )
         cos, sin = rope.cos[: inputs.seq_len], rope.sin[: inputs.seq_len]
+    if engine == "sglang-unfused":
+        if interleaved:
+            raise ValueError(
+                "SGLang's unfused indexer is its NeoX path (use_dsa_indexer_fusion = _is_cuda and "
+                "... and not is_neox_style): an interleaved model takes sglang-fused's kernels."
+            )
+        hidden, weight = weights_gemm if weights_gemm is not None else (None, None)
+        return run_sglang_unfused(
+            inputs, cos, sin, eps, hidden=hidden, weights_proj=weight, root=root
+        )
+    run = {"vllm": _run_vllm, "lmdeploy": _run_lmdeploy, "sglang": _run_sglang}[engine]
     return run(module, source, inputs, interleaved, eps, cos, sin)
 
 
@@ -855,240 +804,20 @@ def _run_lmdeploy(module, source, inputs, interleaved, eps, cos, sin) -> EngineK
     return EngineKernelRun(ops, "lmdeploy", source)
 
 
-# ----------------------------------------------------------------- SGLang's JIT CUDA kernels
-
-# SGLang's LayerNorm default epsilon: the DSA indexer builds its k_norm without one.
-SGLANG_K_NORM_EPS = 1e-6
-# Where the oracle builds SGLang's JIT modules (default: <tempdir>/dsa-sglang-jit).
-SGLANG_JIT_DIR_VAR = "DSA_SGLANG_JIT_DIR"
-# SGLang's index-K cache page (DSATokenToKVPool.index_page_size on CUDA): the store kernel's
-# template argument; each page holds 64 * 128 E4M3 bytes, then 64 float32 scales.
-_SGLANG_PAGE = 64
-
-
-def sglang_jit_dir() -> Path:
-    """The folder SGLang's JIT modules are built in (``DSA_SGLANG_JIT_DIR``, else a folder
-    under the system's temporary directory): one subfolder per module and build."""
-    value = os.environ.get(SGLANG_JIT_DIR_VAR)
-    return Path(value) if value else Path(tempfile.gettempdir()) / "dsa-sglang-jit"
-
-
-def _sglang_cuda_home() -> str:
-    """The CUDA root as SGLang's toolchain resolves it (``compile/toolchain.py`` ``cuda_home``)."""
-    configured = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if configured is not None:
-        return configured
-    nvcc = shutil.which("nvcc")
-    return os.path.dirname(os.path.dirname(nvcc)) if nvcc is not None else "/usr/local/cuda"
-
-
-def sglang_toolchain_reason(*, need_device: bool = True) -> str | None:
-    """Why SGLang's JIT kernels cannot be built (or, with ``need_device``, run) here, or
-    ``None``: apache-tvm-ffi (its headers, ``libtvm_ffi`` and ``load_module``), the nvcc and
-    host C++ compiler SGLang's build invokes, a CUDA device."""
-    if importlib.util.find_spec("tvm_ffi") is None:
-        return "apache-tvm-ffi is not installed (the GPU bundle ships 0.1.15.post2)"
-    nvcc = Path(_sglang_cuda_home()) / "bin" / "nvcc"
-    if not nvcc.is_file():
-        return (
-            f"no nvcc at {nvcc} (SGLang's JIT build: CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
-        )
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no host C++ compiler {cxx!r} (SGLang links its modules with $CXX, default c++)"
-    if need_device and not torch.cuda.is_available():
-        return "SGLang's indexer kernels run on CUDA only"
-    return None
-
-
-class _MsgspecStruct:
-    """``msgspec.Struct`` as SGLang's ``compile/spec.py`` uses it: a record of its annotated
-    fields, frozen when the class says so (a dataclass; msgspec adds nothing the build reads)."""
-
-    def __init_subclass__(cls, frozen: bool = False, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        dataclasses.dataclass(frozen=frozen)(cls)
-
-
-class _SglangEnvs:
-    """``sglang.srt.environ.envs`` for the JIT build: every switch it reads (only
-    ``SGLANG_JIT_LOG_RESOURCE_USAGE`` on CUDA) at its default, off."""
-
-    def __getattr__(self, name: str) -> types.SimpleNamespace:
-        return types.SimpleNamespace(get=lambda: False, is_set=lambda: False)
-
-
-def _sglang_stubs(root: Path) -> dict[str, types.ModuleType]:
-    jit = root / _SGLANG_JIT
-    stubs = {
-        "msgspec": _package("msgspec", Struct=_MsgspecStruct),
-        "sglang": _package("sglang"),
-        "sglang.srt": _package("sglang.srt"),
-        "sglang.srt.environ": _package("sglang.srt.environ", envs=_SglangEnvs()),
-        "sglang.srt.utils": _package("sglang.srt.utils"),
-        "sglang.srt.utils.common": _package(
-            "sglang.srt.utils.common",
-            is_cuda=lambda: torch.version.cuda is not None,
-            get_cuda_version=lambda: tuple(
-                int(v) for v in (torch.version.cuda or "0.0").split(".")
-            ),
-        ),
-        "sglang.kernels": _package("sglang.kernels"),
-        # The real folder: compile/paths.py finds include/ and csrc/ beside this package's origin.
-        "sglang.kernels.jit": _package("sglang.kernels.jit", jit),
-        "sglang.kernels.jit.utils": _package("sglang.kernels.jit.utils", jit / "utils"),
-        "sglang.kernels.jit.utils.compile": _package(
-            "sglang.kernels.jit.utils.compile", jit / "utils/compile"
-        ),
-    }
-    stubs["sglang.kernels.jit"].__spec__ = importlib.machinery.ModuleSpec(
-        "sglang.kernels.jit", None, origin=os.fspath(jit / "__init__.py")
-    )
-    for name in ("ops", "ops.attention", "ops.attention.dsa", "ops.attention.dsv4"):
-        full = f"sglang.kernels.{name}"
-        stubs[full] = _package(full, root / "sglang/kernels" / name.replace(".", "/"))
-    return stubs
-
-
-def _ninja_unescape(text: str, scope: Mapping[str, str]) -> str:
-    """A ninja value with its ``$`` escapes and ``$name`` / ``${name}`` variables expanded."""
-
-    def sub(match: re.Match) -> str:
-        token = match.group(1)
-        if token in ("$", " ", ":"):
-            return token
-        return scope.get(token.strip("{}"), "")
-
-    return re.sub(r"\$(\$| |:|\{\w+\}|\w+)", sub, text)
-
-
-def _run_build_file(build_dir: Path, build_file: str) -> None:
-    """Run the ``build.ninja`` SGLang generated (``compile/ninja.py``: variables, the rules
-    ``compile_cxx`` / ``compile_cuda`` / ``link``, builds in dependency order) where no ninja
-    is installed: each build's rule command, expanded as ninja expands it, in the file's order."""
-    variables: dict[str, str] = {}
-    rules: dict[str, str] = {}
-    rule = None
-    for line in build_file.splitlines():
-        if not line.strip():
-            continue
-        if line.startswith("  ") and rule is not None:
-            key, _, value = line.strip().partition(" = ")
-            if key == "command":
-                rules[rule] = value
-            continue
-        rule = None
-        if line.startswith("rule "):
-            rule = line.split()[1]
-        elif line.startswith("build "):
-            out, _, rest = line[len("build ") :].partition(": ")
-            name, *inputs = re.split(r"(?<!\$) ", rest)  # "$ " is a space inside a path
-            scope = {**variables, "out": _ninja_unescape(out, {}),
-                     "in": " ".join(_ninja_unescape(i, {}) for i in inputs)}  # fmt: skip
-            command = _ninja_unescape(rules[name], scope)
-            done = subprocess.run(
-                command, shell=True, cwd=build_dir, capture_output=True, text=True, check=False
-            )
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"SGLang JIT build step failed in {build_dir}: {command}\n{done.stdout}"
-                    f"\n{done.stderr}"
-                )
-        elif " = " in line and not line.startswith("default "):
-            key, _, value = line.partition(" = ")
-            variables[key.strip()] = _ninja_unescape(value, variables)
-
-
-class _SglangJit:
-    """SGLang's ``load_jit`` (``compile/loader.py``) on CUDA, with SGLang's own code for every
-    step that reaches the compiler: the ``BuildSpec`` it composes (``DEFAULT_CFLAGS``, the
-    target flags of ``arch.get_default_target_flags``, ``DEFAULT_INCLUDE``), the wrapper
-    translation unit and the ``build.ninja`` (``spec.py``, ``ninja.generate``), built by
-    ``ninja.build`` (or, with no ninja installed, the same commands) and loaded by
-    ``tvm_ffi.load_module``. Only SGLang's build cache (``compile/cache.py``) is replaced: one
-    folder per build under :func:`sglang_jit_dir`, keyed by the build file, the generated
-    sources and the SHA-256 of the files."""
-
-    def __init__(self, modules: Mapping[str, types.ModuleType], files_key: str) -> None:
-        self.m = modules
-        self.files_key = files_key
-        self.built: list[Path] = []
-
-    def load_jit(
-        self,
-        *args: str,
-        cpp_files: list[str] | None = None,
-        cuda_files: list[str] | None = None,
-        cpp_wrappers: list[tuple[str, str]] | None = None,
-        cuda_wrappers: list[tuple[str, str]] | None = None,
-        extra_cflags: list[str] | None = None,
-        extra_cuda_cflags: list[str] | None = None,
-        extra_ldflags: list[str] | None = None,
-        extra_include_paths: list[str] | None = None,
-        extra_dependencies: list[str] | None = None,
-        header_only: bool = True,
-    ) -> Any:
-        if extra_dependencies:
-            raise NotImplementedError(f"SGLang JIT dependencies {extra_dependencies} (cutlass...)")
-        paths, spec_mod = self.m["compile/paths"], self.m["compile/spec"]
-        spec = spec_mod.BuildSpec(
-            module_args=tuple(str(arg) for arg in args),
-            cpp_files=spec_mod.resolve_sources(cpp_files),
-            cuda_files=spec_mod.resolve_sources(cuda_files),
-            cpp_wrappers=tuple(cpp_wrappers or ()),
-            cuda_wrappers=tuple(cuda_wrappers or ()),
-            cflags=tuple(paths.DEFAULT_CFLAGS + (extra_cflags or [])),
-            cuda_cflags=tuple(
-                self.m["arch"].get_default_target_flags() + (extra_cuda_cflags or [])
-            ),
-            ldflags=tuple(paths.DEFAULT_LDFLAGS + (extra_ldflags or [])),
-            include_paths=tuple(list(paths.DEFAULT_INCLUDE) + (extra_include_paths or [])),
-            header_only=header_only,
-        )
-        ninja = self.m["compile/ninja"]
-        build_file = ninja.generate(spec)
-        key = hashlib.sha256(self.files_key.encode())
-        key.update(build_file.encode())
-        for unit in spec.translation_units():
-            key.update((unit.source or unit.filename).encode())
-        final = sglang_jit_dir() / f"{spec.module_name}-{key.hexdigest()[:16]}"
-        library = final / f"{spec.module_name}.so"
-        if not library.is_file():
-            final.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
-            try:
-                if shutil.which("ninja") is not None:
-                    ninja.build(spec=spec, build_dir=staging, build_file=build_file)
-                else:
-                    for unit in spec.translation_units():  # what ninja.build writes first
-                        if unit.source is not None:
-                            (staging / unit.filename).write_text(unit.source)
-                    (staging / "build.ninja").write_text(build_file)
-                    _run_build_file(staging, build_file)
-                with contextlib.suppress(OSError):  # a concurrent build may have won
-                    staging.rename(final)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        self.built.append(library)
-        from tvm_ffi import load_module as tvm_load_module
-
-        return tvm_load_module(os.fspath(library))
-
-
 def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
     """SGLang's indexer wrappers and JIT build code, loaded unmodified with the stand-ins."""
     root = files[0].parents[5]  # the folder holding sglang/
-    stubs = _sglang_stubs(root)
+    stubs = sglang_stubs(root)
     modules: dict[str, types.ModuleType] = {}
-    for rel in _SGLANG_JIT_PY:
+    for rel in SGLANG_JIT_PY:
         name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
         modules[rel] = stubs[name] = load_module(
-            root / _SGLANG_JIT / "utils" / f"{rel}.py", name, stubs
+            root / SGLANG_JIT / "utils" / f"{rel}.py", name, stubs
         )
         parent, _, leaf = name.rpartition(".")
         setattr(stubs[parent], leaf, modules[rel])
-    files_key = " ".join(_sha256(p) for p in files)
-    jit = _SglangJit(modules, files_key)
+    files_key = " ".join(sha256(p) for p in files)
+    jit = SglangJit(modules, files_key)
     # sglang/kernels/jit/utils/__init__.py's public names the indexer wrappers import; its
     # load_jit is SGLang's loader less its cache (_SglangJit).
     stubs["sglang.kernels.jit.utils"].__dict__.update(
@@ -1098,12 +827,12 @@ def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
         load_jit=jit.load_jit,
     )
     dsv4 = "sglang.kernels.ops.attention.dsv4.utils"
-    stubs[dsv4] = load_module(root / f"{_SGLANG}/ops/attention/dsv4/utils.py", dsv4, stubs)
+    stubs[dsv4] = load_module(root / f"{SGLANG_KERNELS}/ops/attention/dsv4/utils.py", dsv4, stubs)
     dsa = "sglang.kernels.ops.attention.dsa"
     out = types.ModuleType("_dsa_oracle_sglang")
     out.__dict__.update(jit=jit, arch=modules["arch"])
     for stem in ("indexer_k", "indexer_q"):
-        setattr(out, stem, load_module(root / f"{_SGLANG}/ops/attention/dsa/{stem}.py",
+        setattr(out, stem, load_module(root / f"{SGLANG_KERNELS}/ops/attention/dsa/{stem}.py",
                                        f"{dsa}.{stem}", stubs))  # fmt: skip
     return out
 
@@ -1126,7 +855,7 @@ def sglang_build(
     )
     start = len(module.jit.built)
     with context:
-        module.indexer_k._jit_k_indexer_norm_rope_store_module(torch.bfloat16, _SGLANG_PAGE)
+        module.indexer_k._jit_k_indexer_norm_rope_store_module(torch.bfloat16, SGLANG_PAGE)
         module.indexer_q._jit_main_q_indexer_rope_first_quant_module(torch.bfloat16)
     return module.jit.built[start:]
 
@@ -1149,14 +878,14 @@ def _run_sglang(module, source, inputs, interleaved, eps, cos, sin) -> EngineKer
     kw = torch.cat((inputs.k[:, 0], inputs.w[:, 0]), dim=-1)
     key, weights_raw = kw.split([d, h], dim=-1)
     norm = inputs.k_norm
-    n_pages = -(-s // _SGLANG_PAGE)
-    k_cache = torch.zeros(n_pages, (d + 4) * _SGLANG_PAGE, dtype=torch.uint8, device=device)
+    n_pages = -(-s // SGLANG_PAGE)
+    k_cache = torch.zeros(n_pages, (d + 4) * SGLANG_PAGE, dtype=torch.uint8, device=device)
     module.indexer_k.fused_k_indexer_norm_rope_store(
         key, k_cache, positions.clone(), norm.weight.detach().float().contiguous(),
-        norm.bias.detach().float().contiguous(), eps, cache, positions, _SGLANG_PAGE,
+        norm.bias.detach().float().contiguous(), eps, cache, positions, SGLANG_PAGE,
     )  # fmt: skip
-    k8 = k_cache[:, : _SGLANG_PAGE * d].reshape(n_pages * _SGLANG_PAGE, d)[:s]
-    k_descale = k_cache[:, _SGLANG_PAGE * d :].contiguous().view(torch.float32).reshape(-1)[:s]
+    k8 = k_cache[:, : SGLANG_PAGE * d].reshape(n_pages * SGLANG_PAGE, d)[:s]
+    k_descale = k_cache[:, SGLANG_PAGE * d :].contiguous().view(torch.float32).reshape(-1)[:s]
     q_scale_gate = d**-0.5 * h**-0.5  # self.softmax_scale * self.n_heads**-0.5, Python floats
     q8, w = module.indexer_q.fused_q_indexer_rope_first_quant(
         inputs.q[:, 0].contiguous(), weights_raw, q_scale_gate, cache, positions
@@ -1178,7 +907,9 @@ def package_operands(
     Megatron integration builds them, in the layout of the engines' (what :func:`operand_diff`
     compares with :func:`engine_kernel_operands`)."""
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine=profile)
-    ops = training_operands(inputs, config, IndexerFields(rope_interleaved=interleaved), impl=impl)
+    # The model's Hadamard rotation as the profile's engine path has it (sglang-unfused's on).
+    fields = IndexerFields(hadamard=bool(profile.hadamard), rope_interleaved=interleaved)
+    ops = training_operands(inputs, config, fields, impl=impl)
     assert ops.k_descale is not None  # FP8 operands
     return EngineOperands(ops.q[0], ops.k[0], ops.k_descale[0], ops.weights[0])
 
@@ -1217,7 +948,7 @@ def engine_layer_picks(
     padded (``k = min(topk, S)``), and the engine code's source (release and hashes).
 
     ``indexer``: a ``PrecisionDSAIndexer`` with ``rope_fp32`` (its profile has a kernel and a
-    RoPE oracle: ``vllm``, ``vllm-eager``, ``lmdeploy``); ``x`` ``[S, B, hidden]`` and ``qr``
+    RoPE oracle: ``vllm``, ``vllm-eager``, ``lmdeploy``, ``sglang-fused``, ``sglang-unfused``); ``x`` ``[S, B, hidden]`` and ``qr``
     ``[S, B, q_lora_rank]``, the DSA attention's inputs (BSHD). Per sequence, the layer's BF16
     projections (:meth:`PrecisionDSAIndexer.projections`) go to the engine's own code,
     unmodified from ``DSA_ENGINE_KERNELS``: its RoPE table construction (:func:`engine_rope`)
@@ -1241,13 +972,15 @@ def engine_layer_picks(
         max_position_embeddings=max(s, max_position_embeddings or s), root=root,
     )  # fmt: skip
     interleaved = bool(indexer.config.dsa_indexer_rope_interleaved)
+    weights_fp32 = profile.weights_dtype == "fp32"  # the engine multiplies x by weights_proj
     rows, source = [], rope.source
     with torch.no_grad():
         for b in range(batch):
-            p = indexer.projections(x[:, b : b + 1], qr[:, b : b + 1], None)
+            p = indexer.projections(x[:, b : b + 1], qr[:, b : b + 1], None, weights_fp32)
             inputs = SyntheticIndexerInputs(p.q, p.k, p.w, indexer.k_norm, p.freqs)
+            gemm = (x[:, b], indexer.linear_weights_proj.weight.detach()) if weights_fp32 else None
             run = engine_kernel_operands(
-                inputs, profile, interleaved=interleaved, rope=rope, root=root
+                inputs, profile, interleaved=interleaved, rope=rope, root=root, weights_gemm=gemm
             )
             source = f"{rope.source}; {run.source}"
             rows.append(engine_select(engine_scores(run.operands, kernel=scores), topk))

@@ -34,6 +34,19 @@ def test_the_layer_matches_sglangs_own_code_on_the_gpu(tmp_path, record, scores)
     _check(tmp_path, record, scores, ["sglang-fused"], ["glm5"], 2)
 
 
+MISSING_UNFUSED = [r for e in ("sglang-unfused", "sglang-rope") if (r := ek.missing_reason(e))]
+
+
+@pytest.mark.skipif(bool(MISSING_UNFUSED), reason="; ".join(MISSING_UNFUSED))
+@pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
+def test_the_layer_matches_sglangs_unfused_code_on_the_gpu(tmp_path, record, scores):
+    """sglang-unfused: SGLang's rotary module built on the device and its unfused path
+    (FlashInfer's CuTe DSL LayerNorm, SGLang's JIT RoPE, Hadamard and store, its Triton q
+    quantization, its compiled head gate on the layer's own x and weights_proj), the
+    DeepSeek-V3.2-like model (NeoX, YaRN, Hadamard)."""
+    _check(tmp_path, record, scores, ["sglang-unfused"], ["v32"], 2)
+
+
 def _check(tmp_path, record, scores: str, profiles: list[str], models: list[str], n: int):
     tool = load_tool("layer_conformance")
     argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--profiles", *profiles,

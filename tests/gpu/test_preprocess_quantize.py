@@ -353,6 +353,48 @@ def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
         assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
 
 
+@pytest.mark.parametrize("heads", [32, 64])
+def test_sglangs_unfused_path_builds_the_profiles_operands(record, heads):
+    """SGLang 0.5.23's unfused DSA indexer path (DeepSeek-V3.2, NeoX RoPE, Hadamard), run from
+    its wheel (``Indexer._get_q_k_bf16``, ``act_quant``, ``_store_index_k_cache``,
+    ``_get_logits_head_gate``: FlashInfer 0.7.2's CuTe DSL LayerNorm, SGLang's JIT RoPE,
+    Hadamard and index-K store, its Triton act_quant, its compiled head gate;
+    dsa_precision.oracles.sglang_unfused), against the package's fused kernel and torch
+    reference with ``sglang-unfused``: every q / k byte, k descale and folded weight. Other
+    rules recorded beside it for a failure's diagnosis (not asserted)."""
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+
+    name = "sglang-unfused"
+    profile = ENGINE_PROFILES[name]
+    reason = _engine_kernels_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=4).to(DEV)
+    run = ek.engine_kernel_operands(inputs, profile, interleaved=False)
+    diffs = {}
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=False, impl=impl)
+        diffs[impl] = ek.operand_diff(ours, run.operands)
+    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
+    # The profile with one rule changed each (recorded for a failure's diagnosis, not asserted;
+    # at S = 1024 on the H100 the RoPE rules moved q bytes, the LayerNorm ones no k byte).
+    variants = {
+        "rope_fma=cos-sin": dict(rope_fma="cos-sin"),
+        "fma=False": dict(fma=False),
+        "layernorm=fp32-warp": dict(layernorm="fp32-warp"),
+        "layernorm=float64": dict(layernorm="float64"),
+        "hadamard_scale=float64": dict(hadamard_scale="float64"),
+    }
+    for label, change in variants.items():
+        variant = dataclasses.replace(profile, name=f"{name} ({label})", **change)
+        ours = ek.package_operands(inputs, variant, interleaved=False, impl="torch")
+        record("engine_kernel_variant", profile=name, heads=heads, variant=label,
+               **ek.operand_diff(ours, run.operands))  # fmt: skip
+    for impl, diff in diffs.items():
+        assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
+
+
 @pytest.mark.parametrize(
     "heads, interleaved, norm_scale", [(32, True, 1.0), (64, False, 1.0), (32, False, 2.0**-20)]
 )

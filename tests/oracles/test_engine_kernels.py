@@ -12,6 +12,7 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES
 from dsa_precision.oracles import engine_kernels as ek
+from dsa_precision.oracles import sglang_jit, sglang_unfused
 from dsa_precision.oracles.engine_model import EngineOperands
 
 needs_triton = pytest.mark.skipif(
@@ -44,8 +45,12 @@ def test_kernel_files_take_the_first_root_that_holds_them(tmp_path, monkeypatch)
     assert files == (full / ek.ENGINE_FILES["vllm"][0],)
     assert ek.kernel_files("lmdeploy") is None
     assert "holds no lmdeploy/pytorch/kernels/cuda" in ek.missing_reason("lmdeploy")
-    with pytest.raises(ValueError, match="engine='sglang-unfused' has no kernel oracle"):
-        ek.kernel_files("sglang-unfused")
+    with pytest.raises(ValueError, match="engine='vllm-exact' has no kernel oracle"):
+        ek.kernel_files("vllm-exact")
+    # sglang-unfused's files are two wheels' (SGLang's and FlashInfer's): its own check, by name.
+    assert "holds no sglang/srt/layers/attention/dsa/dsa_indexer.py" in ek.missing_reason(
+        "sglang-unfused"
+    )
 
 
 def test_missing_reason_names_the_variable(monkeypatch):
@@ -58,7 +63,7 @@ def test_missing_reason_names_the_variable(monkeypatch):
 def test_profiles_without_an_engine_kernel_are_refused():
     assert ek.oracle_for(ENGINE_PROFILES["vllm"]) == "vllm"
     assert ek.oracle_for(ENGINE_PROFILES["sglang-fused"]) is None  # JIT CUDA, not yet compared
-    assert ek.JIT_ORACLE_ENGINES == {"sglang-fused": "sglang"}
+    assert ek.JIT_ORACLE_ENGINES == {"sglang-fused": "sglang", "sglang-unfused": "sglang-unfused"}
     with pytest.raises(ValueError, match="'vllm-exact' has no kernel oracle"):
         ek.engine_kernel_operands(None, ENGINE_PROFILES["vllm-exact"], interleaved=False)
 
@@ -156,11 +161,11 @@ def test_the_build_file_runs_without_ninja(tmp_path):
         "",
         "default lib.so",
     ])  # fmt: skip
-    ek._run_build_file(tmp_path, build)
+    sglang_jit.run_build_file(tmp_path, build)
     assert (tmp_path / "lib.so").read_text() == "x-p\n"
     assert (tmp_path / "one.o.d").read_text().strip() == f"{os.environ['HOME']}-ok"
     with pytest.raises(RuntimeError, match="SGLang JIT build step failed"):
-        ek._run_build_file(tmp_path, "rule link\n  command = false\nbuild x: link y\n")
+        sglang_jit.run_build_file(tmp_path, "rule link\n  command = false\nbuild x: link y\n")
 
 
 def test_sglang_fused_path_refuses_neox():
@@ -188,3 +193,26 @@ def test_sglang_kernels_build_for_sm90a_through_sglangs_own_build_code(tmp_path,
     assert "-gencode=arch=compute_90a,code=sm_90a -DSGL_CUDA_ARCH=900 -std=c++20 -O3 " in build
     assert "--expt-relaxed-constexpr" in build and "fast_math" not in build
     assert not any(n.split(".")[0] in {"sglang", "msgspec"} for n in sys.modules)
+
+
+UNFUSED_BUILD_REASON = sglang_unfused.sglang_unfused_missing_reason(need_device=False)
+
+
+@pytest.mark.skipif(UNFUSED_BUILD_REASON is not None, reason=str(UNFUSED_BUILD_REASON))
+def test_sglangs_unfused_modules_build_for_sm90a(tmp_path, monkeypatch):
+    """SGLang's unfused path (sglang-unfused): its three JIT modules (RoPE, Hadamard, index-K
+    store), as DeepSeek-V3.2's indexer instantiates them, built for sm_90a by SGLang's own build
+    code from the wheel's files (no GPU); FlashInfer's CuTe DSL LayerNorm compiles at its first
+    call on the device, not here. No engine module stays importable."""
+    monkeypatch.setenv(sglang_jit.SGLANG_JIT_DIR_VAR, str(tmp_path))
+    libs = sglang_unfused.sglang_unfused_build(capability=(9, 0))
+    assert sorted(p.name for p in libs) == [
+        "sgl_kernel_jit_fused_rope_true_64_true_bf16_t_bf16_t.so",
+        "sgl_kernel_jit_fused_store_index_k_cache_bf16_t_int64_t_64_true.so",
+        "sgl_kernel_jit_hadamard_bf16_t.so",
+    ]
+    assert all(p.is_file() and p.is_relative_to(tmp_path) for p in libs)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in (libs[0].parent / "build.ninja").read_text()
+    assert not any(n.split(".")[0] in {"sglang", "flashinfer", "msgspec"} for n in sys.modules)
+    _, source = sglang_unfused.load_sglang_unfused(reason=None)
+    assert source == "flashinfer 0.7.2, sglang 0.5.23 (39 files)"

@@ -1,0 +1,280 @@
+"""SGLang 0.5.23's JIT CUDA build, run by the oracles of its indexer kernels.
+
+SGLang's kernels (``sglang/kernels``) are JIT CUDA: a Python wrapper calls SGLang's ``load_jit``,
+which this module replaces by SGLang's own build code (``jit/utils/{common,arch}.py``,
+``jit/utils/compile/{paths,cpp_args,spec,toolchain,ninja}.py``, unmodified, loaded by
+:func:`sglang_stubs` with :func:`~.loader.load_module`) less its build cache: the same wrapper
+translation unit, flags and ``build.ninja``, built by ninja (or the same commands) with the
+host's nvcc into :func:`sglang_jit_dir` and loaded by apache-tvm-ffi (:class:`SglangJit`). The
+stand-ins: ``sglang.srt.environ.envs`` (every switch off), ``sglang.srt.utils.common.is_cuda``,
+``msgspec.Struct`` (a dataclass). Used by :mod:`.engine_kernels` (``sglang-fused``) and
+:mod:`.sglang_unfused`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .loader import package
+
+__all__ = [
+    "SGLANG_JIT",
+    "SGLANG_JIT_DIR_VAR",
+    "SGLANG_JIT_PY",
+    "SGLANG_KERNELS",
+    "SGLANG_K_NORM_EPS",
+    "SGLANG_PAGE",
+    "SglangEnvs",
+    "SglangJit",
+    "run_build_file",
+    "sglang_jit_dir",
+    "sglang_stubs",
+    "sglang_toolchain_reason",
+]
+
+SGLANG_KERNELS = "sglang/kernels"
+SGLANG_JIT = f"{SGLANG_KERNELS}/jit"
+# SGLang's JIT utilities the oracles run (in this order: each imports only the ones before it).
+SGLANG_JIT_PY = (
+    "common",
+    "arch",
+    "compile/paths",
+    "compile/cpp_args",
+    "compile/spec",
+    "compile/toolchain",
+    "compile/ninja",
+)
+# SGLang's LayerNorm default epsilon: the DSA indexer builds its k_norm without one.
+SGLANG_K_NORM_EPS = 1e-6
+# Where the oracle builds SGLang's JIT modules (default: <tempdir>/dsa-sglang-jit).
+SGLANG_JIT_DIR_VAR = "DSA_SGLANG_JIT_DIR"
+# SGLang's index-K cache page (DSATokenToKVPool.index_page_size on CUDA): the store kernel's
+# template argument; each page holds 64 * 128 E4M3 bytes, then 64 float32 scales.
+SGLANG_PAGE = 64
+
+
+def sglang_jit_dir() -> Path:
+    """The folder SGLang's JIT modules are built in (``DSA_SGLANG_JIT_DIR``, else a folder
+    under the system's temporary directory): one subfolder per module and build."""
+    value = os.environ.get(SGLANG_JIT_DIR_VAR)
+    return Path(value) if value else Path(tempfile.gettempdir()) / "dsa-sglang-jit"
+
+
+def _sglang_cuda_home() -> str:
+    """The CUDA root as SGLang's toolchain resolves it (``compile/toolchain.py`` ``cuda_home``)."""
+    configured = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if configured is not None:
+        return configured
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(nvcc)) if nvcc is not None else "/usr/local/cuda"
+
+
+def sglang_toolchain_reason(*, need_device: bool = True) -> str | None:
+    """Why SGLang's JIT kernels cannot be built (or, with ``need_device``, run) here, or
+    ``None``: apache-tvm-ffi (its headers, ``libtvm_ffi`` and ``load_module``), the nvcc and
+    host C++ compiler SGLang's build invokes, a CUDA device."""
+    if importlib.util.find_spec("tvm_ffi") is None:
+        return "apache-tvm-ffi is not installed (the GPU bundle ships 0.1.15.post2)"
+    nvcc = Path(_sglang_cuda_home()) / "bin" / "nvcc"
+    if not nvcc.is_file():
+        return (
+            f"no nvcc at {nvcc} (SGLang's JIT build: CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+        )
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no host C++ compiler {cxx!r} (SGLang links its modules with $CXX, default c++)"
+    if need_device and not torch.cuda.is_available():
+        return "SGLang's indexer kernels run on CUDA only"
+    return None
+
+
+class _MsgspecStruct:
+    """``msgspec.Struct`` as SGLang's ``compile/spec.py`` uses it: a record of its annotated
+    fields, frozen when the class says so (a dataclass; msgspec adds nothing the build reads)."""
+
+    def __init_subclass__(cls, frozen: bool = False, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        dataclasses.dataclass(frozen=frozen)(cls)
+
+
+class SglangEnvs:
+    """``sglang.srt.environ.envs`` for the JIT build: every switch it reads (only
+    ``SGLANG_JIT_LOG_RESOURCE_USAGE`` on CUDA) at its default, off."""
+
+    def __getattr__(self, name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(get=lambda: False, is_set=lambda: False)
+
+
+def sglang_stubs(root: Path) -> dict[str, types.ModuleType]:
+    """The stand-in packages SGLang's JIT build code and kernel wrappers import, for the wheel's
+    files under ``root`` (the folder holding ``sglang/``); the JIT utilities themselves are
+    loaded into them by the caller."""
+    jit = root / SGLANG_JIT
+    stubs = {
+        "msgspec": package("msgspec", Struct=_MsgspecStruct),
+        "sglang": package("sglang"),
+        "sglang.srt": package("sglang.srt"),
+        "sglang.srt.environ": package("sglang.srt.environ", envs=SglangEnvs()),
+        "sglang.srt.utils": package("sglang.srt.utils"),
+        "sglang.srt.utils.common": package(
+            "sglang.srt.utils.common",
+            is_cuda=lambda: torch.version.cuda is not None,
+            get_cuda_version=lambda: tuple(
+                int(v) for v in (torch.version.cuda or "0.0").split(".")
+            ),
+        ),
+        "sglang.kernels": package("sglang.kernels"),
+        # The real folder: compile/paths.py finds include/ and csrc/ beside this package's origin.
+        "sglang.kernels.jit": package("sglang.kernels.jit", jit),
+        "sglang.kernels.jit.utils": package("sglang.kernels.jit.utils", jit / "utils"),
+        "sglang.kernels.jit.utils.compile": package(
+            "sglang.kernels.jit.utils.compile", jit / "utils/compile"
+        ),
+    }
+    stubs["sglang.kernels.jit"].__spec__ = importlib.machinery.ModuleSpec(
+        "sglang.kernels.jit", None, origin=os.fspath(jit / "__init__.py")
+    )
+    for name in ("ops", "ops.attention", "ops.attention.dsa", "ops.attention.dsv4"):
+        full = f"sglang.kernels.{name}"
+        stubs[full] = package(full, root / "sglang/kernels" / name.replace(".", "/"))
+    return stubs
+
+
+def _ninja_unescape(text: str, scope: Mapping[str, str]) -> str:
+    """A ninja value with its ``$`` escapes and ``$name`` / ``${name}`` variables expanded."""
+
+    def sub(match: re.Match) -> str:
+        token = match.group(1)
+        if token in ("$", " ", ":"):
+            return token
+        return scope.get(token.strip("{}"), "")
+
+    return re.sub(r"\$(\$| |:|\{\w+\}|\w+)", sub, text)
+
+
+def run_build_file(build_dir: Path, build_file: str) -> None:
+    """Run the ``build.ninja`` SGLang generated (``compile/ninja.py``: variables, the rules
+    ``compile_cxx`` / ``compile_cuda`` / ``link``, builds in dependency order) where no ninja
+    is installed: each build's rule command, expanded as ninja expands it, in the file's order."""
+    variables: dict[str, str] = {}
+    rules: dict[str, str] = {}
+    rule = None
+    for line in build_file.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("  ") and rule is not None:
+            key, _, value = line.strip().partition(" = ")
+            if key == "command":
+                rules[rule] = value
+            continue
+        rule = None
+        if line.startswith("rule "):
+            rule = line.split()[1]
+        elif line.startswith("build "):
+            out, _, rest = line[len("build ") :].partition(": ")
+            name, *inputs = re.split(r"(?<!\$) ", rest)  # "$ " is a space inside a path
+            scope = {**variables, "out": _ninja_unescape(out, {}),
+                     "in": " ".join(_ninja_unescape(i, {}) for i in inputs)}  # fmt: skip
+            command = _ninja_unescape(rules[name], scope)
+            done = subprocess.run(
+                command, shell=True, cwd=build_dir, capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"SGLang JIT build step failed in {build_dir}: {command}\n{done.stdout}"
+                    f"\n{done.stderr}"
+                )
+        elif " = " in line and not line.startswith("default "):
+            key, _, value = line.partition(" = ")
+            variables[key.strip()] = _ninja_unescape(value, variables)
+
+
+class SglangJit:
+    """SGLang's ``load_jit`` (``compile/loader.py``) on CUDA, with SGLang's own code for every
+    step that reaches the compiler: the ``BuildSpec`` it composes (``DEFAULT_CFLAGS``, the
+    target flags of ``arch.get_default_target_flags``, ``DEFAULT_INCLUDE``), the wrapper
+    translation unit and the ``build.ninja`` (``spec.py``, ``ninja.generate``), built by
+    ``ninja.build`` (or, with no ninja installed, the same commands) and loaded by
+    ``tvm_ffi.load_module``. Only SGLang's build cache (``compile/cache.py``) is replaced: one
+    folder per build under :func:`sglang_jit_dir`, keyed by the build file, the generated
+    sources and the SHA-256 of the files."""
+
+    def __init__(self, modules: Mapping[str, types.ModuleType], files_key: str) -> None:
+        self.m = modules
+        self.files_key = files_key
+        self.built: list[Path] = []
+
+    def load_jit(
+        self,
+        *args: str,
+        cpp_files: list[str] | None = None,
+        cuda_files: list[str] | None = None,
+        cpp_wrappers: list[tuple[str, str]] | None = None,
+        cuda_wrappers: list[tuple[str, str]] | None = None,
+        extra_cflags: list[str] | None = None,
+        extra_cuda_cflags: list[str] | None = None,
+        extra_ldflags: list[str] | None = None,
+        extra_include_paths: list[str] | None = None,
+        extra_dependencies: list[str] | None = None,
+        header_only: bool = True,
+    ) -> Any:
+        if extra_dependencies:
+            raise NotImplementedError(f"SGLang JIT dependencies {extra_dependencies} (cutlass...)")
+        paths, spec_mod = self.m["compile/paths"], self.m["compile/spec"]
+        spec = spec_mod.BuildSpec(
+            module_args=tuple(str(arg) for arg in args),
+            cpp_files=spec_mod.resolve_sources(cpp_files),
+            cuda_files=spec_mod.resolve_sources(cuda_files),
+            cpp_wrappers=tuple(cpp_wrappers or ()),
+            cuda_wrappers=tuple(cuda_wrappers or ()),
+            cflags=tuple(paths.DEFAULT_CFLAGS + (extra_cflags or [])),
+            cuda_cflags=tuple(
+                self.m["arch"].get_default_target_flags() + (extra_cuda_cflags or [])
+            ),
+            ldflags=tuple(paths.DEFAULT_LDFLAGS + (extra_ldflags or [])),
+            include_paths=tuple(list(paths.DEFAULT_INCLUDE) + (extra_include_paths or [])),
+            header_only=header_only,
+        )
+        ninja = self.m["compile/ninja"]
+        build_file = ninja.generate(spec)
+        key = hashlib.sha256(self.files_key.encode())
+        key.update(build_file.encode())
+        for unit in spec.translation_units():
+            key.update((unit.source or unit.filename).encode())
+        final = sglang_jit_dir() / f"{spec.module_name}-{key.hexdigest()[:16]}"
+        library = final / f"{spec.module_name}.so"
+        if not library.is_file():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
+            try:
+                if shutil.which("ninja") is not None:
+                    ninja.build(spec=spec, build_dir=staging, build_file=build_file)
+                else:
+                    for unit in spec.translation_units():  # what ninja.build writes first
+                        if unit.source is not None:
+                            (staging / unit.filename).write_text(unit.source)
+                    (staging / "build.ninja").write_text(build_file)
+                    run_build_file(staging, build_file)
+                with contextlib.suppress(OSError):  # a concurrent build may have won
+                    staging.rename(final)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        self.built.append(library)
+        from tvm_ffi import load_module as tvm_load_module
+
+        return tvm_load_module(os.fspath(library))
