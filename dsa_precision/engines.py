@@ -474,6 +474,13 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         weights_dtype="fp32",
         weights_fold=("Hs", "qs", "Ds"),
         hadamard_scale="float32",
+        # FlashInfer 0.7.2's CuTe DSL LayerNorm as its sm_90a PTX reads (one warp a row, the
+        # butterfly up, the squares and var / 128 + eps fused) and SGLang's JIT RoPE as ptxas
+        # contracts it (both halves fma(x, cos, fl(rot(x) sin))): every byte against SGLang's
+        # own path on the GPU (docs/numerics.md, section 8.6).
+        layernorm="fp32-warp-up",
+        fma=True,
+        rope_fma="cos",
         k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
     EngineProfile(
