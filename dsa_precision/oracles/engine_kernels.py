@@ -36,7 +36,6 @@ under ``with torch.device(device)`` as vLLM's model loader builds them, and LMDe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.machinery
 import importlib.util
@@ -56,12 +55,14 @@ from ..rope import RopeSpec
 from .engine_model import EngineOperands, engine_scores, engine_select
 from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, sha256
 from .sglang_jit import (
+    SGLANG_COMMON_HEADERS,
     SGLANG_JIT,
     SGLANG_JIT_DIR_VAR,
     SGLANG_JIT_PY,
     SGLANG_K_NORM_EPS,
     SGLANG_KERNELS,
     SGLANG_PAGE,
+    SGLANG_SHARED_SHA256,
     SglangJit,
     sglang_jit_dir,
     sglang_stubs,
@@ -100,20 +101,16 @@ __all__ = [
 _VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
 _LMDEPLOY_ROPE = "lmdeploy/pytorch"
 _SGLANG_ROPE = "sglang/srt/layers/rotary_embedding"
-_SGLANG_HEADERS = (
-    "bits.h",
-    "deepseek_v4/fp4_utils.cuh",
-    "deepseek_v4/fp8_utils.cuh",
-    "deepseek_v4/kv_layout.cuh",
-    "math.cuh",
-    "source_location.h",
-    "tensor.h",
-    "tile.cuh",
-    "type.cuh",
-    "utils.cuh",
-    "utils.h",
-    "vec.cuh",
-    "warp.cuh",
+# The fused kernels' headers (indexer_k.cuh, main_norm_rope.cuh: nvcc -M under SGLang's flags).
+_SGLANG_HEADERS = tuple(
+    sorted(
+        (
+            *SGLANG_COMMON_HEADERS,
+            "deepseek_v4/fp4_utils.cuh",
+            "deepseek_v4/fp8_utils.cuh",
+            "deepseek_v4/kv_layout.cuh",
+        )
+    )
 )
 ENGINE_FILES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm/models/deepseek_v32/common/kernels.py",),
@@ -165,39 +162,22 @@ KNOWN_SHA256: dict[str, str] = {
     "ab8efa0b54b081c9a8f398c0102136f70e0bc41196c6264f8b1996955b57ac64": "lmdeploy 0.18.0",
     "55b6799cff70465514d15be3d38e6c5c90dcb0e44b512ab4fb8168dfa9e05b07": "lmdeploy 0.18.0",
     "a4cde2277745f7af71fd6710993d7180adcb18ab82b4576415696b04b8c5ead6": "lmdeploy 0.18.0",
-    # sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl: ENGINE_FILES["sglang"], in order.
+    # sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl: ENGINE_FILES["sglang"], in order, less
+    # the files both SGLang oracles run (SGLANG_SHARED_SHA256, the last entry).
     "d421f877d20799ab5f00fadf550fa33a36fb02bfa62ebf8194700254222d6f8d": "sglang 0.5.23",
     "b5bf9d3384e6a0ff1e23d55653d4408663d900c277b6df46ec533f2135ee29dc": "sglang 0.5.23",
     "14c23af783cf8c301b9a125f689fb97447574778de7c433263b0a656e6e051f8": "sglang 0.5.23",
-    "491cf8bec4102dcd9b4706c4d7202c6bd43f275be36c9f7a959cc89b156d62a3": "sglang 0.5.23",
-    "e9427faad6479e47623315c38705ee209e239f9e6212712746678cb27000552b": "sglang 0.5.23",
-    "bfa8a912174607c74237f1b5f45b0a87dc8da8b5f1f5be39868966787fae76e2": "sglang 0.5.23",
-    "84be4f6ab4b3a435a424e2762cf2f48c25ccf57119e6971e83f4856d779757c3": "sglang 0.5.23",
-    "f762d7d90adb2770988ab0d17b444496d9d611531ab136eb37b8c8707dd42b2f": "sglang 0.5.23",
-    "987d4eccaa7947fa15f070cfbabb1165e43076f619f9c84d99a8e3f3f61ea483": "sglang 0.5.23",
-    "082dff0b50a890f4987e1fb8caa0e0c6e77edfef766836ee4b17b5d3e514e218": "sglang 0.5.23",
     "18b93a66c8d194a00c2c4010059839c9a1439d36292d834b62068e6e570987a5": "sglang 0.5.23",
     "c4804fc56cb17e3c15b8635f264ba4c7e22ec3334657855d263cb112716705a7": "sglang 0.5.23",
-    "5bab56d2578d151d3224994eeeae0abb939c26a1ac1e84205a1c942dab9cd605": "sglang 0.5.23",
     "dfe6a3b56809e9a3a1e6f36985aca51d25b5455cbe491031429e34b0b64137e9": "sglang 0.5.23",
     "6b686494e4ee7ac6f12f972e1033837ff020d1629e833e06f57f304ed0c5f022": "sglang 0.5.23",
     "4c6a1f9636a0d23e751910dacabb80a88d1d59dea129b20a92fea8863d9f0bea": "sglang 0.5.23",
-    "73e182466976d821f8ad89017fd2492c50ea456d5e7007d4e869cb6730568477": "sglang 0.5.23",
-    "300026cbeeabe03b10b0c46b70e2e85b19a743cbe9ff462faa1dff4268cf806e": "sglang 0.5.23",
-    "c66eba28e0f7661711947309c12014d2e880025c7d91ff8a7ac544d4ece60ce2": "sglang 0.5.23",
-    "692446727a0353f1eb0d7249f6564d2c79ee6c9066e2c61e2ab450014fb217b7": "sglang 0.5.23",
-    "4c72b0892e8d003490bdab2633056172a674bc6a9689be552861564c7aaf8edc": "sglang 0.5.23",
-    "18b0bb2e27dccc20d7509e8b6b6c16e2b57a5ce98be648865fb75059be8a13db": "sglang 0.5.23",
-    "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
-    "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
-    "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
     # vllm-0.28.0-cp38-abi3-manylinux_2_28_x86_64.whl: ENGINE_FILES["vllm-legacy-q"].
     "22d1d98bd475b1dc22de85d0e414d0490860de50c8bbd26371175e5ea6411116": "vllm 0.28.0",
-    # ENGINE_FILES["sglang-rope"], in order.
-    "828a50285218e40c3429d2f4e75b1d051e3a89d831a7ab005e8c2609278aeddc": "sglang 0.5.23",
-    "2a2abfbef7be789d2e992478714a5040583e71ed71a1accd1fecd65cab5da297": "sglang 0.5.23",
+    # ENGINE_FILES["sglang-rope"] (yarn.py, rope_variant.py; utils.py and base.py are shared).
     "c67436ffa26f096bfb426e6d5561acd189073fc919aa2b152b5f6ae82ce1f361": "sglang 0.5.23",
     "262b371e4c420677f08238ef78687e0da1e2cfe837e3b4f95368067cab6289b6": "sglang 0.5.23",
+    **SGLANG_SHARED_SHA256,
 }
 
 # Engine profile -> the engine whose own rotary code builds its RoPE tables, and whether vLLM's
@@ -848,16 +828,12 @@ def sglang_build(
     if capability is not None and kernel_files("sglang", root) is not None:
         reason = sglang_toolchain_reason(need_device=False)
     module, _ = load_engine_kernels("sglang", root, reason=reason)
-    context = (
-        module.arch.override_jit_cuda_arch(*capability)
-        if capability is not None
-        else contextlib.nullcontext()
+    return module.jit.build(
+        module.arch,
+        capability,
+        lambda: module.indexer_k._jit_k_indexer_norm_rope_store_module(torch.bfloat16, SGLANG_PAGE),
+        lambda: module.indexer_q._jit_main_q_indexer_rope_first_quant_module(torch.bfloat16),
     )
-    start = len(module.jit.built)
-    with context:
-        module.indexer_k._jit_k_indexer_norm_rope_store_module(torch.bfloat16, SGLANG_PAGE)
-        module.indexer_q._jit_main_q_indexer_rope_first_quant_module(torch.bfloat16)
-    return module.jit.built[start:]
 
 
 def _run_sglang(module, source, inputs, interleaved, eps, cos, sin) -> EngineKernelRun:

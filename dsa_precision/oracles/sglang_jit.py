@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,14 @@ import torch
 from .loader import package
 
 __all__ = [
+    "SGLANG_COMMON_HEADERS",
     "SGLANG_JIT",
     "SGLANG_JIT_DIR_VAR",
     "SGLANG_JIT_PY",
     "SGLANG_KERNELS",
     "SGLANG_K_NORM_EPS",
     "SGLANG_PAGE",
+    "SGLANG_SHARED_SHA256",
     "SglangEnvs",
     "SglangJit",
     "run_build_file",
@@ -59,6 +61,45 @@ SGLANG_JIT_PY = (
     "compile/toolchain",
     "compile/ninja",
 )
+# The headers of SGLang's JIT include folder (jit/include/sgl_kernel) every indexer kernel of the
+# oracles includes (what nvcc -M lists under SGLang's flags, inside the wheel; tvm-ffi's and
+# CUDA's headers are the host's); each kernel set adds its own.
+SGLANG_COMMON_HEADERS = (
+    "bits.h",
+    "math.cuh",
+    "source_location.h",
+    "tensor.h",
+    "tile.cuh",
+    "type.cuh",
+    "utils.cuh",
+    "utils.h",
+    "vec.cuh",
+    "warp.cuh",
+)
+# SHA-256 of the SGLang 0.5.23 files both SGLang oracles run, as its wheel ships them (sha256
+# 8d257a31...): the JIT utilities (SGLANG_JIT_PY), the common headers (SGLANG_COMMON_HEADERS), and
+# srt/layers/rotary_embedding/{utils,base}.py, in that order.
+SGLANG_SHARED_SHA256: dict[str, str] = {
+    "491cf8bec4102dcd9b4706c4d7202c6bd43f275be36c9f7a959cc89b156d62a3": "sglang 0.5.23",
+    "e9427faad6479e47623315c38705ee209e239f9e6212712746678cb27000552b": "sglang 0.5.23",
+    "bfa8a912174607c74237f1b5f45b0a87dc8da8b5f1f5be39868966787fae76e2": "sglang 0.5.23",
+    "84be4f6ab4b3a435a424e2762cf2f48c25ccf57119e6971e83f4856d779757c3": "sglang 0.5.23",
+    "f762d7d90adb2770988ab0d17b444496d9d611531ab136eb37b8c8707dd42b2f": "sglang 0.5.23",
+    "987d4eccaa7947fa15f070cfbabb1165e43076f619f9c84d99a8e3f3f61ea483": "sglang 0.5.23",
+    "082dff0b50a890f4987e1fb8caa0e0c6e77edfef766836ee4b17b5d3e514e218": "sglang 0.5.23",
+    "5bab56d2578d151d3224994eeeae0abb939c26a1ac1e84205a1c942dab9cd605": "sglang 0.5.23",
+    "73e182466976d821f8ad89017fd2492c50ea456d5e7007d4e869cb6730568477": "sglang 0.5.23",
+    "300026cbeeabe03b10b0c46b70e2e85b19a743cbe9ff462faa1dff4268cf806e": "sglang 0.5.23",
+    "c66eba28e0f7661711947309c12014d2e880025c7d91ff8a7ac544d4ece60ce2": "sglang 0.5.23",
+    "692446727a0353f1eb0d7249f6564d2c79ee6c9066e2c61e2ab450014fb217b7": "sglang 0.5.23",
+    "4c72b0892e8d003490bdab2633056172a674bc6a9689be552861564c7aaf8edc": "sglang 0.5.23",
+    "18b0bb2e27dccc20d7509e8b6b6c16e2b57a5ce98be648865fb75059be8a13db": "sglang 0.5.23",
+    "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
+    "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
+    "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
+    "828a50285218e40c3429d2f4e75b1d051e3a89d831a7ab005e8c2609278aeddc": "sglang 0.5.23",
+    "2a2abfbef7be789d2e992478714a5040583e71ed71a1accd1fecd65cab5da297": "sglang 0.5.23",
+}
 # SGLang's LayerNorm default epsilon: the DSA indexer builds its k_norm without one.
 SGLANG_K_NORM_EPS = 1e-6
 # Where the oracle builds SGLang's JIT modules (default: <tempdir>/dsa-sglang-jit).
@@ -218,6 +259,26 @@ class SglangJit:
         self.m = modules
         self.files_key = files_key
         self.built: list[Path] = []
+
+    def build(
+        self,
+        arch: types.ModuleType,
+        capability: tuple[int, int] | None,
+        *instantiate: Callable[[], object],
+    ) -> list[Path]:
+        """Call each of SGLang's JIT module getters (building its module) under SGLang's own
+        ``arch.override_jit_cuda_arch(*capability)`` (``(9, 0)``: ``sm_90a``, without a GPU) or,
+        for ``None``, for the local GPU; the shared libraries built or found."""
+        context = (
+            arch.override_jit_cuda_arch(*capability)
+            if capability is not None
+            else contextlib.nullcontext()
+        )
+        start = len(self.built)
+        with context:
+            for make in instantiate:
+                make()
+        return self.built[start:]
 
     def load_jit(
         self,

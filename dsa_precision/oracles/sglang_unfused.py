@@ -58,10 +58,12 @@ import torch
 from .engine_model import EngineOperands
 from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, scoped_modules, sha256
 from .sglang_jit import (
+    SGLANG_COMMON_HEADERS,
     SGLANG_JIT,
     SGLANG_JIT_PY,
     SGLANG_K_NORM_EPS,
     SGLANG_PAGE,
+    SGLANG_SHARED_SHA256,
     SglangEnvs,
     SglangJit,
     sglang_stubs,
@@ -82,21 +84,8 @@ __all__ = [
 _SGL_OPS = "sglang/kernels/ops"
 _CSRC = f"{SGLANG_JIT}/csrc"
 _HADAMARD = f"{_CSRC}/fast-hadamard-transform"
-# What nvcc -M lists for the three kernels (rope.cuh, hadamard_jit.cuh, fused_store_index_cache.cuh)
-# under SGLang's flags, inside the wheel (tvm-ffi's and CUDA's headers are the host's).
-_UNFUSED_HEADERS = (
-    "bits.h",
-    "math.cuh",
-    "runtime.cuh",
-    "source_location.h",
-    "tensor.h",
-    "tile.cuh",
-    "type.cuh",
-    "utils.cuh",
-    "utils.h",
-    "vec.cuh",
-    "warp.cuh",
-)
+# The three kernels' headers (rope.cuh, hadamard_jit.cuh, fused_store_index_cache.cuh: nvcc -M).
+_UNFUSED_HEADERS = tuple(sorted((*SGLANG_COMMON_HEADERS, "runtime.cuh")))
 # SGLang 0.5.23's files the oracle runs or compiles, the entry module first.
 SGLANG_UNFUSED_FILES: tuple[str, ...] = (
     "sglang/srt/layers/attention/dsa/dsa_indexer.py",
@@ -128,25 +117,17 @@ FLASHINFER_FILES: tuple[str, ...] = (
     "flashinfer/norm/kernels/layernorm.py",
 )
 # SHA-256 of the files as sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl (sha256 8d257a31...)
-# and flashinfer_python-0.7.2-py3-none-any.whl (sha256 770550a0...) ship them; those already in
-# engine_kernels.KNOWN_SHA256 (the JIT build code, the shared headers, rotary utils/base) too.
+# and flashinfer_python-0.7.2-py3-none-any.whl (sha256 770550a0...) ship them: SGLANG_UNFUSED_FILES
+# less those both SGLang oracles run (sglang_jit.SGLANG_SHARED_SHA256, the last entry), then
+# FLASHINFER_FILES.
 UNFUSED_SHA256: dict[str, str] = {
     "0cd22ce00ee58c585e98b24ff1874ac0f2703eea70195fa61c7476b75c1b000a": "sglang 0.5.23",
     "dca150fc6e2c469d036633d0abd1b39d95480b8ade6c2f2e5260c6240c49d68e": "sglang 0.5.23",
-    "828a50285218e40c3429d2f4e75b1d051e3a89d831a7ab005e8c2609278aeddc": "sglang 0.5.23",
-    "2a2abfbef7be789d2e992478714a5040583e71ed71a1accd1fecd65cab5da297": "sglang 0.5.23",
     "d3cfbaa939422f47b84b96a8878a98b178a7182a79656440c08938804517c4f7": "sglang 0.5.23",
     "b31159b6ba527971a63ef5d59e4a42edae7a60dd1e7256fcd373c136e095b74a": "sglang 0.5.23",
     "bf8a100d8e1d75b542aeb3ef74c109d3170b6a0ddfa4697976d05e7714460330": "sglang 0.5.23",
     "b41967420e3242d0cfb3970375ccdfdc829cfd36656499c0b72bf8c20e38ca39": "sglang 0.5.23",
     "7cef4342b1d8705e87baf7f41fad2b30e59958774b96a5cf5252f44a9cd40196": "sglang 0.5.23",
-    "491cf8bec4102dcd9b4706c4d7202c6bd43f275be36c9f7a959cc89b156d62a3": "sglang 0.5.23",
-    "e9427faad6479e47623315c38705ee209e239f9e6212712746678cb27000552b": "sglang 0.5.23",
-    "bfa8a912174607c74237f1b5f45b0a87dc8da8b5f1f5be39868966787fae76e2": "sglang 0.5.23",
-    "84be4f6ab4b3a435a424e2762cf2f48c25ccf57119e6971e83f4856d779757c3": "sglang 0.5.23",
-    "f762d7d90adb2770988ab0d17b444496d9d611531ab136eb37b8c8707dd42b2f": "sglang 0.5.23",
-    "987d4eccaa7947fa15f070cfbabb1165e43076f619f9c84d99a8e3f3f61ea483": "sglang 0.5.23",
-    "082dff0b50a890f4987e1fb8caa0e0c6e77edfef766836ee4b17b5d3e514e218": "sglang 0.5.23",
     "46780a3c1b3339a5f925f463f9589b39b95cc1f6689c3b7e3384eccc0b35ac73": "sglang 0.5.23",
     "8d9614c3b1b2ed698242dc4241102a9d6aa5b4db06efb0c9f63057cf80c9f573": "sglang 0.5.23",
     "a172ebb9e66aef598c329a5e66198123e17663bbf8cb5b2df994f164d8eae54e": "sglang 0.5.23",
@@ -154,23 +135,14 @@ UNFUSED_SHA256: dict[str, str] = {
     "3a780812ee6425803095087b2548a26998a6e4ec8410290ee0ae57af634bbabe": "sglang 0.5.23",
     "d5563e8b2e4d240ed5b64520d550116897d3132b892bf304e6d949042596ecaa": "sglang 0.5.23",
     "1a6d0b7b9cb9c200bfa573ed99f25c4502a0d2024400d7a2923453c4a77eaa8a": "sglang 0.5.23",
-    "5bab56d2578d151d3224994eeeae0abb939c26a1ac1e84205a1c942dab9cd605": "sglang 0.5.23",
-    "73e182466976d821f8ad89017fd2492c50ea456d5e7007d4e869cb6730568477": "sglang 0.5.23",
     "1f989a2dee7a32ab519eeb49adf407c5e4054195faa77aa92ce4211343973213": "sglang 0.5.23",
-    "300026cbeeabe03b10b0c46b70e2e85b19a743cbe9ff462faa1dff4268cf806e": "sglang 0.5.23",
-    "c66eba28e0f7661711947309c12014d2e880025c7d91ff8a7ac544d4ece60ce2": "sglang 0.5.23",
-    "692446727a0353f1eb0d7249f6564d2c79ee6c9066e2c61e2ab450014fb217b7": "sglang 0.5.23",
-    "4c72b0892e8d003490bdab2633056172a674bc6a9689be552861564c7aaf8edc": "sglang 0.5.23",
-    "18b0bb2e27dccc20d7509e8b6b6c16e2b57a5ce98be648865fb75059be8a13db": "sglang 0.5.23",
-    "fe54010a29dd4d65110bf4afe60ff91b0f37f3b9704bb5bae4f1086347d7e32d": "sglang 0.5.23",
-    "11224cc483b7fbc93e2bcb1c2092715d80f1fa645920f4c82ee0e1d45a4eb551": "sglang 0.5.23",
-    "264e64c3f386a70de938ed831f05f7a5f3c4b3ed9cfea58e1fbad433a8f860db": "sglang 0.5.23",
     # FLASHINFER_FILES, in order.
     "fdd12d976c3e57300e72efc9e29367ca9993f7def84b20b30082b0edef47e2b7": "flashinfer 0.7.2",
     "39d47171f5dc1c92d73290a5dfdc7c018da7fd2bcdee498b16547e6ea08bc024": "flashinfer 0.7.2",
     "971faf2b712c8d973cf7b81fdb97b12d04d0fb9ff350c314981c1049b3816a25": "flashinfer 0.7.2",
     "3f44ac6727c58883420068bf0aa5b239b12d2e86819ad80e54bc1bc016ec881a": "flashinfer 0.7.2",
     "123dd99aa37202ee499654e80c39c2edef5517b5b8b1e46c70885619c885fff0": "flashinfer 0.7.2",
+    **SGLANG_SHARED_SHA256,
 }
 
 # DeepSeek-V3.2's indexer as srt/models/deepseek_v2.py:2121-2139 builds it: UE8M0 q scales.
@@ -610,17 +582,13 @@ def sglang_unfused_build(
     FlashInfer's CuTe DSL LayerNorm compiles at its first call (``cute.compile``), not here."""
     reason = sglang_unfused_missing_reason(root, need_device=capability is None)
     module, _ = load_sglang_unfused(root, reason=reason)
-    context = (
-        module.arch.override_jit_cuda_arch(*capability)
-        if capability is not None
-        else contextlib.nullcontext()
+    return module.jit.build(
+        module.arch,
+        capability,
+        lambda: module.rope._jit_fused_rope_module(True, 64, torch.bfloat16, torch.bfloat16),
+        lambda: module.hadamard._jit_hadamard_module(torch.bfloat16),
+        lambda: module.store._jit_dsa_fused_store_module(torch.bfloat16, torch.int64, SGLANG_PAGE),
     )
-    start = len(module.jit.built)
-    with context:
-        module.rope._jit_fused_rope_module(True, 64, torch.bfloat16, torch.bfloat16)
-        module.hadamard._jit_hadamard_module(torch.bfloat16)
-        module.store._jit_dsa_fused_store_module(torch.bfloat16, torch.int64, SGLANG_PAGE)
-    return module.jit.built[start:]
 
 
 # ---------------------------------------------------------------------------------- the run

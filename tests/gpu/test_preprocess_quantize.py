@@ -313,82 +313,58 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diff)
 
 
-@pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("name", ["sglang-fused"])  # sglang-unfused: no runner (numerics 8.6)
-def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
-    """SGLang 0.5.23's own indexer kernels, JIT-compiled by this host's nvcc through SGLang's
-    build code and loaded by tvm-ffi (dsa_precision.oracles.engine_kernels, JIT_ORACLE_ENGINES),
-    against the package's fused kernel and torch reference with the profile: every q / k byte,
-    k descale and folded weight. sglang-fused: the fused path (GLM-5, interleaved RoPE) that
-    SGLang takes on CUDA, with the rules its SASS shows (docs/numerics.md 8.5: the warp's
-    LayerNorm sums, var / 128 + eps fused, RoPE's "cos-sin" contraction). For a failure's
-    diagnosis the profile's earlier rules are recorded beside it (not asserted)."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-
-    profile = ENGINE_PROFILES[name]
-    engine = ek.JIT_ORACLE_ENGINES[name]
-    reason = _engine_kernels_reason(engine)
-    if reason is not None:
-        pytest.skip(reason)
-    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=2).to(DEV)
-    run = ek.engine_kernel_operands(inputs, profile, interleaved=True)
-    diffs = {}
-    for impl in ("triton", "torch"):
-        ours = ek.package_operands(inputs, profile, interleaved=True, impl=impl)
-        diffs[impl] = ek.operand_diff(ours, run.operands)
-    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
-    variants = {
+# Per SGLang profile: its layout (interleaved RoPE), the synthetic seed, and the profile with one
+# rule changed each, recorded for a failure's diagnosis (not asserted). sglang-fused's earlier
+# rules moved weights and q bytes on the H200; sglang-unfused's RoPE rules moved q bytes on an
+# H100 at S = 1024, its LayerNorm ones no k byte.
+SGLANG_CASES = {
+    "sglang-fused": (True, 2, {
         "rope_fma=cos": dict(rope_fma="cos"),
         "layernorm=fp32-ops": dict(layernorm="fp32-ops"),
         "layernorm=float64": dict(layernorm="float64"),
         "fma=False": dict(fma=False),
-    }
-    for label, change in variants.items():
-        variant = dataclasses.replace(profile, name=f"{name} ({label})", **change)
-        ours = ek.package_operands(inputs, variant, interleaved=True, impl="torch")
-        record("engine_kernel_variant", profile=name, heads=heads, variant=label,
-               **ek.operand_diff(ours, run.operands))  # fmt: skip
-    for impl, diff in diffs.items():
-        assert all(v == 0 for k, v in diff.items() if k.endswith("_differ")), (impl, diff)
-
-
-@pytest.mark.parametrize("heads", [32, 64])
-def test_sglangs_unfused_path_builds_the_profiles_operands(record, heads):
-    """SGLang 0.5.23's unfused DSA indexer path (DeepSeek-V3.2, NeoX RoPE, Hadamard), run from
-    its wheel (``Indexer._get_q_k_bf16``, ``act_quant``, ``_store_index_k_cache``,
-    ``_get_logits_head_gate``: FlashInfer 0.7.2's CuTe DSL LayerNorm, SGLang's JIT RoPE,
-    Hadamard and index-K store, its Triton act_quant, its compiled head gate;
-    dsa_precision.oracles.sglang_unfused), against the package's fused kernel and torch
-    reference with ``sglang-unfused``: every q / k byte, k descale and folded weight. Other
-    rules recorded beside it for a failure's diagnosis (not asserted)."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-
-    name = "sglang-unfused"
-    profile = ENGINE_PROFILES[name]
-    reason = _engine_kernels_reason(name)
-    if reason is not None:
-        pytest.skip(reason)
-    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=4).to(DEV)
-    run = ek.engine_kernel_operands(inputs, profile, interleaved=False)
-    diffs = {}
-    for impl in ("triton", "torch"):
-        ours = ek.package_operands(inputs, profile, interleaved=False, impl=impl)
-        diffs[impl] = ek.operand_diff(ours, run.operands)
-    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
-    # The profile with one rule changed each (recorded for a failure's diagnosis, not asserted;
-    # at S = 1024 on the H100 the RoPE rules moved q bytes, the LayerNorm ones no k byte).
-    variants = {
+    }),
+    "sglang-unfused": (False, 4, {
         "rope_fma=cos-sin": dict(rope_fma="cos-sin"),
         "fma=False": dict(fma=False),
         "layernorm=fp32-warp": dict(layernorm="fp32-warp"),
         "layernorm=float64": dict(layernorm="float64"),
         "hadamard_scale=float64": dict(hadamard_scale="float64"),
-    }
+    }),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("name", sorted(SGLANG_CASES))
+def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
+    """SGLang 0.5.23's own indexer code against the package's fused kernel and torch reference
+    with the profile: every q / k byte, k descale and folded weight.
+
+    sglang-fused: the fused path (GLM-5, interleaved RoPE), SGLang's JIT kernels compiled by this
+    host's nvcc through SGLang's build code and loaded by tvm-ffi (engine_kernels), with the rules
+    its SASS shows (docs/numerics.md 8.5). sglang-unfused: the unfused path (DeepSeek-V3.2, NeoX
+    RoPE, Hadamard) run from the wheels (``Indexer._get_q_k_bf16``, ``act_quant``,
+    ``_store_index_k_cache``, ``_get_logits_head_gate``: FlashInfer 0.7.2's CuTe DSL LayerNorm,
+    SGLang's JIT RoPE, Hadamard and index-K store, its Triton act_quant, its compiled head gate;
+    oracles.sglang_unfused; numerics 8.6)."""
+    from dsa_precision.oracles import engine_kernels as ek
+    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+
+    interleaved, seed, variants = SGLANG_CASES[name]
+    profile = ENGINE_PROFILES[name]
+    reason = _engine_kernels_reason(ek.JIT_ORACLE_ENGINES[name])
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = synthetic_indexer_inputs(1024, n_heads=heads, seed=seed).to(DEV)
+    run = ek.engine_kernel_operands(inputs, profile, interleaved=interleaved)
+    diffs = {}
+    for impl in ("triton", "torch"):
+        ours = ek.package_operands(inputs, profile, interleaved=interleaved, impl=impl)
+        diffs[impl] = ek.operand_diff(ours, run.operands)
+    record("engine_kernel_bitwise", profile=name, heads=heads, source=run.source, **diffs)
     for label, change in variants.items():
         variant = dataclasses.replace(profile, name=f"{name} ({label})", **change)
-        ours = ek.package_operands(inputs, variant, interleaved=False, impl="torch")
+        ours = ek.package_operands(inputs, variant, interleaved=interleaved, impl="torch")
         record("engine_kernel_variant", profile=name, heads=heads, variant=label,
                **ek.operand_diff(ours, run.operands))  # fmt: skip
     for impl, diff in diffs.items():
