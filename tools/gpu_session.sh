@@ -6,10 +6,15 @@
 #   (docs/benchmarks.md)
 # Every step logs to $OUT (default ./gpu-out); the last step packs the logs into $OUT/logs.tgz.
 set -uo pipefail
+TORCH213_WHEELS="torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl \
+  triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
 OUT=${OUT:-gpu-out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 export DSA_PRECISION_REPORT=$LOGS/gpu_report.jsonl
+# The engines' files (docs/gpu-validation.md): vLLM 0.33 / LMDeploy / SGLang, and vLLM 0.28.0's
+# files at the same paths in a root of their own (picked by their hashes).
+ENGINE_ROOTS=$PWD/.engine-kernels:$PWD/.engine-kernels/vllm-0.28
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
@@ -230,7 +235,7 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
     logprobs)  # issue 32: RL log-prob mismatch of each configuration against the rollout's
       # picks (vLLM's own kernels, layer by layer; after `deepgemm`, the engines' files in
       # DSA_ENGINE_KERNELS), at step 0 and after warm-up steps; S 2048, then 8192
-      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       TAIL=30 run logprobs_2048 400 python examples/logprob_mismatch.py --rollout engine-kernels \
         --out "$LOGS/logprobs_2048.json"
       TAIL=30 run logprobs_8192 400 python examples/logprob_mismatch.py --rollout engine-kernels \
@@ -238,13 +243,34 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
     layer-conformance)  # issue 29: Megatron's DSA layer against the engines' own RoPE code and
       # kernels (after `deepgemm`; the engines' files in DSA_ENGINE_KERNELS, default .engine-kernels;
       # LAYER_ARGS for the tool's flags, e.g. "--profiles sglang-unfused --models v32")
-      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       TAIL=20 run layer_conformance 900 python tools/layer_conformance.py \
         --out "$LOGS/layer_conformance" ${LAYER_ARGS:-} ;;
+    torch213)  # issue 29: torch 2.13.0 and Triton 3.7.1 (vLLM 0.28.0's pins) from .bigcarry/,
+      # installed with --target into $HOME/torch213 (the host's torch stays where it is)
+      TAIL=5 run torch213_install 600 bash -c "for w in $TORCH213_WHEELS; do \
+        bash .bigcarry/bin/join.sh \$w \$HOME/t213w || exit 1; done && \
+        python -m pip install --no-deps --no-index --target \$HOME/torch213 \$HOME/t213w/*.whl && \
+        PYTHONPATH=\$HOME/torch213 python -c 'import os, sys; \
+        sys.setdlopenflags(os.RTLD_LAZY); import torch, triton; \
+        print(torch.__version__, torch.__file__, triton.__version__, torch.cuda.is_available())'" ;;
+    layer-legacy)  # issue 29: vllm-legacy's layer cells (after `deepgemm` and `vllm-legacy`):
+      # vLLM 0.28.0's key path compiled in a child by the host's torch, then by torch 2.13.0
+      # (after `torch213`), both models, use_cpu_initialization both ways; then the GPU test
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
+      TAIL=12 run layer_legacy_host 600 python tools/layer_conformance.py --profiles vllm-legacy \
+        --out "$LOGS/layer_legacy_host" ${LAYER_ARGS:-}
+      if [ -d "$HOME/torch213/torch" ]; then
+        TAIL=12 run layer_legacy_torch213 600 python tools/layer_conformance.py \
+          --profiles vllm-legacy --engine-torch "$HOME/torch213" \
+          --out "$LOGS/layer_legacy_torch213" ${LAYER_ARGS:-}
+      fi
+      TAIL=8 run tests_layer_legacy 600 python -m pytest -q -x -m gpu \
+        tests/gpu/test_layer_conformance.py -k legacy ;;
     triton38)  # issue 29: vLLM 0.33's / LMDeploy 0.18's Triton kernels compiled by Triton 3.8
       # (vLLM 0.33's pin) in a child process, beside the host's Triton (after `deepgemm`; the
       # wheel from .bigcarry/, installed with --target so torch keeps the host's triton)
-      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       w=triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
       TAIL=5 run triton38_install 600 bash -c "bash .bigcarry/bin/join.sh $w \$HOME/t38w && \
         python -m pip install --no-deps --no-index --target \$HOME/triton38 \$HOME/t38w/$w && \

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -73,9 +74,14 @@ HIDDEN, Q_LORA = 512, 256
 
 
 # The profiles with both oracles: the engine's RoPE code and its kernels (SGLang's JIT CUDA needs
-# nvcc and apache-tvm-ffi where it runs: ek.missing_reason("sglang")).
+# nvcc and apache-tvm-ffi where it runs: ek.missing_reason("sglang")); vllm-legacy's engine side
+# is vLLM 0.28.0's compiled key path and query kernel in a child process
+# (tools/vllm_legacy_engine.py) and its CUDA key quantization here (DSA_VLLM_LEGACY).
+LEGACY = "vllm-legacy"
 ORACLE_PROFILES = sorted(
-    p for p in ek.ROPE_ORACLES if p in ek.ORACLE_ENGINES or p in ek.JIT_ORACLE_ENGINES
+    p
+    for p in ek.ROPE_ORACLES
+    if p in ek.ORACLE_ENGINES or p in ek.JIT_ORACLE_ENGINES or p == LEGACY
 )
 
 # The layer's scoring backend for each --scores: the layer's own top-k is scored by the scorer
@@ -189,16 +195,22 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
         _, layer_topk = indexer.forward_with_scores(x, qr, mask)
     # The engine: its own tables, then its own kernels on the layer's projections.
     spec = indexer.preprocess().rope_tables.spec
-    rope = ek.engine_rope(
-        profile, spec, s, device=device, max_position_embeddings=max(s, args.plain_max_position)
-    )
-    rec["engine_rope"] = rope.source
     inputs = SyntheticIndexerInputs(p.q, p.k, p.w, indexer.k_norm, p.freqs)
-    gemm = (x[:, 0], indexer.linear_weights_proj.weight.detach()) if weights_fp32 else None
-    run = ek.engine_kernel_operands(
-        inputs, profile, interleaved=interleaved, rope=rope, weights_gemm=gemm
-    )
-    rec["engine_kernel"] = run.source
+    if name == LEGACY:
+        rope, run, legacy = _legacy_engine(args, inputs, pre, interleaved, f"{model}-{cpu_init}")
+        rec["engine_rope"], rec["engine_kernel"] = rope.source, run.source
+        rec[LEGACY] = legacy
+    else:
+        rope = ek.engine_rope(
+            profile, spec, s, device=device,
+            max_position_embeddings=max(s, args.plain_max_position),
+        )  # fmt: skip
+        rec["engine_rope"] = rope.source
+        gemm = (x[:, 0], indexer.linear_weights_proj.weight.detach()) if weights_fp32 else None
+        run = ek.engine_kernel_operands(
+            inputs, profile, interleaved=interleaved, rope=rope, weights_gemm=gemm
+        )
+        rec["engine_kernel"] = run.source
     ours_cos, ours_sin = pre.engine_rope_rows(
         RopePositions.first(s), s, device, p.freqs, dtype=rope.cos.dtype
     )
@@ -224,6 +236,69 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     rec["layer_topk"] = {"rows_identical": frac, "rows_differ": bad,
                          "backend": indexer.scoring_backend}  # fmt: skip
     return rec
+
+
+def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool, tag: str):
+    """vLLM 0.28.0's side of a ``vllm-legacy`` cell: its key path and query kernel in a child
+    (``tools/vllm_legacy_engine.py``; ``--engine-torch`` first on its ``PYTHONPATH``, Inductor's
+    and Triton's output kept under ``--out``/vllm-legacy/TAG), its key quantized here by vLLM
+    0.28.0's CUDA kernel (:mod:`dsa_precision.oracles.legacy_kernel`). Returns the engine's
+    tables, its operands and what the child ran (with the BF16 keys compared before
+    quantization: ``k_bf16_differ``)."""
+    from dsa_precision.oracles import legacy_kernel
+    from dsa_precision.oracles.legacy_kernel import package_key
+
+    if not inputs.q.is_cuda:
+        raise RuntimeError(
+            "vllm-legacy's key quantization is vLLM 0.28.0's CUDA kernel: run this cell on CUDA "
+            "(tests/oracles/test_legacy_key.py checks its key path on the CPU)."
+        )
+    reason = legacy_kernel.missing_reason()
+    if reason is not None:
+        raise RuntimeError(f"the vLLM 0.28 key kernel cannot run: {reason}.")
+    work = (args.out / LEGACY / tag).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    norm = inputs.k_norm
+    torch.save(
+        dict(
+            kw=torch.cat((inputs.k[:, 0], inputs.w[:, 0]), dim=-1), q=inputs.q[:, 0],
+            norm_weight=norm.weight.detach(), norm_bias=norm.bias.detach(),
+            spec=pre.rope_tables.spec,
+            interleaved=interleaved,
+            max_position_embeddings=max(inputs.seq_len, args.plain_max_position),
+        ),
+        work / "inputs.pt",
+    )  # fmt: skip
+    env = dict(os.environ)
+    repo = Path(__file__).resolve().parents[1]
+    paths = [os.path.abspath(args.engine_torch)] if args.engine_torch else []
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(repo), env.get("PYTHONPATH", "")]).strip(
+        os.pathsep
+    )
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")  # compiled fresh, kept
+    env["TRITON_CACHE_DIR"] = str(work / "triton")
+    cmd = [sys.executable, str(repo / "tools" / "vllm_legacy_engine.py"),
+           str(work / "inputs.pt"), str(work / "engine.pt")]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True)
+    out = torch.load(work / "engine.pt", weights_only=False)
+    source = out["source"]
+    if args.engine_torch and not Path(source["torch_file"]).is_relative_to(
+        Path(os.path.abspath(args.engine_torch))
+    ):
+        raise RuntimeError(
+            f"the vllm-legacy child imported torch {source['torch']} from {source['torch_file']}, "
+            f"not from --engine-torch {args.engine_torch}."
+        )
+    device = inputs.q.device
+    k = out["k"].to(device)
+    key = legacy_kernel.vllm_legacy_key_quant(k)
+    cos, sin = out["cos_sin_cache"].to(device).chunk(2, dim=-1)
+    rope = ek.EngineRope(cos.contiguous(), sin.contiguous(), source["rope"])
+    ops = EngineOperands(out["q"].to(device), key.k, key.k_descale, out["weights"].to(device))
+    ours = package_key(inputs, ENGINE_PROFILES[LEGACY], interleaved=interleaved, pre=pre)
+    legacy = {**source, "key_kernel": key.source, "k_bf16_differ": _differ(ours, k),
+              "k_bf16_entries": k.numel()}  # fmt: skip
+    return rope, ek.EngineKernelRun(ops, "vllm", f"{source['query_kernel']}; {key.source}"), legacy
 
 
 def _row(rec: dict) -> str:
@@ -255,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         "--plain-max-position", type=int, default=65536,
         help="vLLM's cache length of the plain-RoPE model (the checkpoint's "
         "max_position_embeddings; on CUDA each row depends on its position only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine-torch", default=None,
+        help="vllm-legacy: a folder of torch (and its Triton) first on the PYTHONPATH of the "
+        "child that compiles vLLM 0.28.0's key path (its pin: torch 2.13.0, Triton 3.7.1)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("layer_conformance"))
     args = p.parse_args(argv)

@@ -78,6 +78,7 @@ __all__ = [
     "JIT_ORACLE_ENGINES",
     "KNOWN_SHA256",
     "ORACLE_ENGINES",
+    "PINNED_SHA256",
     "ROPE_ORACLES",
     "SGLANG_JIT_DIR_VAR",
     "SGLANG_K_NORM_EPS",
@@ -86,12 +87,14 @@ __all__ = [
     "engine_kernel_operands",
     "engine_layer_picks",
     "engine_rope",
+    "engine_rotary",
     "kernel_files",
     "load_module",
     "missing_reason",
     "operand_diff",
     "oracle_for",
     "package_operands",
+    "rope_code",
     "sglang_build",
     "sglang_jit_dir",
     "sglang_toolchain_reason",
@@ -122,6 +125,12 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
     "vllm-legacy-q": ("vllm/model_executor/layers/sparse_attn_indexer.py",),
     # The engines' RoPE table construction (engine_rope).
     "vllm-rope": (
+        f"{_VLLM_ROPE}/common.py",
+        f"{_VLLM_ROPE}/base.py",
+        f"{_VLLM_ROPE}/deepseek_scaling_rope.py",
+    ),
+    # vLLM 0.28.0's (vllm-legacy): the same three files at that release (LEGACY_ROPE_SHA256).
+    "vllm-legacy-rope": (
         f"{_VLLM_ROPE}/common.py",
         f"{_VLLM_ROPE}/base.py",
         f"{_VLLM_ROPE}/deepseek_scaling_rope.py",
@@ -180,12 +189,27 @@ KNOWN_SHA256: dict[str, str] = {
     **SGLANG_SHARED_SHA256,
 }
 
+# The files of an engine whose paths another release shares (vLLM 0.28.0's rotary code beside
+# 0.33.0's, in another root): kernel_files takes the first root whose files are these, by hash.
+# base.py is the same file in both releases.
+PINNED_SHA256: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm-legacy-rope": (
+        "vllm 0.28.0",
+        (
+            "39bf5bb498ae45ca7a38269e85aa8b9b257a00c919e2d4d14a7ceb44ac7e9c98",
+            "c81804498f08f072356a26b41967f211475df2694dabf5da9f488c074d1fdef5",
+            "b6b72b77ac71e69bfefe7a9b1bcc0c1518679adc37eb5082685cc75450741c63",
+        ),
+    ),
+}
+
 # Engine profile -> the engine whose own rotary code builds its RoPE tables, and whether vLLM's
 # custom ops are on (an eager run: DeepseekScalingRotaryEmbedding then keeps its float32 cache
 # for flashinfer; a compiled run casts it to the model dtype).
 ROPE_ORACLES: dict[str, tuple[str, bool]] = {
     "vllm": ("vllm-rope", False),
     "vllm-eager": ("vllm-rope", True),
+    "vllm-legacy": ("vllm-legacy-rope", False),
     "lmdeploy": ("lmdeploy-rope", False),
     "sglang-fused": ("sglang-rope", False),
     "sglang-unfused": ("sglang-rope", False),
@@ -211,9 +235,12 @@ def kernel_files(engine: str, root: str | os.PathLike | None = None) -> tuple[Pa
         raise ValueError(
             f"engine={engine!r} has no kernel oracle; use one of {sorted(ENGINE_FILES)}."
         )
+    pinned = PINNED_SHA256[engine][1] if engine in PINNED_SHA256 else None
     for r in roots(root):
         paths = tuple(r / f for f in ENGINE_FILES[engine])
-        if all(p.is_file() for p in paths):
+        if all(p.is_file() for p in paths) and (
+            pinned is None or tuple(sha256(p) for p in paths) == pinned
+        ):
             return paths
     return None
 
@@ -227,7 +254,8 @@ def missing_reason(engine: str, root: str | os.PathLike | None = None) -> str | 
         where = os.fspath(root) if root is not None else os.environ.get(ENV_VAR)
         if not where:
             return f"{ENV_VAR} is not set (docs/gpu-validation.md: the engine-kernel recipe)"
-        return f"{where} holds no {' + '.join(ENGINE_FILES[engine])}"
+        release = " at the pinned release (PINNED_SHA256)" if engine in PINNED_SHA256 else ""
+        return f"{where} holds no {' + '.join(ENGINE_FILES[engine])}{release}"
     if engine == "sglang":
         return sglang_toolchain_reason()
     if not engine.endswith("-rope") and importlib.util.find_spec("triton") is None:
@@ -526,8 +554,8 @@ def _load_rope_code(engine: str, root: str | os.PathLike | None) -> tuple[dict, 
     key = (engine, files)
     if key not in _ROPE_LOADED:
         loaded: dict[str, types.ModuleType] = {}
-        if engine in ("vllm-rope", "sglang-rope"):
-            if engine == "vllm-rope":
+        if engine in ("vllm-rope", "vllm-legacy-rope", "sglang-rope"):
+            if engine != "sglang-rope":
                 stubs, rope = _vllm_rope_stubs(files[0].parent), _VLLM_ROPE.replace("/", ".")
             else:
                 stubs, rope = _sglang_rope_stubs(files[0].parent), _SGLANG_ROPE.replace("/", ".")
@@ -546,8 +574,73 @@ def _load_rope_code(engine: str, root: str | os.PathLike | None) -> tuple[dict, 
                 loaded[label] = stubs[name] = load_module(path, name, stubs)
         _ROPE_LOADED[key] = loaded
     digests = [sha256(p) for p in files]
-    releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
+    if engine in PINNED_SHA256:  # kernel_files checked every hash
+        releases = [PINNED_SHA256[engine][0]]
+    else:
+        releases = sorted({KNOWN_SHA256.get(d, "unknown release") for d in digests})
     return _ROPE_LOADED[key], f"{', '.join(releases)} (sha256 {' '.join(d[:12] for d in digests)})"
+
+
+def _rope_engine(profile: EngineProfile) -> str:
+    if profile.name not in ROPE_ORACLES:
+        raise ValueError(
+            f"engine profile {profile.name!r} has no RoPE oracle here; the profiles with one: "
+            f"{sorted(ROPE_ORACLES)}."
+        )
+    return ROPE_ORACLES[profile.name][0]
+
+
+def rope_code(
+    profile: EngineProfile, root: str | os.PathLike | None = None
+) -> tuple[dict[str, types.ModuleType], str]:
+    """The rotary modules of ``profile``'s engine (by file stem), loaded unmodified once, and
+    their release and hashes: for a compiler that imports the code it traces by module name."""
+    return _load_rope_code(_rope_engine(profile), root)
+
+
+def engine_rotary(
+    profile: EngineProfile,
+    spec: RopeSpec,
+    *,
+    device: torch.device | str,
+    model_dtype: torch.dtype = torch.bfloat16,
+    max_position_embeddings: int,
+    neox: bool = True,
+    root: str | os.PathLike | None = None,
+) -> tuple[Any, str]:
+    """The rotary module ``profile``'s engine builds (vLLM's or SGLang's own class, as
+    :func:`engine_rope` describes), and the release and file hashes that ran: the module whose
+    ``cos_sin_cache`` the tables are and whose ``forward_native`` the engine's compiled model
+    rotates with (``neox``: its ``is_neox_style``, which the tables do not depend on).
+    ``ValueError`` for LMDeploy's (its tables are a function, not a module)."""
+    engine = _rope_engine(profile)
+    if engine == "lmdeploy-rope":
+        raise ValueError("LMDeploy's rotary embedding is a table function: use engine_rope.")
+    eager = ROPE_ORACLES[profile.name][1]
+    modules, source = _load_rope_code(engine, root)
+    r, y = spec.rope_dim, spec.yarn
+    vllm = engine != "sglang-rope"
+    # vLLM's loader builds the model under its device, with custom ops on in an eager run;
+    # SGLang's under its target device, DeepSeek's YaRN class at get_device() explicitly.
+    _VllmSwitches.eager, _SglangRopeSwitches.device = (
+        (eager, "cuda") if vllm else (False, str(torch.device(device)))
+    )
+    plain, scaled = ("base", "deepseek_scaling_rope") if vllm else ("base", "rope_variant")
+    try:
+        with torch.device(device):
+            if y is None:
+                rotary = modules[plain].RotaryEmbedding(
+                    r, r, max_position_embeddings, spec.base, neox, model_dtype
+                )
+            else:
+                rotary = modules[scaled].DeepseekScalingRotaryEmbedding(
+                    r, r, y.original_max_position_embeddings, spec.base, neox,
+                    y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
+                    beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
+                )  # fmt: skip
+    finally:
+        _VllmSwitches.eager, _SglangRopeSwitches.device = False, "cuda"
+    return rotary, source
 
 
 def engine_rope(
@@ -578,37 +671,13 @@ def engine_rope(
     torch.device(device)`` as its model loader constructs the model, the cache left in float32
     as SGLang leaves it on CUDA; ``max_position_embeddings`` as vLLM's.
     """
-    if profile.name not in ROPE_ORACLES:
-        raise ValueError(
-            f"engine profile {profile.name!r} has no RoPE oracle here; the profiles with one: "
-            f"{sorted(ROPE_ORACLES)}."
-        )
-    engine, eager = ROPE_ORACLES[profile.name]
-    modules, source = _load_rope_code(engine, root)
-    r, y = spec.rope_dim, spec.yarn
-    device = torch.device(device)
-    if engine in ("vllm-rope", "sglang-rope"):
-        vllm = engine == "vllm-rope"
-        # vLLM's loader builds the model under its device, with custom ops on in an eager run;
-        # SGLang's under its target device, DeepSeek's YaRN class at get_device() explicitly.
-        _VllmSwitches.eager, _SglangRopeSwitches.device = (
-            (eager, "cuda") if vllm else (False, str(device))
-        )
-        plain, scaled = ("base", "deepseek_scaling_rope") if vllm else ("base", "rope_variant")
-        try:
-            with torch.device(device):
-                if y is None:
-                    rotary = modules[plain].RotaryEmbedding(
-                        r, r, max_position_embeddings or n_positions, spec.base, True, model_dtype
-                    )
-                else:
-                    rotary = modules[scaled].DeepseekScalingRotaryEmbedding(
-                        r, r, y.original_max_position_embeddings, spec.base, True,
-                        y.scaling_factor, model_dtype, beta_fast=y.beta_fast,
-                        beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim,
-                    )  # fmt: skip
-        finally:
-            _VllmSwitches.eager, _SglangRopeSwitches.device = False, "cuda"
+    engine = _rope_engine(profile)
+    if engine != "lmdeploy-rope":
+        rotary, source = engine_rotary(
+            profile, spec, device=device, model_dtype=model_dtype,
+            max_position_embeddings=max_position_embeddings or n_positions, root=root,
+        )  # fmt: skip
+        vllm = engine != "sglang-rope"
         cache = rotary.cos_sin_cache
         if cache.shape[0] < n_positions:
             raise ValueError(
@@ -617,6 +686,8 @@ def engine_rope(
             )
         cos, sin = cache[:n_positions].chunk(2, dim=-1)
         return EngineRope(cos.contiguous(), sin.contiguous(), source)
+    modules, source = _load_rope_code(engine, root)
+    r, y = spec.rope_dim, spec.yarn
     spec_mod, default, nn_mod = modules["spec"], modules["default"], modules["nn"]
     rope_scaling = None
     if y is not None:

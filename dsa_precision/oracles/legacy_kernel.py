@@ -163,17 +163,26 @@ def package_key(
     profile: EngineProfile | None = None,
     *,
     interleaved: bool,
+    pre: IndexerPreprocess | None = None,
 ) -> torch.Tensor:
     """The key of ``inputs`` after the package's preprocessing under ``profile`` (default
     ``vllm-legacy``): ``[S, D]`` bfloat16 in the engine's lane order, what that profile's engine
     quantizes. Megatron de-interleaves the RoPE lanes of an ``interleaved`` model into halves;
     the engines rotate each adjacent pair in place, so the pairs go back (as the package's FP8
-    operands do). ``ValueError`` when the profile does not round its key to BF16."""
+    operands do). ``pre``: a layer's own preprocessing (its engine RoPE tables of positions
+    ``0 .. S - 1``) instead of one built here on ``inputs.freqs``. ``ValueError`` when the
+    profile does not round its key to BF16."""
     profile = profile or ENGINE_PROFILES["vllm-legacy"]
-    pre = IndexerPreprocess(
-        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=interleaved,
-        rotate_activation=False, rope_fp32=True, engine=profile,
-    )  # fmt: skip
+    if pre is None:
+        pre = IndexerPreprocess(
+            inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=interleaved,
+            rotate_activation=False, rope_fp32=True, engine=profile,
+        )  # fmt: skip
+    elif pre.engine != profile or not pre.rope_fp32:
+        raise ValueError(
+            f"pre preprocesses under {pre.engine.name!r} (rope_fp32={pre.rope_fp32}), not "
+            f"{profile.name!r} with rope_fp32."
+        )
     with torch.no_grad():
         _, k = pre(inputs.q, inputs.k, inputs.freqs)
     key = k[:, 0].to(torch.bfloat16)

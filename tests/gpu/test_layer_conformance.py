@@ -47,6 +47,27 @@ def test_the_layer_matches_sglangs_unfused_code_on_the_gpu(tmp_path, record, sco
     _check(tmp_path, record, scores, ["sglang-unfused"], ["v32"], 2)
 
 
+def _legacy_missing() -> list[str]:
+    from dsa_precision.oracles import legacy_kernel, legacy_key
+
+    return [r for r in (legacy_key.missing_reason(), legacy_kernel.missing_reason()) if r]
+
+
+MISSING_LEGACY = _legacy_missing()
+
+
+@pytest.mark.skipif(bool(MISSING_LEGACY), reason="; ".join(MISSING_LEGACY))
+@pytest.mark.parametrize("scores", ["exact", pytest.param("deepgemm", marks=needs_deepgemm)])
+def test_the_layer_matches_vllm_028s_own_code_on_the_gpu(tmp_path, record, scores):
+    """vllm-legacy: vLLM 0.28.0's rotary module built on the device, its key LayerNorm and RoPE
+    compiled by Inductor in a child process (this torch), its Triton query kernel and its CUDA
+    key quantization (built by .vllm-legacy/build.sh), both models."""
+    records = _check(tmp_path, record, scores, ["vllm-legacy"], ["glm5", "v32"], 4)
+    for rec in records:
+        assert rec["vllm-legacy"]["k_bf16_differ"] == 0, rec["vllm-legacy"]
+        assert rec["vllm-legacy"]["compiled"] is True
+
+
 def _check(tmp_path, record, scores: str, profiles: list[str], models: list[str], n: int):
     tool = load_tool("layer_conformance")
     argv = ["--seq", "512", "--topk", "64", "--scores", scores, "--profiles", *profiles,
@@ -66,3 +87,4 @@ def _check(tmp_path, record, scores: str, profiles: list[str], models: list[str]
             diff = {k: v for k, v in rec[side].items() if k.endswith("_differ")}
             assert set(diff.values()) == {0}, (where, side, diff)
         assert rec["layer_topk"]["rows_identical"] == 1.0, where
+    return records

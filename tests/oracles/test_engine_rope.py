@@ -14,7 +14,7 @@ from dsa_precision.rope import EngineRopeTables, RopePositions, RopeSpec, YarnSc
 
 needs = {
     e: pytest.mark.skipif(ek.missing_reason(e) is not None, reason=str(ek.missing_reason(e)))
-    for e in ("vllm-rope", "lmdeploy-rope", "sglang-rope")
+    for e in ("vllm-rope", "vllm-legacy-rope", "lmdeploy-rope", "sglang-rope")
 }
 SPECS = {
     "rope-1e4": RopeSpec(64, 1e4),
@@ -83,6 +83,33 @@ def test_sglangs_own_cos_sin_cache_is_the_package_table(profile, spec):
     assert torch.equal(run.cos, cos) and torch.equal(run.sin, sin)
 
 
+@needs["vllm-legacy-rope"]
+@pytest.mark.parametrize("spec", SPECS)
+def test_vllm_028s_own_cos_sin_cache_is_the_legacy_table(spec):
+    """vLLM 0.28.0's rotary files (another root of DSA_ENGINE_KERNELS, picked by their hashes
+    over 0.33.0's at the same paths): the BF16 cache of its compiled run is vllm-legacy's."""
+    run = ek.engine_rope(ENGINE_PROFILES["vllm-legacy"], SPECS[spec], N, device="cpu")
+    assert run.source.startswith("vllm 0.28.0 (sha256 39bf5bb498ae c81804498f08 "), run.source
+    assert run.cos.dtype == torch.bfloat16 == ENGINE_PROFILES["vllm-legacy"].cos_sin_dtype
+    cos, sin = _ours("vllm-legacy", SPECS[spec])
+    assert torch.equal(run.cos, cos) and torch.equal(run.sin, sin)
+
+
+def test_a_pinned_engine_skips_a_root_of_another_release(tmp_path):
+    """A root whose files sit at vLLM 0.28.0's paths but are not its bytes is not 0.28.0's."""
+    for rel in ek.ENGINE_FILES["vllm-legacy-rope"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("# not vLLM 0.28.0\n")
+    assert ek.kernel_files("vllm-legacy-rope", tmp_path) is None
+    reason = ek.missing_reason("vllm-legacy-rope", tmp_path)
+    assert reason is not None and "pinned release" in reason
+    assert ek.kernel_files("vllm-rope", tmp_path) is not None  # an unpinned engine takes them
+
+
 def test_profiles_without_a_rope_oracle_say_so():
     with pytest.raises(ValueError, match="has no RoPE oracle here"):
-        ek.engine_rope(ENGINE_PROFILES["vllm-legacy"], SPECS["rope-1e4"], 8, device="cpu")
+        ek.engine_rope(ENGINE_PROFILES["vllm-exact"], SPECS["rope-1e4"], 8, device="cpu")
+    with pytest.raises(ValueError, match="table function"):
+        ek.engine_rotary(
+            ENGINE_PROFILES["lmdeploy"], SPECS["rope-1e4"], device="cpu", max_position_embeddings=8
+        )
