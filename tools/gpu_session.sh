@@ -256,7 +256,7 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
         print(torch.__version__, torch.__file__, triton.__version__, torch.cuda.is_available())'" ;;
     layer-legacy)  # issue 29: vllm-legacy's layer cells (after `deepgemm` and `vllm-legacy`):
       # vLLM 0.28.0's key path compiled in a child by the host's torch, then by torch 2.13.0
-      # (after `torch213`), both models, use_cpu_initialization both ways; then the GPU test
+      # (after `torch213`), both models, use_cpu_initialization both ways
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       TAIL=12 run layer_legacy_host 600 python tools/layer_conformance.py --profiles vllm-legacy \
         --out "$LOGS/layer_legacy_host" ${LAYER_ARGS:-}
@@ -264,7 +264,9 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
         TAIL=12 run layer_legacy_torch213 600 python tools/layer_conformance.py \
           --profiles vllm-legacy --engine-torch "$HOME/torch213" \
           --out "$LOGS/layer_legacy_torch213" ${LAYER_ARGS:-}
-      fi
+      fi ;;
+    tests-legacy)  # the GPU tests of vllm-legacy's layer cells (S = 512; after `vllm-legacy`)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       TAIL=8 run tests_layer_legacy 600 python -m pytest -q -x -m gpu \
         tests/gpu/test_layer_conformance.py -k legacy ;;
     triton38)  # issue 29: vLLM 0.33's / LMDeploy 0.18's Triton kernels compiled by Triton 3.8
