@@ -258,8 +258,10 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       # vLLM 0.28.0's key path compiled in a child by the host's torch, then by torch 2.13.0
       # (after `torch213`), both models, use_cpu_initialization both ways
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
-      TAIL=12 run layer_legacy_host 600 python tools/layer_conformance.py --profiles vllm-legacy \
-        --out "$LOGS/layer_legacy_host" ${LAYER_ARGS:-}
+      if [ "${LEGACY_HOST:-1}" = 1 ]; then  # LEGACY_HOST=0: torch 2.13's run only
+        TAIL=12 run layer_legacy_host 600 python tools/layer_conformance.py \
+          --profiles vllm-legacy --out "$LOGS/layer_legacy_host" ${LAYER_ARGS:-}
+      fi
       if [ -d "$HOME/torch213/torch" ]; then
         TAIL=12 run layer_legacy_torch213 600 python tools/layer_conformance.py \
           --profiles vllm-legacy --engine-torch "$HOME/torch213" \
