@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -282,6 +283,12 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     subprocess.run(cmd, env=env, check=True)
     out = torch.load(work / "engine.pt", weights_only=False)
     source = out["source"]
+    # Inductor's generated Triton code, one level under --out (what the key's bits are made of).
+    code = args.out / f"{LEGACY}-inductor-code"
+    code.mkdir(exist_ok=True)
+    for path in sorted((work / "inductor").rglob("*.py")):
+        if "@triton.jit" in path.read_text(errors="replace"):
+            shutil.copy(path, code / f"{tag}-{path.name}")
     if args.engine_torch and not Path(source["torch_file"]).is_relative_to(
         Path(os.path.abspath(args.engine_torch))
     ):
