@@ -252,7 +252,7 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     if not inputs.q.is_cuda:
         raise RuntimeError(
             "vllm-legacy's key quantization is vLLM 0.28.0's CUDA kernel: run this cell on CUDA "
-            "(tests/oracles/test_legacy_key.py checks its key path on the CPU)."
+            "(tests/interpreter/test_legacy_key.py checks its key path on the CPU)."
         )
     reason = legacy_kernel.missing_reason()
     if reason is not None:

@@ -104,6 +104,9 @@ __all__ = [
 _VLLM_ROPE = "vllm/model_executor/layers/rotary_embedding"
 _LMDEPLOY_ROPE = "lmdeploy/pytorch"
 _SGLANG_ROPE = "sglang/srt/layers/rotary_embedding"
+_VLLM_ROPE_FILES = tuple(
+    f"{_VLLM_ROPE}/{name}.py" for name in ("common", "base", "deepseek_scaling_rope")
+)
 # The fused kernels' headers (indexer_k.cuh, main_norm_rope.cuh: nvcc -M under SGLang's flags).
 _SGLANG_HEADERS = tuple(
     sorted(
@@ -124,17 +127,9 @@ ENGINE_FILES: dict[str, tuple[str, ...]] = {
     # vLLM 0.28.0's query kernel for vllm-legacy (.legacy_q; its key kernel is CUDA: .legacy_kernel).
     "vllm-legacy-q": ("vllm/model_executor/layers/sparse_attn_indexer.py",),
     # The engines' RoPE table construction (engine_rope).
-    "vllm-rope": (
-        f"{_VLLM_ROPE}/common.py",
-        f"{_VLLM_ROPE}/base.py",
-        f"{_VLLM_ROPE}/deepseek_scaling_rope.py",
-    ),
-    # vLLM 0.28.0's (vllm-legacy): the same three files at that release (LEGACY_ROPE_SHA256).
-    "vllm-legacy-rope": (
-        f"{_VLLM_ROPE}/common.py",
-        f"{_VLLM_ROPE}/base.py",
-        f"{_VLLM_ROPE}/deepseek_scaling_rope.py",
-    ),
+    "vllm-rope": _VLLM_ROPE_FILES,
+    # vLLM 0.28.0's (vllm-legacy): the same three files at that release (PINNED_SHA256).
+    "vllm-legacy-rope": _VLLM_ROPE_FILES,
     "lmdeploy-rope": (
         f"{_LMDEPLOY_ROPE}/backends/rotary_embedding.py",
         f"{_LMDEPLOY_ROPE}/backends/default/rotary_embedding.py",

@@ -178,10 +178,11 @@ def package_key(
             inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=interleaved,
             rotate_activation=False, rope_fp32=True, engine=profile,
         )  # fmt: skip
-    elif pre.engine != profile or not pre.rope_fp32:
+    elif pre.engine != profile or not pre.rope_fp32 or pre.rope_interleaved != interleaved:
         raise ValueError(
-            f"pre preprocesses under {pre.engine.name!r} (rope_fp32={pre.rope_fp32}), not "
-            f"{profile.name!r} with rope_fp32."
+            f"pre preprocesses under {pre.engine.name!r} (rope_fp32={pre.rope_fp32}, "
+            f"rope_interleaved={pre.rope_interleaved}), not {profile.name!r} with rope_fp32 and "
+            f"rope_interleaved={interleaved}."
         )
     with torch.no_grad():
         _, k = pre(inputs.q, inputs.k, inputs.freqs)

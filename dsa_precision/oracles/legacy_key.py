@@ -30,6 +30,7 @@ import dataclasses
 import os
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from ..engines import ENGINE_PROFILES
 from ..rope import RopeSpec
 from . import legacy_q
 from .engine_kernels import engine_rotary, rope_code
+from .engine_kernels import missing_reason as files_missing_reason
 from .loader import load_module, package, roots, scoped_modules, sha256
 
 __all__ = [
@@ -67,10 +69,8 @@ def _layernorm_file(root: str | os.PathLike | None) -> Path | None:
 def missing_reason(root: str | os.PathLike | None = None) -> str | None:
     """Why vLLM 0.28.0's key and query cannot be built here, or ``None``: its ``layernorm.py``,
     rotary files and query kernel under a root of ``DSA_ENGINE_KERNELS``."""
-    from . import engine_kernels as ek
-
     for engine in ("vllm-legacy-rope", "vllm-legacy-q"):
-        if (reason := ek.missing_reason(engine, root)) is not None:
+        if (reason := files_missing_reason(engine, root)) is not None:
             return reason
     if _layernorm_file(root) is None:
         return f"no root of DSA_ENGINE_KERNELS holds vLLM 0.28.0's {LAYERNORM_FILE}"
@@ -202,11 +202,11 @@ def legacy_engine_run(
         _, k_pe = rotary.forward_native(positions, torch.empty_like(k_pe), k_pe)
         return torch.cat([k_pe.reshape(-1, r), k_nope], dim=-1)
 
-    options: dict[str, str | int | bool] = dict(vllm_inductor_options()) if compiled else {}
+    options: dict[str, Any] = {**vllm_inductor_options()} if compiled else {}
     if compiled:
         torch._dynamo.mark_dynamic(kw, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        key = torch.compile(key, backend="inductor", fullgraph=True, options=dict(options))
+        key = torch.compile(key, backend="inductor", fullgraph=True, options=options)
     module, q_source = legacy_q.load(root)
     # Dynamo imports the modules of the code it traces by name: vLLM's files, importable while
     # they compile and run.

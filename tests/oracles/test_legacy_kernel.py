@@ -124,3 +124,18 @@ def test_only_a_bf16_key_is_handed_to_the_kernel():
     inputs = synthetic_indexer_inputs(8, seed=4)
     with pytest.raises(ValueError, match="'vllm' does not round its key to BF16"):
         lk.package_key(inputs, ENGINE_PROFILES["vllm"], interleaved=False)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_package_key_refuses_a_preprocess_of_another_layout(interleaved):
+    """A layer's own preprocessing handed in must be the profile's, with rope_fp32 and the RoPE
+    layout the key's lanes are put back in: otherwise the pairs would go back wrongly."""
+    from dsa_precision.preprocess import IndexerPreprocess
+
+    inputs = synthetic_indexer_inputs(8, n_heads=2)
+    pre = IndexerPreprocess(
+        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=not interleaved,
+        rotate_activation=False, rope_fp32=True, engine=ENGINE_PROFILES["vllm-legacy"],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=f"rope_interleaved={interleaved}"):
+        lk.package_key(inputs, interleaved=interleaved, pre=pre)
