@@ -50,7 +50,7 @@ WeightsDtype = Literal["bf16", "fp32"]
 # one fused multiply-add; docs/numerics.md, section 8.5) or "fp32-warp-up" (the same with the
 # butterfly's steps the other way round, lanes 1, 2, 4, 8, 16 apart: FlashInfer 0.7.2's CuTe DSL
 # LayerNorm, section 8.6).
-LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp", "fp32-warp-up"]
+LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp", "fp32-warp-up", "fp32-welford"]
 # Which product of the float32 RoPE the engine's contraction fuses (fma=True), per half of the
 # rotate-half slice, out = x * cos + rot(x) * sin: "cos" (every lane fma(x, cos, fl(rot(x) * sin)):
 # Triton's contraction in vLLM's and LMDeploy's kernels) or "cos-sin" (the first half as "cos",
@@ -424,7 +424,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         name="vllm-legacy",
         summary=(
             "vLLM 0.26-0.28 (generic deepseek_v2 Indexer, fused Triton q): BF16 cos/sin, "
-            "LayerNorm and RoPE outputs rounded to BF16, q amax floor 1e-10"
+            "Inductor's Welford LayerNorm (eps 1e-6) and RoPE outputs rounded to BF16, q amax "
+            "floor 1e-10"
         ),
         cos_sin_dtype=_BF16,
         k_norm_dtype=_BF16,
@@ -438,6 +439,11 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         # contraction: fma(x0, cos, -fl(x1 sin)), fma(x1, cos, fl(x0 sin)) in its PTX
         # (docs/numerics.md, section 8.4); the key's RoPE is Inductor's Triton, read alike.
         fma=True,
+        # The key LayerNorm as Inductor (torch 2.11, Triton 3.6) compiles vLLM's LayerNorm for
+        # Hopper: a Welford reduction with per-lane statistics (exact_math.layer_norm_fp32_welford;
+        # docs/numerics.md, section 8.4); Indexer.__init__ builds it with eps=1e-6.
+        layernorm="fp32-welford",
+        k_norm_eps=_ENGINE_K_NORM_EPS,
     ),
     EngineProfile(
         name="sglang-fused",

@@ -5,7 +5,9 @@ that the torch reference, the fused Triton kernel and an engine's kernel agree b
 every device: a fused multiply-add rounded once (:func:`fma_fp32`), sums in a fixed tree
 (:func:`pairwise_sum`, :func:`triton_block_sum`), and the key LayerNorm evaluated in float64
 rounded once (:func:`layer_norm_fp32`) or float32 operation by operation as the engines' Triton
-kernels do (:func:`layer_norm_fp32_ops`) or SGLang's CUDA kernel does (:func:`layer_norm_fp32_warp`). Why each order is the engine's: docs/numerics.md,
+kernels do (:func:`layer_norm_fp32_ops`), SGLang's CUDA kernel does (:func:`layer_norm_fp32_warp`)
+or Inductor's Welford kernel does (:func:`layer_norm_fp32_welford`). Why each order is the
+engine's: docs/numerics.md,
 "The engines' float32 arithmetic".
 """
 
@@ -23,6 +25,7 @@ __all__ = [
     "layer_norm_fp32",
     "layer_norm_fp32_ops",
     "layer_norm_fp32_warp",
+    "layer_norm_fp32_welford",
     "pairwise_sum",
     "rsqrt_fp32",
     "triton_block_sum",
@@ -284,3 +287,76 @@ def layer_norm_fp32_warp(
         else (squares * 2.0**-7 + eps32)
     )
     return _affine_fp32(d * rsqrt_fp32(var_eps), weight, bias, fma)
+
+
+# Triton's div.full.f32 of 1 by 3, the one inexact weight ratio of Inductor's Welford LayerNorm
+# (the others are powers of two); measured on the H100 (docs/numerics.md, section 8.4).
+DIV_FULL_ONE_THIRD = 0.3333333432674408
+
+
+def _welford_step(
+    state: tuple[torch.Tensor, torch.Tensor],
+    other: tuple[torch.Tensor, torch.Tensor],
+    weight: float,
+    ratio: torch.Tensor,
+    fma: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inductor's ``welford_combine`` of ``state`` (count ``weight``) with ``other``, as Triton
+    compiles it: ``ratio`` is ``w_other / (weight + w_other)``; ``delta = fl(m' - m)``,
+    ``mean = fma(ratio, delta, m)``, ``m2 = fma(ratio, fl(weight * fl(delta * delta)),
+    fl(m2 + m2'))`` (no ``fma``: each product and sum rounded)."""
+    (mean, m2), (mean_o, m2_o) = state, other
+    delta = mean_o - mean
+    spread = (delta * delta) * weight
+    if fma:
+        return fma_fp32(ratio, delta, mean), fma_fp32(ratio, spread, m2 + m2_o)
+    return mean + ratio * delta, (m2 + m2_o) + ratio * spread
+
+
+def layer_norm_fp32_welford(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    fma: bool,
+    one_third: float = DIV_FULL_ONE_THIRD,
+) -> torch.Tensor:
+    """The key LayerNorm as Inductor compiles ``F.layer_norm`` of a float32 ``[N, 128]`` tensor
+    for Triton (torch 2.11, Triton 3.6, Hopper: vLLM 0.26-0.28's compiled indexer key): a Welford
+    reduction, one warp a row, lane ``l`` holding ``x[4l .. 4l + 3]`` (``x``: ``[..., 128]``;
+    float32 out)::
+
+        lane l:  (x[4l], 0) combined with x[4l + 1], x[4l + 2], x[4l + 3] in turn (ratios 1/2,
+                 div.full(1, 3), 1/4; see _welford_step)
+        butterfly 16, 8, 4, 2, 1 lanes apart: lane l combines its state with lane l ^ s's
+                 (ratio 1/2); the combine is not symmetric, so each lane ends with statistics
+                 of its own
+        rstd = rsqrt(fl(m2 / 128 + fl32(eps)));  y = fma(fl(fl(x - mean) * rstd), w, b)
+
+    each element normalised with the statistics of the lane that holds it; ``rsqrt`` as
+    :func:`rsqrt_fp32`. Differentiable.
+    """
+    x = x.to(torch.float32)
+    if x.shape[-1] != 128:
+        raise ValueError(f"layer_norm_fp32_welford takes 128-wide vectors, got {tuple(x.shape)}.")
+    lanes = x.reshape(*x.shape[:-1], 32, 4)
+    state = (lanes[..., 0], torch.zeros_like(lanes[..., 0]))
+    zero = torch.zeros_like(state[1])
+    for i, ratio in enumerate((0.5, one_third, 0.25), start=1):
+        r = device_constant(ratio, torch.float32, x.device)
+        state = _welford_step(state, (lanes[..., i], zero), float(i), r, fma)
+    half = device_constant(0.5, torch.float32, x.device)
+    index = torch.arange(32, device=x.device)
+    count = 4.0
+    for s in (16, 8, 4, 2, 1):
+        partner = index ^ s
+        state = _welford_step(
+            state, (state[0][..., partner], state[1][..., partner]), count, half, fma
+        )
+        count *= 2
+    mean, m2 = state
+    eps32 = device_constant(float(eps), torch.float32, x.device)
+    rstd = rsqrt_fp32(m2 * 2.0**-7 + eps32)  # m2 / 128: exact
+    d = x - mean.repeat_interleave(4, dim=-1)
+    return _affine_fp32(d * rstd.repeat_interleave(4, dim=-1), weight, bias, fma)

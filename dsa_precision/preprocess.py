@@ -42,7 +42,12 @@ from torch import nn
 
 from .checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
-from .exact_math import layer_norm_fp32, layer_norm_fp32_ops, layer_norm_fp32_warp
+from .exact_math import (
+    layer_norm_fp32,
+    layer_norm_fp32_ops,
+    layer_norm_fp32_warp,
+    layer_norm_fp32_welford,
+)
 from .hadamard import rotate_activation
 from .rope import (
     EngineRopeTables,
@@ -383,6 +388,8 @@ class IndexerPreprocess(nn.Module):
         elif e.layernorm in ("fp32-warp", "fp32-warp-up"):
             up = e.layernorm == "fp32-warp-up"
             k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma, butterfly_up=up)
+        elif e.layernorm == "fp32-welford":
+            k = layer_norm_fp32_welford(k, *layer_norm_params(self.k_norm), fma=e.fma)
         else:
             k = layer_norm_fp32(k, *layer_norm_params(self.k_norm))
         k = k.to(e.k_norm_dtype)

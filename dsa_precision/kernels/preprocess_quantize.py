@@ -216,6 +216,55 @@ def _load_param(ptrs, KIND: tl.constexpr, F64: tl.constexpr):
 
 
 @triton.jit
+def _welford_step(mean, m2, mean_o, m2_o, weight, ratio, FMA, HW: tl.constexpr):
+    """``exact_math._welford_step``: Inductor's ``welford_combine`` of ``(mean, m2)`` (count
+    ``weight``) with ``(mean_o, m2_o)``, ``ratio`` the other's share of the count."""
+    delta = mean_o - mean
+    spread = (delta * delta) * weight
+    if FMA:
+        return _fma(ratio, delta, mean, HW), _fma(ratio, spread, m2 + m2_o, HW)
+    return mean + ratio * delta, (m2 + m2_o) + ratio * spread
+
+
+@triton.jit
+def _welford_butterfly(mean, m2, BLOCK_R: tl.constexpr, S: tl.constexpr, COUNT, FMA, HW):
+    """One butterfly step over the 32 lanes' ``[BLOCK_R, 32]`` states: lane ``l`` combines its
+    own state with lane ``l ^ S``'s (its own first: the combine is not symmetric)."""
+    G: tl.constexpr = 32 // (2 * S)
+    m_lo, m_hi = tl.split(tl.permute(tl.reshape(mean, (BLOCK_R, G, 2, S)), (0, 1, 3, 2)))
+    v_lo, v_hi = tl.split(tl.permute(tl.reshape(m2, (BLOCK_R, G, 2, S)), (0, 1, 3, 2)))
+    half = tl.zeros_like(m_lo) + 0.5
+    lo_m, lo_v = _welford_step(m_lo, v_lo, m_hi, v_hi, COUNT, half, FMA, HW)
+    hi_m, hi_v = _welford_step(m_hi, v_hi, m_lo, v_lo, COUNT, half, FMA, HW)
+    mean = tl.reshape(tl.permute(tl.join(lo_m, hi_m), (0, 1, 3, 2)), (BLOCK_R, 32))
+    m2 = tl.reshape(tl.permute(tl.join(lo_v, hi_v), (0, 1, 3, 2)), (BLOCK_R, 32))
+    return mean, m2
+
+
+@triton.jit
+def _welford_lane_stats(x, eps32, BLOCK_R: tl.constexpr, FMA, HW: tl.constexpr):
+    """``exact_math.layer_norm_fp32_welford``'s statistics of ``x`` ``[BLOCK_R, 128]``: the
+    mean and rstd of the lane holding each element, ``[BLOCK_R, 128]`` each."""
+    e02, e13 = tl.split(tl.reshape(x, (BLOCK_R, 32, 2, 2)))  # lane l: x[4l .. 4l + 3]
+    e0, e2 = tl.split(e02)
+    e1, e3 = tl.split(e13)
+    zero = tl.zeros_like(e0)
+    mean, m2 = _welford_step(e0, zero, e1, zero, 1.0, zero + 0.5, FMA, HW)
+    # div.full.f32(1, 3) (exact_math.DIV_FULL_ONE_THIRD, a float32 value)
+    mean, m2 = _welford_step(mean, m2, e2, zero, 2.0, zero + 0.3333333432674408, FMA, HW)
+    mean, m2 = _welford_step(mean, m2, e3, zero, 3.0, zero + 0.25, FMA, HW)
+    mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 16, 4.0, FMA, HW)
+    mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 8, 8.0, FMA, HW)
+    mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 4, 16.0, FMA, HW)
+    mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 2, 32.0, FMA, HW)
+    mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 1, 64.0, FMA, HW)
+    rstd = tl.rsqrt(m2 * 0.0078125 + eps32)  # m2 / 128: exact; rsqrt.approx on the GPU
+    mean = tl.reshape(tl.broadcast_to(mean[:, :, None], (BLOCK_R, 32, 4)), (BLOCK_R, 128))
+    rstd = tl.reshape(tl.broadcast_to(rstd[:, :, None], (BLOCK_R, 32, 4)), (BLOCK_R, 128))
+    return mean, rstd
+
+
+@triton.jit
 def _layer_norm_lanes(x, mean, denom, w_ptr, b_ptr, lanes, W: tl.constexpr, B: tl.constexpr):
     """``layer_norm_fp32`` at the given lanes: float64 ``(x - mean) / denom * w + b``, one
     rounding to float32 (``W`` / ``B``: the parameters' kinds, 0 for none)."""
@@ -293,7 +342,7 @@ def _preprocess_quantize_kernel(
     W_BF16: tl.constexpr,
     LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation: 1 Triton's tree
     # (layernorm="fp32-ops"), 2 a CUDA warp's ("fp32-warp"), 3 with its butterfly up
-    # ("fp32-warp-up"); 0 float64 once
+    # ("fp32-warp-up"), 4 Inductor's Welford reduction ("fp32-welford"); 0 float64 once
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
     FMA_SIN2: tl.constexpr,  # FMA fuses rotate_half(x) * sin on the second half (rope_fma)
     HAD_SCALE_F32: tl.constexpr,
@@ -332,7 +381,21 @@ def _preprocess_quantize_kernel(
     if ROPE_DIM > 0:
         xb = _load_f32(row + lane_b, mask, X_BF16)
 
-    if LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
+    if LAYER_NORM and LN_OPS == 4:  # Inductor's Welford LayerNorm: statistics of each lane
+        x32 = _load_f32(row + lanes, mask, X_BF16)
+        mean, rstd = _welford_lane_stats(x32, eps32, BLOCK_R, FMA, HW_CAST)
+        at_a = tl.broadcast_to(lane_a, (BLOCK_R, D))
+        xa = _layer_norm_ops_lanes(
+            xa, tl.gather(mean, at_a, 1), tl.gather(rstd, at_a, 1), ln_w_ptr, ln_b_ptr, lane_a,
+            LN_W, LN_B, FMA, HW_CAST,
+        )  # fmt: skip
+        if ROPE_DIM > 0:
+            at_b = tl.broadcast_to(lane_b, (BLOCK_R, D))
+            xb = _layer_norm_ops_lanes(
+                xb, tl.gather(mean, at_b, 1), tl.gather(rstd, at_b, 1), ln_w_ptr, ln_b_ptr,
+                lane_b, LN_W, LN_B, FMA, HW_CAST,
+            )  # fmt: skip
+    elif LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
         x32 = _load_f32(row + lanes, mask, X_BF16)
         if LN_OPS >= 2:  # a CUDA warp's sums (3: the butterfly up); var / 128 + eps fused
             up: tl.constexpr = LN_OPS == 3
@@ -611,7 +674,7 @@ def _layer_norm_param(
 
 _PARAM_KINDS = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3}
 # The kernel's LN_OPS for each LayerNorm arithmetic (EngineProfile.layernorm).
-_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2, "fp32-warp-up": 3}
+_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2, "fp32-warp-up": 3, "fp32-welford": 4}
 
 
 @functools.lru_cache(maxsize=256)
