@@ -289,6 +289,13 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     for path in sorted((work / "inductor").rglob("*.py")):
         if "@triton.jit" in path.read_text(errors="replace"):
             shutil.copy(path, code / f"{tag}-{path.name}")
+    # The configuration Inductor's autotuner kept for each kernel, and what Triton compiled
+    # (TTGIR layouts, PTX, launch metadata): the order of its float32 sums.
+    for path in sorted((work / "inductor").rglob("*.best_config")):
+        shutil.copy(path, code / f"{tag}-{path.name}")
+    for path in sorted((work / "triton").rglob("triton_*")):
+        if path.suffix in (".ttgir", ".ptx", ".json"):
+            shutil.copy(path, code / f"{tag}-{path.parent.name[:8]}-{path.name}")
     if args.engine_torch and not Path(source["torch_file"]).is_relative_to(
         Path(os.path.abspath(args.engine_torch))
     ):
