@@ -341,8 +341,8 @@ def layer_norm_fp32_welford(
     if x.shape[-1] != 128:
         raise ValueError(f"layer_norm_fp32_welford takes 128-wide vectors, got {tuple(x.shape)}.")
     lanes = x.reshape(*x.shape[:-1], 32, 4)
-    state = (lanes[..., 0], torch.zeros_like(lanes[..., 0]))
-    zero = torch.zeros_like(state[1])
+    zero = torch.zeros_like(lanes[..., 0])
+    state = (lanes[..., 0], zero)
     for i, ratio in enumerate((0.5, one_third, 0.25), start=1):
         r = device_constant(ratio, torch.float32, x.device)
         state = _welford_step(state, (lanes[..., i], zero), float(i), r, fma)

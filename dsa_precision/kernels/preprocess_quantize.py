@@ -44,6 +44,7 @@ import triton.language as tl
 from ..devices import device_constant
 from ..devices import f32 as _f32
 from ..engines import Fp8Rule
+from ..exact_math import DIV_FULL_ONE_THIRD
 from . import interpreting
 from .rules import PreprocessRules
 
@@ -56,6 +57,7 @@ MIN_AMAX_FLOOR = 2.0**-100
 _LOG2_HEAD_DIM = 7
 _FLOAT32_NAN_BITS = tl.constexpr(0x7FC00000)  # what torch.full_like(x, nan) stores
 _E4M3_NAN_BITS = tl.constexpr(0x7F)
+_ONE_THIRD = tl.constexpr(DIV_FULL_ONE_THIRD)  # Inductor's Welford ratio div.full(1, 3)
 
 
 @triton.jit
@@ -250,8 +252,7 @@ def _welford_lane_stats(x, eps32, BLOCK_R: tl.constexpr, FMA, HW: tl.constexpr):
     e1, e3 = tl.split(e13)
     zero = tl.zeros_like(e0)
     mean, m2 = _welford_step(e0, zero, e1, zero, 1.0, zero + 0.5, FMA, HW)
-    # div.full.f32(1, 3) (exact_math.DIV_FULL_ONE_THIRD, a float32 value)
-    mean, m2 = _welford_step(mean, m2, e2, zero, 2.0, zero + 0.3333333432674408, FMA, HW)
+    mean, m2 = _welford_step(mean, m2, e2, zero, 2.0, zero + _ONE_THIRD, FMA, HW)
     mean, m2 = _welford_step(mean, m2, e3, zero, 3.0, zero + 0.25, FMA, HW)
     mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 16, 4.0, FMA, HW)
     mean, m2 = _welford_butterfly(mean, m2, BLOCK_R, 8, 8.0, FMA, HW)

@@ -86,6 +86,14 @@ def test_both_warp_layer_norm_orders(layernorm, fma):
     _check(make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine)), mscale=1.07)
 
 
+@pytest.mark.parametrize("fma", [False, True])
+def test_welford_layer_norm_with_and_without_contraction(fma):
+    """Inductor's Welford key LayerNorm (vllm-legacy's ``fp32-welford``): the kernel's lane
+    butterfly and per-lane statistics against the reference, contracted or not."""
+    engine = dataclasses.replace(ENGINE_PROFILES["vllm-legacy"], name="custom", fma=fma)
+    _check(make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine)), mscale=1.07)
+
+
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_engine_profile_at_the_quantization_edges(name):
     engine = ENGINE_PROFILES[name]
