@@ -8,7 +8,7 @@ The Megatron integration lives in ``dsa_precision.megatron``; the commands in
 # ruff: noqa: I001  (sections follow the dataflow, not the alphabet)
 
 # Configuration: the switches and the inference engine's rules
-from .engines import ENGINE_PROFILES, EngineProfile
+from .engines import ENGINE_PROFILES, EngineProfile, vllm_legacy_profile
 from .config import IndexerPrecisionConfig, ScoringPrecision
 
 # Quantization (E4M3 values, one FP32 descale per 128-vector)
@@ -62,4 +62,5 @@ __all__ = [
     "scoring_site",
     "topk_agreement",
     "ue8m0_descale",
+    "vllm_legacy_profile",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "EngineProfile",
     "Fp8Rule",
     "engine_profile",
+    "vllm_legacy_profile",
 ]
 
 # One descale per 128-vector: a power of two (UE8M0) or the float32 ratio itself.
@@ -49,8 +50,19 @@ WeightsDtype = Literal["bf16", "fp32"]
 # 32 lanes; under fma the variance's lane sum is a chain of fused multiply-adds and var / 128 + eps
 # one fused multiply-add; docs/numerics.md, section 8.5) or "fp32-warp-up" (the same with the
 # butterfly's steps the other way round, lanes 1, 2, 4, 8, 16 apart: FlashInfer 0.7.2's CuTe DSL
-# LayerNorm, section 8.6).
-LayerNormArith = Literal["float64", "fp32-ops", "fp32-warp", "fp32-warp-up", "fp32-welford"]
+# LayerNorm, section 8.6) or "fp32-welford" (Inductor's looped Welford reduction of vLLM
+# 0.26-0.28's compiled key LayerNorm) or "fp32-inductor-x1" / "fp32-inductor-x8" (Inductor's
+# persistent reduction of it, "fp32-ops" with the sums in the order of its XBLOCK 1 or its
+# XBLOCK 8 / 32 configuration; section 8.4).
+LayerNormArith = Literal[
+    "float64",
+    "fp32-ops",
+    "fp32-warp",
+    "fp32-warp-up",
+    "fp32-welford",
+    "fp32-inductor-x1",
+    "fp32-inductor-x8",
+]
 # Which product of the float32 RoPE the engine's contraction fuses (fma=True), per half of the
 # rotate-half slice, out = x * cos + rot(x) * sin: "cos" (every lane fma(x, cos, fl(rot(x) * sin)):
 # Triton's contraction in vLLM's and LMDeploy's kernels) or "cos-sin" (the first half as "cos",
@@ -526,3 +538,45 @@ def engine_profile(engine: EngineProfile | str, *, name: str = "engine") -> Engi
         f"{name}={engine!r} is not an engine profile; use one of {sorted(ENGINE_PROFILES)} or "
         "an EngineProfile."
     )
+
+
+# Inductor (torch 2.11-2.13) compiles a row reduction as a persistent one only while the row
+# count it compiles for is below 2 * 32 rows per SM (ir.Reduction's reduction hint; choices.py's
+# threshold): 8,448 tokens on a 132-SM H100 SXM or H200.
+_INDUCTOR_ROWS_PER_SM = 64
+_INDUCTOR_XBLOCK_RULES: dict[int, LayerNormArith] = {
+    1: "fp32-inductor-x1",
+    8: "fp32-inductor-x8",
+    32: "fp32-inductor-x8",
+}
+
+
+def vllm_legacy_profile(
+    *, compiled_tokens: int, sm_count: int, xblock: int | None = None
+) -> EngineProfile:
+    """``vllm-legacy`` for the size vLLM 0.26-0.28 compiled its key LayerNorm for.
+
+    Inductor's kernel for the key LayerNorm depends on the token count vLLM compiles for
+    (``compiled_tokens``: ``max_num_batched_tokens``, the profiling run's size) and the GPU's
+    ``sm_count``: from ``64 * sm_count`` tokens on a looped Welford reduction (the profile as
+    registered, ``layernorm="fp32-welford"``); below, a persistent reduction whose configuration
+    Inductor's autotuner keeps by timing at start-up, XBLOCK 1, 8 or 32 (``xblock``: the
+    ``XBLOCK`` of the kernel's ``.best_config`` in vLLM's compile cache; 8 and 32 add alike).
+    Raises when the configuration decides the bits and ``xblock`` is not given.
+    """
+    for arg, value in (("compiled_tokens", compiled_tokens), ("sm_count", sm_count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg}={value!r} must be a positive int.")
+    base = ENGINE_PROFILES["vllm-legacy"]
+    if compiled_tokens >= _INDUCTOR_ROWS_PER_SM * sm_count:
+        return base
+    if xblock not in _INDUCTOR_XBLOCK_RULES:
+        raise ValueError(
+            f"xblock={xblock!r}: vLLM compiled its key LayerNorm for {compiled_tokens} tokens, "
+            f"below {_INDUCTOR_ROWS_PER_SM} * sm_count = {_INDUCTOR_ROWS_PER_SM * sm_count}, so "
+            "Inductor's autotuner chose the kernel's XBLOCK by timing and the key's bits depend "
+            "on it; pass the XBLOCK (1, 8 or 32) of the LayerNorm kernel's .best_config in "
+            "vLLM's compile cache (docs/numerics.md, section 8.4)."
+        )
+    rule = _INDUCTOR_XBLOCK_RULES[xblock]
+    return dataclasses.replace(base, name=f"vllm-legacy-xblock{xblock}", layernorm=rule)

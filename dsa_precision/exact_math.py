@@ -13,15 +13,18 @@ engine's: docs/numerics.md,
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Literal
 
 import torch
 
 from .devices import device_constant
 
 __all__ = [
+    "INDUCTOR_SUM_DISTANCES_X1",
     "TRITON_SUM_DISTANCES_128",
     "fma_fp32",
+    "inductor_block_sum",
     "layer_norm_fp32",
     "layer_norm_fp32_ops",
     "layer_norm_fp32_warp",
@@ -148,23 +151,88 @@ def _tree_add(x: torch.Tensor, distances: list[int]) -> torch.Tensor:
 
 
 def triton_block_sum(
-    x: torch.Tensor, *, squares_of: torch.Tensor | None = None, fma: bool = False
+    x: torch.Tensor,
+    *,
+    squares_of: torch.Tensor | None = None,
+    fma: bool = False,
+    distances: tuple[int, ...] = TRITON_SUM_DISTANCES_128,
 ) -> torch.Tensor:
-    """float32 sum over the last dimension (128) in the order of :data:`TRITON_SUM_DISTANCES_128`.
+    """float32 sum over the last dimension (128) in the order of ``distances`` (a tree: each
+    step adds the elements that far apart; default :data:`TRITON_SUM_DISTANCES_128`).
 
     ``squares_of=d``: the sum of ``d * d`` (``x`` unused); with ``fma`` its first step is what a
-    contracting compiler emits, ``fma(d_i, d_i, fl(d_j * d_j))`` for the lower lane ``i`` of each
-    pair ``(i, j = i + 16)``, the value the warp's lane 0 holds. Returns ``[..., 1]``.
+    contracting compiler emits, ``fma(d_i, d_i, fl(d_j * d_j))`` for the lower element ``i`` of
+    each pair ``(i, j)``. Returns ``[..., 1]``.
     """
     src = x if squares_of is None else squares_of
     if src.shape[-1] != 128:
         raise ValueError(f"triton_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
-    distances = _tree_distances(TRITON_SUM_DISTANCES_128)
+    if sorted(distances) != [1 << i for i in range(7)]:
+        raise ValueError(
+            f"distances={distances!r} must order the powers of two 1 ... 64, each once."
+        )
+    steps = _tree_distances(distances)
     if squares_of is not None:
-        lo, hi = _pair_step(squares_of, distances[0])
+        lo, hi = _pair_step(squares_of, steps[0])
         x = fma_fp32(lo, lo, hi * hi) if fma else lo * lo + hi * hi
-        distances = distances[1:]
-    return _tree_add(x, distances)
+        steps = steps[1:]
+    return _tree_add(x, steps)
+
+
+# Inductor's persistent LayerNorm reduction (torch 2.11-2.13, Triton 3.6-3.7, Hopper; 2 warps,
+# the block [XBLOCK, 128] of BF16 loads vectorised): with XBLOCK 1 each thread holds two adjacent
+# elements (sizePerThread [1, 2] on 32 x 2 threads): their pair, then the lanes 32 ... 2 elements
+# apart, then the two warps 64 apart.
+INDUCTOR_SUM_DISTANCES_X1 = (1, 32, 16, 8, 4, 2, 64)
+# With XBLOCK 8 or 32 (sizePerThread [1, 8], 16 lanes a row): a thread's eight consecutive
+# elements in turn, then the 16 lanes' partials 64, 32, 16, 8 elements apart.
+_INDUCTOR_X8_LANE_DISTANCES = (8, 4, 2, 1)
+
+# The persistent reductions Inductor's autotuner chooses among (XBLOCK 1, 8 or 32; 8 and 32 add
+# alike): docs/numerics.md, section 8.4.
+InductorBlock = Literal[1, 8]
+
+
+def inductor_block_sum(
+    x: torch.Tensor,
+    *,
+    xblock: InductorBlock,
+    squares_of: torch.Tensor | None = None,
+    fma: bool = False,
+) -> torch.Tensor:
+    """float32 sum over the last dimension (128) as Inductor's persistent reduction adds it
+    (``tl.sum`` of a ``[XBLOCK, 128]`` block on 2 warps; ``xblock=8`` stands for 8 and 32).
+
+    ``xblock=1``: :func:`triton_block_sum` in the order of :data:`INDUCTOR_SUM_DISTANCES_X1`.
+    ``xblock=8``: each thread's eight consecutive elements in turn, ``((x0 + x1) + x2) + ...``,
+    then the 16 partials 8, 4, 2, 1 apart. ``squares_of=d``: the sum of ``d * d`` (``x`` unused);
+    under ``fma`` as the PTX contracts it: ``fma(d0, d0, fl(d1 * d1))``, then ``fma(di, di, acc)``
+    (``xblock=1``: the pair's ``fma(d0, d0, fl(d1 * d1))``). Returns ``[..., 1]``.
+    """
+    if xblock == 1:
+        return triton_block_sum(
+            x, squares_of=squares_of, fma=fma, distances=INDUCTOR_SUM_DISTANCES_X1
+        )
+    if xblock != 8:
+        raise ValueError(f"xblock={xblock!r} must be 1 or 8 (8 stands for 8 and 32).")
+    src = x if squares_of is None else squares_of
+    if src.shape[-1] != 128:
+        raise ValueError(f"inductor_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    threads = src.to(torch.float32).reshape(*src.shape[:-1], 16, 8)
+    e = [threads[..., i] for i in range(8)]
+    if squares_of is None:
+        acc = e[0]
+        for v in e[1:]:
+            acc = acc + v
+    elif fma:
+        acc = fma_fp32(e[0], e[0], e[1] * e[1])
+        for v in e[2:]:
+            acc = fma_fp32(v, v, acc)
+    else:
+        acc = e[0] * e[0]
+        for v in e[1:]:
+            acc = acc + v * v
+    return _tree_add(acc, _tree_distances(_INDUCTOR_X8_LANE_DISTANCES))
 
 
 def rsqrt_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +267,7 @@ def layer_norm_fp32_ops(
     eps: float,
     *,
     fma: bool,
+    inductor_xblock: InductorBlock | None = None,
 ) -> torch.Tensor:
     """The key LayerNorm float32 operation by operation, as vLLM 0.33's ``fused_norm_rope`` and
     LMDeploy 0.18's k-cache kernel evaluate it (``x``: ``[..., 128]``; float32 out)::
@@ -208,12 +277,18 @@ def layer_norm_fp32_ops(
         y = fl(fl(fl(d * rstd) * w) + b)      (fma: fma(fl(d * rstd), w, b))
 
     ``tree_sum`` is :func:`triton_block_sum` (the first step of the variance contracted under
-    ``fma``); ``rsqrt`` as :func:`rsqrt_fp32`. Differentiable.
+    ``fma``), or with ``inductor_xblock`` :func:`inductor_block_sum` (Inductor's persistent
+    reduction of ``F.layer_norm``, the same operations: vLLM 0.26-0.28's compiled key at small
+    compile sizes); ``rsqrt`` as :func:`rsqrt_fp32`. Differentiable.
     """
     x = x.to(torch.float32)
-    mean = triton_block_sum(x) / 128.0
+    if inductor_xblock is None:
+        block_sum = triton_block_sum
+    else:
+        block_sum = functools.partial(inductor_block_sum, xblock=inductor_xblock)
+    mean = block_sum(x) / 128.0
     d = x - mean
-    var = triton_block_sum(d, squares_of=d, fma=fma) / 128.0
+    var = block_sum(d, squares_of=d, fma=fma) / 128.0
     eps32 = device_constant(float(eps), torch.float32, x.device)
     return _affine_fp32(d * rsqrt_fp32(var + eps32), weight, bias, fma)
 

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -169,18 +170,15 @@ def _rows_identical(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
     return float(same.float().mean()), int((~same).sum())
 
 
-def _record(model: str, name: str, cpu_init: bool, args) -> dict:
-    heads, interleaved, _ = MODELS[model]
+def _layer_side(model: str, profile, cpu_init: bool, args):
+    """The Megatron layer with the drop-ins under ``profile``: its projections, its operands
+    (fused kernel and torch reference) and its own top-k, from seeded weights and inputs."""
     device, s = torch.device(args.device), args.seq
-    profile = ENGINE_PROFILES[name]
-    layer_profile = dataclasses.replace(profile, fma=False) if args.no_fma else profile
-    config = _config(model, layer_profile, cpu_init, args.topk, args.scores)
+    config = _config(model, profile, cpu_init, args.topk, args.scores)
     indexer = _indexer(config, device, args.seed)
     g = torch.Generator().manual_seed(args.seed + 2)
     x = torch.randn(s, 1, HIDDEN, generator=g).to(torch.bfloat16).to(device)
     qr = torch.randn(s, 1, Q_LORA, generator=g).to(torch.bfloat16).to(device)
-    rec: dict = {"model": model, "heads": heads, "interleaved": interleaved, "profile": name,
-                 "use_cpu_initialization": cpu_init}  # fmt: skip
     # An engine whose head-weight GEMM outputs float32 (sglang-unfused) multiplies x by the
     # layer's weights_proj itself: both sides from the GEMM's BF16 inputs.
     weights_fp32 = profile.weights_dtype == "fp32"
@@ -194,24 +192,53 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
         )  # fmt: skip
         mask = torch.full((s, s), float("-inf"), device=device).triu_(1)
         _, layer_topk = indexer.forward_with_scores(x, qr, mask)
+    return types.SimpleNamespace(
+        config=config, indexer=indexer, x=x, p=p, pre=pre, layer_ops=layer_ops,
+        torch_ops=torch_ops, layer_topk=layer_topk, weights_fp32=weights_fp32,
+    )  # fmt: skip
+
+
+def _record(model: str, name: str, cpu_init: bool, args) -> dict:
+    heads, interleaved, _ = MODELS[model]
+    device, s = torch.device(args.device), args.seq
+    profile = ENGINE_PROFILES[name]
+    layer_profile = dataclasses.replace(profile, fma=False) if args.no_fma else profile
+    side = _layer_side(model, layer_profile, cpu_init, args)
+    rec: dict = {"model": model, "heads": heads, "interleaved": interleaved, "profile": name,
+                 "use_cpu_initialization": cpu_init}  # fmt: skip
     # The engine: its own tables, then its own kernels on the layer's projections.
-    spec = indexer.preprocess().rope_tables.spec
-    inputs = SyntheticIndexerInputs(p.q, p.k, p.w, indexer.k_norm, p.freqs)
+    spec = side.pre.rope_tables.spec
+    inputs = SyntheticIndexerInputs(side.p.q, side.p.k, side.p.w, side.indexer.k_norm, side.p.freqs)
     if name == LEGACY:
-        rope, run, legacy = _legacy_engine(args, inputs, pre, interleaved, f"{model}-{cpu_init}")
+        rope, run, legacy = _legacy_engine(
+            args, inputs, side.pre, interleaved, f"{model}-{cpu_init}"
+        )
         rec["engine_rope"], rec["engine_kernel"] = rope.source, run.source
         rec[LEGACY] = legacy
+        # The key LayerNorm Inductor compiled and kept for this size (vllm_legacy_profile): the
+        # layer takes that kernel's rule (same weights and inputs, rebuilt).
+        if legacy["layernorm_rule"] != layer_profile.layernorm:
+            layer_profile = dataclasses.replace(layer_profile, layernorm=legacy["layernorm_rule"])
+            side = _layer_side(model, layer_profile, cpu_init, args)
+        rec["layer_layernorm"] = layer_profile.layernorm
     else:
         rope = ek.engine_rope(
             profile, spec, s, device=device,
             max_position_embeddings=max(s, args.plain_max_position),
         )  # fmt: skip
         rec["engine_rope"] = rope.source
-        gemm = (x[:, 0], indexer.linear_weights_proj.weight.detach()) if weights_fp32 else None
+        gemm = (
+            (side.x[:, 0], side.indexer.linear_weights_proj.weight.detach())
+            if side.weights_fp32
+            else None
+        )
         run = ek.engine_kernel_operands(
             inputs, profile, interleaved=interleaved, rope=rope, weights_gemm=gemm
         )
         rec["engine_kernel"] = run.source
+    config, pre, p = side.config, side.pre, side.p
+    layer_ops, torch_ops, layer_topk = side.layer_ops, side.torch_ops, side.layer_topk
+    indexer = side.indexer
     ours_cos, ours_sin = pre.engine_rope_rows(
         RopePositions.first(s), s, device, p.freqs, dtype=rope.cos.dtype
     )
@@ -248,6 +275,7 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     quantization: ``k_bf16_differ``)."""
     from dsa_precision.oracles import legacy_kernel
     from dsa_precision.oracles.legacy_kernel import package_key
+    from dsa_precision.oracles.legacy_key import inductor_layernorm_rule
 
     if not inputs.q.is_cuda:
         raise RuntimeError(
@@ -309,9 +337,12 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     cos, sin = out["cos_sin_cache"].to(device).chunk(2, dim=-1)
     rope = ek.EngineRope(cos.contiguous(), sin.contiguous(), source["rope"])
     ops = EngineOperands(out["q"].to(device), key.k, key.k_descale, out["weights"].to(device))
-    ours = package_key(inputs, ENGINE_PROFILES[LEGACY], interleaved=interleaved, pre=pre)
+    rule, kernel = inductor_layernorm_rule(work / "inductor")
+    profile = dataclasses.replace(ENGINE_PROFILES[LEGACY], layernorm=rule)
+    ours = package_key(inputs, profile, interleaved=interleaved, pre=pre)
     legacy = {**source, "key_kernel": key.source, "k_bf16_differ": _differ(ours, k),
-              "k_bf16_entries": k.numel()}  # fmt: skip
+              "k_bf16_entries": k.numel(), "layernorm_rule": rule,
+              "layernorm_kernel": kernel}  # fmt: skip
     return rope, ek.EngineKernelRun(ops, "vllm", f"{source['query_kernel']}; {key.source}"), legacy
 
 
@@ -319,9 +350,10 @@ def _row(rec: dict) -> str:
     if "error" in rec:
         return f"| {rec['model']} | {rec['use_cpu_initialization']} | `{rec['profile']}` | error: {rec['error'][:80]} |"
     t, lay, ref = rec["tables"], rec["layer"], rec["torch"]
+    rule = f" (`{rec['layer_layernorm']}`)" if "layer_layernorm" in rec else ""
     return (
         f"| {rec['model']} (H={rec['heads']}) | {rec['use_cpu_initialization']} | "
-        f"`{rec['profile']}` | {t['layer_differ']} / {t['entries']} ({t['dtype']}) | "
+        f"`{rec['profile']}`{rule} | {t['layer_differ']} / {t['entries']} ({t['dtype']}) | "
         f"{t['megatron_angles_differ']} / {t['megatron_cpu_inv_freq_differ']} | "
         f"{lay['q_differ']} / {lay['k_differ']} / {lay['k_descale_differ']} / "
         f"{lay['weights_differ']} | {ref['q_differ'] + ref['k_differ']} | "

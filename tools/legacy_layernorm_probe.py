@@ -5,6 +5,8 @@ Inductor's generated code, and counts the BF16 key entries each candidate rule g
 (pass-through lanes: the LayerNorm; RoPE lanes: the contraction forms).
 
     DSA_ENGINE_KERNELS=... PROBE_S=131072 PROBE_ONE=1 python tools/legacy_layernorm_probe.py OUTDIR
+
+``PROBE_RUNS=0,1,2,-1``: the autotuner configurations to force, in turn (-1: Inductor's own pick).
 """
 
 import json
@@ -75,7 +77,9 @@ def main(out: Path):
     w = (1 + 0.2 * torch.randn(D, generator=g)).bfloat16().float()
     b = (0.2 * torch.randn(D, generator=g)).bfloat16().float()
     torch.save(dict(kw=kw, q=q, w=w, b=b), out / "inputs.pt")
-    for n, idx in enumerate((-1,) if os.environ.get("PROBE_ONE") else (0, 1, 2, -1, -1, -1)):
+    runs = (-1,) if os.environ.get("PROBE_ONE") else (0, 1, 2, -1, -1, -1)
+    runs = tuple(int(i) for i in os.environ.get("PROBE_RUNS", ",".join(map(str, runs))).split(","))
+    for n, idx in enumerate(runs):
         tag = f"{idx}" if idx >= 0 else f"auto{n}"
         env = dict(
             os.environ,
@@ -96,14 +100,86 @@ def main(out: Path):
         code.mkdir(exist_ok=True)
         for p in (out / f"ind_{tag}").rglob("*.py"):
             t = p.read_text(errors="replace")
-            if "def call(" in t and "per_fused" in t:
+            if "def call(" in t and ("per_fused" in t or "red_fused" in t):
                 shutil.copy(p, code / p.name)
         for p in (out / f"tri_{tag}").rglob("triton_*"):
-            if p.suffix in (".ttgir", ".ptx", ".json") and "per_fused" in p.name:
+            if p.suffix in (".ttgir", ".ptx", ".json") and "_fused" in p.name:
                 shutil.copy(p, code / f"{p.parent.name[:6]}-{p.name}")
         shutil.rmtree(out / f"ind_{tag}", ignore_errors=True)
         shutil.rmtree(out / f"tri_{tag}", ignore_errors=True)
     analyse(out)
+
+
+# (name, elements a thread holds, tree distances over the threads' partials: lanes, then warps)
+PERSISTENT_PLANS = (
+    ("v2-l32-w2", 2, (16, 8, 4, 2, 1, 32)),
+    ("v2-w2-l32", 2, (32, 16, 8, 4, 2, 1)),
+    ("v4-l32", 4, (16, 8, 4, 2, 1)),
+    ("v8-l16", 8, (8, 4, 2, 1)),
+    ("v8-l16-up", 8, (1, 2, 4, 8)),
+    ("v16-l8", 16, (4, 2, 1)),
+    ("v1-l32-w4", 1, (16, 8, 4, 2, 1, 64, 32)),
+)
+
+
+def _xor_tree(v, dists, first_squares=None):
+    """Every entry of ``v`` (last dimension a power of two) after adding, for each distance ``d``
+    in turn, the entry ``d`` away (index xor ``d``): each holds the tree's sum at the end.
+    ``first_squares="fma"``: the first step is ``fma(lo, lo, fl(hi * hi))`` (lo: the lower index),
+    ``True``: ``fl(lo * lo) + fl(hi * hi)``."""
+    from dsa_precision.exact_math import fma_fp32
+
+    index = torch.arange(v.shape[-1], device=v.device)
+    for n, d in enumerate(dists):
+        o = v[..., index ^ d]
+        if n == 0 and first_squares:
+            low = (index & d) == 0
+            lo, hi = torch.where(low, v, o), torch.where(low, o, v)
+            v = fma_fp32(lo, lo, hi * hi) if first_squares == "fma" else lo * lo + hi * hi
+        else:
+            v = v + o
+    return v
+
+
+def _plan_sum(x, v, dists, order, squares):
+    """Sum over the last dimension (128): each thread's ``v`` contiguous elements in ``order``
+    ("seq": in turn; "half": a tree halving the distance; "adj": a tree of adjacent pairs), then
+    the threads' partials ``dists`` apart in turn. ``squares``: sum the squares; "fma": contracted
+    as a compiler does (in turn ``fma(e0, e0, fl(e1 * e1))``, then ``fma(e, e, acc)``; a tree's
+    first step ``fma(lo, lo, fl(hi * hi))``)."""
+    from dsa_precision.exact_math import fma_fp32
+
+    t = x.reshape(*x.shape[:-1], 128 // v, v)
+    if v == 1:  # the squares' first step is the lanes' first
+        return _xor_tree(t[..., 0], dists, squares)[..., :1]
+    if order == "seq":
+        e = [t[..., i] for i in range(v)]
+        acc = e[0] * e[0] if squares else e[0]
+        if squares == "fma" and v > 1:
+            acc = fma_fp32(e[0], e[0], e[1] * e[1])
+            e = e[1:]
+        for a in e[1:]:
+            if squares == "fma":
+                acc = fma_fp32(a, a, acc)
+            else:
+                acc = acc + (a * a if squares else a)
+    else:
+        steps = [2**i for i in range(v.bit_length() - 1)]
+        acc = _xor_tree(t, steps[::-1] if order == "half" else steps, squares)[..., 0]
+    return _xor_tree(acc, dists)[..., :1]
+
+
+def _two_pass(x, w, b, eps, v, dists, order, fma_squares, fma_affine):
+    """Inductor's persistent LayerNorm: ``mean = sum(x) / 128``, ``var = sum(d * d) / 128``,
+    ``y = fl(d * rsqrt(var + eps)) * w + b`` (``fma_affine``: one fma)."""
+    from dsa_precision.exact_math import fma_fp32, rsqrt_fp32
+
+    mean = _plan_sum(x, v, dists, order, False) / 128.0
+    d = x - mean
+    var = _plan_sum(d, v, dists, order, "fma" if fma_squares else True) / 128.0
+    rstd = rsqrt_fp32(var + torch.tensor(eps, dtype=torch.float32, device=x.device))
+    y = d * rstd
+    return fma_fp32(y, w, b) if fma_affine else y * w + b
 
 
 def analyse(out: Path):
@@ -111,7 +187,12 @@ def analyse(out: Path):
     import struct
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dsa_precision.exact_math import fma_fp32, layer_norm_fp32, layer_norm_fp32_welford
+    from dsa_precision.exact_math import (
+        fma_fp32,
+        layer_norm_fp32,
+        layer_norm_fp32_ops,
+        layer_norm_fp32_welford,
+    )
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     d = torch.load(out / "inputs.pt")
@@ -124,6 +205,18 @@ def analyse(out: Path):
             y = layer_norm_fp32_welford(x, w, b, 1e-6, fma=fma, one_third=third)
             cands[f"welford-{bits:x}-fma{int(fma)}"] = y.bfloat16()[:, R:]
     cands["float64"] = layer_norm_fp32(x, w, b, 1e-6).bfloat16()[:, R:]
+    for xb in (1, 8):  # the rules read from the PTX (exact_math.inductor_block_sum)
+        y = layer_norm_fp32_ops(x, w, b, 1e-6, fma=True, inductor_xblock=xb)
+        cands[f"RULE-inductor-x{xb}"] = y.bfloat16()[:, R:]
+    # Inductor's persistent reduction: two tl.sum passes over a layout of `v` contiguous
+    # elements a thread (summed in turn or as a pairwise tree), then lanes, then warps.
+    for name, v, dists in PERSISTENT_PLANS:
+        for order in ("seq", "half", "adj") if v > 2 else ("seq", "adj") if v == 2 else ("seq",):
+            for fsq in (False, True):
+                for faff in (True, False):
+                    y = _two_pass(x, w, b, 1e-6, v, dists, order, fsq, faff)
+                    tag = f"{name}-{order}-sq{int(fsq)}-aff{int(faff)}"
+                    cands[tag] = y.bfloat16()[:, R:]
     if dev == "cuda":
         import triton
         import triton.language as tl
@@ -161,7 +254,7 @@ def analyse(out: Path):
             n: int((c.view(torch.int16) != k[:, R:].view(torch.int16)).sum())
             for n, c in cands.items()
         }
-        results[kf.stem] = {"layernorm": sorted(res.items(), key=lambda t: t[1]), "rope": pe}
+        results[kf.stem] = {"layernorm": sorted(res.items(), key=lambda t: t[1])[:8], "rope": pe}
         print(kf.stem, results[kf.stem], flush=True)
     (out / "analysis.json").write_text(json.dumps(results, indent=1))
 

@@ -160,6 +160,52 @@ def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constex
 
 
 @triton.jit
+def _inductor_block_sum(x, R: tl.constexpr, X8: tl.constexpr, SQUARES: tl.constexpr, FMA, HW):
+    """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
+    ``dsa_precision.exact_math.inductor_block_sum``. ``X8 == False`` (XBLOCK 1): adjacent pairs
+    (the squares' pair contracted under ``FMA``), then the 32 lane partials 16 ... 1 lanes apart,
+    then the two warps. ``X8``: each 8 consecutive elements in turn (the squares ``fma(x0, x0,
+    fl(x1 * x1))``, then ``fma(xi, xi, acc)``), then the 16 partials 8, 4, 2, 1 apart."""
+    if X8:
+        lo, hi = tl.split(tl.reshape(x, (R, 16, 2, 2, 2)))  # [R, 16, 2, 2]: index 4a + 2b + c
+        e04, e26 = tl.split(lo)
+        e15, e37 = tl.split(hi)
+        x0, x4 = tl.split(e04)
+        x2, x6 = tl.split(e26)
+        x1, x5 = tl.split(e15)
+        x3, x7 = tl.split(e37)
+        if SQUARES:
+            if FMA:
+                v = _fma(x0, x0, x1 * x1, HW)
+                v = _fma(x2, x2, v, HW)
+                v = _fma(x3, x3, v, HW)
+                v = _fma(x4, x4, v, HW)
+                v = _fma(x5, x5, v, HW)
+                v = _fma(x6, x6, v, HW)
+                v = _fma(x7, x7, v, HW)
+            else:
+                v = x0 * x0 + x1 * x1
+                v = ((((v + x2 * x2) + x3 * x3) + x4 * x4) + x5 * x5) + x6 * x6
+                v = v + x7 * x7
+        else:
+            v = ((((((x0 + x1) + x2) + x3) + x4) + x5) + x6) + x7
+        for i in tl.static_range(4):  # [R, 16]: partials 8, 4, 2, 1 apart
+            v = tl.sum(tl.reshape(v, (R, 2, 8 >> i)), axis=1)
+        return tl.reshape(v, (R,))
+    lo, hi = tl.split(tl.reshape(x, (R, 64, 2)))  # [R, 64]: thread t holds 2t, 2t + 1
+    if SQUARES:
+        if FMA:
+            v = _fma(lo, lo, hi * hi, HW)
+        else:
+            v = lo * lo + hi * hi
+    else:
+        v = lo + hi
+    for i in tl.static_range(5):  # [R, 2 warps, 32 lanes]: lanes 16, 8, 4, 2, 1 apart
+        v = tl.sum(tl.reshape(v, (R, 2, 2, 16 >> i)), axis=2)
+    return tl.sum(tl.reshape(v, (R, 2)), axis=1)
+
+
+@triton.jit
 def _warp_block_sum(
     x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW, UP: tl.constexpr
 ):
@@ -343,7 +389,8 @@ def _preprocess_quantize_kernel(
     W_BF16: tl.constexpr,
     LN_OPS: tl.constexpr,  # the LayerNorm float32 operation by operation: 1 Triton's tree
     # (layernorm="fp32-ops"), 2 a CUDA warp's ("fp32-warp"), 3 with its butterfly up
-    # ("fp32-warp-up"), 4 Inductor's Welford reduction ("fp32-welford"); 0 float64 once
+    # ("fp32-warp-up"), 4 Inductor's Welford reduction ("fp32-welford"), 5 / 6 its persistent
+    # reduction, XBLOCK 1 / 8 ("fp32-inductor-x1" / "-x8"); 0 float64 once
     FMA: tl.constexpr,  # the engine's contracted multiply-adds
     FMA_SIN2: tl.constexpr,  # FMA fuses rotate_half(x) * sin on the second half (rope_fma)
     HAD_SCALE_F32: tl.constexpr,
@@ -398,7 +445,7 @@ def _preprocess_quantize_kernel(
             )  # fmt: skip
     elif LAYER_NORM and LN_OPS:  # the engines' float32 LayerNorm, operation by operation
         x32 = _load_f32(row + lanes, mask, X_BF16)
-        if LN_OPS >= 2:  # a CUDA warp's sums (3: the butterfly up); var / 128 + eps fused
+        if LN_OPS == 2 or LN_OPS == 3:  # a CUDA warp's sums (3: up); var / 128 + eps fused
             up: tl.constexpr = LN_OPS == 3
             mean = _warp_block_sum(x32, BLOCK_R, False, FMA, HW_CAST, up) * 0.0078125  # exact
             centered = x32 - mean[:, None]
@@ -408,6 +455,12 @@ def _preprocess_quantize_kernel(
                 var_eps = _fma(var, zero + 0.0078125, zero + eps32, HW_CAST)
             else:
                 var_eps = var * 0.0078125 + eps32
+        elif LN_OPS >= 5:  # Inductor's persistent reduction (6: XBLOCK 8 or 32)
+            x8: tl.constexpr = LN_OPS == 6
+            mean = _inductor_block_sum(x32, BLOCK_R, x8, False, FMA, HW_CAST) / 128.0  # exact
+            centered = x32 - mean[:, None]
+            var = _inductor_block_sum(centered, BLOCK_R, x8, True, FMA, HW_CAST) / 128.0
+            var_eps = var + eps32
         else:  # Triton's tl.sum tree
             mean = _engine_block_sum(x32, BLOCK_R, False, FMA, HW_CAST) / 128.0  # exact: 2**-7
             centered = x32 - mean[:, None]
@@ -675,7 +728,15 @@ def _layer_norm_param(
 
 _PARAM_KINDS = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3}
 # The kernel's LN_OPS for each LayerNorm arithmetic (EngineProfile.layernorm).
-_LN_ARITH = {"float64": 0, "fp32-ops": 1, "fp32-warp": 2, "fp32-warp-up": 3, "fp32-welford": 4}
+_LN_ARITH = {
+    "float64": 0,
+    "fp32-ops": 1,
+    "fp32-warp": 2,
+    "fp32-warp-up": 3,
+    "fp32-welford": 4,
+    "fp32-inductor-x1": 5,
+    "fp32-inductor-x8": 6,
+}
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,14 +27,16 @@ vLLM's CUDA kernel (:mod:`.legacy_kernel`), run by the caller on :attr:`LegacyEn
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import types
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..engines import ENGINE_PROFILES
+from ..engines import ENGINE_PROFILES, LayerNormArith
 from ..rope import RopeSpec
 from . import legacy_q
 from .engine_kernels import engine_rotary, rope_code
@@ -46,6 +48,7 @@ __all__ = [
     "LAYERNORM_SHA256",
     "VLLM_K_NORM_EPS",
     "LegacyEngineRun",
+    "inductor_layernorm_rule",
     "legacy_engine_run",
     "load_layernorm",
     "missing_reason",
@@ -232,3 +235,44 @@ def legacy_engine_run(
     }
     cache = rotary.cos_sin_cache[:s].contiguous()
     return LegacyEngineRun(k.contiguous(), q8, w.reshape(s, h), cache, source)
+
+
+# Inductor's kernel for the key LayerNorm: "triton_per_..." (persistent) or "triton_red_..."
+# (looped), named after the fused ops (..._native_layer_norm_...).
+_LN_KERNEL = re.compile(r"def (triton_(per|red)_fused_\w*native_layer_norm\w*)\(")
+
+
+def inductor_layernorm_rule(cache_dir: str | os.PathLike) -> tuple[LayerNormArith, str]:
+    """The ``EngineProfile.layernorm`` rule of the key LayerNorm kernel Inductor generated and
+    kept in ``cache_dir`` (a ``TORCHINDUCTOR_CACHE_DIR``, e.g. vLLM's compile cache), and a line
+    saying what was read: a looped reduction is ``"fp32-welford"``; a persistent one is
+    ``"fp32-inductor-x1"`` or ``"fp32-inductor-x8"`` by the ``XBLOCK`` of the ``.best_config``
+    its autotuner wrote beside it (docs/numerics.md, section 8.4). Raises unless exactly one such
+    kernel is there."""
+    found = []
+    for path in sorted(Path(cache_dir).rglob("*.py")):
+        text = path.read_text(errors="replace")
+        if "async_compile.triton(" in text:  # the wrapper quoting the kernel, not its file
+            continue
+        for m in _LN_KERNEL.finditer(text):
+            found.append((path, m.group(1), m.group(2)))
+    if len({name for _, name, _ in found}) != 1:
+        names = sorted({name for _, name, _ in found})
+        raise ValueError(
+            f"cache_dir={os.fspath(cache_dir)!r} holds {len(names)} LayerNorm kernels ({names}); "
+            "point it at the Inductor cache of one compiled key path."
+        )
+    path, name, kind = found[0]
+    if kind == "red":
+        return "fp32-welford", f"{name} (looped Welford reduction)"
+    best = path.with_suffix(".best_config")
+    if not best.is_file():
+        raise ValueError(
+            f"{name} is a persistent reduction but {best} is missing: Inductor writes it when the "
+            "kernel first runs; run the compiled key once, then read the cache."
+        )
+    xblock = json.loads(best.read_text())["XBLOCK"]
+    if xblock not in (1, 8, 32):
+        raise ValueError(f"{name} kept XBLOCK {xblock}, not one of the measured 1, 8, 32.")
+    rule: LayerNormArith = "fp32-inductor-x1" if xblock == 1 else "fp32-inductor-x8"
+    return rule, f"{name} (persistent reduction, XBLOCK {xblock} kept by the autotuner)"

@@ -66,6 +66,9 @@ def test_the_layer_matches_vllm_028s_own_code_on_the_gpu(tmp_path, record, score
     for rec in records:
         assert rec["vllm-legacy"]["k_bf16_differ"] == 0, rec["vllm-legacy"]
         assert rec["vllm-legacy"]["compiled"] is True
+        # 512 tokens: Inductor's persistent reduction, the rule of the XBLOCK it kept
+        assert rec["layer_layernorm"] == rec["vllm-legacy"]["layernorm_rule"]
+        assert rec["layer_layernorm"].startswith("fp32-inductor-x"), rec["vllm-legacy"]
 
 
 def _check(tmp_path, record, scores: str, profiles: list[str], models: list[str], n: int):

@@ -253,6 +253,25 @@ def test_helpers_on_hardware(hw_cast):
     assert torch.equal(sums.view(torch.int64), pairwise_sum(rows)[:, 0].view(torch.int64))
 
 
+@pytest.mark.parametrize("xblock", [1, 8])
+def test_inductor_sums_on_hardware(xblock):
+    """The kernel's sums of squares in the order of Inductor's persistent reduction, compiled for
+    the GPU (fma.rn), equal exact_math's on rows where the two configurations differ."""
+    from dsa_precision.exact_math import inductor_block_sum
+
+    from ..support import kernel_probes
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 128, generator=g) * 2.0 ** torch.randint(-8, 8, (64, 128), generator=g)
+    x = x.to(DEV)
+    want = inductor_block_sum(x, xblock=xblock, squares_of=x, fma=True)[:, 0]
+    assert not torch.equal(
+        want, inductor_block_sum(x, xblock=9 - xblock, squares_of=x, fma=True)[:, 0]
+    )
+    got = kernel_probes.inductor_square_sums(x, xblock)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("rope_fp32", [True, False], ids=["rope_fp32", "bf16_path"])
 def test_interleaved_operands_never_wait_for_the_host(rope_fp32):
     """Putting interleaved RoPE pairs back in place (the engines' lane order) stays on the device:

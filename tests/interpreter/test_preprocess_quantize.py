@@ -94,6 +94,17 @@ def test_welford_layer_norm_with_and_without_contraction(fma):
     _check(make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine)), mscale=1.07)
 
 
+@pytest.mark.parametrize("layernorm", ["fp32-inductor-x1", "fp32-inductor-x8"])
+@pytest.mark.parametrize("fma", [False, True])
+def test_inductor_persistent_layer_norm_orders(layernorm, fma):
+    """Inductor's persistent key LayerNorm, XBLOCK 1 (pairs, lanes, warps) and XBLOCK 8 / 32
+    (eight elements in turn, then 16 lanes): the kernel's sums against the reference."""
+    engine = dataclasses.replace(
+        ENGINE_PROFILES["vllm-legacy"], name="custom", layernorm=layernorm, fma=fma
+    )
+    _check(make_case(rope_fp32=True, engine=engine, seq=5, **model_fields(engine)), mscale=1.07)
+
+
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_engine_profile_at_the_quantization_edges(name):
     engine = ENGINE_PROFILES[name]
@@ -212,6 +223,21 @@ def test_butterfly_matches_the_reference_stage_order():
     got = kernel_probes.hadamard_unscaled(x) * 128**-0.5  # the reference's scaling, in float64
     want = hadamard_transform(x, torch.float64)
     assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+@pytest.mark.parametrize("xblock", [1, 8])
+def test_inductor_sums_match_the_reference_order(xblock):
+    """The kernel's sums of squares in the order of Inductor's persistent reduction (vllm-legacy
+    compiled for few tokens) equal exact_math's, on rows where the order shows."""
+    from dsa_precision.exact_math import inductor_block_sum
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 128, generator=g) * 2.0 ** torch.randint(-8, 8, (64, 128), generator=g)
+    want = inductor_block_sum(x, xblock=xblock, squares_of=x, fma=True)[:, 0]
+    other = inductor_block_sum(x, xblock=9 - xblock, squares_of=x, fma=True)[:, 0]
+    assert not torch.equal(want, other)  # the two configurations add differently here
+    got = kernel_probes.inductor_square_sums(x, xblock)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_pairwise_sum_matches_the_reference_order():

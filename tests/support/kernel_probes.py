@@ -12,6 +12,7 @@ from dsa_precision.kernels import interpreting
 from dsa_precision.kernels.preprocess_quantize import (
     _e4m3_codes,
     _hadamard,
+    _inductor_block_sum,
     _pairwise_sum,
     _round_bf16,
 )
@@ -33,14 +34,18 @@ def _elementwise_kernel(
 
 
 @triton.jit
-def _rows_kernel(x_ptr, out_ptr, OP: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+def _rows_kernel(
+    x_ptr, out_ptr, OP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HW: tl.constexpr
+):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     lanes = tl.arange(0, D)
     x = tl.load(x_ptr + rows[:, None] * D + lanes[None, :])
     if OP == 0:
         tl.store(out_ptr + rows[:, None] * D + lanes[None, :], _hadamard(x, R, D, 7))
-    else:
+    elif OP == 1:
         tl.store(out_ptr + rows, _pairwise_sum(x, R, D, 7))
+    else:  # 2 / 3: Inductor's persistent sums of x * x (XBLOCK 1 / 8), contracted
+        tl.store(out_ptr + rows, _inductor_block_sum(x, R, OP == 3, True, True, HW))
 
 
 def e4m3_bits(x: torch.Tensor, hw_cast: bool | None = None) -> torch.Tensor:
@@ -68,7 +73,7 @@ def hadamard_unscaled(x: torch.Tensor, rows_per_program: int = 16) -> torch.Tens
     """The kernel's float64 butterfly of ``[n, 128]`` float64 rows (no scale)."""
     out = torch.empty_like(x)
     _rows_kernel[(x.shape[0] // rows_per_program,)](
-        x, out, OP=0, R=rows_per_program, D=128, enable_fp_fusion=False
+        x, out, OP=0, R=rows_per_program, D=128, HW=False, enable_fp_fusion=False
     )
     return out
 
@@ -77,6 +82,22 @@ def pairwise_sum(x: torch.Tensor, rows_per_program: int = 16) -> torch.Tensor:
     """The kernel's fixed-order float64 sum of ``[n, 128]`` rows."""
     out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
     _rows_kernel[(x.shape[0] // rows_per_program,)](
-        x, out, OP=1, R=rows_per_program, D=128, enable_fp_fusion=False
+        x, out, OP=1, R=rows_per_program, D=128, HW=False, enable_fp_fusion=False
+    )
+    return out
+
+
+def inductor_square_sums(x: torch.Tensor, xblock: int, rows_per_program: int = 16) -> torch.Tensor:
+    """The kernel's float32 sums of ``x * x`` over ``[n, 128]`` float32 rows in the order of
+    Inductor's persistent reduction (``xblock`` 1 or 8), the multiplies fused as the engine's."""
+    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    _rows_kernel[(x.shape[0] // rows_per_program,)](
+        x,
+        out,
+        OP=2 if xblock == 1 else 3,
+        R=rows_per_program,
+        D=128,
+        HW=not interpreting(),
+        enable_fp_fusion=False,
     )
     return out
