@@ -386,10 +386,10 @@ class IndexerPreprocess(nn.Module):
         if e.layernorm == "fp32-ops":
             k = layer_norm_fp32_ops(k, *layer_norm_params(self.k_norm), fma=e.fma)
         elif e.layernorm in ("fp32-inductor-x1", "fp32-inductor-x8"):
-            xblock = 1 if e.layernorm == "fp32-inductor-x1" else 8
             k = layer_norm_fp32_ops(
-                k, *layer_norm_params(self.k_norm), fma=e.fma, inductor_xblock=xblock
-            )
+                k, *layer_norm_params(self.k_norm), fma=e.fma,
+                inductor_xblock=1 if e.layernorm == "fp32-inductor-x1" else 8,
+            )  # fmt: skip
         elif e.layernorm in ("fp32-warp", "fp32-warp-up"):
             up = e.layernorm == "fp32-warp-up"
             k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma, butterfly_up=up)
