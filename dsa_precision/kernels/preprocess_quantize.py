@@ -139,19 +139,24 @@ def _fma(a, b, c, HW: tl.constexpr):
 
 
 @triton.jit
+def _pair_sum(lo, hi, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
+    """A tree's first step: ``lo + hi``, or with ``SQUARES`` ``lo * lo + hi * hi`` (under ``FMA``
+    the lower element's multiply fused, ``fma(lo, lo, fl(hi * hi))``, as ptxas receives it)."""
+    if SQUARES:
+        if FMA:
+            return _fma(lo, lo, hi * hi, HW)
+        return lo * lo + hi * hi
+    return lo + hi
+
+
+@triton.jit
 def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
     """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
     ``dsa_precision.exact_math.triton_block_sum``: pairs 16 apart (the squares' first step
     contracted under ``FMA``, the lower lane's multiply fused), then 8, 4, 2, 1 apart, then the
     four 32-lane partials 64 and 32 apart. A sum over a size-2 axis is one addition."""
     lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 4, 2, 16)), (0, 1, 3, 2)))  # [R, 4, 16]
-    if SQUARES:
-        if FMA:
-            v = _fma(lo, lo, hi * hi, HW)
-        else:
-            v = lo * lo + hi * hi
-    else:
-        v = lo + hi
+    v = _pair_sum(lo, hi, SQUARES, FMA, HW)
     for i in tl.static_range(4):  # 8, 4, 2, 1 apart within each 16-lane half
         v = tl.sum(tl.reshape(v, (R, 4, 2, 8 >> i)), axis=2)
     v = tl.reshape(v, (R, 4))
@@ -193,13 +198,7 @@ def _inductor_block_sum(x, R: tl.constexpr, X8: tl.constexpr, SQUARES: tl.conste
             v = tl.sum(tl.reshape(v, (R, 2, 8 >> i)), axis=1)
         return tl.reshape(v, (R,))
     lo, hi = tl.split(tl.reshape(x, (R, 64, 2)))  # [R, 64]: thread t holds 2t, 2t + 1
-    if SQUARES:
-        if FMA:
-            v = _fma(lo, lo, hi * hi, HW)
-        else:
-            v = lo * lo + hi * hi
-    else:
-        v = lo + hi
+    v = _pair_sum(lo, hi, SQUARES, FMA, HW)
     for i in tl.static_range(5):  # [R, 2 warps, 32 lanes]: lanes 16, 8, 4, 2, 1 apart
         v = tl.sum(tl.reshape(v, (R, 2, 2, 16 >> i)), axis=2)
     return tl.sum(tl.reshape(v, (R, 2)), axis=1)
