@@ -57,6 +57,7 @@ import torch
 from dsa_precision import ENGINE_PROFILES, EngineProfile, prepare_indexer_operands
 from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.oracles.engine_model import EngineOperands, engine_scores, engine_select
+from dsa_precision.oracles.legacy_kernel import package_key
 from dsa_precision.oracles.synthetic import SyntheticIndexerInputs
 from dsa_precision.rope import RopePositions, rope_tables
 
@@ -210,17 +211,18 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     spec = side.pre.rope_tables.spec
     inputs = SyntheticIndexerInputs(side.p.q, side.p.k, side.p.w, side.indexer.k_norm, side.p.freqs)
     if name == LEGACY:
-        rope, run, legacy = _legacy_engine(
-            args, inputs, side.pre, interleaved, f"{model}-{cpu_init}"
+        rope, run, legacy, engine_k = _legacy_engine(
+            args, inputs, spec, interleaved, f"{model}-{cpu_init}"
         )
         rec["engine_rope"], rec["engine_kernel"] = rope.source, run.source
-        rec[LEGACY] = legacy
         # The key LayerNorm Inductor compiled and kept for this size (vllm_legacy_profile): the
         # layer takes that kernel's rule (same weights and inputs, rebuilt).
         if legacy["layernorm_rule"] != layer_profile.layernorm:
             layer_profile = dataclasses.replace(layer_profile, layernorm=legacy["layernorm_rule"])
             side = _layer_side(model, layer_profile, cpu_init, args)
         rec["layer_layernorm"] = layer_profile.layernorm
+        ours = package_key(inputs, layer_profile, interleaved=interleaved, pre=side.pre)
+        rec[LEGACY] = {**legacy, "k_bf16_differ": _differ(ours, engine_k)}
     else:
         rope = ek.engine_rope(
             profile, spec, s, device=device,
@@ -266,15 +268,14 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     return rec
 
 
-def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool, tag: str):
+def _legacy_engine(args, inputs: SyntheticIndexerInputs, spec, interleaved: bool, tag: str):
     """vLLM 0.28.0's side of a ``vllm-legacy`` cell: its key path and query kernel in a child
     (``tools/vllm_legacy_engine.py``; ``--engine-torch`` first on its ``PYTHONPATH``, Inductor's
     and Triton's output kept under ``--out``/vllm-legacy/TAG), its key quantized here by vLLM
     0.28.0's CUDA kernel (:mod:`dsa_precision.oracles.legacy_kernel`). Returns the engine's
-    tables, its operands and what the child ran (with the BF16 keys compared before
-    quantization: ``k_bf16_differ``)."""
+    tables, its operands, what the child ran (with the LayerNorm rule of the kernel Inductor
+    kept: ``layernorm_rule``) and its BF16 key before quantization."""
     from dsa_precision.oracles import legacy_kernel
-    from dsa_precision.oracles.legacy_kernel import package_key
     from dsa_precision.oracles.legacy_key import inductor_layernorm_rule
 
     if not inputs.q.is_cuda:
@@ -292,7 +293,7 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
         dict(
             kw=torch.cat((inputs.k[:, 0], inputs.w[:, 0]), dim=-1), q=inputs.q[:, 0],
             norm_weight=norm.weight.detach(), norm_bias=norm.bias.detach(),
-            spec=pre.rope_tables.spec,
+            spec=spec,
             interleaved=interleaved,
             max_position_embeddings=max(inputs.seq_len, args.plain_max_position),
         ),
@@ -338,12 +339,10 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, pre, interleaved: bool,
     rope = ek.EngineRope(cos.contiguous(), sin.contiguous(), source["rope"])
     ops = EngineOperands(out["q"].to(device), key.k, key.k_descale, out["weights"].to(device))
     rule, kernel = inductor_layernorm_rule(work / "inductor")
-    profile = dataclasses.replace(ENGINE_PROFILES[LEGACY], layernorm=rule)
-    ours = package_key(inputs, profile, interleaved=interleaved, pre=pre)
-    legacy = {**source, "key_kernel": key.source, "k_bf16_differ": _differ(ours, k),
-              "k_bf16_entries": k.numel(), "layernorm_rule": rule,
-              "layernorm_kernel": kernel}  # fmt: skip
-    return rope, ek.EngineKernelRun(ops, "vllm", f"{source['query_kernel']}; {key.source}"), legacy
+    legacy = {**source, "key_kernel": key.source, "k_bf16_entries": k.numel(),
+              "layernorm_rule": rule, "layernorm_kernel": kernel}  # fmt: skip
+    run = ek.EngineKernelRun(ops, "vllm", f"{source['query_kernel']}; {key.source}")
+    return rope, run, legacy, k
 
 
 def _row(rec: dict) -> str:

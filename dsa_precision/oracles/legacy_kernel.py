@@ -179,10 +179,15 @@ def package_key(
             rotate_activation=False, rope_fp32=True, engine=profile,
         )  # fmt: skip
     elif pre.engine != profile or not pre.rope_fp32 or pre.rope_interleaved != interleaved:
+        differ = [
+            f"{f.name}={getattr(pre.engine, f.name)!r}"
+            for f in dataclasses.fields(profile)
+            if getattr(pre.engine, f.name) != getattr(profile, f.name)
+        ]
         raise ValueError(
             f"pre preprocesses under {pre.engine.name!r} (rope_fp32={pre.rope_fp32}, "
-            f"rope_interleaved={pre.rope_interleaved}), not {profile.name!r} with rope_fp32 and "
-            f"rope_interleaved={interleaved}."
+            f"rope_interleaved={pre.rope_interleaved}{''.join(', ' + d for d in differ)}), not "
+            f"{profile.name!r} with rope_fp32 and rope_interleaved={interleaved}."
         )
     with torch.no_grad():
         _, k = pre(inputs.q, inputs.k, inputs.freqs)

@@ -265,13 +265,16 @@ def inductor_layernorm_rule(cache_dir: str | os.PathLike) -> tuple[LayerNormArit
     path, name, kind = found[0]
     if kind == "red":
         return "fp32-welford", f"{name} (looped Welford reduction)"
-    best = path.with_suffix(".best_config")
-    if not best.is_file():
+    # Inductor's local autotune cache: <hash of the kernel file's name>.best_config, in the
+    # kernel file's folder (runtime/autotune_cache.py).
+    best = sorted(path.parent.glob("*.best_config"))
+    if len(best) != 1:
         raise ValueError(
-            f"{name} is a persistent reduction but {best} is missing: Inductor writes it when the "
-            "kernel first runs; run the compiled key once, then read the cache."
+            f"{name} is a persistent reduction but {path.parent} holds {len(best)} .best_config "
+            "files, not one: Inductor writes it when the kernel first runs; run the compiled key "
+            "once, then read the cache."
         )
-    xblock = json.loads(best.read_text())["XBLOCK"]
+    xblock = json.loads(best[0].read_text())["XBLOCK"]
     if xblock not in (1, 8, 32):
         raise ValueError(f"{name} kept XBLOCK {xblock}, not one of the measured 1, 8, 32.")
     rule: LayerNormArith = "fp32-inductor-x1" if xblock == 1 else "fp32-inductor-x8"

@@ -21,7 +21,7 @@ def _cache(tmp_path, name: str, xblock: int | None = None):
     kernel.write_text(f"import triton\n@triton.jit\ndef {name}(in_ptr0, out_ptr0, xnumel):\n")
     if xblock is not None:
         config = {"XBLOCK": xblock, "num_warps": 2, "num_stages": 1}
-        kernel.with_suffix(".best_config").write_text(json.dumps(config))
+        (kernel.parent / "3f2a9c.best_config").write_text(json.dumps(config))  # a hashed name
     wrapper = tmp_path / "wr" / "cwrap.py"  # quotes every kernel; has no .best_config
     wrapper.parent.mkdir(parents=True)
     wrapper.write_text(
@@ -45,7 +45,7 @@ def test_a_looped_kernel_is_the_welford_rule(tmp_path):
 def test_what_cannot_be_read_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds 0 LayerNorm kernels"):
         inductor_layernorm_rule(tmp_path)  # e.g. a CPU compile: C++, no Triton kernel
-    with pytest.raises(ValueError, match="best_config is missing"):
+    with pytest.raises(ValueError, match="holds 0 .best_config files"):
         inductor_layernorm_rule(_cache(tmp_path / "a", PER))
     with pytest.raises(ValueError, match="XBLOCK 4, not one of"):
         inductor_layernorm_rule(_cache(tmp_path / "b", PER, 4))
