@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from ..backends import cudnn
 from ..checks import check_positive_int, check_real
 from ..config import SCORING_BACKENDS, IndexerPrecisionConfig
-from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES
+from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
 from ..rope import RopeSpec, YarnScaling
 from .kernel_backend import TILELANG, tilelang_problems
 from .replay import TOPK_SOURCES
@@ -52,10 +52,11 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
     64 indexer heads of dim 128, and on a GPU an SM90 device with nvidia-cudnn-frontend.
     Default "bf16"."""
 
-    dsa_indexer_engine: str = DEFAULT_ENGINE.name
+    dsa_indexer_engine: str | EngineProfile = DEFAULT_ENGINE.name
     """The inference engine profile whose numerics the two fields above reproduce (a name of
-    dsa_precision.ENGINE_PROFILES). Default "vllm": vLLM's default compiled run on Hopper
-    ("vllm-exact" is the literal all-FP32 contract of earlier releases)."""
+    dsa_precision.ENGINE_PROFILES, or an EngineProfile such as vllm_legacy_profile(...)'s).
+    Default "vllm": vLLM's default compiled run on Hopper ("vllm-exact" is the literal all-FP32
+    contract of earlier releases)."""
 
     dsa_indexer_topk_source: Literal["compute", "replay", "verify"] = "compute"
     """Where each DSA layer's top-k comes from: "compute" (as configured), "replay" (the keys the

@@ -89,6 +89,17 @@ def test_engine_field_is_validated():
         make_config(dsa_indexer_engine="tgi")
 
 
+def test_engine_field_takes_a_profile_object():
+    """A profile built for one engine (vLLM 0.28 compiled for 8,192 tokens, XBLOCK 32 kept)
+    reaches the layer's precision as given, not by name."""
+    from dsa_precision import vllm_legacy_profile
+
+    profile = vllm_legacy_profile(compiled_tokens=8192, sm_count=132, xblock=32)
+    config = make_config(dsa_indexer_rope_fp32=True, dsa_indexer_engine=profile)
+    assert config.dsa_indexer_precision.engine is profile
+    assert config.dsa_indexer_precision.engine.layernorm == "fp32-inductor-x8"
+
+
 def test_bad_values_name_the_field():
     with pytest.raises(ValueError, match=r"dsa_indexer_scoring_precision='int8'.*'bf16', 'fp8'"):
         make_config(dsa_indexer_scoring_precision="int8")
