@@ -45,7 +45,7 @@ def test_a_looped_kernel_is_the_welford_rule(tmp_path):
 def test_what_cannot_be_read_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds 0 LayerNorm kernels"):
         inductor_layernorm_rule(tmp_path)  # e.g. a CPU compile: C++, no Triton kernel
-    with pytest.raises(ValueError, match="holds 0 .best_config files"):
+    with pytest.raises(ValueError, match=r"holds 0 \.best_config files"):
         inductor_layernorm_rule(_cache(tmp_path / "a", PER))
     with pytest.raises(ValueError, match="XBLOCK 4, not one of"):
         inductor_layernorm_rule(_cache(tmp_path / "b", PER, 4))
