@@ -452,8 +452,10 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
         # (docs/numerics.md, section 8.4); the key's RoPE is Inductor's Triton, read alike.
         fma=True,
         # The key LayerNorm as Inductor (torch 2.11, Triton 3.6) compiles vLLM's LayerNorm for
-        # Hopper: a Welford reduction with per-lane statistics (exact_math.layer_norm_fp32_welford;
-        # docs/numerics.md, section 8.4); Indexer.__init__ builds it with eps=1e-6.
+        # Hopper from 64 tokens per SM (max_num_batched_tokens; the LLM class's default 16384):
+        # a Welford reduction with per-lane statistics (exact_math.layer_norm_fp32_welford;
+        # docs/numerics.md, section 8.4; below that size: vllm_legacy_profile); Indexer.__init__
+        # builds it with eps=1e-6.
         layernorm="fp32-welford",
         k_norm_eps=_ENGINE_K_NORM_EPS,
     ),

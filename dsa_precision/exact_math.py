@@ -6,7 +6,8 @@ every device: a fused multiply-add rounded once (:func:`fma_fp32`), sums in a fi
 (:func:`pairwise_sum`, :func:`triton_block_sum`), and the key LayerNorm evaluated in float64
 rounded once (:func:`layer_norm_fp32`) or float32 operation by operation as the engines' Triton
 kernels do (:func:`layer_norm_fp32_ops`), SGLang's CUDA kernel does (:func:`layer_norm_fp32_warp`)
-or Inductor's Welford kernel does (:func:`layer_norm_fp32_welford`). Why each order is the
+or Inductor's Welford kernel does (:func:`layer_norm_fp32_welford`; its persistent kernel:
+:func:`layer_norm_fp32_ops` with :func:`inductor_block_sum`). Why each order is the
 engine's: docs/numerics.md,
 "The engines' float32 arithmetic".
 """
@@ -179,8 +180,9 @@ def triton_block_sum(
     return _tree_add(x, steps)
 
 
-# Inductor's persistent LayerNorm reduction (torch 2.11-2.13, Triton 3.6-3.7, Hopper; 2 warps,
-# the block [XBLOCK, 128] of BF16 loads vectorised): with XBLOCK 1 each thread holds two adjacent
+# Inductor's persistent LayerNorm reduction (read from torch 2.11's kernel compiled by Triton 3.6
+# for Hopper, and Triton 3.7.1 compiles its form alike; 2 warps, the block [XBLOCK, 128] of BF16
+# loads vectorised): with XBLOCK 1 each thread holds two adjacent
 # elements (sizePerThread [1, 2] on 32 x 2 threads): their pair, then the lanes 32 ... 2 elements
 # apart, then the two warps 64 apart.
 INDUCTOR_SUM_DISTANCES_X1 = (1, 32, 16, 8, 4, 2, 64)
