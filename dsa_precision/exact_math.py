@@ -151,6 +151,12 @@ def _tree_add(x: torch.Tensor, distances: list[int]) -> torch.Tensor:
     return x
 
 
+def _check_width(x: torch.Tensor, caller: str) -> None:
+    """The block sums model 128-wide vectors (the indexer's head dimension)."""
+    if x.shape[-1] != 128:
+        raise ValueError(f"{caller} takes 128-wide vectors, got shape {tuple(x.shape)}.")
+
+
 def triton_block_sum(
     x: torch.Tensor,
     *,
@@ -166,8 +172,7 @@ def triton_block_sum(
     each pair ``(i, j)``. Returns ``[..., 1]``.
     """
     src = x if squares_of is None else squares_of
-    if src.shape[-1] != 128:
-        raise ValueError(f"triton_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    _check_width(src, "triton_block_sum")
     if sorted(distances) != [1 << i for i in range(7)]:
         raise ValueError(
             f"distances={distances!r} must order the powers of two 1 ... 64, each once."
@@ -218,8 +223,7 @@ def inductor_block_sum(
     if xblock != 8:
         raise ValueError(f"xblock={xblock!r} must be 1 or 8 (8 stands for 8 and 32).")
     src = x if squares_of is None else squares_of
-    if src.shape[-1] != 128:
-        raise ValueError(f"inductor_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    _check_width(src, "inductor_block_sum")
     threads = src.to(torch.float32).reshape(*src.shape[:-1], 16, 8)
     e = [threads[..., i] for i in range(8)]
     if squares_of is None:
@@ -317,8 +321,7 @@ def warp_block_sum(
     compiler emits. Returns ``[..., 1]``.
     """
     src = x if squares_of is None else squares_of
-    if src.shape[-1] != 128:
-        raise ValueError(f"warp_block_sum takes 128-wide vectors, got {tuple(src.shape)}.")
+    _check_width(src, "warp_block_sum")
     lanes = src.to(torch.float32).reshape(*src.shape[:-1], 32, 4)
     e = [lanes[..., i] for i in range(4)]
     if squares_of is None:
@@ -415,8 +418,7 @@ def layer_norm_fp32_welford(
     :func:`rsqrt_fp32`. Differentiable.
     """
     x = x.to(torch.float32)
-    if x.shape[-1] != 128:
-        raise ValueError(f"layer_norm_fp32_welford takes 128-wide vectors, got {tuple(x.shape)}.")
+    _check_width(x, "layer_norm_fp32_welford")
     lanes = x.reshape(*x.shape[:-1], 32, 4)
     zero = torch.zeros_like(lanes[..., 0])
     state = (lanes[..., 0], zero)
