@@ -171,9 +171,10 @@ def _rows_identical(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
     return float(same.float().mean()), int((~same).sum())
 
 
-def _layer_side(model: str, profile, cpu_init: bool, args):
+def _layer_side(model: str, profile, cpu_init: bool, args, *, operands: bool = True):
     """The Megatron layer with the drop-ins under ``profile``: its projections, its operands
-    (fused kernel and torch reference) and its own top-k, from seeded weights and inputs."""
+    (fused kernel and torch reference) and its own top-k, from seeded weights and inputs
+    (``operands=False``: the projections and the preprocessing only, what the engine needs)."""
     device, s = torch.device(args.device), args.seq
     config = _config(model, profile, cpu_init, args.topk, args.scores)
     indexer = _indexer(config, device, args.seed)
@@ -185,8 +186,10 @@ def _layer_side(model: str, profile, cpu_init: bool, args):
     weights_fp32 = profile.weights_dtype == "fp32"
     with torch.no_grad():
         p = indexer.projections(x, qr, None, weights_fp32)
-        layer_ops = indexer.scoring_operands(x, qr)
         pre = indexer.preprocess()
+        if not operands:
+            return types.SimpleNamespace(config=config, indexer=indexer, x=x, p=p, pre=pre)
+        layer_ops = indexer.scoring_operands(x, qr)
         torch_ops = prepare_indexer_operands(
             pre, p.q, p.k, p.w, p.freqs, config=indexer.precision, mscale=p.mscale,
             positions=p.positions, impl="torch",
@@ -204,7 +207,8 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
     device, s = torch.device(args.device), args.seq
     profile = ENGINE_PROFILES[name]
     layer_profile = dataclasses.replace(profile, fma=False) if args.no_fma else profile
-    side = _layer_side(model, layer_profile, cpu_init, args)
+    # vllm-legacy's rule is known once the engine has compiled: the operands wait for it.
+    side = _layer_side(model, layer_profile, cpu_init, args, operands=name != LEGACY)
     rec: dict = {"model": model, "heads": heads, "interleaved": interleaved, "profile": name,
                  "use_cpu_initialization": cpu_init}  # fmt: skip
     # The engine: its own tables, then its own kernels on the layer's projections.
@@ -216,10 +220,9 @@ def _record(model: str, name: str, cpu_init: bool, args) -> dict:
         )
         rec["engine_rope"], rec["engine_kernel"] = rope.source, run.source
         # The key LayerNorm Inductor compiled and kept for this size (vllm_legacy_profile): the
-        # layer takes that kernel's rule (same weights and inputs, rebuilt).
-        if legacy["layernorm_rule"] != layer_profile.layernorm:
-            layer_profile = dataclasses.replace(layer_profile, layernorm=legacy["layernorm_rule"])
-            side = _layer_side(model, layer_profile, cpu_init, args)
+        # layer takes that kernel's rule (same seeded weights and inputs).
+        layer_profile = dataclasses.replace(layer_profile, layernorm=legacy["layernorm_rule"])
+        side = _layer_side(model, layer_profile, cpu_init, args)
         rec["layer_layernorm"] = layer_profile.layernorm
         ours = package_key(inputs, layer_profile, interleaved=interleaved, pre=side.pre)
         rec[LEGACY] = {**legacy, "k_bf16_differ": _differ(ours, engine_k)}
