@@ -182,7 +182,7 @@ def package_key(
         differ = [
             f"{f.name}={getattr(pre.engine, f.name)!r}"
             for f in dataclasses.fields(profile)
-            if getattr(pre.engine, f.name) != getattr(profile, f.name)
+            if f.name != "name" and getattr(pre.engine, f.name) != getattr(profile, f.name)
         ]
         raise ValueError(
             f"pre preprocesses under {pre.engine.name!r} (rope_fp32={pre.rope_fp32}, "

@@ -139,3 +139,21 @@ def test_package_key_refuses_a_preprocess_of_another_layout(interleaved):
     )  # fmt: skip
     with pytest.raises(ValueError, match=f"rope_interleaved={interleaved}"):
         lk.package_key(inputs, interleaved=interleaved, pre=pre)
+
+
+def test_package_key_names_the_rule_a_preprocess_differs_in():
+    """A layer preprocessed under another LayerNorm rule than the key's profile (the rule the
+    engine's compile kept, say) is refused with the field and its value named."""
+    import dataclasses
+
+    from dsa_precision.preprocess import IndexerPreprocess
+
+    inputs = synthetic_indexer_inputs(8, n_heads=2)
+    legacy = ENGINE_PROFILES["vllm-legacy"]
+    kept = dataclasses.replace(legacy, name="vllm-legacy-xblock8", layernorm="fp32-inductor-x8")
+    pre = IndexerPreprocess(
+        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=False,
+        rotate_activation=False, rope_fp32=True, engine=kept,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"layernorm='fp32-inductor-x8'\), not 'vllm-legacy'"):
+        lk.package_key(inputs, legacy, interleaved=False, pre=pre)
