@@ -126,6 +126,11 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         tests/gpu/test_scoring.py tests/gpu/test_determinism.py \
         -k "deepgemm or entry_points or select or topk or never_waits or cuda_graph" ;;
+    tests-legacy)  # the GPU tests of vllm-legacy: vLLM 0.28.0's key and query kernels, the layer
+      # cells at S = 512 (after `vllm-legacy`; placed before tests-*, which would take the name)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
+      TAIL=8 run gpu_tests_legacy 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/gpu -k "legacy or vllm_028" ;;
     tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
       TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
         -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
@@ -267,10 +272,6 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
           --profiles vllm-legacy --engine-torch "$HOME/torch213" \
           --out "$LOGS/layer_legacy_torch213" ${LAYER_ARGS:-}
       fi ;;
-    tests-legacy)  # the GPU tests of vllm-legacy's layer cells (S = 512; after `vllm-legacy`)
-      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
-      TAIL=8 run tests_layer_legacy 600 python -m pytest -q -x -m gpu \
-        tests/gpu/test_layer_conformance.py -k legacy ;;
     triton38)  # issue 29: vLLM 0.33's / LMDeploy 0.18's Triton kernels compiled by Triton 3.8
       # (vLLM 0.33's pin) in a child process, beside the host's Triton (after `deepgemm`; the
       # wheel from .bigcarry/, installed with --target so torch keeps the host's triton)
