@@ -3,6 +3,7 @@
 where the oracle says it cannot run, and the key it feeds the kernel. The kernel itself runs in
 tests/gpu/test_preprocess_quantize.py."""
 
+import dataclasses
 import shutil
 import subprocess
 import tarfile
@@ -14,6 +15,7 @@ from dsa_precision import ENGINE_PROFILES
 from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.oracles import legacy_kernel as lk
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.preprocess import IndexerPreprocess
 
 from ..support.configs import ROOT
 
@@ -126,17 +128,20 @@ def test_only_a_bf16_key_is_handed_to_the_kernel():
         lk.package_key(inputs, ENGINE_PROFILES["vllm"], interleaved=False)
 
 
+def _preprocess(inputs, engine, *, interleaved: bool) -> IndexerPreprocess:
+    """A layer's own preprocessing of ``inputs`` under ``engine`` with rope_fp32 (no Hadamard)."""
+    return IndexerPreprocess(
+        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=interleaved,
+        rotate_activation=False, rope_fp32=True, engine=engine,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_package_key_refuses_a_preprocess_of_another_layout(interleaved):
     """A layer's own preprocessing handed in must be the profile's, with rope_fp32 and the RoPE
     layout the key's lanes are put back in: otherwise the pairs would go back wrongly."""
-    from dsa_precision.preprocess import IndexerPreprocess
-
     inputs = synthetic_indexer_inputs(8, n_heads=2)
-    pre = IndexerPreprocess(
-        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=not interleaved,
-        rotate_activation=False, rope_fp32=True, engine=ENGINE_PROFILES["vllm-legacy"],
-    )  # fmt: skip
+    pre = _preprocess(inputs, ENGINE_PROFILES["vllm-legacy"], interleaved=not interleaved)
     with pytest.raises(ValueError, match=f"rope_interleaved={interleaved}"):
         lk.package_key(inputs, interleaved=interleaved, pre=pre)
 
@@ -144,16 +149,9 @@ def test_package_key_refuses_a_preprocess_of_another_layout(interleaved):
 def test_package_key_names_the_rule_a_preprocess_differs_in():
     """A layer preprocessed under another LayerNorm rule than the key's profile (the rule the
     engine's compile kept, say) is refused with the field and its value named."""
-    import dataclasses
-
-    from dsa_precision.preprocess import IndexerPreprocess
-
     inputs = synthetic_indexer_inputs(8, n_heads=2)
     legacy = ENGINE_PROFILES["vllm-legacy"]
     kept = dataclasses.replace(legacy, name="vllm-legacy-xblock8", layernorm="fp32-inductor-x8")
-    pre = IndexerPreprocess(
-        inputs.head_dim, inputs.rope_dim, k_norm=inputs.k_norm, rope_interleaved=False,
-        rotate_activation=False, rope_fp32=True, engine=kept,
-    )  # fmt: skip
+    pre = _preprocess(inputs, kept, interleaved=False)
     with pytest.raises(ValueError, match=r"layernorm='fp32-inductor-x8'\), not 'vllm-legacy'"):
         lk.package_key(inputs, legacy, interleaved=False, pre=pre)
