@@ -22,6 +22,7 @@ from .operands import ScoringOperands
 from .prepare import prepare_indexer_operands, prepare_scoring_operands
 
 # Scoring, top-k, and both in one pass (BSHD and packed THD)
+from .rows import WindowScores
 from .scoring import indexer_scores, indexer_scores_varlen
 from .topk import indexer_topk
 from .select import indexer_select, indexer_select_varlen
@@ -46,6 +47,7 @@ __all__ = [
     "ScoringOperands",
     "ScoringPrecision",
     "TopkAgreement",
+    "WindowScores",
     "dequantize_fp8",
     "fused_indexer_sparse_attention",
     "indexer_scores",

@@ -9,6 +9,7 @@ synchronisation, except the ``validate_*`` checks, which read the data.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import NamedTuple, cast
 
@@ -19,6 +20,7 @@ from .devices import shared_device_tensor
 
 __all__ = [
     "VarlenWindows",
+    "WindowScores",
     "causal_key_counts",
     "causal_offsets",
     "check_cu_seqlens",
@@ -77,6 +79,87 @@ class VarlenWindows(NamedTuple):
     start: torch.Tensor  # first key of the row's sequence, cu_seqlens_k[i]
     end: torch.Tensor  # start + counts
     counts: torch.Tensor  # the row's visible keys, its sequence's causal limit
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScores:
+    """Scores valid up to each row's length, the rest unspecified: DeepGEMM's uncleaned layout.
+
+    What :func:`~dsa_precision.indexer_scores` and :func:`~dsa_precision.indexer_scores_varlen`
+    return with ``clean=False``, and what :func:`~dsa_precision.indexer_topk` reads in place
+    (DeepGEMM's ``clean_logits=False``, which vLLM's prefill top-k reads with each row's end).
+
+    ``scores``: ``(..., columns)`` float32 with unit column stride; column ``j`` of a row holds its
+    score for ``j < lengths[row]``, and past it whatever the kernel's buffer held (DeepGEMM), or
+    ``-inf`` (cuDNN, torch). Rows may lie further apart than ``columns`` floats (DeepGEMM pads them
+    in its buffer). ``lengths``: int32 ``scores.shape[:-1]`` on the same device, each in
+    ``[0, columns]``: the row's causal key count.
+    """
+
+    scores: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s, n = self.scores, self.lengths
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.ndim < 1:
+            raise TypeError(f"scores must be a float32 tensor (..., columns), got {_describe(s)}.")
+        if not isinstance(n, torch.Tensor) or n.dtype != torch.int32:
+            raise TypeError(f"lengths must be an int32 tensor, got {_describe(n)}.")
+        if n.shape != s.shape[:-1] or n.device != s.device:
+            raise ValueError(
+                f"lengths {tuple(n.shape)} on {n.device} must give one length per score row: "
+                f"{tuple(s.shape[:-1])} on {s.device}."
+            )
+        if s.shape[-1] > 1 and s.stride(-1) != 1:
+            raise ValueError(f"scores must have unit column stride, got strides {s.stride()}.")
+
+    def _rows(self) -> torch.Tensor:
+        """``(rows, columns)``: a view of ``scores`` (its rows uniformly apart)."""
+        try:
+            return self.scores.view(self.lengths.numel(), self.scores.shape[-1])
+        except RuntimeError as exc:
+            raise ValueError(
+                f"scores of shape {tuple(self.scores.shape)} and strides {self.scores.stride()} "
+                "are not rows uniformly apart in one buffer; pass a row-major tensor."
+            ) from exc
+
+    def masked(self) -> torch.Tensor:
+        """``scores`` with ``-inf`` at every column ``j >= lengths[row]``, written in place (on
+        CUDA one Triton pass that stores only those tails). Returns ``scores``."""
+        flat = self._rows()
+        counts = self.lengths.reshape(-1)
+        if flat.is_cuda:
+            from .kernels import triton_unavailable_reason
+
+            if triton_unavailable_reason() is None:
+                from .kernels.mask_tails import mask_tails
+
+                mask_tails(flat, counts.contiguous())
+                return self.scores
+        cols = torch.arange(flat.shape[1], device=flat.device)
+        flat.masked_fill_(cols >= counts.unsqueeze(1), float("-inf"))
+        return self.scores
+
+    def rows_in_place(self) -> torch.Tensor:
+        """``(rows, row_stride)``: the rows' memory as one contiguous tensor, no copy (the top-k's
+        input, which with ``seq_lens = lengths`` reads only valid columns)."""
+        flat = self._rows()
+        rows, columns = flat.shape
+        stride = flat.stride(0) if rows > 1 else columns
+        storage = flat.untyped_storage().nbytes() // flat.element_size()
+        if stride < columns or flat.storage_offset() + rows * stride > storage:
+            raise ValueError(
+                f"scores of shape {tuple(self.scores.shape)} and strides {self.scores.stride()} "
+                f"in a buffer of {storage} floats are not rows of one buffer; expected row-major "
+                "rows (DeepGEMM 2.4-2.8's layout)."
+            )
+        return flat.as_strided((rows, stride), (stride, 1))
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
 
 
 def _fused_windows(device: torch.device) -> bool:

@@ -7,6 +7,10 @@ with ``-inf`` at every key ``t >= limit(b, s)`` (the causal rows of :mod:`dsa_pr
 - :func:`indexer_scores`: BSHD, ``(B, S_q, S_k)``.
 - :func:`indexer_scores_varlen`: packed THD, ``(T_q, max_seqlen_k)`` with sequence-local keys.
 
+With ``clean=False`` both return a :class:`~dsa_precision.rows.WindowScores` instead: the scores
+valid up to each row's causal limit, the rest as the kernel left them, and those limits (on
+DeepGEMM its uncleaned call and nothing more; :func:`~dsa_precision.indexer_topk` reads it).
+
 Both take prepared operands, or q / k / weights carriers, which they prepare first
 (:func:`~dsa_precision.prepare_scoring_operands`: the fused Triton kernel for FP8 on CUDA). The
 precision is the operands'; this module only chooses a kernel, and calls each in one place:
@@ -46,10 +50,12 @@ from .operands import ScoringOperands
 from .prepare import as_scoring_operands
 from .rows import (
     VarlenWindows,
+    WindowScores,
     causal_key_counts,
     causal_offsets,
     check_varlen_args,
     constant_offsets,
+    varlen_key_counts,
     varlen_windows,
 )
 
@@ -215,7 +221,7 @@ def _deepgemm_scores(
     key_end: torch.Tensor,
     columns: int,
     counts: torch.Tensor,
-) -> deepgemm.WindowLogits:
+) -> WindowScores:
     """One DeepGEMM launch for every query row of ``ops`` (with the ``B = 1`` scores of
     :func:`indexer_scores`, the only DeepGEMM call here): batch rows flattened, row
     ``b * S_q + s`` against its window ``[key_start, key_end)`` of the flattened keys
@@ -234,7 +240,7 @@ def _deepgemm_scores(
 
 def _deepgemm_causal_windows(
     ops: ScoringOperands, offsets: torch.Tensor, ratio: int, counts: torch.Tensor | None = None
-) -> deepgemm.WindowLogits:
+) -> WindowScores:
     """BSHD: each row ``(b, s)`` against keys ``[0, limit(b, s))`` of batch row ``b``; column ``j``
     is key ``j``. With ``seq_lens=counts`` the top-k reads the logits in place. ``counts``: the
     ``(B * S_q,)`` int32 limits, when the caller has them (shared constants of an int offset);
@@ -257,7 +263,7 @@ def _deepgemm_varlen_windows(
     ratio: int,
     max_seqlen_k: int,
     windows: VarlenWindows | None = None,
-) -> deepgemm.WindowLogits:
+) -> WindowScores:
     """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
     columns. ``windows``: the rows' :func:`~dsa_precision.rows.varlen_windows`, when the caller
     has them (else built here: one launch on CUDA)."""
@@ -274,7 +280,7 @@ def deepgemm_select_input(
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
     windows: VarlenWindows | None = None,
-) -> deepgemm.WindowLogits:
+) -> WindowScores:
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`, which has
     checked the arguments and, with ``validate``, the operands): DeepGEMM's uncleaned logits of
     ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q, cu_seqlens_k,
@@ -331,6 +337,51 @@ def _reference_scores(
 # ------------------------------------------------------------------------------------- BSHD
 
 
+@overload
+def indexer_scores(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: Literal[True] = True,
+) -> torch.Tensor: ...
+@overload
+def indexer_scores(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: Literal[False],
+) -> WindowScores: ...
+@overload
+def indexer_scores(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: bool = True,
+) -> torch.Tensor | WindowScores: ...
 @takes_precision_config
 def indexer_scores(
     q: torch.Tensor | ScoringOperands,
@@ -344,7 +395,8 @@ def indexer_scores(
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
     validate: bool = False,
-) -> torch.Tensor:
+    clean: bool = True,
+) -> torch.Tensor | WindowScores:
     """Lightning-indexer scores of BSHD operands (see the module docstring for the math).
 
     Arguments:
@@ -369,12 +421,18 @@ def indexer_scores(
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
         validate: check the data too (offsets in range before their int32 cast, finite
             operands); this synchronises with the host, so it is off by default.
+        clean: ``-inf`` at every key past a row's causal limit (default). ``False`` returns a
+            :class:`~dsa_precision.rows.WindowScores`: the same scores up to each row's limit,
+            past it whatever the kernel left there, and the limits, ``(B, S_q)`` int32. On
+            DeepGEMM that is its uncleaned call and nothing else (no cleaning kernel, no mask);
+            cuDNN and torch write ``-inf`` there anyway.
 
     Returns:
         float32 ``(B, S_q, S_k)`` with ``-inf`` at every key ``t >= limit(b, s)``: cuDNN's own
         output buffer (or ``out``), never a copy. DeepGEMM: its own buffer, whose rows are padded
         (a strided view; one launch for all batch rows, ``-inf`` written by DeepGEMM's cleaning
-        at ``B = 1`` and by one mask of the unwritten tails otherwise).
+        at ``B = 1`` and by one mask of the unwritten tails otherwise). With ``clean=False``, a
+        :class:`~dsa_precision.rows.WindowScores` of those scores.
     """
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
@@ -389,7 +447,14 @@ def indexer_scores(
     backend = resolve_scoring_backend(backend, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
-    return bshd_scores(ops, offsets, ratio, backend, out)
+    if clean:
+        return bshd_scores(ops, offsets, ratio, backend, out)
+    if backend == "deepgemm" and sq and sk:
+        record_scoring_call(ops.precision.value, backend)
+        window = _deepgemm_causal_windows(ops, offsets, ratio)
+        return WindowScores(window.scores.view(b, sq, sk), window.lengths.view(b, sq))
+    scores = bshd_scores(ops, offsets, ratio, backend, out)
+    return WindowScores(scores, causal_key_counts(offsets, 0, sq, ratio, sk))
 
 
 def bshd_scores(
@@ -429,6 +494,63 @@ def bshd_scores(
 # -------------------------------------------------------------------------------------- THD
 
 
+@overload
+def indexer_scores_varlen(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: Literal[True] = True,
+) -> torch.Tensor: ...
+@overload
+def indexer_scores_varlen(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: Literal[False],
+) -> WindowScores: ...
+@overload
+def indexer_scores_varlen(
+    q: torch.Tensor | ScoringOperands,
+    k: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: IndexerPrecisionConfig | None = None,
+    sm_scale: float = 1.0,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+    clean: bool = True,
+) -> torch.Tensor | WindowScores: ...
 @takes_precision_config
 def indexer_scores_varlen(
     q: torch.Tensor | ScoringOperands,
@@ -446,7 +568,8 @@ def indexer_scores_varlen(
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
     validate: bool = False,
-) -> torch.Tensor:
+    clean: bool = True,
+) -> torch.Tensor | WindowScores:
     """Lightning-indexer scores of packed (THD) sequences.
 
     Arguments as for :func:`indexer_scores`, except:
@@ -458,10 +581,14 @@ def indexer_scores_varlen(
             ``flash_attn_varlen_func``; no host sync reads them from the tensors).
         q_causal_offsets: global index of each sequence's query 0 (an int or ``(n,)`` tensor).
         out: optional contiguous float32 ``(T_q, max_seqlen_k)`` to write into (cuDNN, torch).
+        clean: as for :func:`indexer_scores`; ``False`` gives a
+            :class:`~dsa_precision.rows.WindowScores` with ``(T_q,)`` limits (on DeepGEMM its
+            compressed uncleaned call, which DeepGEMM cannot clean itself, and the rows' windows).
 
     Returns:
         float32 ``(T_q, max_seqlen_k)``: row ``t`` of sequence ``i`` scores that sequence's keys
-        ``0 .. max_seqlen_k - 1`` (sequence-local), ``-inf`` from its causal limit on.
+        ``0 .. max_seqlen_k - 1`` (sequence-local), ``-inf`` from its causal limit on. With
+        ``clean=False``, a :class:`~dsa_precision.rows.WindowScores` of those scores.
     """
     if not isinstance(q, ScoringOperands):
         if k is None or weights is None:
@@ -494,7 +621,13 @@ def indexer_scores_varlen(
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
     cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
-    return thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+    if clean:
+        return thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+    if backend == "deepgemm" and tq and max_seqlen_k:
+        record_scoring_call(ops.precision.value, backend)
+        return _deepgemm_varlen_windows(ops, cu_q, cu_k, offsets, ratio, max_seqlen_k)
+    scores = thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+    return WindowScores(scores, varlen_key_counts(cu_q, cu_k, offsets, ratio, tq))
 
 
 def thd_scores(

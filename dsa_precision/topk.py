@@ -31,6 +31,7 @@ from .checks import (
 )
 from .config import TOPK_BACKENDS
 from .kernels import triton_unavailable_reason
+from .rows import WindowScores
 
 __all__ = ["indexer_topk", "resolve_topk_backend", "select_rows"]
 
@@ -117,7 +118,7 @@ def resolve_topk_backend(
 
 
 def indexer_topk(
-    scores: torch.Tensor,
+    scores: torch.Tensor | WindowScores,
     k: int,
     *,
     seq_lens: torch.Tensor | None = None,
@@ -129,7 +130,9 @@ def indexer_topk(
 
     Arguments:
         scores: ``(..., S_k)`` float32 (or bf16/fp16) scores, ``-inf`` at masked keys, e.g.
-            ``(B, S_q, S_k)`` from :func:`dsa_precision.indexer_scores`.
+            ``(B, S_q, S_k)`` from :func:`dsa_precision.indexer_scores`; or the
+            :class:`~dsa_precision.rows.WindowScores` of ``clean=False``, read in place up to
+            its lengths (then ``seq_lens`` stays ``None``).
         k: keys per row, ``k >= 1``.
         seq_lens: optional ``scores.shape[:-1]`` integer tensor in ``[0, S_k]``: keys
             ``>= seq_lens`` are not valid, and the kernel never reads them (for causal scores,
@@ -145,6 +148,27 @@ def indexer_topk(
         int32 ``(..., k)``: each row's selected key indices in ascending order, ``-1`` in the
         slots that select nothing.
     """
+    if isinstance(scores, WindowScores):
+        if seq_lens is not None:
+            raise ValueError(
+                "seq_lens: WindowScores carry each row's length; pass seq_lens=None with them."
+            )
+        k = check_positive_int("k", k, high=INT32_MAX)
+        lead, columns = scores.lengths.shape, scores.scores.shape[-1]
+        rows = scores.rows_in_place()  # (rows, row stride): no copy
+        lens = as_int32_tensor(
+            "WindowScores.lengths",
+            scores.lengths,
+            device=rows.device,
+            validate=validate,
+            high=columns,
+            fix=f"each row's valid keys lie in [0, columns={columns}]",
+        ).reshape(-1)
+        backend = resolve_topk_backend(
+            backend, device=rows.device, k=min(k, max(columns, 1)), dtype=rows.dtype
+        )
+        picked = select_rows(rows, k, lens, deterministic, backend)
+        return picked if len(lead) == 1 else picked.reshape(*lead, k)
     scores = check_tensor("scores", scores)
     check_float_dtype("scores", scores, _SCORE_DTYPES)
     if scores.ndim < 1:

@@ -331,3 +331,48 @@ def test_every_call_is_counted_with_its_precision_and_backend():
     assert scoring_calls("fp8", "torch") == 2
     assert scoring_calls("bf16", "torch") == 1
     assert scoring_calls() == 3
+
+
+# ---------------------------------------------------------------------------- clean=False
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_uncleaned_scores_carry_the_causal_limits(ratio):
+    """``clean=False`` on the torch backend: the same scores (it writes ``-inf`` anyway) and
+    each row's causal limit, which is where the cleaned scores' ``-inf`` begins."""
+    q, k, w = _inputs(b=2, sq=17, sk=15)
+    kw = dict(config=FP8, ratio=ratio, q_causal_offsets=torch.tensor([0, 4]), backend="torch")
+    clean = indexer_scores(q, k, w, **kw)
+    window = indexer_scores(q, k, w, clean=False, **kw)
+    assert_bitwise_equal(window.scores, clean, "uncleaned scores")
+    for b, off in enumerate((0, 4)):
+        assert window.lengths[b].tolist() == causal_counts(off, range(17), ratio, 15)
+    finite = torch.isfinite(clean).sum(-1)
+    assert torch.equal(finite, window.lengths.long())  # the limits are where -inf begins
+    assert torch.equal(indexer_topk(window, 5), indexer_topk(clean, 5))
+
+
+def test_uncleaned_varlen_scores_carry_each_rows_limit():
+    lens_q, lens_k, offsets = [5, 0, 7], [6, 3, 9], [1, 0, 2]
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    q, k, w = _inputs(b=1, sq=total_q, sk=total_k)
+    kw = dict(
+        cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_seqlens(lens_k), max_seqlen_q=7,
+        max_seqlen_k=9, q_causal_offsets=torch.tensor(offsets), config=FP8, backend="torch",
+    )  # fmt: skip
+    clean = indexer_scores_varlen(q[0], k[0], w[0], **kw)
+    window = indexer_scores_varlen(q[0], k[0], w[0], clean=False, **kw)
+    assert_bitwise_equal(window.scores, clean, "uncleaned packed scores")
+    want = [
+        min(c, n_k)
+        for n_q, n_k, off in zip(lens_q, lens_k, offsets, strict=True)
+        for c in causal_counts(off, range(n_q), 1, 10**9)
+    ]
+    assert window.lengths.tolist() == want
+    assert torch.equal(indexer_topk(window, 4), indexer_topk(clean, 4))
+
+
+def test_uncleaned_empty_calls_have_empty_lengths():
+    q, k, w = _inputs(b=2, sq=0, sk=5)
+    window = indexer_scores(q, k, w, config=FP8, backend="torch", clean=False)
+    assert window.scores.shape == (2, 0, 5) and window.lengths.shape == (2, 0)

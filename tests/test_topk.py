@@ -1,11 +1,14 @@
 """indexer_topk on the torch backend against a per-row Python reference of the selection rule
 (tests/helpers.reference_topk): ties toward the lower index, +0 above -0, -inf and NaN never
-selected, -1 padding, seq_lens, any leading shape, score dtypes, non-deterministic mode."""
+selected, -1 padding, seq_lens, any leading shape, score dtypes, non-deterministic mode; and
+WindowScores (``clean=False``), read in place up to each row's length whatever lies past it."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from dsa_precision import indexer_topk
+from dsa_precision import WindowScores, indexer_topk
 from dsa_precision import topk as topk_module
 
 from .support.helpers import reference_topk_rows
@@ -139,3 +142,75 @@ def test_auto_on_cpu_is_the_torch_path():
     assert got.tolist() == reference_topk_rows(scores, 6)
     with pytest.raises(RuntimeError, match="on cpu"):
         indexer_topk(scores, 6, backend="cudnn")
+
+
+# --------------------------------------------------------------------------- WindowScores
+
+
+def _padded(rows: int, columns: int, stride: int, lengths: torch.Tensor, seed: int):
+    """Scores in rows ``stride`` floats apart of one buffer, garbage (NaN, +-inf, huge values)
+    past each row's length and in the padding: DeepGEMM's uncleaned layout."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(rows * stride + 3, generator=g)
+    junk = torch.tensor([float("nan"), float("inf"), 3.0e38, -float("inf")])
+    buf[torch.randint(0, buf.numel(), (buf.numel() // 2,), generator=g)] = junk[
+        torch.randint(0, 4, (buf.numel() // 2,), generator=g)
+    ]
+    scores = buf[:-3].view(rows, stride)[:, :columns]
+    valid = torch.randn(rows, columns, generator=g).round_(decimals=1)  # ties likely
+    keep = torch.arange(columns) < lengths.unsqueeze(1)
+    scores[keep] = valid[keep]
+    return scores, valid
+
+
+@given(
+    rows=st.integers(0, 6),
+    columns=st.integers(1, 40),
+    pad=st.integers(0, 9),
+    k=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_window_scores_select_like_the_masked_scores(rows, columns, pad, k, seed, data):
+    """Whatever lies past each row's length, the picks of WindowScores are those of the valid
+    scores with seq_lens: the top-k reads the rows in place and never past a length."""
+    lengths = torch.tensor(
+        data.draw(st.lists(st.integers(0, columns), min_size=rows, max_size=rows)),
+        dtype=torch.int32,
+    )
+    scores, valid = _padded(rows, columns, columns + pad, lengths, seed)
+    window = WindowScores(scores, lengths)
+    want = reference_topk_rows(valid, k, lengths)
+    assert indexer_topk(window, k, backend="torch").reshape(-1, k).tolist() == want
+    masked = window.masked()  # in place: -inf past each length, the valid scores kept
+    assert masked.data_ptr() == scores.data_ptr()
+    keep = torch.arange(columns) < lengths.unsqueeze(1)
+    assert torch.equal(masked[keep], valid[keep]) and bool((masked[~keep] == -float("inf")).all())
+    assert indexer_topk(masked, k, backend="torch").reshape(-1, k).tolist() == want
+
+
+def test_window_scores_keep_their_leading_shape():
+    lengths = torch.tensor([[1, 2, 3], [3, 0, 2]], dtype=torch.int32)
+    scores, valid = _padded(6, 3, 8, lengths.view(-1), 0)
+    window = WindowScores(scores.view(2, 3, 3), lengths)
+    picks = indexer_topk(window, 2)
+    assert picks.shape == (2, 3, 2)
+    assert picks.reshape(-1, 2).tolist() == reference_topk_rows(valid, 2, lengths.view(-1))
+
+
+def test_window_scores_refuse_what_they_cannot_describe():
+    scores = torch.zeros(4, 5)
+    lengths = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="scores must be a float32 tensor"):
+        WindowScores(scores.double(), lengths)
+    with pytest.raises(TypeError, match=r"lengths must be an int32 tensor, got torch\.int64"):
+        WindowScores(scores, lengths.long())
+    with pytest.raises(ValueError, match=r"lengths \(3,\) on cpu must give one length per score"):
+        WindowScores(scores, lengths[:3])
+    with pytest.raises(ValueError, match="unit column stride"):
+        WindowScores(torch.zeros(5, 4).t(), lengths)
+    with pytest.raises(ValueError, match="seq_lens: WindowScores carry each row's length"):
+        indexer_topk(WindowScores(scores, lengths), 2, seq_lens=lengths)
+    too_long = WindowScores(scores, torch.tensor([1, 2, 6, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"WindowScores.lengths\[2\]=6 is outside \[0, 5\]"):
+        indexer_topk(too_long, 2, validate=True)

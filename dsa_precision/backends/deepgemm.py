@@ -10,9 +10,9 @@ The package calls the kernel's *compressed* form, one launch for every query row
 ``cu_seq_len_k_start`` / ``cu_seq_len_k_end``): logits ``(rows, max_seqlen_k)``, column ``j`` of
 row ``i`` is key ``ks[i] + j``, written for ``j < ke[i] - ks[i]`` only; the rows lie
 ``align(max_seqlen_k, 256)`` floats apart in a buffer DeepGEMM allocates (``fp8_fp4_mqa_logits``
-in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :class:`WindowLogits` hands that buffer on
-untouched: the top-k reads it in place, bounded by each row's length, which is how vLLM's
-prefill path reads it (``sparse_attn_indexer.py``: ``fp8_fp4_mqa_logits(..., max_seqlen_k)``,
+in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :func:`window_logits` hands that buffer on
+untouched, as a :class:`~dsa_precision.rows.WindowScores`: the top-k reads it in place, bounded by
+each row's length, which is how vLLM's prefill path reads it (``sparse_attn_indexer.py``: ``fp8_fp4_mqa_logits(..., max_seqlen_k)``,
 then ``top_k_per_row_prefill`` with the row ends and strides). Entry points, detected by feature
 (pybind11 functions have no signature, so their parameter names are read from the docstring):
 
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+from ..rows import WindowScores
 
 __all__ = [
     "DETERMINISM_SWITCHES",
     "EntryPoint",
-    "WindowLogits",
     "causal_logits",
     "deepgemm_available",
     "entry_point",
@@ -174,49 +174,6 @@ def _launch(
     return entry.fn(q_arg, kv, weights, key_start, key_end, max_seqlen_k=max_seqlen_k, **extra)
 
 
-@dataclasses.dataclass(frozen=True)
-class WindowLogits:
-    """DeepGEMM's compressed logits as the kernel left them: no copy, no mask.
-
-    ``logits`` ``(rows, columns)`` float32, a view of DeepGEMM's buffer (rows ``row_stride >=
-    columns`` floats apart): column ``j`` of row ``i`` is key ``key_start[i] + j``, written for
-    ``j < counts[i]`` only (the rest is whatever the allocator held).
-    """
-
-    logits: torch.Tensor  # (rows, columns) float32, stride (row_stride, 1)
-    counts: torch.Tensor  # (rows,) int32, the written prefix of each row
-
-    @property
-    def row_stride(self) -> int:
-        return self.logits.stride(0) if self.logits.shape[0] > 1 else self.logits.shape[1]
-
-    def rows_in_place(self) -> torch.Tensor:
-        """``(rows, row_stride)``: the same memory as one contiguous tensor (the top-k's input;
-        with ``seq_lens=counts`` it reads only written columns)."""
-        rows, stride = self.logits.shape[0], self.row_stride
-        storage = self.logits.untyped_storage().nbytes() // self.logits.element_size()
-        if self.logits.stride(-1) != 1 or self.logits.storage_offset() + rows * stride > storage:
-            raise RuntimeError(
-                f"DeepGEMM returned logits of shape {tuple(self.logits.shape)} and strides "
-                f"{self.logits.stride()} in a buffer of {storage} floats; expected row-major rows "
-                "of one buffer (DeepGEMM 2.4-2.8's layout)."
-            )
-        return self.logits.as_strided((rows, stride), (stride, 1))
-
-    def masked(self) -> torch.Tensor:
-        """``logits`` with ``-inf`` in every column ``j >= counts[i]``, in place: the scores (on
-        CUDA one Triton pass that stores only the tails, :mod:`~dsa_precision.kernels.mask_tails`).
-        """
-        from ..kernels import triton_unavailable_reason
-
-        if self.logits.is_cuda and triton_unavailable_reason() is None:
-            from ..kernels.mask_tails import mask_tails
-
-            return mask_tails(self.logits, self.counts.to(torch.int32))
-        cols = torch.arange(self.logits.shape[1], device=self.logits.device)
-        return self.logits.masked_fill_(cols >= self.counts.unsqueeze(1), float("-inf"))
-
-
 def window_logits(
     q: torch.Tensor,  # (rows, H, 128) float8_e4m3fn, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # (k (keys, 128) e4m3, k_descale (keys,) float32)
@@ -225,10 +182,25 @@ def window_logits(
     key_end: torch.Tensor,  # (rows,) int32, one past its last key
     columns: int,  # >= every key_end - key_start
     counts: torch.Tensor | None = None,  # (rows,) int32 key_end - key_start, if the caller has it
-) -> WindowLogits:
-    """One launch: the logits of every row against its window ``[key_start, key_end)``."""
+) -> WindowScores:
+    """One launch: the logits of every row against its window ``[key_start, key_end)``, as the
+    kernel left them (``(rows, columns)``, a view of its padded buffer; no copy, no mask)."""
     logits = _launch(q, kv, weights, key_start, key_end, columns)
-    return WindowLogits(logits, key_end - key_start if counts is None else counts)
+    rows = logits.shape[0]
+    stride = logits.stride(0) if rows > 1 else columns
+    storage = logits.untyped_storage().nbytes() // logits.element_size()
+    if (
+        logits.shape != (rows, columns)
+        or (columns > 1 and logits.stride(1) != 1)
+        or stride < columns
+        or logits.storage_offset() + rows * stride > storage
+    ):
+        raise RuntimeError(
+            f"DeepGEMM returned logits of shape {tuple(logits.shape)} and strides "
+            f"{logits.stride()} in a buffer of {storage} floats; expected row-major rows of one "
+            f"buffer, {columns} columns (DeepGEMM 2.4-2.8's layout)."
+        )
+    return WindowScores(logits, key_end - key_start if counts is None else counts)
 
 
 def causal_logits(

@@ -464,8 +464,7 @@ class _Raw:
     def select(self, ops, step: int, backend: str, buf: torch.Tensor | None, score_only=False):
         """Chunked scoring + top-k over rows ``[0, S)`` of batch 1 in chunks of ``step`` rows,
         nothing kept: the raw-kernel bound of ``indexer_select``."""
-        from ..backends.deepgemm import WindowLogits
-        from ..rows import causal_key_counts
+        from ..rows import WindowScores, causal_key_counts
 
         b, sq = ops.q.shape[:2]
         sk = ops.k.shape[1]
@@ -474,7 +473,7 @@ class _Raw:
             r1 = min(r0 + step, sq)
             part, lens = ops.rows(r0, r1), causal_key_counts(zero, r0, r1 - r0, 1, sk).view(-1)
             if backend == "deepgemm":
-                scores = WindowLogits(self.deepgemm_logits(part, lens), lens).rows_in_place()
+                scores = WindowScores(self.deepgemm_logits(part, lens), lens).rows_in_place()
             else:
                 assert buf is not None  # given for cuDNN
                 out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
@@ -486,7 +485,7 @@ class _Raw:
         """Chunked scoring + top-k (with values) of a packing, its chunks' rows and windows
         built on the host beforehand (as an engine's metadata): the raw-kernel bound of
         ``indexer_select_varlen``. Returns each chunk's indices."""
-        from ..backends.deepgemm import WindowLogits
+        from ..rows import WindowScores
 
         picks = []
         for c, (r0, r1) in enumerate(pack.chunks):
@@ -494,7 +493,7 @@ class _Raw:
             if backend == "deepgemm":
                 part = ops.rows(r0, r1)
                 logits = self.deepgemm_windows(part, pack.ks[r0:r1], pack.ke[r0:r1], pack.max_len)
-                scores = WindowLogits(logits, lens).rows_in_place()
+                scores = WindowScores(logits, lens).rows_in_place()
             else:
                 assert buf is not None  # given for cuDNN
                 out = buf[: (r1 - r0) * pack.max_len].view(r1 - r0, pack.max_len)
@@ -586,10 +585,14 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         t["raw_score_fp8"] = timer(lambda: raw.cudnn_scores(ops8, offsets))
         t["score_fp8"] = timer(lambda: indexer_scores(ops8, backend="cudnn"))
         if "deepgemm" in backends:
+            _verify_deepgemm_window(raw, ops8, lens)
             t["raw_score_dg"] = timer(lambda: raw.deepgemm_logits(ops8, lens))
             if raw.deepgemm_logits(ops8, lens, clean=True) is not None:
                 t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_logits(ops8, lens, True))
             t["score_fp8_deepgemm"] = timer(lambda: indexer_scores(ops8, backend="deepgemm"))
+            t["score_fp8_deepgemm_window"] = timer(
+                lambda: indexer_scores(ops8, backend="deepgemm", clean=False)
+            )
         scores = raw.cudnn_scores(ops8, offsets).view(b * seq, seq)
         for key, val in (("raw_topk", False), ("raw_topk_val", True)):
             t[key] = timer(lambda val=val: raw.topk(scores, lens, val))
@@ -658,6 +661,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
             clean = t.get("raw_score_dg_clean")
             out["overhead"] |= {
                 "score_dg": None if clean is None else t["score_fp8_deepgemm"] / clean,
+                "score_dg_window": t["score_fp8_deepgemm_window"] / t["raw_score_dg"],
                 "dg_vs_cudnn": t["raw_score_dg"] / t["raw_score_fp8"],
                 "e2e_fp8_dg": t["e2e_fp8_dg"]
                 / (t["prep_fp8"] + t["raw_score_dg"] + t["raw_topk_val"]),
@@ -793,6 +797,20 @@ def _measure_split(
     return out
 
 
+def _verify_deepgemm_window(raw: _Raw, ops: ScoringOperands, lens: torch.Tensor) -> None:
+    """Before timing ``indexer_scores(clean=False)`` on DeepGEMM (batch 1): its scores inside each
+    row's window are DeepGEMM's compressed logits bit for bit, its lengths the causal counts."""
+    from ..scoring import indexer_scores
+
+    window = indexer_scores(ops, backend="deepgemm", clean=False)
+    logits = raw.deepgemm_logits(ops, lens)
+    inside = torch.arange(logits.shape[1], device=_DEVICE) < lens.unsqueeze(1)
+    if not torch.equal(window.lengths[0], lens) or not torch.equal(
+        window.scores[0][inside], logits[inside]
+    ):
+        raise CliError("DeepGEMM scores (clean=False) differ from its raw logits; not timing.")
+
+
 def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple[str, ...]):
     """Before timing a packing: ``indexer_scores_varlen`` is the raw kernels' output, bit for
     bit: on DeepGEMM its compressed logits inside each row's window and ``-inf`` past it (and
@@ -811,14 +829,19 @@ def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple
             (got[~inside] == float("-inf")).all()
         ):
             raise CliError("DeepGEMM THD scores differ from its raw logits; not timing.")
+        window = indexer_scores_varlen(ops, backend="deepgemm", clean=False, **kw)
+        if not torch.equal(window.lengths, pack.counts) or not torch.equal(
+            window.scores[inside], logits[inside]
+        ):
+            raise CliError("DeepGEMM THD scores (clean=False) differ from its raw logits.")
         clean = raw.deepgemm_windows(ops, pack.ks, pack.ke, 0)
         if clean is not None:
             keys = (pack.ks.long().unsqueeze(1) + cols).clamp_(max=clean.shape[1] - 1)
             if not torch.equal(clean.gather(1, keys)[inside], got[inside]):
                 raise CliError("DeepGEMM THD scores differ from its cleaned logits; not timing.")
             checked.append("deepgemm clean")
-        checked.append("deepgemm")
-        del got, logits, clean
+        checked += ["deepgemm", "deepgemm clean=False"]
+        del got, logits, clean, window
     got = indexer_scores_varlen(ops, backend="cudnn", **kw)
     if not torch.equal(got, raw.cudnn_thd(ops, pack)):
         raise CliError("cuDNN THD scores differ from its raw kernel's; not timing.")
@@ -860,6 +883,9 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
             if raw.deepgemm_windows(ops, *dg, 0) is not None:
                 t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_windows(ops, *dg, 0))
             host["score_dg"] = lambda: indexer_scores_varlen(ops, backend="deepgemm", **kw)
+            host["score_dg_window"] = lambda: indexer_scores_varlen(
+                ops, backend="deepgemm", clean=False, **kw
+            )
         t |= {name: timer(fn) for name, fn in host.items()}
         out["host_us"] = {name: timer.host_us(fn) for name, fn in host.items()}
         del host
@@ -887,6 +913,7 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
     for ratio, pkg, ref in (
         ("score_dg", "score_dg", "raw_score_dg"),
         ("score_dg_clean", "score_dg", "raw_score_dg_clean"),
+        ("score_dg_window", "score_dg_window", "raw_score_dg"),
         ("score_cudnn", "score_cudnn", "raw_score_cudnn"),
         ("select_dg", "select_dg", "raw_select_dg"),
         ("select_cudnn", "select_cudnn", "raw_select_cudnn"),

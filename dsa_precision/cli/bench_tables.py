@@ -23,8 +23,8 @@ def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
     lines = [
         "kernels vs package (same operands; x = package / raw)",
         f"{'S':>6} {'H':>3} | {'bf16 raw':>8} {'pkg':>7} {'x':>5} | {'fp8 raw':>8} {'pkg':>7} "
-        f"{'x':>5} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'dg/cu':>5} | "
-        f"{'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} {'x val':>5}",
+        f"{'x':>5} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'win':>7} {'x':>5} "
+        f"{'dg/cu':>5} | {'top-k raw':>9} {'+val':>6} {'pkg':>7} {'x':>5} {'x val':>5}",
     ]
     for r in full:
         t, o = r["times_ms"], r["overhead"]
@@ -34,6 +34,8 @@ def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(t['score_fp8']):>7} {o['score_fp8']:>5.2f} | "
             f"{_fmt(t.get('raw_score_dg')):>7} {_fmt(t.get('raw_score_dg_clean')):>7} "
             f"{_fmt(t.get('score_fp8_deepgemm')):>7} {_fmt(o.get('score_dg'), '.2f'):>5} "
+            f"{_fmt(t.get('score_fp8_deepgemm_window')):>7} "
+            f"{_fmt(o.get('score_dg_window'), '.2f'):>5} "
             f"{_fmt(o.get('dg_vs_cudnn'), '.2f'):>5} | {_fmt(t['raw_topk']):>9} "
             f"{_fmt(t.get('raw_topk_val')):>6} {_fmt(t['topk']):>7} {o['topk']:>5.2f} "
             f"{_fmt(o.get('topk_vs_val'), '.2f'):>5}"
@@ -42,8 +44,9 @@ def _kernel_lines(full: list[dict[str, Any]]) -> list[str]:
         "times: device time of each call (its launches queued behind a ~1 ms device sleep: the "
         "host's time before them not counted; host us below)",
         "dg raw: DeepGEMM's compressed uncleaned logits (what the select path reads); clean: "
-        "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; dg/cu: "
-        "dg raw / fp8 raw",
+        "its full cleaned scores (what indexer_scores returns at B=1), the raw of dg x; win: "
+        "indexer_scores(clean=False), the scores up to each row's limit with the limits, over "
+        "dg raw; dg/cu: dg raw / fp8 raw",
         "top-k raw: indices only (return_val=False); +val: with each pick's score, the "
         "wrapper's default and what the package's -inf/NaN guarantee reads; x / x val: package "
         "over each",
@@ -231,26 +234,29 @@ def _thd_score_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "packed THD, FP8: indexer_scores_varlen beside the raw kernels (same operands; x = "
         "package / raw)",
-        f"{'T':>6} {'H':>3} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'x cl':>5} | "
-        f"{'cu raw':>7} {'pkg':>7} {'x':>5} | {'host us dg raw':>14} {'pkg':>6} {'cu raw':>6} "
-        f"{'pkg':>6}",
+        f"{'T':>6} {'H':>3} | {'dg raw':>7} {'clean':>7} {'pkg':>7} {'x':>5} {'x cl':>5} "
+        f"{'win':>7} {'x':>5} | {'cu raw':>7} {'pkg':>7} {'x':>5} | {'host us dg raw':>14} "
+        f"{'pkg':>6} {'win':>6} {'cu raw':>6} {'pkg':>6}",
     ]
     for r in rows:
         t, o, h = r["times_ms"], r["overhead"], r.get("host_us", {})
         lines.append(
             f"{r['seq']:>6} {r['heads']:>3} | {_fmt(t.get('raw_score_dg')):>7} "
             f"{_fmt(t.get('raw_score_dg_clean')):>7} {_fmt(t.get('score_dg')):>7} "
-            f"{_fmt(o.get('score_dg'), '.2f'):>5} {_fmt(o.get('score_dg_clean'), '.2f'):>5} | "
+            f"{_fmt(o.get('score_dg'), '.2f'):>5} {_fmt(o.get('score_dg_clean'), '.2f'):>5} "
+            f"{_fmt(t.get('score_dg_window')):>7} {_fmt(o.get('score_dg_window'), '.2f'):>5} | "
             f"{_fmt(t.get('raw_score_cudnn')):>7} {_fmt(t.get('score_cudnn')):>7} "
             f"{_fmt(o.get('score_cudnn'), '.2f'):>5} | {_fmt(h.get('raw_score_dg'), '.1f'):>14} "
-            f"{_fmt(h.get('score_dg'), '.1f'):>6} {_fmt(h.get('raw_score_cudnn'), '.1f'):>6} "
-            f"{_fmt(h.get('score_cudnn'), '.1f'):>6}"
+            f"{_fmt(h.get('score_dg'), '.1f'):>6} {_fmt(h.get('score_dg_window'), '.1f'):>6} "
+            f"{_fmt(h.get('raw_score_cudnn'), '.1f'):>6} {_fmt(h.get('score_cudnn'), '.1f'):>6}"
         )
     lines.append(
         "dg raw: fp8_fp4_mqa_logits(q, (k, k_scales), w, ks, ke, clean_logits=False, "
         "max_seqlen_k=max len), the compressed uncleaned logits; clean: the same with "
         "clean_logits=True, max_seqlen_k=0, (T, T) with -inf outside the windows; pkg: "
-        "(T, max len), -inf past each row's window; cu raw: indexer_forward_wrapper with "
+        "(T, max len), -inf past each row's window; win: indexer_scores_varlen(clean=False), "
+        "the same scores left uncleaned with each row's length (x: over dg raw); cu raw: "
+        "indexer_forward_wrapper with "
         "cu_seqlens_q/k, max_seqlen_q/k; host us: until the call returns, the device idle"
     )
     return lines

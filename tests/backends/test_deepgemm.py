@@ -36,7 +36,14 @@ from dsa_precision.config import ScoringPrecision
 
 from ..support.configs import BF16, FP8
 from ..support.fake_cudnn import stand_in_scores
-from ..support.fake_deepgemm import FP8_FP4_DOC, LEGACY_DOC, UNCLEANED, FakeMqaLogits, install
+from ..support.fake_deepgemm import (
+    FP8_FP4_DOC,
+    GARBAGE,
+    LEGACY_DOC,
+    UNCLEANED,
+    FakeMqaLogits,
+    install,
+)
 from ..support.helpers import assert_bitwise_equal, causal_counts, cu_seqlens
 
 
@@ -167,6 +174,65 @@ def test_varlen_is_one_launch_in_sequence_local_columns(fake, ratio):
     for t in range(13):
         want = [t * 1000 + starts[t] + c for c in range(counts[t])]
         assert got[t].tolist() == want + [float("-inf")] * (8 - counts[t]), t
+
+
+# ------------------------------------------------------------------------- clean=False
+
+
+def test_uncleaned_bshd_is_the_kernels_buffer_as_it_left_it(fake):
+    """``clean=False``: one compressed launch, DeepGEMM's buffer untouched past each row's
+    limit (the fake's garbage still there), the limits beside it; the top-k of it is the top-k
+    of the cleaned scores."""
+    ops, offsets = _ops(b=2, sq=9, sk=13), torch.tensor([0, 5])
+    window = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm", clean=False)
+    (call,) = fake.calls
+    assert call["max_seqlen_k"] == 13 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+    assert window.scores.shape == (2, 9, 13) and window.lengths.shape == (2, 9)
+    assert window.scores.data_ptr() == fake.buffers[0].data_ptr()
+    for b in range(2):
+        counts = causal_counts(int(offsets[b]), range(9), 1, 13)
+        assert window.lengths[b].tolist() == counts
+        for i, end in enumerate(counts):
+            row = b * 9 + i
+            assert window.scores[b, i, :end].tolist() == [
+                row * 1000 + b * 13 + j for j in range(end)
+            ]
+            assert (window.scores[b, i, end:] == GARBAGE).all(), (b, i)  # no mask ran
+    clean = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
+    assert torch.equal(indexer_topk(window, 4), indexer_topk(clean, 4))
+
+
+def test_uncleaned_batch_one_skips_deepgemms_cleaning(fake):
+    window = indexer_scores(_ops(b=1, sq=4, sk=6), q_causal_offsets=1, backend="deepgemm",
+                            clean=False)  # fmt: skip
+    (call,) = fake.calls
+    assert call["max_seqlen_k"] == 6 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+    assert window.lengths.tolist() == [[2, 3, 4, 5]]
+    assert window.scores[0, 0, 2:].eq(GARBAGE).all()
+
+
+def test_uncleaned_varlen_is_the_compressed_call_and_its_windows(fake):
+    ops = _ops(b=1, sq=13, sk=14)
+    kw = dict(
+        cu_seqlens_q=cu_seqlens(_LENS_Q), cu_seqlens_k=cu_seqlens(_LENS_K), max_seqlen_q=6,
+        max_seqlen_k=8, ratio=2, q_causal_offsets=torch.tensor(_OFFSETS), backend="deepgemm",
+    )  # fmt: skip
+    window = indexer_scores_varlen(ops, clean=False, **kw)
+    (call,) = fake.calls
+    starts, counts = _varlen_windows(2)
+    assert call["max_seqlen_k"] == 8 and call["clean_logits"] is UNCLEANED[fake.clean_arg]
+    assert window.scores.data_ptr() == fake.buffers[0].data_ptr()
+    assert window.scores.shape == (13, 8) and window.lengths.tolist() == counts
+    for t in range(13):
+        assert window.scores[t, : counts[t]].tolist() == [
+            t * 1000 + starts[t] + c for c in range(counts[t])
+        ]
+        assert window.scores[t, counts[t] :].eq(GARBAGE).all(), t
+    clean, masked = indexer_scores_varlen(ops, **kw), window.masked()  # a second launch
+    assert masked.data_ptr() == window.scores.data_ptr()  # masked in place
+    inside = torch.isfinite(clean)
+    assert torch.equal(inside, torch.isfinite(masked))  # -inf where the default has it
+    assert torch.equal(masked[inside] + 1e6, clean[inside])  # the fake tags its launches 1e6 apart
 
 
 # ------------------------------------------------------------------------------ select

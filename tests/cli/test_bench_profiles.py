@@ -58,10 +58,12 @@ def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
     report = bench.run_bench(_cfg(seqs=(256,)))
     (r,) = report["results"]
     t = r["times_ms"]
-    for key in ("raw_score_dg", "raw_score_dg_clean", "score_fp8_deepgemm", "e2e_fp8_dg",
-                "raw_topk", "raw_topk_val", "topk"):  # fmt: skip
+    for key in ("raw_score_dg", "raw_score_dg_clean", "score_fp8_deepgemm",
+                "score_fp8_deepgemm_window", "e2e_fp8_dg", "raw_topk", "raw_topk_val",
+                "topk"):  # fmt: skip
         assert t[key] == 1.0, key
-    assert r["overhead"]["score_dg"] == 1.0 and r["e2e_bound_dg"] > 0
+    assert r["overhead"]["score_dg"] == r["overhead"]["score_dg_window"] == 1.0
+    assert r["e2e_bound_dg"] > 0
     assert set(r["host_us"]) == {"raw_score_fp8", "score_fp8", "raw_topk_val", "topk",
                                  "select_fp8", "raw_score_dg", "select_fp8_dg"}  # fmt: skip
     assert report["long"] == [] and report["split"] == []
@@ -152,15 +154,18 @@ def test_thd_profile_times_both_backends_beside_their_raw_kernels(cpu_bench):
     (r,) = report["thd"]
     assert r["lens"] == [120, 30, 90, 60] and r["chunks"] == 5  # 64-row chunks of max len 120
     assert r["default_backend"] == "deepgemm"  # DeepGEMM importable: 'auto' takes it for FP8
-    assert r["check"] == {"scores_bit_identical": ["deepgemm clean", "deepgemm", "cudnn"]}
+    assert r["check"] == {
+        "scores_bit_identical": ["deepgemm clean", "deepgemm", "deepgemm clean=False", "cudnn"]
+    }
     assert r["picks_equal_raw"] == {"cudnn": True, "deepgemm": True}
-    for key in ("raw_score_dg", "raw_score_dg_clean", "score_dg", "raw_score_cudnn",
-                "score_cudnn", "raw_select_dg", "select_dg", "raw_select_cudnn",
+    for key in ("raw_score_dg", "raw_score_dg_clean", "score_dg", "score_dg_window",
+                "raw_score_cudnn", "score_cudnn", "raw_select_dg", "select_dg", "raw_select_cudnn",
                 "select_cudnn"):  # fmt: skip
         assert r["times_ms"][key] == 1.0, key
-    assert set(r["overhead"]) == {"score_dg", "score_dg_clean", "score_cudnn", "select_dg",
-                                  "select_cudnn"}  # fmt: skip
-    assert set(r["host_us"]) == {"raw_score_dg", "score_dg", "raw_score_cudnn", "score_cudnn"}
+    assert set(r["overhead"]) == {"score_dg", "score_dg_clean", "score_dg_window", "score_cudnn",
+                                  "select_dg", "select_cudnn"}  # fmt: skip
+    assert set(r["host_us"]) == {"raw_score_dg", "score_dg", "score_dg_window", "raw_score_cudnn",
+                                 "score_cudnn"}  # fmt: skip
     # The raw DeepGEMM calls: each row's window in the packed keys, as a DeepGEMM user builds
     # them: ks = its sequence's first key, ke = ks + its position + 1.
     starts = [0] * 120 + [120] * 30 + [150] * 90 + [240] * 60

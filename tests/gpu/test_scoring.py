@@ -463,6 +463,43 @@ def test_deepgemm_select_is_the_top_k_of_its_scores(h):
 
 @needs_deepgemm
 @pytest.mark.parametrize("h", [32, 64])
+def test_deepgemm_uncleaned_scores_are_its_compressed_call(h):
+    """``clean=False`` is DeepGEMM's compressed uncleaned call and nothing else: inside every
+    window its logits bit for bit (each batch row launched alone; the packing called by hand with
+    its windows), the causal limits beside them; masked, the default scores; its top-k, theirs."""
+    q, k, w = _inputs(2, 2048, h, seed=13)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    offsets = torch.tensor([0, 300], device=DEV)
+    window = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm", clean=False)
+    counts = causal_key_counts(offsets, 0, 2048, 1, 2048)
+    assert torch.equal(window.lengths, counts)
+    cols = torch.arange(2048, device=DEV)
+    for b in range(2):
+        inside = cols < counts[b].unsqueeze(1)
+        alone = _direct_logits(ops, b, torch.zeros_like(counts[b]), counts[b], 2048, False)
+        assert_bitwise_equal(window.scores[b][inside], alone[inside], f"batch row {b}")
+    clean = indexer_scores(ops, q_causal_offsets=offsets, backend="deepgemm")
+    picks = indexer_topk(window, 2048, backend="cudnn")
+    assert torch.equal(picks, indexer_topk(clean, 2048, seq_lens=counts, backend="cudnn"))
+    assert_bitwise_equal(window.masked().contiguous(), clean.contiguous(), "masked vs clean")
+    lens = [700, 33, 1500, 301]
+    pq, pk, pw, cu, _ = _packed(lens, lens, h=h)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
+    pops = prepare_scoring_operands(pq.unsqueeze(0), pk.unsqueeze(0), pw.unsqueeze(0), config=FP8)
+    window = indexer_scores_varlen(pops, backend="deepgemm", clean=False, **varlen)
+    counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 2534)
+    starts = torch.repeat_interleave(cu[:-1], torch.tensor(lens, device=DEV)).to(torch.int32)
+    direct = _direct_logits(pops, 0, starts, starts + counts, 1500, False)
+    inside = torch.arange(1500, device=DEV) < counts.unsqueeze(1)
+    assert torch.equal(window.lengths, counts)
+    assert_bitwise_equal(window.scores[inside], direct[inside], "packed, inside the windows")
+    clean = indexer_scores_varlen(pops, backend="deepgemm", **varlen)
+    assert torch.equal(indexer_topk(window, 512), indexer_topk(clean, 512, seq_lens=counts))
+    assert_bitwise_equal(window.masked().contiguous(), clean.contiguous(), "packed: masked")
+
+
+@needs_deepgemm
+@pytest.mark.parametrize("h", [32, 64])
 def test_both_entry_points_give_the_same_scores(monkeypatch, h):
     """The host's build (54e2261) has both names: the legacy ``fp8_mqa_logits(q, ...)`` is a
     wrapper of ``fp8_fp4_mqa_logits((q, None), ...)``; through either the package gives the same
