@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -196,6 +197,15 @@ def parse() -> argparse.Namespace:
         type=int,
         default=0,
         help="print each configuration's N kernels with the most device time in its profile",
+    )
+    p.add_argument(
+        "--manual-gc",
+        type=int,
+        default=None,
+        metavar="INTERVAL",
+        help="Python's garbage collector off during training, a collection every INTERVAL steps "
+        "between timed steps (0: none), as Megatron's --manual-gc / --manual-gc-interval and "
+        "Megatron-Bridge's recipes (manual_gc=True, interval 100) train; default: automatic",
     )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -615,6 +625,22 @@ def attention_host_in_step_ms(trainer, batch, steps: int) -> float:
     return statistics.median(spent) * 1e3
 
 
+@contextlib.contextmanager
+def manual_gc(interval: int | None):
+    """Megatron's ``--manual-gc``: Python's collector off inside, one collection on entry, and
+    ``collect(step)`` collects when ``step`` is a multiple of ``interval`` (called between timed
+    steps). ``interval=None``: the automatic collector, ``collect`` does nothing."""
+    if interval is None:
+        yield lambda step: None
+        return
+    gc.disable()
+    gc.collect()
+    try:
+        yield lambda step: interval and step % interval == 0 and gc.collect()
+    finally:
+        gc.enable()
+
+
 def train(args, names: list[str]) -> list[dict]:
     """Train every configuration from the same weights and data, steps interleaved (step i of
     each configuration in turn), so that drift of the host or the clocks spreads evenly."""
@@ -631,23 +657,25 @@ def train(args, names: list[str]) -> list[dict]:
                  engine=engine, losses=[], times=[], calls=dict(fp8=0, fp8_cudnn=0, total=0))
         )  # fmt: skip
     data = copy_task(args, runs[0]["vocab"], args.steps)
-    for tokens, labels in data:
-        for run in runs:
-            picks = handed_in(run["engine"], run["model"], tokens)  # captured here, untimed
-            if args.device != "cpu":  # every step starts on an idle device (not behind the
-                torch.cuda.synchronize()  # capture's forward, which would hide host time)
-            reset_scoring_calls()
-            step = functools.partial(run["trainer"].step, tokens, labels)
-            with picks:
-                loss, ms = timed(step, args.device)
-            run["losses"].append(loss)
-            run["times"].append(ms)
-            for key, count in (
-                ("fp8", scoring_calls("fp8")),
-                ("fp8_cudnn", scoring_calls("fp8", "cudnn")),
-                ("total", scoring_calls()),
-            ):
-                run["calls"][key] += count
+    with manual_gc(args.manual_gc) as collect:
+        for i, (tokens, labels) in enumerate(data, 1):
+            for run in runs:
+                picks = handed_in(run["engine"], run["model"], tokens)  # captured here, untimed
+                collect(i)
+                if args.device != "cpu":  # every step starts on an idle device (not behind the
+                    torch.cuda.synchronize()  # capture's forward, which would hide host time)
+                reset_scoring_calls()
+                step = functools.partial(run["trainer"].step, tokens, labels)
+                with picks:
+                    loss, ms = timed(step, args.device)
+                run["losses"].append(loss)
+                run["times"].append(ms)
+                for key, count in (
+                    ("fp8", scoring_calls("fp8")),
+                    ("fp8_cudnn", scoring_calls("fp8", "cudnn")),
+                    ("total", scoring_calls()),
+                ):
+                    run["calls"][key] += count
     results = []
     # Every configuration's host times before any profile runs (torch.profiler's CUDA activity
     # tracing, CUPTI, can leave later launches slower).
@@ -828,6 +856,7 @@ def _run(args: argparse.Namespace) -> int:
     parallel_state.initialize_model_parallel(1, 1)
 
     results = {"mlp": args.mlp, "packed_lengths": getattr(args, "packed_lengths", None),
+               "manual_gc": args.manual_gc,
                "runs": train(args, args.configs.split(","))}  # fmt: skip
     by_name = {r["name"]: r for r in results["runs"]}
     # Megatron's fused kernels are not deterministic in the backward (cuDNN's SM90 sparse
@@ -848,9 +877,11 @@ def _run(args: argparse.Namespace) -> int:
         results["stock_equivalence"] = stock_equivalence(args, args.stock_steps)
 
     base = next((r for r in results["runs"] if r["name"] == "baseline"), None)
+    collector = "automatic" if args.manual_gc is None else f"manual (every {args.manual_gc} steps)"
     layout = f"packed THD {args.packed_lengths}" if args.packed else f"BSHD batch {args.batch}"
     print(f"S={args.seq} ({layout}) top-k={args.topk if not args.tiny else 32} {args.device}, "
-          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}, MLP {args.mlp}; "
+          f"engine {args.engine}, dsa_kernel_backend {args.kernel_backend}, MLP {args.mlp}, "
+          f"Python GC {collector}; "
           f"median step of "
           f"{args.steps} (first 3 skipped), configurations interleaved step by step; GPU ms: "
           f"kernel time of a step (profiled); wall-GPU: the step's time outside its GPU time; "

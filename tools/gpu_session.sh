@@ -203,13 +203,18 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
         --out "$LOGS/${step}_8192.json" ;;
     toy3-8192)  # issue 33: three runs in a row at S = 8192, top-2048, packed THD and BSHD
       # (TOY_LAYOUTS), the default FP8 step beside the baseline, TOY_STEPS steps each (the median
-      # of all but the first three)
+      # of all but the first three); per run each Python collector mode of TOY_GC ("auto": the
+      # automatic one; a number N: --manual-gc N, Megatron's manual collection)
       for i in 1 2 3; do
         for layout in ${TOY_LAYOUTS:-packed bshd}; do
-          pack=$([ $layout = packed ] && echo "--packed 4 --stock-steps 0" || echo "--stock-steps 0")
-          TAIL=8 run "toy_8192_${layout}_$i" 300 python examples/toy_glm5_train.py --seq 8192 \
-            --topk 2048 --steps ${TOY_STEPS:-16} --share-steps 0 --profile-steps 1 --host-steps 1 \
-            --configs baseline,rope_fp32+fp8 $pack --out "$LOGS/toy_8192_${layout}_$i.json"
+          for gcm in ${TOY_GC:-auto}; do
+            pack=$([ $layout = packed ] && echo "--packed 4 --stock-steps 0" || echo "--stock-steps 0")
+            gcarg=$([ $gcm = auto ] || echo "--manual-gc $gcm")
+            name=toy_8192_${layout}_$i$([ $gcm = auto ] || echo "_gc$gcm")
+            TAIL=8 run "$name" 300 python examples/toy_glm5_train.py --seq 8192 --topk 2048 \
+              --steps ${TOY_STEPS:-16} --share-steps 0 --profile-steps 1 --host-steps 1 \
+              --configs baseline,rope_fp32+fp8 $pack $gcarg --out "$LOGS/$name.json"
+          done
         done
       done ;;
     host-profile)  # issue 19: host us of each piece of the owned top-k, the step's phases, the

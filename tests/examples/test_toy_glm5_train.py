@@ -21,7 +21,7 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     out = tmp_path / "toy.json"
     args = ["--tiny", "--device", "cpu", "--steps", "4", "--share-steps", "1",
             "--stock-steps", "1", "--profile-steps", "1", "--host-steps", "1",
-            "--configs", "baseline,rope_fp32+fp8,replay"]  # fmt: skip
+            "--configs", "baseline,rope_fp32+fp8,replay", "--manual-gc", "2"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, "examples/toy_glm5_train.py", *args, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -30,6 +30,7 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     result = json.loads(out.read_text())
     runs = {r["name"]: r for r in result["runs"]}
     assert result["mlp"] == "moe"  # the seed's model: Megatron's MoELayer in every layer
+    assert result["manual_gc"] == 2
     assert result["losses_compared"] == "all"  # Megatron's PyTorch path: a deterministic backward
     assert result["replay_losses_identical"] is True
     assert runs["replay"]["losses"] == runs["rope_fp32+fp8"]["losses"]
@@ -48,6 +49,29 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert attention["replay"] < attention["rope_fp32+fp8"], attention
     assert result["stock_equivalence"]["bit_identical_losses"] is True
     assert "replay" not in str(result["topk_identical_inputs"])
+
+
+def test_manual_gc_collects_only_at_its_interval(monkeypatch):
+    """``--manual-gc N`` as Megatron's training loop: the collector off inside, one collection on
+    entry and one at every N-th step; automatic again after (and untouched without the flag)."""
+    import gc
+
+    toy = import_example("toy_glm5_train")
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append("collect") or 0)
+    with toy.manual_gc(3) as collect:
+        assert not gc.isenabled() and collected == ["collect"]
+        for step in range(1, 8):
+            collect(step)
+        assert collected == ["collect"] * 3  # entry, steps 3 and 6
+    assert gc.isenabled()
+    with toy.manual_gc(0) as collect:
+        collect(5)
+    assert collected == ["collect"] * 4 and gc.isenabled()  # entry only
+    with toy.manual_gc(None) as collect:
+        assert gc.isenabled()
+        collect(3)
+    assert collected == ["collect"] * 4
 
 
 def test_toy_refuses_a_bitwise_stock_check_on_megatrons_fused_backward():
