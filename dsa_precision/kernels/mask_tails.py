@@ -1,6 +1,6 @@
 """Write ``-inf`` past each row's written prefix, in place (Triton): DeepGEMM's scores.
 
-DeepGEMM's compressed logits (:class:`dsa_precision.backends.deepgemm.WindowLogits`) are written for
+DeepGEMM's compressed logits (:class:`dsa_precision.rows.WindowScores`) are written for
 ``j < counts[i]`` only; the scores :func:`dsa_precision.indexer_scores` returns hold ``-inf`` from
 there on. This kernel stores exactly those tails and reads nothing but ``counts``, where the torch
 expression (``logits.masked_fill_(cols >= counts[:, None], -inf)``) builds a boolean matrix and
