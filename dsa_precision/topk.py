@@ -148,57 +148,48 @@ def indexer_topk(
         int32 ``(..., k)``: each row's selected key indices in ascending order, ``-1`` in the
         slots that select nothing.
     """
+    name, limit = "seq_lens", "S_k"
     if isinstance(scores, WindowScores):
         if seq_lens is not None:
             raise ValueError(
                 "seq_lens: WindowScores carry each row's length; pass seq_lens=None with them."
             )
+        lead, sk = scores.lengths.shape, scores.scores.shape[-1]
+        flat = scores.rows_in_place()  # (rows, row stride): DeepGEMM's buffer, no copy
+        seq_lens, name, limit = scores.lengths, "WindowScores.lengths", "columns"
         k = check_positive_int("k", k, high=INT32_MAX)
-        lead, columns = scores.lengths.shape, scores.scores.shape[-1]
-        rows = scores.rows_in_place()  # (rows, row stride): no copy
-        lens = as_int32_tensor(
-            "WindowScores.lengths",
-            scores.lengths,
-            device=rows.device,
-            validate=validate,
-            high=columns,
-            fix=f"each row's valid keys lie in [0, columns={columns}]",
-        ).reshape(-1)
-        backend = resolve_topk_backend(
-            backend, device=rows.device, k=min(k, max(columns, 1)), dtype=rows.dtype
-        )
-        picked = select_rows(rows, k, lens, deterministic, backend)
-        return picked if len(lead) == 1 else picked.reshape(*lead, k)
-    scores = check_tensor("scores", scores)
-    check_float_dtype("scores", scores, _SCORE_DTYPES)
-    if scores.ndim < 1:
-        raise ValueError("scores must have a key dimension, got a 0-d tensor.")
-    k = check_positive_int("k", k, high=INT32_MAX)
-    lead, sk = scores.shape[:-1], scores.shape[-1]
-    flat = scores if scores.ndim == 2 else scores.reshape(lead.numel(), sk)  # rows of keys
-    if seq_lens is None:
-        lens = torch.full((flat.shape[0],), sk, dtype=torch.int32, device=scores.device)
     else:
-        check_int_tensor("seq_lens", seq_lens, ndim=check_tensor("seq_lens", seq_lens).ndim)
-        if seq_lens.shape != lead:
-            raise ValueError(
-                f"seq_lens has shape {tuple(seq_lens.shape)}; expected one length per score row, "
-                f"{tuple(lead)}."
-            )
-        if seq_lens.device != scores.device:
-            raise ValueError(
-                f"seq_lens is on {seq_lens.device} but scores on {scores.device}; move it."
-            )
+        scores = check_tensor("scores", scores)
+        check_float_dtype("scores", scores, _SCORE_DTYPES)
+        if scores.ndim < 1:
+            raise ValueError("scores must have a key dimension, got a 0-d tensor.")
+        k = check_positive_int("k", k, high=INT32_MAX)
+        lead, sk = scores.shape[:-1], scores.shape[-1]
+        flat = scores if scores.ndim == 2 else scores.reshape(lead.numel(), sk)  # rows of keys
+        if seq_lens is not None:
+            check_int_tensor("seq_lens", seq_lens, ndim=check_tensor("seq_lens", seq_lens).ndim)
+            if seq_lens.shape != lead:
+                raise ValueError(
+                    f"seq_lens has shape {tuple(seq_lens.shape)}; expected one length per score "
+                    f"row, {tuple(lead)}."
+                )
+            if seq_lens.device != scores.device:
+                raise ValueError(
+                    f"seq_lens is on {seq_lens.device} but scores on {scores.device}; move it."
+                )
+    if seq_lens is None:
+        lens = torch.full((flat.shape[0],), sk, dtype=torch.int32, device=flat.device)
+    else:
         lens = as_int32_tensor(
-            "seq_lens",
+            name,
             seq_lens,
-            device=scores.device,
+            device=flat.device,
             validate=validate,
             high=sk,
-            fix=f"each row's valid keys lie in [0, S_k={sk}]",
+            fix=f"each row's valid keys lie in [0, {limit}={sk}]",
         ).reshape(-1)
     backend = resolve_topk_backend(
-        backend, device=scores.device, k=min(k, max(sk, 1)), dtype=scores.dtype
+        backend, device=flat.device, k=min(k, max(sk, 1)), dtype=flat.dtype
     )
     picked = select_rows(flat, k, lens, deterministic, backend)
     return picked if len(lead) == 1 else picked.reshape(*lead, k)
