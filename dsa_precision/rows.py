@@ -134,7 +134,7 @@ class WindowScores:
             if triton_unavailable_reason() is None:
                 from .kernels.mask_tails import mask_tails
 
-                mask_tails(flat, counts.contiguous())
+                mask_tails(flat, counts)
                 return self.scores
         cols = torch.arange(flat.shape[1], device=flat.device)
         flat.masked_fill_(cols >= counts.unsqueeze(1), float("-inf"))

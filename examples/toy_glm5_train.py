@@ -633,10 +633,15 @@ def manual_gc(interval: int | None):
     if interval is None:
         yield lambda step: None
         return
+
+    def collect(step: int) -> None:
+        if interval and step % interval == 0:
+            gc.collect()
+
     gc.disable()
     gc.collect()
     try:
-        yield lambda step: interval and step % interval == 0 and gc.collect()
+        yield collect
     finally:
         gc.enable()
 

@@ -12,8 +12,9 @@ row ``i`` is key ``ks[i] + j``, written for ``j < ke[i] - ks[i]`` only; the rows
 ``align(max_seqlen_k, 256)`` floats apart in a buffer DeepGEMM allocates (``fp8_fp4_mqa_logits``
 in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :func:`window_logits` hands that buffer on
 untouched, as a :class:`~dsa_precision.rows.WindowScores`: the top-k reads it in place, bounded by
-each row's length, which is how vLLM's prefill path reads it (``sparse_attn_indexer.py``: ``fp8_fp4_mqa_logits(..., max_seqlen_k)``,
-then ``top_k_per_row_prefill`` with the row ends and strides). Entry points, detected by feature
+each row's length, which is how vLLM's prefill path reads it (``sparse_attn_indexer.py``:
+``fp8_fp4_mqa_logits(..., max_seqlen_k)``, then ``top_k_per_row_prefill`` with the row ends and
+strides). Entry points, detected by feature
 (pybind11 functions have no signature, so their parameter names are read from the docstring):
 
 - ``fp8_fp4_mqa_logits((q, None), (k, k_scales), weights, ks, ke, clean_logits=False,
@@ -186,21 +187,18 @@ def window_logits(
     """One launch: the logits of every row against its window ``[key_start, key_end)``, as the
     kernel left them (``(rows, columns)``, a view of its padded buffer; no copy, no mask)."""
     logits = _launch(q, kv, weights, key_start, key_end, columns)
-    rows = logits.shape[0]
-    stride = logits.stride(0) if rows > 1 else columns
-    storage = logits.untyped_storage().nbytes() // logits.element_size()
-    if (
-        logits.shape != (rows, columns)
-        or (columns > 1 and logits.stride(1) != 1)
-        or stride < columns
-        or logits.storage_offset() + rows * stride > storage
-    ):
+    try:  # WindowScores' own layout rule, the one the top-k reads by
+        if logits.ndim != 2 or logits.shape[1] != columns:
+            raise ValueError(f"expected {columns} columns")
+        window = WindowScores(logits, key_end - key_start if counts is None else counts)
+        window.rows_in_place()
+    except ValueError as exc:
         raise RuntimeError(
             f"DeepGEMM returned logits of shape {tuple(logits.shape)} and strides "
-            f"{logits.stride()} in a buffer of {storage} floats; expected row-major rows of one "
-            f"buffer, {columns} columns (DeepGEMM 2.4-2.8's layout)."
-        )
-    return WindowScores(logits, key_end - key_start if counts is None else counts)
+            f"{logits.stride()}; expected row-major rows of one buffer, {columns} columns "
+            f"(DeepGEMM 2.4-2.8's layout): {exc}"
+        ) from exc
+    return window
 
 
 def causal_logits(
