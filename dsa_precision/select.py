@@ -175,7 +175,10 @@ def indexer_select(
     ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
     kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
-    can, reading DeepGEMM's logits in place; ``"auto"`` takes cuDNN for each when it can.
+    can, reading DeepGEMM's logits in place; ``"auto"`` scores as
+    :func:`dsa_precision.scoring.resolve_scoring_backend` decides (DeepGEMM first for FP8
+    operands where it is installed and serves the call, else cuDNN, else the torch reference)
+    and selects with cuDNN's top-k where it can, else torch's.
     ``margins``: also return each row's margin (see the module docstring).
 
     Returns:
@@ -270,7 +273,8 @@ def indexer_select_varlen(
     """:func:`indexer_select` for packed (THD) sequences.
 
     Arguments as for :func:`dsa_precision.indexer_scores_varlen` plus ``topk``, ``chunk_bytes``,
-    ``deterministic`` and ``margins``. A chunk of packed rows is scored as a THD launch of its own: the
+    ``deterministic`` and ``margins``; ``backend`` chooses both kernels as for
+    :func:`indexer_select`. A chunk of packed rows is scored as a THD launch of its own: the
     sequences it cuts get adjusted ``cu_seqlens_q`` and causal offsets, computed on the device.
 
     Returns:

@@ -1,8 +1,12 @@
-"""Shared fixtures: seeding, the ``gpu`` gate, and a CPU-only Megatron environment."""
+"""Shared fixtures: seeding, the ``gpu`` gate, a CPU-only Megatron environment, and the fixtures
+of the GPU tests (``record``, ``megatron_parallel_gpu``), here so that a test marked ``gpu`` in
+any folder sees them: the GPU step runs ``python -m pytest -m gpu tests``
+(``tests/test_gpu_suite.py`` checks it collects every such test, fixtures found)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 
@@ -81,3 +85,34 @@ def cpu_rotary(monkeypatch):
     ``use_cpu_initialization`` says; point that at the CPU for the duration of a test."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.fixture(scope="session")
+def record():
+    """Append a measured number to $DSA_PRECISION_REPORT (JSON lines) and print it."""
+    path = os.environ.get("DSA_PRECISION_REPORT")
+
+    def _record(name: str, **values):
+        line = json.dumps({"test": name, **values})
+        print(line)
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+    return _record
+
+
+@pytest.fixture(scope="session")
+def megatron_parallel_gpu():
+    """One NCCL process group (one rank) and Megatron's model-parallel state (TP = PP = 1) for
+    the GPU tests that build Megatron modules."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29541")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    return parallel_state

@@ -120,8 +120,8 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       TAIL=14 run toy_bridge 600 python examples/toy_glm5_train.py --bridge --steps 30 \
         --share-steps 1 --stock-steps 3 --profile-steps 2 \
         --configs baseline,rope_fp32,fp8,rope_fp32+fp8,replay --out "$LOGS/toy_bridge.json" ;;
-    tests)
-      TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu ;;
+    tests)  # every test marked gpu, in any folder of tests/ (tests/test_gpu_suite.py checks it)
+      TAIL=40 run gpu_tests 900 python -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
     tests-speed)  # the GPU tests of the DeepGEMM path, chunked select, top-k, no-sync, CUDA graph
       TAIL=40 run gpu_tests_speed 600 python -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         tests/gpu/test_scoring.py tests/gpu/test_determinism.py \
@@ -130,10 +130,10 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
       # cells at S = 512 (after `vllm-legacy`; placed before tests-*, which would take the name)
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$ENGINE_ROOTS}
       TAIL=8 run gpu_tests_legacy 600 python -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/gpu -k "legacy or vllm_028" ;;
+        tests -k "legacy or vllm_028" ;;
     tests-*)  # tests-KEYWORD: the gpu tests matching a -k expression
       TAIL=40 run "gpu_tests_${step#tests-}" 600 python -m pytest -m gpu -q -rs -s \
-        -p no:cacheprovider tests/gpu -k "${step#tests-}" ;;
+        -p no:cacheprovider tests -k "${step#tests-}" ;;
     bench)  # S 8192 16384, H 32 64: package beside the raw kernels, both backends
       bench_step bench 600 ${BENCH_ARGS:-} ;;
     bench-long)  # S 32768 65536 131072, chunked select (about 2-3 minutes on an H200)

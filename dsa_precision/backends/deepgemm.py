@@ -27,10 +27,18 @@ DeepGEMM 2.0-2.1 (``fp8_mqa_logits`` without ``max_seqlen_k``) has no compressed
 reported, not called. Full causal scores (:func:`causal_logits`) use the uncompressed form with
 DeepGEMM's own cleaning where the entry point takes ``clean_logits``.
 
-Determinism: the SM90 kernel of 54e2261 writes every logit once, from one thread's fixed-order
-sum over heads (no split over keys or heads, no atomics), so its logits are a function of the
-operands; it has no switch. A DeepGEMM that exposes one (``DETERMINISM_SWITCHES``) has it set
-on before every launch. See ``docs/numerics.md`` for the kernel's arithmetic.
+Determinism: the SM90 kernel writes every logit once, from one thread's fixed-order sum over
+heads (no split over keys or heads, no atomics), so its logits are a function of the operands
+whatever mode DeepGEMM is in. The package changes no DeepGEMM mode: DeepGEMM 2.8's
+``use_deterministic_algorithms(bool)`` sets one process-wide flag, read only where DeepGEMM
+chooses between algorithms of other kernels (its BF16 GEMMs and einsums take cuBLASLt when it is
+off: ``csrc/apis/gemm.hpp`` ``bf16_gemm_nt``, ``csrc/apis/einsum.hpp``); its SM90 MQA-logits
+path reads it nowhere (``fp8_fp4_mqa_logits`` in ``csrc/apis/attention.hpp``, then
+``csrc/jit_kernels/impls/sm90_fp8_mqa_logits.hpp``, of vllm-project/DeepGEMM, the source of the
+2.8.1 vLLM 0.33 vendors, whose kernel template in the wheel takes no such parameter). Setting it
+would change an inference engine's own DeepGEMM GEMMs in the same process (colocated RL), and
+2.8.1 has no getter to restore it by. 54e2261 has no such flag. See ``docs/numerics.md`` for the
+kernel's arithmetic.
 """
 
 from __future__ import annotations
@@ -48,7 +56,6 @@ from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 from ..rows import WindowScores
 
 __all__ = [
-    "DETERMINISM_SWITCHES",
     "EntryPoint",
     "causal_logits",
     "deepgemm_available",
@@ -65,9 +72,6 @@ _INSTALL_HINT = (
     "build DeepGEMM from https://github.com/deepseek-ai/DeepGEMM (python setup.py install; needs "
     "CUDA 12.8+ and an SM90 GPU) or install vLLM, which vendors it; docs/gpu-validation.md says how"
 )
-# Module functions that turn a DeepGEMM determinism mode on when called with True (none exists in
-# 54e2261; the names are those a later release may use, checked in this order).
-DETERMINISM_SWITCHES = ("use_deterministic_algorithms", "set_deterministic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,7 @@ class EntryPoint:
     name: str  # "deep_gemm.fp8_fp4_mqa_logits", ...
     q_pair: bool  # fp8_fp4_mqa_logits takes (q, q_scales); the legacy name takes q
     clean_logits_arg: bool  # takes clean_logits (all but DeepGEMM 2.8)
-    deterministic: Callable[[bool], Any] | None = None  # the module's determinism switch
+    module: Any = None  # the module fn came from (deep_gemm, vLLM's copy)
 
 
 def _parameter_names(fn: Callable) -> str | None:
@@ -90,10 +94,6 @@ def _parameter_names(fn: Callable) -> str | None:
 
 
 def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
-    switch = next(
-        (getattr(module, s) for s in DETERMINISM_SWITCHES if callable(getattr(module, s, None))),
-        None,
-    )
     reasons = []
     for attr, q_pair in (("fp8_fp4_mqa_logits", True), ("fp8_mqa_logits", False)):
         fn = getattr(module, attr, None)
@@ -106,7 +106,7 @@ def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
                 "package calls the compressed form (DeepGEMM 2.2 and later)"
             )
             continue
-        entry = EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, switch)
+        entry = EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, module)
         return entry, None
     if not reasons:
         return None, f"{name} has neither fp8_fp4_mqa_logits nor fp8_mqa_logits"
@@ -164,12 +164,11 @@ def _launch(
     clean: bool = False,
 ) -> torch.Tensor:
     """The only call of DeepGEMM. ``max_seqlen_k > 0``: compressed, uncleaned logits;
-    ``max_seqlen_k == 0`` (``clean`` only): ``(rows, S_k)`` logits, ``-inf`` outside the windows."""
+    ``max_seqlen_k == 0`` (``clean`` only): ``(rows, S_k)`` logits, ``-inf`` outside the windows.
+    DeepGEMM's modes are left as the caller set them (the module docstring says why)."""
     entry, reason = _import()
     if entry is None:
         raise ImportError(reason)
-    if entry.deterministic is not None:
-        entry.deterministic(True)
     extra = {"clean_logits": clean} if entry.clean_logits_arg else {}
     q_arg = (q, None) if entry.q_pair else q
     return entry.fn(q_arg, kv, weights, key_start, key_end, max_seqlen_k=max_seqlen_k, **extra)

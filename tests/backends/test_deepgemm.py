@@ -403,42 +403,66 @@ def test_a_layout_other_than_row_major_rows_raises(monkeypatch):
         indexer_select(_ops(b=1, sq=8, sk=8), topk=2, backend="deepgemm")
 
 
-# ----------------------------------------------------------------------- determinism switch
+# ------------------------------------------------------------------ DeepGEMM's modes
 
 
-def test_the_determinism_switch_is_set_before_every_launch(monkeypatch):
-    events = []
-    fn = FakeMqaLogits(events=events)
+def _module_with_modes(deterministic, fail=None):
+    """A ``deep_gemm`` with DeepGEMM 2.8.1's process-wide modes: each setter
+    (``use_deterministic_algorithms(bool)``, ``set_pdl``, ``set_num_sms``, ``set_tc_util``) writes
+    ``module.modes`` and records the call in ``module.set_calls`` (2.8.1 has no getter for the
+    first: ``modes`` is the test's window on the flags). Its ``fp8_fp4_mqa_logits`` (2.8's
+    signature) records in ``module.seen`` the modes each launch runs under, then answers as the
+    fake kernel does, or raises ``fail``."""
+    module = types.ModuleType("deep_gemm")
+    module.modes = {"deterministic": deterministic, "pdl": False, "num_sms": 132, "tc_util": 100}
+    module.set_calls, module.seen = [], []
+    setters = {"use_deterministic_algorithms": "deterministic", "set_pdl": "pdl",
+               "set_num_sms": "num_sms", "set_tc_util": "tc_util"}  # fmt: skip
+    for setter, mode in setters.items():
 
-    def use_deterministic_algorithms(mode):
-        events.append(("deterministic", mode))
+        def set_mode(value, setter=setter, mode=mode):
+            module.set_calls.append((setter, value))
+            module.modes[mode] = value
 
-    install(monkeypatch, fn, switch=use_deterministic_algorithms)
-    indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)
-    indexer_scores(_ops(b=1), backend="deepgemm")
-    assert events == [("deterministic", True), "launch"] * 4
+        setattr(module, setter, set_mode)
+    kernel = FakeMqaLogits()
+
+    def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k,
+                           schedule_meta=None):  # fmt: skip
+        module.seen.append(dict(module.modes))
+        if fail is not None:
+            raise fail
+        return kernel(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, False, max_seqlen_k)
+
+    module.fp8_fp4_mqa_logits = fp8_fp4_mqa_logits
+    return module
 
 
-@pytest.mark.parametrize("name", deepgemm_backend.DETERMINISM_SWITCHES)
-def test_the_determinism_switch_is_detected(fresh_import, name):
-    calls = []
-    legacy = _NoSignature(FakeMqaLogits(q_pair=False), LEGACY_DOC)
-    module = _module("deep_gemm", legacy=legacy)
-    setattr(module, name, lambda mode: calls.append(mode))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deepgemms_modes_are_left_as_the_caller_set_them(fresh_import, deterministic):
+    """Issue 49: DeepGEMM's determinism flag is process-wide (an engine's own DeepGEMM GEMMs in
+    the same process read it) and its SM90 logits kernel reads it nowhere: every launch runs
+    under the modes the caller set, which are the same after; no setter is called."""
+    module = _module_with_modes(deterministic)
     entry, _ = _detected(fresh_import, module)
-    assert entry.deterministic is getattr(module, name)
-    _call()
-    assert calls == [True]
+    assert entry.module is module
+    before = dict(module.modes)
+    indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm", chunk_bytes=1)  # 3 chunks
+    indexer_scores(_ops(b=1), backend="deepgemm")  # full causal scores
+    indexer_scores(_ops(b=2), backend="deepgemm", clean=False)
+    assert module.seen == [before] * 5
+    assert module.modes == before and module.set_calls == []
 
 
-def test_no_switch_at_54e2261(fresh_import):
-    """54e2261 has no determinism switch (its kernel has no order to choose): none is called."""
-    fp4 = _NoSignature(FakeMqaLogits(), FP8_FP4_DOC)
-    module = _module("deep_gemm", fp4=fp4)
-    module.set_pdl = lambda enable: pytest.fail("not a determinism switch")
-    entry, _ = _detected(fresh_import, module)
-    assert entry.deterministic is None
-    _call()
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_launch_that_raises_leaves_deepgemms_modes_too(fresh_import, deterministic):
+    module = _module_with_modes(deterministic, fail=RuntimeError("DG_HOST_ASSERT failed"))
+    _detected(fresh_import, module)
+    before = dict(module.modes)
+    with pytest.raises(RuntimeError, match="DG_HOST_ASSERT failed"):
+        indexer_select(_ops(b=2, sq=20, sk=20), topk=4, backend="deepgemm")
+    assert module.seen == [before]
+    assert module.modes == before and module.set_calls == []
 
 
 # ------------------------------------------------------------- why DeepGEMM cannot run
