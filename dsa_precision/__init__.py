@@ -30,8 +30,9 @@ from .select import indexer_select, indexer_select_varlen
 # Fused indexer + sparse attention (the precision is a forward input)
 from .fused import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
 
-# Train / inference top-k agreement
+# Train / inference top-k agreement, and why rows differ (ties no precision can decide)
 from .agreement import TopkAgreement, topk_agreement
+from .ties import RowCauses, classify_rows
 
 # Accounting of the precision each scoring call used
 from .audit import reset_scoring_calls, scoring_calls, scoring_site
@@ -44,10 +45,12 @@ __all__ = [
     "FusedIndexerSparseAttnFunc",
     "IndexerPrecisionConfig",
     "IndexerPreprocess",
+    "RowCauses",
     "ScoringOperands",
     "ScoringPrecision",
     "TopkAgreement",
     "WindowScores",
+    "classify_rows",
     "dequantize_fp8",
     "fused_indexer_sparse_attention",
     "indexer_scores",

@@ -328,6 +328,11 @@ class TopkPicks:
         tokens: ``(rows,)`` int64 global token of each row, ascending, when the picks hold only
             some rows of the micro-batch (one context-parallel rank's, as recorded); ``None``:
             every one of the ``T`` tokens, in order.
+        sent: layer number -> ``(n,)`` int64 ascending token rows (of the ``T``) whose picks
+            ``indices[layer]`` ``(n, k)`` holds, when the engine sent the picks of some rows
+            only (its boundary-tied rows, :func:`dsa_precision.capture.pack_tie_rows`) and the
+            digests of every row; ``None``: ``indices`` holds every row. Read by the
+            ``replay_ties`` top-k source; replay, which needs every row, refuses it.
     """
 
     indices: Mapping[int, torch.Tensor]
@@ -336,6 +341,7 @@ class TopkPicks:
     digests: Mapping[int, torch.Tensor] | None = None
     request_ids: tuple[object, ...] | None = None
     tokens: torch.Tensor | None = None
+    sent: Mapping[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.indices, Mapping):

@@ -10,6 +10,8 @@ int32}`` with the packed layout), checked against the micro-batch:
   NeMo-RL payloads);
 - :mod:`.compact`: compact storage / transfer of picks, decoded on the device;
 - :mod:`.digest`: a 64-bit digest per row, to verify without moving the picks;
+- :mod:`.ties`: the engine's picks of its boundary-tied rows only, with every row's digest
+  (:func:`engine_tie_rows` in the engine, :func:`pack_tie_rows` for ``replay_ties``);
 - :mod:`.files`: replay files (:func:`save_picks`, :func:`load_picks`) and saved engine outputs
   (:func:`load_engine_output`), for ``dsa-precision agree``.
 
@@ -24,12 +26,14 @@ from .digest import digest_mismatches, digest_row_reference, digest_rows
 from .files import ENGINE_FORMATS, load_engine_output, load_picks, save_picks
 from .pack import pack_digests, pack_requests
 from .sglang import decode_sglang_indexer_topk, from_sglang
+from .ties import TieRows, engine_tie_rows, pack_tie_rows
 from .vllm import VllmStep, decode_vllm_indexer_topk, from_vllm, from_vllm_steps
 
 __all__ = [
     "ENGINE_FORMATS",
     "FORMATS",
     "CompactPicks",
+    "TieRows",
     "TokenLayout",
     "TopkPicks",
     "VllmStep",
@@ -40,6 +44,7 @@ __all__ = [
     "digest_row_reference",
     "digest_rows",
     "encode_picks",
+    "engine_tie_rows",
     "from_sglang",
     "from_vllm",
     "from_vllm_steps",
@@ -47,6 +52,7 @@ __all__ = [
     "load_picks",
     "pack_digests",
     "pack_requests",
+    "pack_tie_rows",
     "save_picks",
 ]
 

@@ -104,7 +104,7 @@ class PrecisionDSAttention(DSAttention):
             )
         self._precision, self._topk_source = layer_decisions(self.config)
         self._owns_topk = not self._built["skip_topk"] and (
-            self._precision.fp8 or self._topk_source == "replay"
+            self._precision.fp8 or self._topk_source in ("replay", "replay_ties")
         )
         # dsa_indexer_cuda_graph: the owned top-k replayed from CUDA graphs (a computing layer):
         # True for every forward (one that cannot be captured raises), "auto" for the forwards
@@ -226,13 +226,20 @@ class PrecisionDSAttention(DSAttention):
         if not (owned or source == "verify" or recorder is not None):
             return super().forward(*args, **kwargs)
         layout = self.rank_layout(query, x, packed_seq_params)
+        if source in ("replay", "replay_ties") and engine is None:
+            raise RuntimeError(
+                f"DSA layer {self.layer_number}: dsa_indexer_topk_source={source!r} needs the "
+                "engine's picks; run the forward inside dsa_precision.megatron.engine_topk()."
+            )
         if source == "replay":
-            if engine is None:
-                raise RuntimeError(
-                    f"DSA layer {self.layer_number}: dsa_indexer_topk_source='replay' needs the "
-                    "engine's indices; run the forward inside dsa_precision.megatron.engine_topk()."
-                )
+            assert engine is not None  # checked above
             topk = self._engine_picks(engine, layout, query, x)
+        elif source == "replay_ties":
+            assert engine is not None  # checked above
+            topk, margins = self.compute_topk(
+                query, x, qr, packed_seq_params, margins=True, layout=layout
+            )
+            topk = self._with_tied_rows(engine, topk, margins, layout, x)
         else:
             with_margins = source == "verify"
             selected: Any = self.compute_topk(  # the top-k, or (top-k, margins)
@@ -242,7 +249,7 @@ class PrecisionDSAttention(DSAttention):
             # owned: FP8 here. Counted once per layer and handed-in micro-batch: a recomputed
             # forward (activation checkpointing) compares the same rows again, and is not counted.
             if engine is not None and (with_margins or owned) and engine.first_count(self):
-                if engine.picks.indices:
+                if engine.picks.indices and engine.picks.sent is None:
                     picks = self._engine_picks(engine, layout, query, x, compared=True)
                     self.topk_monitor.update(topk, picks, margins)
                 if engine.picks.digests is not None:
@@ -334,6 +341,36 @@ class PrecisionDSAttention(DSAttention):
         theirs, compared = engine.digest_rows(n, tokens, batch, own)
         differs = digest_mismatches({n: local}, {n: theirs}, compared)[n]
         self.topk_monitor.update_digests(differs, compared)
+
+    def _with_tied_rows(
+        self,
+        engine: HandedIn,
+        topk: torch.Tensor,
+        margins: torch.Tensor,
+        layout: RankLayout,
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        """``replay_ties``: this rank's own picks ``topk`` with the rows the engine sent
+        replaced by the engine's, in the layer's key coordinates; on the device, without a
+        synchronisation. Counted once per layer and handed-in micro-batch (not again in a
+        recomputed forward): the rows replaced, the rows the layer finds tied (margin 0) that the
+        engine did not send, and the rows whose digest still differs from the engine's."""
+        n = self.layer_number
+        tokens, local = self._engines_layout(topk, layout, x)
+        own, batch = self._token_layout(layout, x)
+        theirs, taken = engine.sent_rows(n, tokens, batch, self.index_topk, own)
+        merged = torch.where(taken[:, None], theirs, local.to(torch.int32))
+        if engine.first_count(self):
+            digests, compared = engine.digest_rows(n, tokens, batch, own)
+            differs = digest_mismatches({n: merged}, {n: digests}, compared)[n]
+            tied = margins.reshape(-1) == 0
+            self.topk_monitor.update_tied_rows(taken & compared, tied & compared, differs, compared)
+        if layout.cu_seqlens is None:  # BSHD: sequence-relative keys are the layer's keys
+            return merged.view(topk.shape)
+        cu = to_device(layout.cu_seqlens, topk.device, torch.int64)
+        start = cu[packed_sequence_of(cu, tokens)]
+        packed = torch.where(merged >= 0, merged.to(torch.int64) + start[:, None], -1)
+        return packed.to(topk.dtype).view(topk.shape)
 
     def _engines_layout(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor

@@ -58,12 +58,15 @@ class DSAPrecisionTransformerConfig(MLATransformerConfig):
     Default "vllm": vLLM's default compiled run on Hopper ("vllm-exact" is the literal all-FP32
     contract of earlier releases)."""
 
-    dsa_indexer_topk_source: Literal["compute", "replay", "verify"] = "compute"
+    dsa_indexer_topk_source: Literal["compute", "replay", "verify", "replay_ties"] = "compute"
     """Where each DSA layer's top-k comes from: "compute" (as configured), "replay" (the keys the
     inference engine picked for this micro-batch, handed in with
-    dsa_precision.megatron.engine_topk; the indexer does not score; needs zero indexer loss) or
+    dsa_precision.megatron.engine_topk; the indexer does not score; needs zero indexer loss),
     "verify" (compute as configured and compare with the engine's picks; metrics from
-    dsa_precision.megatron.topk_metrics). Default "compute"."""
+    dsa_precision.megatron.topk_metrics) or "replay_ties" (compute as configured, FP8, and take
+    the engine's picks of the rows it sent: its boundary-tied rows, from
+    dsa_precision.capture.pack_tie_rows; every other row checked against the engine's digest).
+    Default "compute"."""
 
     dsa_indexer_cuda_graph: bool | Literal["auto"] = "auto"
     """Replay each FP8 layer's owned top-k (projections, fused preprocess + quantize, scoring,
@@ -286,6 +289,13 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
         raise ValueError(
             f"dsa_indexer_topk_source={source!r} is not a top-k source; use one of {TOPK_SOURCES}."
         )
+    if source == "replay_ties" and not precision.fp8:
+        problems.append(
+            "dsa_indexer_topk_source='replay_ties' keeps its own picks wherever the engine's "
+            "boundary is not tied, which are the engine's only under its precision; set "
+            "dsa_indexer_scoring_precision='fp8' (with dsa_indexer_rope_fp32=True for the vLLM "
+            "and SGLang profiles)"
+        )
     if source == "replay" and config.dsa_indexer_loss_coeff not in (None, 0, 0.0):
         problems.append(
             f"dsa_indexer_loss_coeff={config.dsa_indexer_loss_coeff!r}: dsa_indexer_topk_source="
@@ -384,7 +394,8 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
         choices=TOPK_SOURCES,
         default="compute",
         help="Where each DSA layer's top-k comes from: computed, replayed from the inference "
-        "engine, or computed and verified against it (default compute).",
+        "engine, computed and verified against it, or computed with the engine's tied rows "
+        "replayed (replay_ties; default compute).",
     )
     group.add_argument(
         "--dsa-indexer-cuda-graph",

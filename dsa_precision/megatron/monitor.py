@@ -27,7 +27,8 @@ class TopkMonitor:
     """Per-layer agreement with the engine, accumulated on the device (no host sync)."""
 
     _SUMS = ("common", "members", "identical", "rows", "flipped", "margin", "margin_rows",
-             "margin_flipped", "flipped_rows", "digest_mismatch", "digest_compared")  # fmt: skip
+             "margin_flipped", "flipped_rows", "flipped_tied", "digest_mismatch",
+             "digest_compared", "replayed", "tied", "undecided")  # fmt: skip
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -58,6 +59,7 @@ class TopkMonitor:
                 "margin_rows": defined.sum().to(f64),
                 "margin_flipped": torch.where(flipped, m, 0.0).sum(),
                 "flipped_rows": flipped.sum().to(f64),
+                "flipped_tied": (flipped & (m == 0)).sum().to(f64),
             }
         self._add(values)
         top = a.flipped_max.to(torch.int64)
@@ -73,6 +75,27 @@ class TopkMonitor:
                 "digest_compared": compared.sum().to(f64),
             }
         )
+
+    def update_tied_rows(
+        self,
+        replayed: torch.Tensor,
+        tied: torch.Tensor,
+        mismatch: torch.Tensor,
+        compared: torch.Tensor,
+    ) -> None:
+        """Add one micro-batch of ``replay_ties``, all ``(rows,)`` bool: the rows whose engine
+        picks replaced the layer's, the rows whose own boundary is tied, the rows whose final
+        digest differs from the engine's, and the rows compared. A tied row the engine did not
+        send is *undecided*: kept as computed, counted, never guessed."""
+        f64 = torch.float64
+        self._add(
+            {
+                "replayed": replayed.sum().to(f64),
+                "tied": tied.sum().to(f64),
+                "undecided": (tied & ~replayed).sum().to(f64),
+            }
+        )
+        self.update_digests(mismatch, compared)
 
     def _add(self, values: dict[str, torch.Tensor]) -> None:
         for name, value in values.items():
@@ -105,13 +128,17 @@ def _metrics(name: str, raw: list[float]) -> dict[str, float]:
         f"{name}/margin_mean_flipped": (
             s["margin_flipped"] / s["flipped_rows"] if s["flipped_rows"] else nan
         ),
+        f"{name}/flipped_tied_rows": s["flipped_tied"],
         f"{name}/digest_mismatch_rows": s["digest_mismatch"],
         f"{name}/digest_compared_rows": s["digest_compared"],
+        f"{name}/replayed_rows": s["replayed"],
+        f"{name}/tied_rows": s["tied"],
+        f"{name}/undecided_rows": s["undecided"],
     }
 
 
 def topk_metrics(
-    model: torch.nn.Module,
+    model: torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...],
     *,
     reset: bool = True,
     group: torch.distributed.ProcessGroup | None = None,
@@ -119,13 +146,25 @@ def topk_metrics(
     """Every monitored layer's metrics since the last reset, as ``{name: value}``.
 
     Names: ``dsa_topk/layer_NN/{member_agreement, rows_identical, flipped_per_row, flipped_max,
-    rows, margin_mean, margin_mean_flipped, digest_mismatch_rows, digest_compared_rows}`` and
-    ``dsa_topk/all/...`` over every layer (the digest counts are 0 without engine digests). With
+    rows, margin_mean, margin_mean_flipped, flipped_tied_rows, digest_mismatch_rows,
+    digest_compared_rows, replayed_rows, tied_rows, undecided_rows}`` and ``dsa_topk/all/...``
+    over every layer (the digest counts are 0 without engine digests). ``flipped_tied_rows``
+    (``verify``): differing rows whose own boundary is tied (margin 0), where no precision can
+    decide the engine's choice. ``replayed_rows``, ``tied_rows``, ``undecided_rows``
+    (``replay_ties``): rows that took the engine's picks, rows the layer finds tied, and tied
+    rows the engine did not send (kept as computed). With
     ``group`` (e.g. the data-parallel group) the counts are summed (``flipped_max``: max) across
-    its ranks first. One host synchronisation.
+    its ranks first. One host synchronisation. ``model``: the model, or Megatron's list of its
+    model chunks (virtual pipeline parallelism).
     """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks or not all(isinstance(m, torch.nn.Module) for m in chunks):
+        raise TypeError(
+            f"topk_metrics takes the model (a torch.nn.Module) or Megatron's list of its model "
+            f"chunks, got {type(model).__name__} {[type(m).__name__ for m in chunks][:4]}."
+        )
     # The attention layers' own attributes, which nn.Module's __getattr__ types as Tensor | Module.
-    modules: Iterator[Any] = model.modules()
+    modules: Iterator[Any] = (m for chunk in chunks for m in chunk.modules())
     monitors: dict[int, TopkMonitor] = {
         m.layer_number: m.topk_monitor
         for m in modules

@@ -7,6 +7,12 @@
   does not score. Needs zero indexer loss.
 - ``"verify"``: the layer selects as configured and compares its picks with the engine's
   (:mod:`.monitor`).
+- ``"replay_ties"``: the layer selects as configured, then takes the engine's picks for the rows
+  the engine sent (its boundary-tied rows, where its choice among tied keys is not a function of
+  its scores: :mod:`dsa_precision.capture.ties`) and keeps its own for the others; the engine's
+  digest of every row checks them. Rows it finds tied that the engine did not send, and rows whose
+  digest still differs, are counted on the device (:func:`~.monitor.topk_metrics`), never
+  guessed.
 
 The engine's picks (:class:`~dsa_precision.picks.TopkPicks`, from the capture adapters or a
 file) reach the model through :func:`engine_topk`, a context manager around the forward of one
@@ -42,8 +48,8 @@ __all__ = [
     "set_replay_validation",
 ]
 
-TopkSource = Literal["compute", "replay", "verify"]
-TOPK_SOURCES = ("compute", "replay", "verify")
+TopkSource = Literal["compute", "replay", "verify", "replay_ties"]
+TOPK_SOURCES = ("compute", "replay", "verify", "replay_ties")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,12 @@ class HandedIn:
             raise ValueError(
                 f"engine_topk holds only digests, no picks, for DSA layer {layer_number}: "
                 "digests verify, replay needs the picks; pass engine_topk(indices=...)."
+            )
+        if self.picks.sent is not None:
+            raise ValueError(
+                f"engine_topk holds the picks of the engine's tied rows only (pack_tie_rows), "
+                f"not every row of DSA layer {layer_number}: replay needs every row; train with "
+                "dsa_indexer_topk_source='replay_ties', which computes the others."
             )
         if layer_number not in indices:
             raise KeyError(
@@ -158,6 +170,57 @@ class HandedIn:
                 f"{seq_len} tokens ({batch * seq_len} rows); pass "
                 f"this micro-batch's {what}, batch-major."
             )
+
+    def sent_rows(
+        self,
+        layer_number: int,
+        tokens: torch.Tensor,
+        batch: int,
+        topk: int,
+        consumer: TokenLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's picks of a rank's rows where the engine sent them (``replay_ties``), on
+        the rows' device, no synchronisation: ``((rows, topk) int32 sequence-relative picks,
+        -1 where not sent; (rows,) bool, sent)``. ``tokens`` and ``consumer`` as in
+        :meth:`digest_rows`."""
+        name = f"engine_topk tied rows of layer {layer_number}"
+        where = f"DSA layer {layer_number}"
+        sent = self.picks.sent
+        if sent is None:
+            raise ValueError(
+                f"{name}: these picks are not the engine's tied rows (TopkPicks.sent is None); "
+                "dsa_indexer_topk_source='replay_ties' takes pack_tie_rows' output (every row's "
+                "digest, the tied rows' picks). For every row's picks use 'replay'."
+            )
+        if layer_number not in sent:
+            raise KeyError(
+                f"engine_topk holds no tied rows for DSA layer {layer_number} (it has layers "
+                f"{sorted(sent)}); replay_ties needs every top-k-computing layer's."
+            )
+        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
+        self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
+        picks = self.picks.indices[layer_number]
+        if picks.shape[1] > topk:
+            raise ValueError(
+                f"{name} holds {picks.shape[1]} keys per token, more than the layer's "
+                f"dsa_indexer_topk={topk}; pass at most {topk} picks per token."
+            )
+        total = (self.picks.digests or {})[layer_number].shape[0]
+        self._check_batch_rows(name, where, total, batch, "tied rows")
+        device = tokens.device
+        rows = to_device(sent[layer_number], device, torch.int64)
+        slot = torch.full((total + 1,), -1, dtype=torch.int64, device=device)
+        slot[rows] = torch.arange(rows.numel(), device=device)
+        index = slot[tokens.clamp(max=total)]  # rows past the T tokens: the -1 of slot[total]
+        taken = index >= 0
+        moved = to_device(picks, device)
+        if not rows.numel():
+            theirs = torch.full((tokens.numel(), topk), -1, dtype=torch.int32, device=device)
+            return theirs, taken
+        theirs = torch.where(taken[:, None], moved[index.clamp(min=0)].to(torch.int32), -1)
+        if theirs.shape[1] != topk:
+            theirs = torch.nn.functional.pad(theirs, (0, topk - theirs.shape[1]), value=-1)
+        return theirs, taken
 
     def digest_rows(
         self, layer_number: int, tokens: torch.Tensor, batch: int, consumer: TokenLayout
@@ -306,6 +369,60 @@ def _checked_digests(
     return None if digests is None else dict(digests), engine_rows
 
 
+def _checked_sent(picks: TopkPicks, layout: TokenLayout, validate: bool) -> None:
+    """The tied rows of :func:`~dsa_precision.capture.pack_tie_rows`: per layer, ``(n,)`` int64
+    token rows and their ``(n, k)`` picks, beside every row's digest. Host facts always (layers,
+    dtypes, shapes, devices; rows held on the CPU: ascending, inside ``T``); with ``validate``
+    the rows and the picks' causal range on any device (one synchronisation per layer)."""
+    sent, digests = picks.sent or {}, picks.digests
+    if not isinstance(sent, Mapping) or not sent:
+        raise TypeError(
+            f"TopkPicks.sent: expected {{layer_number: (n,) int64 rows}}, got {sent!r:.60}."
+        )
+    if digests is None or set(digests) != set(sent) or set(picks.indices) != set(sent):
+        raise ValueError(
+            f"TopkPicks with tied rows hold layers {sorted(sent)} of rows sent, "
+            f"{sorted(picks.indices)} of picks and {sorted(digests or {})} of digests; "
+            "replay_ties needs the three for the same layers (pack_tie_rows builds them)."
+        )
+    for layer, rows in sent.items():
+        name = f"engine_topk tied rows of layer {layer}"
+        idx = picks.indices[layer]
+        if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.int64 and rows.ndim == 1):
+            raise TypeError(f"{name}: expected (n,) int64 token rows, got {describe(rows)}.")
+        if not (isinstance(idx, torch.Tensor) and idx.ndim == 2 and idx.shape[0] == rows.numel()):
+            raise ValueError(
+                f"{name}: {rows.numel()} rows sent but picks {describe(idx)}; pass one (k,) row "
+                "of picks per row sent."
+            )
+        if idx.dtype not in (torch.int16, torch.int32, torch.int64) or idx.shape[1] == 0:
+            raise TypeError(f"{name}: expected (n, k) integer picks, k >= 1, got {describe(idx)}.")
+        if rows.device != idx.device:
+            raise ValueError(
+                f"{name}: rows on {rows.device}, picks on {idx.device}; use one device."
+            )
+        if not (validate or rows.device.type == "cpu") or not rows.numel():
+            continue
+        total = digests[layer].shape[0]
+        steps = rows[1:] - rows[:-1]
+        position = layout.positions(total, rows.device)[rows.clamp(0, max(total - 1, 0))]
+        key = idx.to(torch.int64)
+        flags = torch.stack((
+            (rows[:1] < 0).any() | (rows[-1:] >= total).any() | (steps <= 0).any(),
+            ((key < -1) | (key > position[:, None])).any(),
+        )).tolist()  # fmt: skip
+        if flags[0]:
+            raise ValueError(
+                f"{name}: rows {rows.tolist()[:8]}... must be ascending, distinct and in "
+                f"[0, {total}) (the micro-batch's tokens)."
+            )
+        if flags[1]:
+            raise ValueError(
+                f"{name}: a row's picks break 0 <= key <= position (causal, sequence-relative) "
+                "or use a negative other than -1."
+            )
+
+
 def _is_picks(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.ndim == 2
 
@@ -392,6 +509,15 @@ def engine_topk(
         picks = indices
         layout, engine_rows, engine_digests = picks.layout, picks.engine_rows, picks.digests
         assert layout is not None  # checked above
+        if picks.sent is not None:  # the engine's tied rows (replay_ties): their own checks
+            _checked_sent(picks, layout, validate)
+            _checked_digests(engine_digests, engine_rows, layout, {})
+            token = _HANDED_IN.set(HandedIn(picks, validate))
+            try:
+                yield picks
+            finally:
+                _HANDED_IN.reset(token)
+            return
         indices = dict(picks.indices) or None
     else:
         picks = None
