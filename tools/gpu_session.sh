@@ -65,6 +65,18 @@ for step in "$@"; do
       # (tools/vllm_legacy_kernel.sh); the tests-vllm_028 step then checks vllm-legacy's k with it
       run vllm_legacy_build 400 bash .vllm-legacy/build.sh
       export DSA_VLLM_LEGACY=/root/vllm-legacy ;;
+    vllm-ops)  # vLLM's own pieces from its wheel (../shared/gpu/vllm_wheel.sh): the vendored
+      # DeepGEMM 2.8.1 from .vllm-dg/ on PYTHONPATH, and its ops library (the indexer top-k
+      # kernels), joined from the parts kept by .bigcarry/bin/keep.sh, as DSA_VLLM_OPS
+      ops=_C_stable_libtorch.abi3.so
+      TAIL=3 run vllm_ops 120 bash -c "bash .bigcarry/bin/join.sh $ops \$HOME/vllm-ops && \
+        mkdir -p \$HOME/vdg && tar -xJf .vllm-dg/vdg.tar.xz -C \$HOME/vdg"
+      export PYTHONPATH=${PYTHONPATH:-}:$HOME/vdg DSA_VLLM_OPS=$HOME/vllm-ops/$ops
+      export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+      cat .vllm-dg/VERSION 2> /dev/null ;;
+    engine-topk)  # issue 48: vLLM's four top-k kernels against the exact top-k, and the tie
+      # replay (after `vllm-ops`): docs/gpu-validation.md, "The engines' top-k"
+      TAIL=45 run engine_topk 600 python tools/engine_topk.py --out "$LOGS" ;;
     te)  # Transformer Engine 2.20.2 (CUDA 13) from .bigcarry/ (../shared/gpu/README.md, "Transformer
       # Engine on the H200"): the joined wheel, then the torch extension built here (~105 s)
       w=transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl

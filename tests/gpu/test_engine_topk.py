@@ -1,0 +1,65 @@
+"""vLLM's own top-k kernels (its compiled ops library, ``DSA_VLLM_OPS``) on DeepGEMM's logits of
+the package's FP8 operands: where they differ from the exact top-k, and the tie replay that
+closes the gap. Fails if a kernel starts to differ on a row without a boundary tie, picks a set
+that is no top-k, or if the rows the engine sends stop being the rows training finds tied.
+Run as docs/gpu-validation.md, "The engines' top-k", says."""
+
+import pytest
+import torch
+
+from dsa_precision import IndexerPrecisionConfig, classify_rows, indexer_scores, indexer_topk
+from dsa_precision.backends import deepgemm
+from dsa_precision.capture import TieRows, engine_tie_rows
+from dsa_precision.oracles import vllm_topk
+from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.oracles.training import IndexerFields, training_operands
+from dsa_precision.ties import SAME, TIE, selection_margins
+
+pytestmark = pytest.mark.gpu
+
+SEQ, TOPK, FIRST = 8192, 2048, 4096
+
+
+def _skip_reason() -> str | None:
+    if not deepgemm.deepgemm_available():
+        return "DeepGEMM is not importable (deep_gemm or vLLM's vllm.third_party.deep_gemm)"
+    return vllm_topk.missing_reason()
+
+
+@pytest.fixture(scope="module")
+def logits():
+    """DeepGEMM's logits of rows FIRST..SEQ-1 of the demo's synthetic projections (H 32,
+    ``rope_fp32+fp8``, profile vllm), their lengths and the exact top-k."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine="vllm")
+    inputs = synthetic_indexer_inputs(SEQ, n_heads=32, seed=0).to("cuda")
+    ops = training_operands(inputs, config, IndexerFields())
+    s = indexer_scores(ops.rows(FIRST, SEQ), q_causal_offsets=FIRST, backend="deepgemm")[0]
+    lengths = torch.arange(FIRST + 1, SEQ + 1, device="cuda", dtype=torch.int32)
+    exact = indexer_topk(s, TOPK, seq_lens=lengths)
+    tied = selection_margins(s, exact, lengths) == 0
+    assert int(tied.sum()) > 0  # the input holds boundary ties (else the test proves nothing)
+    return s.contiguous(), lengths, exact, tied
+
+
+@pytest.mark.parametrize("kernel", sorted(vllm_topk.KERNELS))
+def test_a_kernel_differs_from_the_exact_topk_only_by_the_choice_among_tied_keys(logits, kernel):
+    s, lengths, exact, tied = logits
+    step = vllm_topk.COOPERATIVE_MAX_ROWS if kernel == "cooperative" else s.shape[0]
+    picks = torch.cat([
+        vllm_topk.run(kernel, s[i : i + step], lengths[i : i + step], TOPK)
+        for i in range(0, s.shape[0], step)
+    ])  # fmt: skip
+    cause = classify_rows(exact, picks, s, lengths=lengths).cause
+    assert bool(((cause == SAME) | (cause == TIE)).all()), cause.unique().tolist()
+    assert not bool((cause[~tied] != SAME).any())  # untied rows: the exact set
+    # The tie replay: the engine sends exactly the tied rows; training's own picks with them
+    # replaced are the kernel's, row for row.
+    frame = engine_tie_rows(s, picks, lengths)
+    assert torch.equal(frame.rows, tied.nonzero().view(-1))
+    back = TieRows.from_bytes(frame.to_bytes()).to("cuda")
+    merged = exact.clone()
+    merged[back.rows] = back.picks
+    assert torch.equal(merged.long().sort(-1).values, picks.long().sort(-1).values)
