@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..checks import describe
+from ..kernels import triton_unavailable_reason
 
 __all__ = [
     "digest_mismatches",
@@ -112,6 +113,13 @@ def digest_rows(indices: torch.Tensor, *, validate: bool = False) -> torch.Tenso
                 f"digest_rows: row {row} holds {min(values)} ({values[:8]}); keys are >= 0 and "
                 "-1 pads (a negative key would digest as padding)."
             )
+    if indices.is_cuda and indices.numel() and triton_unavailable_reason() is None:
+        from ..kernels.digest import digest_picks  # one pass over the picks, the same bits
+
+        rows = indices.reshape(-1, indices.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return digest_picks(rows).view(indices.shape[:-1])
     v = indices.to(torch.int64)
     valid = v >= 0
     mixed = torch.where(valid, mix64((v + 1) * signed64(_G)), 0)

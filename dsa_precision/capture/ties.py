@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from ..checks import describe
+from ..kernels import triton_unavailable_reason
 from ..picks import TokenLayout, TopkPicks
 from .compact import CompactPicks, decode_picks, encode_picks
 from .digest import digest_rows, mix64, mix64_int, signed64
@@ -261,8 +262,16 @@ def _not_strict(
     if first is not None:
         columns = columns + first
     kth = logits.gather(-1, columns).float().masked_fill(~picked, float("inf")).amin(-1)
-    cols = torch.arange(logits.shape[-1], device=logits.device)
     end = lengths.to(torch.int64).view(-1, 1) + (0 if first is None else first)
+    if logits.is_cuda and logits.stride(-1) == 1 and triton_unavailable_reason() is None:
+        from ..kernels.tie_rows import count_at_least  # one pass over each row's window
+
+        start = torch.zeros_like(end) if first is None else first
+        counts = count_at_least(
+            logits, kth, start.view(-1).to(torch.int32), end.view(-1).to(torch.int32)
+        )
+        return counts > picked.sum(-1)
+    cols = torch.arange(logits.shape[-1], device=logits.device)
     inside = cols < end
     if first is not None:
         inside &= cols >= first

@@ -8,6 +8,10 @@
 - :mod:`.topk_picks`: the cuDNN top-k's ``-inf`` / NaN picks set to ``-1`` in one pass
   (:func:`dsa_precision.indexer_topk` calls it).
 - :mod:`.mask_tails`: ``-inf`` into the unwritten tails of DeepGEMM's compressed logits.
+- :mod:`.digest`: the 64-bit digest of each top-k row in one pass
+  (:func:`dsa_precision.capture.digest_rows` calls it on CUDA).
+- :mod:`.tie_rows`: per row, the keys of its window scoring at least a threshold, in one pass
+  (:func:`dsa_precision.capture.engine_tie_rows` calls it on CUDA).
 - :mod:`.varlen_windows`: each packed (THD) row's key window (DeepGEMM's ``ks`` / ``ke``, the
   top-k's lengths) in one launch (:func:`dsa_precision.rows.varlen_windows` calls it on CUDA).
 """

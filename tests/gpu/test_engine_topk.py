@@ -63,3 +63,24 @@ def test_a_kernel_differs_from_the_exact_topk_only_by_the_choice_among_tied_keys
     merged = exact.clone()
     merged[back.rows] = back.picks
     assert torch.equal(merged.long().sort(-1).values, picks.long().sort(-1).values)
+
+
+def test_the_digest_and_count_kernels_give_the_cpu_bits():
+    """The Triton paths of ``digest_rows`` and of ``engine_tie_rows`` (on CUDA) against their
+    torch paths (on the CPU), on picks and logits with ties, -1 padding and signed zeros."""
+    from dsa_precision.capture import digest_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, k = 300, 5000, 64
+    logits = torch.randint(-3, 4, (rows, width), generator=g).float()
+    logits[:, ::7] = -0.0
+    lengths = torch.randint(1, width + 1, (rows,), generator=g, dtype=torch.int32)
+    picks = indexer_topk(logits, k, seq_lens=lengths)
+    picks[::5, -3:] = -1  # fewer picks than k: not a top-k where more keys are visible
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        p = picks.to(dtype)
+        assert torch.equal(digest_rows(p.cuda()).cpu(), digest_rows(p))
+    on_gpu = engine_tie_rows(logits.cuda(), picks.cuda(), lengths.cuda())
+    on_cpu = engine_tie_rows(logits, picks, lengths)
+    assert torch.equal(on_gpu.rows.cpu(), on_cpu.rows) and on_cpu.rows.numel() > 0
+    assert torch.equal(on_gpu.digests.cpu(), on_cpu.digests)
