@@ -128,6 +128,22 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{INTERPRETER}::test_fused_preprocess_quantize_replays_bit_exact",
         f"{GPU}::test_prepare_scoring_operands_replays_bit_exact",
     ),
+    "dsa_precision/kernels/digest.py": (
+        f"{INTERPRETER}::test_digest_picks_replays_bit_exact",
+        f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
+    ),
+    "dsa_precision/kernels/tie_rows.py": (
+        f"{INTERPRETER}::test_count_at_least_replays_bit_exact",
+        f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
+    ),
+    "dsa_precision/capture/digest.py": (
+        f"{CPU}::test_tie_rows_and_digests_replay_bit_exact",
+        f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
+    ),
+    "dsa_precision/capture/ties.py": (
+        f"{CPU}::test_tie_rows_and_digests_replay_bit_exact",
+        f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
+    ),
     "dsa_precision/kernels/topk_picks.py": (
         f"{INTERPRETER}::test_drop_invalid_picks_replays_bit_exact",
         f"{GPU}::test_topk_replays_bit_exact",

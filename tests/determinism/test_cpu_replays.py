@@ -280,3 +280,21 @@ def test_assert_replays_reports_output_and_index():
         raise AssertionError("a differing replay was not reported")
     nan = torch.full((2,), float("nan"))
     assert_replays_bit_exact(lambda x: x * 1, (nan,))  # NaN-aware: same payload is equal
+
+
+def test_tie_rows_and_digests_replay_bit_exact():
+    """The engine side of the tie replay (its torch path) and the row digests."""
+    from dsa_precision.capture import digest_rows, engine_tie_rows
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(0, 3, (40, 64), generator=g).float()
+    lengths = torch.randint(1, 65, (40,), generator=g)
+    picks = indexer_topk(logits, 8, seq_lens=lengths, backend="torch")
+
+    def frame(logits, picks, lengths):
+        tied = engine_tie_rows(logits, picks, lengths)
+        return tied.digests, tied.rows, tied.picks
+
+    digests, rows, _ = assert_replays_bit_exact(frame, (logits, picks, lengths), what="tie rows")
+    assert rows.numel() > 0
+    assert torch.equal(assert_replays_bit_exact(digest_rows, (picks,), what="digests"), digests)

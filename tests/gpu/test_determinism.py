@@ -308,3 +308,21 @@ def test_fused_backward_replays_bit_exact_when_deterministic():
         assert_replays_bit_exact(run, _fused_inputs(s=1024), backward=True, what="fused backward")
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_tie_rows_and_digests_replay_bit_exact():
+    """engine_tie_rows and digest_rows on CUDA: the Triton count and digest kernels."""
+    from dsa_precision.capture import digest_rows, engine_tie_rows
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    logits = torch.randint(0, 3, (512, 4096), device=DEV, generator=g).float()
+    lengths = torch.randint(1, 4097, (512,), device=DEV, generator=g)
+    picks = indexer_topk(logits, 256, seq_lens=lengths)
+
+    def frame(logits, picks, lengths):
+        tied = engine_tie_rows(logits, picks, lengths)
+        return tied.digests, tied.rows, tied.picks
+
+    digests, rows, _ = assert_replays_bit_exact(frame, (logits, picks, lengths), what="tie rows")
+    assert rows.numel() > 0
+    assert torch.equal(assert_replays_bit_exact(digest_rows, (picks,), what="digests"), digests)

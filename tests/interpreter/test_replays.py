@@ -71,3 +71,26 @@ def test_varlen_windows_replays_bit_exact():
     out = assert_replays_bit_exact(windows, (cu, offsets), what="varlen windows")
     assert torch.equal(out[:3], out[3:])
     assert out[2].tolist()[:4] == [1, 2, 3, 3]  # row 3: sequence 2's first row, offset 2
+
+
+def test_digest_picks_replays_bit_exact():
+    """The row digests in one pass (capture.digest_rows on CUDA)."""
+    from dsa_precision.kernels.digest import digest_picks
+
+    g = torch.Generator().manual_seed(4)
+    picks = torch.randint(-1, 5000, (6, 300), generator=g, dtype=torch.int32)
+    digests = assert_replays_bit_exact(digest_picks, (picks,), what="row digests")
+    assert digests.dtype == torch.int64
+
+
+def test_count_at_least_replays_bit_exact():
+    """The tie test's window count (capture.engine_tie_rows on CUDA)."""
+    from dsa_precision.kernels.tie_rows import count_at_least
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-2, 3, (5, 3000), generator=g).float()
+    kth = torch.zeros(5)
+    starts = torch.tensor([0, 3, 100, 0, 2999], dtype=torch.int32)
+    ends = torch.tensor([3000, 2000, 100, 1, 3000], dtype=torch.int32)
+    counts = assert_replays_bit_exact(count_at_least, (logits, kth, starts, ends), what="counts")
+    assert int(counts[2]) == 0
