@@ -80,8 +80,9 @@ def topk_agreement(
             the rule make the float metrics NaN.
 
     Returns:
-        :class:`TopkAgreement` over the rows whose inference set is non-empty (all metrics are
-        ``1`` / ``0`` when there is none).
+        :class:`TopkAgreement` over the rows whose inference set is non-empty; with none,
+        ``member_agreement``, ``rows_identical`` and ``flipped_mean`` are NaN (nothing compared
+        never reads as a match, as ``topk_metrics`` and ``dsa-precision agree`` treat it).
     """
     if validate:
         for name, idx in (("train_idx", train_idx), ("infer_idx", infer_idx)):
@@ -167,19 +168,14 @@ def agreement_and_identical_rows(
     members = size_i.sum()
     identical = (same & rows).sum()
     flipped = (size_i - common) * rows
-    one = torch.ones((), dtype=torch.float64, device=t.device)
     f64 = torch.float64
 
-    def checked(x: torch.Tensor) -> torch.Tensor:  # NaN when any row breaks the index rule
-        return torch.where(broken, torch.nan, x)
+    def checked(x: torch.Tensor) -> torch.Tensor:  # NaN when any row breaks the index rule,
+        return torch.where(broken | (n_rows == 0), torch.nan, x)  # or when none is compared
 
     agreement = TopkAgreement(
-        member_agreement=checked(
-            torch.where(members > 0, common.sum().to(f64) / members.clamp_min(1), one)
-        ),
-        rows_identical=checked(
-            torch.where(n_rows > 0, identical.to(f64) / n_rows.clamp_min(1), one)
-        ),
+        member_agreement=checked(common.sum().to(f64) / members.clamp_min(1)),
+        rows_identical=checked(identical.to(f64) / n_rows.clamp_min(1)),
         flipped_mean=checked(flipped.sum().to(f64) / n_rows.clamp_min(1)),
         flipped_max=flipped.max()
         if flipped.numel()

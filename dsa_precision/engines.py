@@ -567,12 +567,23 @@ def vllm_legacy_profile(
     Raises when the configuration decides the bits and ``xblock`` is not given.
     """
     for arg, value in (("compiled_tokens", compiled_tokens), ("sm_count", sm_count)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg}={value!r} must be a positive int.")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"{arg}={value!r} must be a positive integer, got a {type(value).__name__} (a "
+                "bool or a float is refused)."
+            )
+    compiled_tokens, sm_count = int(compiled_tokens), int(sm_count)
+    if xblock is not None:  # True == 1 and 8.0 == 8 would find a rule and name a profile by it
+        if isinstance(xblock, bool) or not isinstance(xblock, numbers.Integral):
+            raise TypeError(
+                f"xblock={xblock!r} ({type(xblock).__name__}) must be an integer: the XBLOCK (1, "
+                "8 or 32) of the LayerNorm kernel's .best_config in vLLM's compile cache."
+            )
+        xblock = int(xblock)
     base = ENGINE_PROFILES["vllm-legacy"]
     if compiled_tokens >= _INDUCTOR_ROWS_PER_SM * sm_count:
         return base
-    if xblock not in _INDUCTOR_XBLOCK_RULES:
+    if xblock is None or xblock not in _INDUCTOR_XBLOCK_RULES:
         raise ValueError(
             f"xblock={xblock!r}: vLLM compiled its key LayerNorm for {compiled_tokens} tokens, "
             f"below {_INDUCTOR_ROWS_PER_SM} * sm_count = {_INDUCTOR_ROWS_PER_SM * sm_count}, so "

@@ -15,7 +15,11 @@ the next token, :func:`token_logprobs`) over the tokens of a mask::
 Pure torch, no Megatron: :func:`logprob_mismatch_stats` takes the two sides' log-probs of the
 same tokens (``dsa_precision.megatron.logprobs`` runs a Megatron model twice to get them). The
 statistics are computed in float64 from the float32 log-probs, read with one host
-synchronisation; when the two sides are equal token for token every figure is exactly 0.
+synchronisation; when the two sides are equal token for token every figure is exactly 0. A
+comparison of no token (an empty batch, a mask that selects nothing) is no match: its figures are
+NaN and ``tokens`` is 0, as :func:`~dsa_precision.megatron.topk_metrics` reports a layer of no
+rows. Every argument is checked where it enters (types, dtypes, shapes, the packed boundaries'
+values): an error names the argument, its value and what to pass.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .checks import check_tensor
+from .checks import check_positive_int, check_real, check_tensor
 
 __all__ = [
     "CLIP_RANGES",
     "LOGPROB_HEADERS",
     "LOGPROB_LEGEND",
     "LogprobMismatch",
+    "check_clip_ranges",
+    "check_cu_seqlens",
     "logprob_cells",
+    "logprob_headers",
     "logprob_mismatch_stats",
     "shifted_labels",
     "token_logprobs",
@@ -47,6 +54,30 @@ CLIP_RANGES: Mapping[str, tuple[float, float]] = {
 }
 # Bytes of float32 logits one chunk of token_logprobs holds at most.
 _CHUNK_BYTES = 1 << 30
+_TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
+    """int64 ``cu_seqlens`` on ``device``, checked in its own dtype: a 1-D int32 / int64 tensor
+    of ``n + 1 >= 2`` cumulative lengths that starts at 0, never decreases and ends at ``total``
+    (the packed tokens). Reads the values (on a device tensor one host synchronisation)."""
+    cu = check_tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype not in _TOKEN_DTYPES or cu.ndim != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens is a {cu.dtype} tensor of shape {tuple(cu.shape)}; pass the (n + 1,) "
+            "int32 / int64 cumulative lengths of the packed sequences, [0, len_0, len_0 + len_1, "
+            "...]."
+        )
+    cu = cu.to(torch.int64)  # exact from int32
+    steps = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((steps < 0).any()) or int(cu[-1]) != total:
+        values = cu.tolist()
+        shown = f"{values[:16]}{'...' if len(values) > 16 else ''}"
+        raise ValueError(
+            f"cu_seqlens = {shown}: packed cumulative lengths start at 0, never decrease and end "
+            f"at the {total} tokens; pass the boundaries of these tokens' sequences."
+        )
+    return cu.to(device)
 
 
 def token_logprobs(
@@ -64,7 +95,7 @@ def token_logprobs(
     logits, labels = check_tensor("logits", logits), check_tensor("labels", labels)
     if not logits.is_floating_point():
         raise TypeError(f"logits has dtype {logits.dtype}; pass the model's float logits.")
-    if labels.dtype not in (torch.int32, torch.int64):
+    if labels.dtype not in _TOKEN_DTYPES:
         raise TypeError(f"labels has dtype {labels.dtype}; pass int64 token ids.")
     if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(
@@ -74,6 +105,12 @@ def token_logprobs(
     if logits.device != labels.device:
         raise ValueError(f"logits are on {logits.device}, labels on {labels.device}.")
     vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)}: an empty vocabulary (V = 0) has no "
+            "log-probs; pass the logits over the whole vocabulary, [..., V] with V >= 1."
+        )
+    chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     flat = logits.reshape(-1, vocab)
     ids = labels.reshape(-1).to(torch.int64)
     valid = (ids >= 0) & (ids < vocab)
@@ -101,20 +138,24 @@ def shifted_labels(
         cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed sequences (THD).
     """
     tokens = check_tensor("tokens", tokens)
-    if tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim not in (1, 2):
+    if tokens.dtype not in _TOKEN_DTYPES or tokens.ndim not in (1, 2):
         raise ValueError(
             f"tokens is a {tokens.dtype} tensor of shape {tuple(tokens.shape)}; pass [b, s] "
             "(or packed [T] / [1, T] with cu_seqlens) integer token ids."
         )
+    if cu_seqlens is not None and tokens.ndim == 2 and tokens.shape[0] != 1:
+        raise ValueError(
+            f"tokens have shape {tuple(tokens.shape)} with cu_seqlens; packed tokens are [T] or "
+            "[1, T] (without cu_seqlens, [b, s] is a sequence per row)."
+        )
     labels = torch.roll(tokens, -1, dims=-1)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     if cu_seqlens is None:
-        mask[..., -1] = False
+        if tokens.shape[-1]:  # no token, no label to leave out
+            mask[..., -1] = False
         return labels, mask
+    ends = check_cu_seqlens(cu_seqlens, tokens.numel(), tokens.device)[1:] - 1
     flat = mask.reshape(-1)
-    if tokens.ndim == 2 and tokens.shape[0] != 1:
-        raise ValueError(f"packed tokens are [T] or [1, T], got {tuple(tokens.shape)}.")
-    ends = cu_seqlens.to(device=tokens.device, dtype=torch.int64)[1:] - 1
     flat[ends[ends >= 0]] = False  # empty sequences end before they start: nothing to mask
     return labels, mask
 
@@ -123,7 +164,7 @@ def shifted_labels(
 class LogprobMismatch:
     """:func:`logprob_mismatch_stats` of one pair of runs, as Python numbers (module docstring)."""
 
-    tokens: int  # tokens compared (the mask's)
+    tokens: int  # tokens compared (the mask's); 0: every float figure below is NaN
     tokens_differing: int  # of which delta != 0
     sequences: int  # sequences with at least one compared token
     abs_mean: float  # mean |delta| over the tokens
@@ -149,14 +190,52 @@ def _sequence_sums(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
-    """The ``q`` quantile of a sorted 1-D float64 tensor (numpy's linear interpolation)."""
+    """The ``q`` quantile of a sorted 1-D float64 tensor (numpy's linear interpolation; NaN of
+    no value)."""
     n = sorted_values.numel()
     if n == 0:
-        return sorted_values.new_zeros(())
+        return sorted_values.new_full((), math.nan)
     pos = q * (n - 1)
     lo, hi = math.floor(pos), math.ceil(pos)
     frac = pos - lo
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
+
+
+def check_clip_ranges(clip_ranges: object) -> dict[str, tuple[float, float]]:
+    """``clip_ranges`` as ``{name: (low, high)}`` of Python floats, checked: a mapping of string
+    names to pairs of finite reals with ``0 <= low < 1`` and ``high >= 0``; a name of
+    :data:`CLIP_RANGES` keeps its bounds (the tables' columns are named by them)."""
+    if not isinstance(clip_ranges, Mapping):
+        raise TypeError(
+            f"clip_ranges is a {type(clip_ranges).__name__}; pass a mapping name -> (low, high), "
+            "e.g. dsa_precision.logprobs.CLIP_RANGES or {'ppo_0.3': (0.3, 0.3)}."
+        )
+    out = {}
+    for name, bounds in clip_ranges.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"clip_ranges has the key {name!r} ({type(name).__name__}); name each range with "
+                "a string."
+            )
+        where = f"clip_ranges[{name!r}]"
+        if isinstance(bounds, (str, bytes)) or not isinstance(bounds, Sequence) or len(bounds) != 2:
+            raise TypeError(
+                f"{where} = {bounds!r}; a range is a pair (low, high) of numbers, the ratio's "
+                "bounds being 1 - low and 1 + high."
+            )
+        low, high = check_real(f"{where} low", bounds[0]), check_real(f"{where} high", bounds[1])
+        if not (0.0 <= low < 1.0 and high >= 0.0):
+            raise ValueError(
+                f"{where} = ({low}, {high}); a range is (low, high) with 0 <= low < 1 and "
+                "high >= 0, the ratio's bounds being 1 - low and 1 + high."
+            )
+        if name in CLIP_RANGES and (low, high) != CLIP_RANGES[name]:
+            raise ValueError(
+                f"{where} = ({low}, {high}), but {name!r} is CLIP_RANGES' {CLIP_RANGES[name]} "
+                "(the tables name its column by those bounds); give your range another name."
+            )
+        out[name] = (low, high)
+    return out
 
 
 def logprob_mismatch_stats(
@@ -172,15 +251,21 @@ def logprob_mismatch_stats(
     Args:
         train_logprobs, rollout_logprobs: float ``[..., s]`` log-probs of the same tokens (e.g.
             :func:`token_logprobs`); BSHD: each row of the last dimension is a sequence.
-        mask: bool, their shape: the tokens to compare (``None``: all).
-        cu_seqlens: ``(n + 1,)`` integer cumulative lengths when the tokens are packed
-            sequences (THD), over the flattened tokens.
+        mask: bool, their shape: the tokens to compare (``None``: all). A mask, never row
+            indices: an integer or float tensor is refused (``mask.bool()`` of a 0/1 mask).
+        cu_seqlens: ``(n + 1,)`` int32 / int64 cumulative lengths when the tokens are packed
+            sequences (THD), over the flattened tokens: from 0, never decreasing, to their count.
         clip_ranges: name -> ``(low, high)``: a token is clipped when its ratio ``exp(delta)`` is
             below ``1 - low`` or above ``1 + high`` (default :data:`CLIP_RANGES`).
 
+    Returns:
+        :class:`LogprobMismatch`; with no compared token (``tokens == 0``) its float figures
+        are NaN: nothing was compared, which is no match.
+
     Raises:
-        TypeError, ValueError: shapes, dtypes, devices, a non-finite compared log-prob (named
-            with its first token) or a clip range outside ``0 <= low < 1``, ``high >= 0``.
+        TypeError, ValueError: shapes, dtypes, devices, packed boundaries, a non-finite compared
+            log-prob (named with its first token) or a clip range that is not a pair with
+            ``0 <= low < 1``, ``high >= 0``.
     """
     train = check_tensor("train_logprobs", train_logprobs)
     rollout = check_tensor("rollout_logprobs", rollout_logprobs)
@@ -202,14 +287,11 @@ def logprob_mismatch_stats(
     if mask.dtype != torch.bool or mask.shape != train.shape:
         raise ValueError(
             f"mask is a {mask.dtype} tensor of shape {tuple(mask.shape)}; pass a bool mask of "
-            f"the log-probs' shape {tuple(train.shape)}."
+            f"the log-probs' shape {tuple(train.shape)} (True: compare the token; a 0/1 mask as "
+            "mask.bool(); not token indices)."
         )
-    for name, (low, high) in clip_ranges.items():
-        if not (0.0 <= low < 1.0 and high >= 0.0):
-            raise ValueError(
-                f"clip_ranges[{name!r}] = ({low}, {high}); a range is (low, high) with "
-                "0 <= low < 1 and high >= 0, the ratio's bounds being 1 - low and 1 + high."
-            )
+    clip_ranges = check_clip_ranges(clip_ranges)
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, train.numel(), train.device)
     mask = mask.to(train.device)
     delta = train.double() - rollout.double()
     bad = mask & ~torch.isfinite(delta)
@@ -222,18 +304,12 @@ def logprob_mismatch_stats(
         )
     delta = torch.where(mask, delta, 0.0)
     k3 = torch.expm1(delta) - delta  # exp(delta) - 1 - delta, without the cancellation
-    if cu_seqlens is None:
-        seq_len = train.shape[-1]
-        per_seq = mask.reshape(-1, seq_len).sum(-1).double()
-        seq_delta = delta.reshape(-1, seq_len).sum(-1)
-        seq_k3 = k3.reshape(-1, seq_len).sum(-1)
+    if cu is None:
+        shape = (math.prod(train.shape[:-1]), train.shape[-1])  # a sequence per row
+        per_seq = mask.reshape(shape).sum(-1).double()
+        seq_delta = delta.reshape(shape).sum(-1)
+        seq_k3 = k3.reshape(shape).sum(-1)
     else:
-        cu = check_tensor("cu_seqlens", cu_seqlens).to(device=train.device, dtype=torch.int64)
-        if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != train.numel():
-            raise ValueError(
-                f"cu_seqlens = {cu.tolist()[:8]}...: packed cumulative lengths start at 0 and end "
-                f"at the {train.numel()} tokens."
-            )
         per_seq = _sequence_sums(mask.reshape(-1).double(), cu)
         seq_delta = _sequence_sums(delta.reshape(-1), cu)
         seq_k3 = _sequence_sums(k3.reshape(-1), cu)
@@ -245,21 +321,21 @@ def logprob_mismatch_stats(
     magnitudes = delta.abs()[mask].sort().values
     n_tok = magnitudes.numel()
     ratio = torch.exp(delta)
+    nan = delta.new_full((), math.nan)  # no compared token: no figure, never a match
     clip_shares = []
     for low, high in clip_ranges.values():
         outside = mask & ((ratio < 1.0 - low) | (ratio > 1.0 + high))
-        clip_shares.append(outside.sum().double() / max(n_tok, 1))
-    zero = delta.new_zeros(())
+        clip_shares.append(outside.sum().double() / n_tok if n_tok else nan)
     values = torch.stack(
         [
             (magnitudes > 0).sum().double(),
             n_seq.double(),
-            magnitudes.mean() if n_tok else zero,
+            magnitudes.mean() if n_tok else nan,
             _quantile(magnitudes, 0.99),
-            magnitudes[-1] if n_tok else zero,
-            seq_mean_delta.sum() / n_seq.clamp_min(1),
-            seq_mean_k3.sum() / n_seq.clamp_min(1),
-            seq_mean_k3.max() if seq_mean_k3.numel() else zero,
+            magnitudes[-1] if n_tok else nan,
+            seq_mean_delta.sum() / n_seq if n_tok else nan,  # n_tok > 0: n_seq > 0
+            seq_mean_k3.sum() / n_seq if n_tok else nan,
+            seq_mean_k3.max() if n_tok else nan,  # k3 >= 0: uncounted sequences' 0 is no max
             *clip_shares,
         ]
     ).tolist()  # the one host synchronisation
@@ -292,13 +368,30 @@ LOGPROB_LEGEND = (
 )
 
 
+_CLIP_HEADERS = dict(zip(CLIP_RANGES, LOGPROB_HEADERS[5:8], strict=True))
+
+
+def logprob_headers(names: Sequence[str] = tuple(CLIP_RANGES)) -> tuple[str, ...]:
+    """The columns of a log-prob mismatch table whose clip ranges are ``names`` (those of
+    :data:`CLIP_RANGES`: :data:`LOGPROB_HEADERS`; another: ``clip <name>``)."""
+    clips = (_CLIP_HEADERS.get(n, f"clip {n}") for n in names)
+    return (*LOGPROB_HEADERS[:5], *clips, LOGPROB_HEADERS[-1])
+
+
 def _number(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
-def logprob_cells(m: LogprobMismatch, names: Sequence[str] = tuple(CLIP_RANGES)) -> list[str]:
-    """The :data:`LOGPROB_HEADERS` cells of one :class:`LogprobMismatch`; ``names``: its clip
-    ranges, in the headers' order."""
+def logprob_cells(m: LogprobMismatch, names: Sequence[str] | None = None) -> list[str]:
+    """The :func:`logprob_headers` cells of one :class:`LogprobMismatch`; ``names``: its clip
+    ranges, in the headers' order (default: all of them, in its order)."""
+    names = tuple(m.clipped) if names is None else tuple(names)
+    missing = [n for n in names if n not in m.clipped]
+    if missing:
+        raise ValueError(
+            f"the statistics have no clip range {missing[0]!r} (they have {sorted(m.clipped)}); "
+            "pass names of the clip_ranges they were computed with."
+        )
     return [
         _number(m.abs_mean),
         _number(m.abs_p99),

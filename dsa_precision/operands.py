@@ -61,9 +61,11 @@ class ScoringOperands:
             )
         b, sq, h, d = q.shape
         if h == 0 or d == 0:
+            which = "H = q.shape[2], the head count" if h == 0 else "D = q.shape[3], the head dim"
             raise ValueError(
-                f"q has shape {tuple(q.shape)}: {h} heads of width {d} score nothing (every score "
-                "would be 0); the indexer needs at least one head of nonzero width."
+                f"q has shape {tuple(q.shape)} (B, S_q, H, D): {which}, is 0, so {h} heads of "
+                f"width {d} score nothing (every score would be 0); the indexer needs at least "
+                "one head of nonzero width."
             )
         if k.shape[0] != b or k.shape[2] != d or tuple(w.shape) != (b, sq, h):
             raise ValueError(

@@ -354,6 +354,34 @@ class TopkPicks:
                 f"TopkPicks.layout is a TokenLayout (or None), got {type(self.layout).__name__}; "
                 "pass TokenLayout(cu_seqlens=...) or TokenLayout(seq_len=...)."
             )
+        self._check_metadata()
+
+    def _check_metadata(self) -> None:
+        """``engine_rows`` a ``(T,)`` bool mask (never row indices) and ``request_ids`` one per
+        packed sequence, host facts (``T`` read from CPU ``cu_seqlens``)."""
+        rows, ids, cu = self.engine_rows, self.request_ids, self.cu_seqlens
+        if rows is not None:
+            if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bool or rows.ndim != 1:
+                raise TypeError(
+                    f"TopkPicks.engine_rows is {_describe(rows)}; pass a (T,) bool mask of the "
+                    "rows the engine computed (True: computed), not row indices."
+                )
+            if cu is not None and cu.device.type == "cpu" and rows.numel() != int(cu[-1]):
+                raise ValueError(
+                    f"TopkPicks.engine_rows has {rows.numel()} entries but cu_seqlens packs "
+                    f"{int(cu[-1])} tokens; pass one entry per token row."
+                )
+        if ids is not None:
+            if not isinstance(ids, (tuple, list)):
+                raise TypeError(
+                    f"TopkPicks.request_ids is {_describe(ids)}; pass a tuple of the packed "
+                    "requests' ids, in order."
+                )
+            if cu is not None and len(ids) != cu.numel() - 1:
+                raise ValueError(
+                    f"TopkPicks.request_ids names {len(ids)} requests but cu_seqlens packs "
+                    f"{cu.numel() - 1} sequences; pass one id per packed sequence, in order."
+                )
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:

@@ -43,6 +43,9 @@ __all__ = [
     "thd_token_freqs",
 ]
 
+# A bound on the positions of a RoPE table (exact in float64: YaRN's range reads it as one).
+_MAX_POSITIONS = 2**53
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` on the two halves of the last dimension."""
@@ -217,8 +220,9 @@ class YarnScaling:
         scaling_factor: ``rotary_scaling_factor`` (HF ``factor``; 40 for DeepSeek-V3.2).
         original_max_position_embeddings: the pre-extension context (4096 for DeepSeek-V3.2); the
             correction range is computed from it.
-        beta_fast, beta_slow: the rotation counts bounding the ramp (32 and 1).
-        mscale, mscale_all_dim: the magnitude-scale exponents (1 and 1 for DeepSeek-V3.2).
+        beta_fast, beta_slow: the rotation counts bounding the ramp (32 and 1), positive.
+        mscale, mscale_all_dim: the magnitude-scale exponents (1 and 1 for DeepSeek-V3.2); the
+            magnitude they give (:meth:`magnitude`) must be a positive finite number.
     """
 
     scaling_factor: float
@@ -233,10 +237,26 @@ class YarnScaling:
             self, "scaling_factor", check_real("scaling_factor", self.scaling_factor, positive=True)
         )
         check_positive_int(
-            "original_max_position_embeddings", self.original_max_position_embeddings
+            "original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            high=_MAX_POSITIONS,
         )
         for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            object.__setattr__(self, name, check_real(name, getattr(self, name)))
+            positive = name.startswith("beta")  # log(positions / (2 pi beta)) of the range
+            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=positive))
+        for rule in get_args(YarnMscale):
+            try:
+                scale = self.magnitude(rule)
+            except ZeroDivisionError:
+                scale = math.inf
+            if not 0.0 < scale < math.inf:
+                raise ValueError(
+                    f"mscale={self.mscale!r}, mscale_all_dim={self.mscale_all_dim!r} with "
+                    f"scaling_factor={self.scaling_factor!r} give the magnitude scale {scale!r} "
+                    f"(yarn_mscale={rule!r}: 0.1 * m * ln(factor) + 1 per exponent, a ratio); "
+                    "no cos/sin table is built from it: pass exponents whose scales are positive "
+                    "(DeepSeek-V3.2: 1 and 1)."
+                )
 
     def magnitude(self, rule: YarnMscale = "ratio") -> float:
         """The factor the engine multiplies cos and sin by (a Python float, as every engine
@@ -276,6 +296,47 @@ class RopeSpec:
         object.__setattr__(self, "base", check_real("base", self.base, positive=True))
         if self.yarn is not None and not isinstance(self.yarn, YarnScaling):
             raise TypeError(f"yarn={self.yarn!r} must be a YarnScaling or None.")
+        if self.yarn is not None:
+            y = self.yarn
+            try:
+                _correction_range(self)
+            except (ArithmeticError, ValueError) as exc:  # log(1) = 0, an infinite range
+                raise ValueError(
+                    f"YaRN's correction range of base={self.base!r} (rotary_base), rope_dim="
+                    f"{rope_dim}, original_max_position_embeddings="
+                    f"{y.original_max_position_embeddings!r}, beta_fast={y.beta_fast!r}, "
+                    f"beta_slow={y.beta_slow!r} cannot be computed ({exc}): it divides by "
+                    "log(base) and takes log(original_max_position_embeddings / (2 pi beta)); "
+                    "pass a base other than 1 and finite betas (DeepSeek-V3.2: 10000, 32, 1)."
+                ) from None
+        inv_freq = rope_inv_freq(self, "cpu")
+        if not bool((torch.isfinite(inv_freq) & (inv_freq > 0)).all()):
+            raise ValueError(
+                f"base={self.base!r} (rotary_base)"
+                f"{f' with YaRN scaling_factor={self.yarn.scaling_factor!r}' if self.yarn else ''} gives "
+                f"float32 inverse frequencies {inv_freq.tolist()[:4]}...; no cos/sin table is "
+                "built from infinite or zero frequencies: pass a base whose float32 powers are "
+                "finite and nonzero (the models' are above 1, e.g. 10000)."
+            )
+
+
+def _correction_range(spec: RopeSpec) -> tuple[int, float]:
+    """YaRN's ramp ``[low, high]`` over the rotary dimensions (the engines' and Megatron's
+    Python arithmetic); raises ``ZeroDivisionError``, ``ValueError`` or ``OverflowError`` where
+    the fields give none (a base of 1, a non-positive or infinite beta)."""
+    r, y = spec.rope_dim, spec.yarn
+    assert y is not None  # YaRN only
+
+    def correction_dim(rotations: float) -> float:
+        return (r * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(spec.base)
+        )
+
+    low = max(math.floor(correction_dim(y.beta_fast)), 0)
+    high: float = min(math.ceil(correction_dim(y.beta_slow)), r - 1)
+    if low == high:
+        high += 0.001  # the engines' guard against a zero-width ramp
+    return low, high
 
 
 def rope_inv_freq(spec: RopeSpec, device: torch.device | str) -> torch.Tensor:
@@ -297,16 +358,7 @@ def rope_inv_freq(spec: RopeSpec, device: torch.device | str) -> torch.Tensor:
     pos_freqs = spec.base**exponent
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (y.scaling_factor * pos_freqs)
-
-    def correction_dim(rotations: float) -> float:
-        return (r * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-            2 * math.log(spec.base)
-        )
-
-    low = max(math.floor(correction_dim(y.beta_fast)), 0)
-    high: float = min(math.ceil(correction_dim(y.beta_slow)), r - 1)
-    if low == high:
-        high += 0.001  # the engines' guard against a zero-width ramp
+    low, high = _correction_range(spec)
     ramp = (torch.arange(r // 2, dtype=torch.float32, device=device) - low) / (high - low)
     mask = 1 - torch.clamp(ramp, 0, 1)
     return interpolation * (1 - mask) + extrapolation * mask

@@ -112,6 +112,12 @@ class WindowScores:
             )
         if s.shape[-1] > 1 and s.stride(-1) != 1:
             raise ValueError(f"scores must have unit column stride, got strides {s.stride()}.")
+        if _rows_overlap(s):
+            raise ValueError(
+                f"scores of shape {tuple(s.shape)} and strides {s.stride()} are not rows of their "
+                "own memory (rows that share it, as a broadcast or expanded view, or interleave): "
+                "masking one row would write the others; pass scores.contiguous()."
+            )
 
     def _rows(self) -> torch.Tensor:
         """``(rows, columns)``: a view of ``scores`` (its rows uniformly apart)."""
@@ -154,6 +160,25 @@ class WindowScores:
                 "rows (DeepGEMM 2.4-2.8's layout)."
             )
         return flat.as_strided((rows, stride), (stride, 1))
+
+
+def _rows_overlap(scores: torch.Tensor) -> bool:
+    """Whether two elements of ``scores`` (unit column stride) may share memory: with the
+    dimensions of more than one entry sorted by stride, each must step past the extent of the
+    ones inside it (a host fact of the sizes and strides)."""
+    if scores.numel() <= 1:
+        return False
+    extent = scores.shape[-1]  # the columns, unit stride
+    dims = sorted(
+        (st, size)
+        for st, size in zip(scores.stride()[:-1], scores.shape[:-1], strict=True)
+        if size > 1
+    )
+    for st, size in dims:
+        if st < extent:
+            return True
+        extent = st * (size - 1) + extent
+    return False
 
 
 def _describe(x: object) -> str:

@@ -34,6 +34,7 @@ from .audit import record_scoring_call
 from .backends import cudnn, deepgemm
 from .checks import (
     INT32_MAX,
+    check_bool,
     check_positive_int,
     check_tensor,
     takes_precision_config,
@@ -436,6 +437,7 @@ def indexer_scores(
     """
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
+    clean = check_bool("clean", clean)  # a truthy "False" would return the other type
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     offsets = causal_offsets(
@@ -604,6 +606,7 @@ def indexer_scores_varlen(
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
+    clean = check_bool("clean", clean)  # a truthy "False" would return the other type
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
     check_varlen_args(

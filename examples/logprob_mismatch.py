@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -141,10 +142,46 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(
             "--rollout-scores scores the engine kernels' operands: with --rollout engine-kernels"
         )
-    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1)):
+    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1), ("seq", 2), ("topk", 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
+    if not (0 < args.lr < float("inf")):
+        p.error(f"--lr {args.lr}: give a positive finite learning rate")
+    if args.engine not in ENGINE_PROFILES:
+        p.error(f"--engine {args.engine!r}: choose one of {', '.join(sorted(ENGINE_PROFILES))}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r}: give cpu or cuda (cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: give cpu or cuda (cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here; run with --device cpu")
+    _check_files(p, args)
     return args
+
+
+def _check_files(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The input files readable and the outputs' folders present, before anything runs."""
+    from dsa_precision.capture.files import readable_file
+
+    for flag in ("picks", "engine_output", "tokens", "weights"):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                readable_file(Path(path), flag.replace("_", " "))
+            except ValueError as exc:
+                p.error(f"--{flag.replace('_', '-')}: {exc}")
+    for flag in ("out", "plot"):
+        path = getattr(args, flag)
+        if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+            p.error(f"--{flag} {path}: give a file path in an existing folder")
+    if args.save is not None:
+        save_dir = Path(args.save)
+        if save_dir.exists() and not save_dir.is_dir():
+            p.error(f"--save {args.save}: a file, not a folder")
+        if not save_dir.exists() and not save_dir.parent.is_dir():
+            p.error(f"--save {args.save}: its parent folder {save_dir.parent} does not exist")
 
 
 # ---------------------------------------------------------------------------- the comparison
@@ -284,11 +321,17 @@ def run_files(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     saved = read_tensors(args.tokens)
     saved = saved if isinstance(saved, dict) else {"tokens": saved}
     if "tokens" not in saved:
-        raise SystemExit(f"--tokens {args.tokens}: holds {sorted(saved)}, no 'tokens' tensor")
+        fail(f"--tokens {args.tokens}: holds {sorted(saved)}, no 'tokens' tensor")
+    for key, value in saved.items():  # in their own dtypes, before any cast
+        if key in ("tokens", "labels") and (value.is_floating_point() or value.is_complex()):
+            fail(f"--tokens {args.tokens}: {key!r} is {value.dtype}; save integer token ids")
+        if key == "loss_mask" and not _zero_one(value):
+            fail(f"--tokens {args.tokens}: 'loss_mask' ({value.dtype}) holds values other than "
+                 "0 and 1; save a bool mask of the tokens' shape, not token indices")  # fmt: skip
     tokens = saved["tokens"].to(device=args.device, dtype=torch.int64)
     labels, loss_mask = saved.get("labels"), saved.get("loss_mask")
     labels = None if labels is None else labels.to(device=args.device, dtype=torch.int64)
-    loss_mask = None if loss_mask is None else loss_mask.to(args.device).bool()
+    loss_mask = None if loss_mask is None else loss_mask.to(args.device).bool()  # 0/1: checked
     forward = None
     if picks.cu_seqlens is not None:  # packed sequences: Megatron's THD forward
         cu = picks.cu_seqlens.to(torch.int64)
@@ -303,13 +346,13 @@ def run_files(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     replay = build(args, "replay")
     vocab = replay.vocab_size
     if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
-        raise SystemExit(
+        fail(
             f"--tokens {args.tokens}: ids in [{int(tokens.min())}, {int(tokens.max())}], the toy "
             f"model's vocabulary is [0, {vocab}); measure your own model with logprob_mismatch"
         )
     weights = next(iter(models.values())).state_dict()
     if args.weights is not None:
-        weights = torch.load(args.weights, map_location=args.device, weights_only=True)
+        weights = _load_weights(args.weights, args.device, weights)
     t0 = time.perf_counter()
     reports = measure(models, replay, weights, tokens, picks, labels=labels, loss_mask=loss_mask,
                       forward=forward, first_tokens=args.first_tokens)  # fmt: skip
@@ -323,6 +366,38 @@ def run_files(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     say("")
     say(_format(reports))
     return dict(checkpoints=[dict(step=None, loss=None, seconds=seconds, reports=reports)])
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2 (argparse's), never a traceback."""
+    print(f"logprob_mismatch.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _zero_one(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is 0 or 1 (a bool, or an integer / float 0/1 mask)."""
+    return t.dtype == torch.bool or bool(((t == 0) | (t == 1)).all())
+
+
+def _load_weights(path: str, device: str, like: dict) -> dict:
+    """The state dict in ``path``, its keys and shapes those of the toy model's ``like``."""
+    try:
+        weights = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # pickle / zip errors, objects weights_only refuses
+        fail(f"--weights {path}: not a readable torch file ({' '.join(str(exc).split())[:200]})")
+    if not isinstance(weights, dict):
+        fail(f"--weights {path}: holds a {type(weights).__name__}; save the model's state_dict()")
+    missing, extra = sorted(like.keys() - weights.keys()), sorted(weights.keys() - like.keys())
+    if missing or extra:
+        fail(f"--weights {path}: not the toy model's state dict (missing {missing[:3]}, "
+             f"unexpected {extra[:3]}); save this model's state_dict() (--save)")  # fmt: skip
+    for key, value in like.items():
+        if isinstance(value, torch.Tensor) and (
+            not isinstance(weights[key], torch.Tensor) or weights[key].shape != value.shape
+        ):
+            fail(f"--weights {path}: {key!r} is {getattr(weights[key], 'shape', weights[key])}, "
+                 f"the toy model's {tuple(value.shape)}; save the same model's weights")  # fmt: skip
+    return weights
 
 
 def packed_forward(tokens: torch.Tensor, cu: torch.Tensor, device: str) -> Callable:
@@ -484,7 +559,12 @@ def _run(args: argparse.Namespace) -> tuple[int, dict]:
         parallel_state.initialize_model_parallel(1, 1)
     say = (lambda _text: None) if args.json else print
     t0 = time.perf_counter()
-    result = run_files(args, say) if args.files else run_toy(args, say)
+    try:
+        result = run_files(args, say) if args.files else run_toy(args, say)
+    except (TypeError, ValueError) as exc:  # unreadable or mismatched files, named by the checks
+        if not args.files:
+            raise
+        fail(" ".join(str(exc).split()))
     document = as_json(args, result)
     document["seconds"] = time.perf_counter() - t0
     say(f"\n{document['seconds']:.1f} s in all")
@@ -493,7 +573,10 @@ def _run(args: argparse.Namespace) -> tuple[int, dict]:
     if args.plot:
         plot(args.plot, result)
     if args.save:
-        save(args.save, result)
+        try:
+            save(args.save, result)
+        except (OSError, ValueError) as exc:
+            fail(f"--save {args.save}: cannot be written ({exc})")
     ok = all(document["checks"].values())
     if not ok:
         print(f"check failed: {document['checks']}", file=sys.stderr)

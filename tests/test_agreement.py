@@ -98,3 +98,16 @@ def test_k_zero_and_zero_dim_are_clear_errors():
         topk_agreement(empty, empty)
     with pytest.raises(ValueError, match="0-d tensor"):
         topk_agreement(torch.tensor(1), torch.tensor(1))
+
+
+def test_nothing_compared_never_reads_as_a_match():
+    train = torch.tensor([[0, 1], [2, 3]])
+    padding = torch.full((2, 2), -1)  # no engine row: nothing to compare
+    got = topk_agreement(train, padding).as_dict()
+    assert got["rows"] == 0 and got["members"] == 0
+    for name in ("member_agreement", "rows_identical", "flipped_mean"):
+        assert got[name] != got[name], name  # NaN
+    empty = topk_agreement(
+        torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
+    )
+    assert empty.as_dict()["rows"] == 0 and torch.isnan(empty.member_agreement)

@@ -260,8 +260,8 @@ ERRORS = [
     ("scores: sm_scale bool", scores(sm_scale=True), TypeError, r"sm_scale=True \(bool\) must be a real number"),
     ("operands: sm_scale string", operands(bf16_tensors, sm_scale="1.0"), TypeError, r"sm_scale='1.0' \(str\) must be a real number"),
     ("operands with sm_scale string", lambda: indexer_scores(FP8_OPS, sm_scale="1.0"), TypeError, r"sm_scale='1.0' \(str\)"),
-    ("carriers: zero heads", scores(config=BF16, q=torch.randn(1, 8, 0, 128), weights=torch.randn(1, 8, 0)), ValueError, r"q has shape \(1, 8, 0, 128\): 0 heads of width 128 score nothing"),
-    ("carriers: zero head dim", scores(config=BF16, q=torch.randn(1, 8, 32, 0), k=torch.randn(1, 8, 0)), ValueError, r"32 heads of width 0 score nothing"),
+    ("carriers: zero heads", scores(config=BF16, q=torch.randn(1, 8, 0, 128), weights=torch.randn(1, 8, 0)), ValueError, r"q has shape \(1, 8, 0, 128\) \(B, S_q, H, D\): H = q.shape\[2\], the head count, is 0"),
+    ("carriers: zero head dim", scores(config=BF16, q=torch.randn(1, 8, 32, 0), k=torch.randn(1, 8, 0)), ValueError, r"D = q.shape\[3\], the head dim, is 0, so 32 heads of width 0 score nothing"),
     ("select: zero heads", select(q=torch.randn(1, 8, 0, 128), weights=torch.randn(1, 8, 0)), ValueError, "0 heads of width 128 score nothing"),
     ("operands: zero heads", operands(bf16_tensors, q=torch.zeros(1, 4, 0, 128, dtype=torch.bfloat16), weights=torch.zeros(1, 4, 0, dtype=torch.bfloat16)), ValueError, "0 heads"),
     # ------------------------------------- the precision object (issue 18, item 4)

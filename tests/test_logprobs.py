@@ -2,6 +2,7 @@
 and mask of next-token prediction, |delta| quantiles, the sequence-level KL estimates and the
 importance ratios' clip fractions (fixed cases, then Hypothesis against plain Python)."""
 
+import itertools
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from dsa_precision.logprobs import (
     CLIP_RANGES,
     LOGPROB_HEADERS,
     logprob_cells,
+    logprob_headers,
     logprob_mismatch_stats,
     shifted_labels,
     token_logprobs,
@@ -192,8 +194,10 @@ def test_stats_match_plain_python(pair):
     flat = [d for row in deltas for d in row]
     assert m.tokens == len(flat)
     assert m.tokens_differing == sum(d != 0 for d in flat)
-    if not flat:
-        assert m.abs_max == 0 and m.kl_k3 == 0 and m.sequences == 0
+    if not flat:  # nothing compared: no figure, never a match
+        assert m.sequences == 0 and m.tokens_differing == 0
+        assert all(math.isnan(getattr(m, f)) for f in ("abs_mean", "abs_max", "kl_k3"))
+        assert all(math.isnan(v) for v in m.clipped.values())
         return
     assert m.abs_max == pytest.approx(max(abs(d) for d in flat))
     assert m.abs_mean == pytest.approx(sum(abs(d) for d in flat) / len(flat))
@@ -219,5 +223,153 @@ def test_packed_layout_of_the_same_rows_gives_the_same_figures(pair):
                                  cu_seqlens=torch.arange(b + 1) * s)  # fmt: skip
     assert thd.tokens == bshd.tokens and thd.sequences == bshd.sequences
     for field in ("abs_mean", "abs_p99", "abs_max", "delta_mean", "kl_k3", "kl_k3_max_sequence"):
-        assert getattr(thd, field) == pytest.approx(getattr(bshd, field), rel=1e-9, abs=1e-12)
-    assert thd.clipped == bshd.clipped
+        assert getattr(thd, field) == pytest.approx(
+            getattr(bshd, field), rel=1e-9, abs=1e-12, nan_ok=True
+        )
+    assert thd.clipped == pytest.approx(bshd.clipped, nan_ok=True)
+
+
+# ----------------------------------------------- inputs: packed boundaries, labels, selectors
+
+
+@st.composite
+def packed_batches(draw):
+    """Packed sequences (some empty) of float64 log-prob pairs, a mask and their cu_seqlens."""
+    lengths = draw(st.lists(st.integers(0, 6), min_size=1, max_size=5))
+    total = sum(lengths)
+    finite = st.floats(-2.0, 2.0, allow_nan=False, allow_infinity=False)
+    rollout = draw(st.lists(st.floats(-20.0, 0.0), min_size=total, max_size=total))
+    delta = draw(st.lists(st.one_of(st.just(0.0), finite), min_size=total, max_size=total))
+    mask = draw(st.lists(st.booleans(), min_size=total, max_size=total))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    r = torch.tensor(rollout, dtype=torch.float64)
+    return r + torch.tensor(delta, dtype=torch.float64), r, torch.tensor(mask, dtype=torch.bool), cu
+
+
+@given(packed_batches(), st.sampled_from([torch.int32, torch.int64]))
+def test_packed_statistics_are_per_sequence_as_computed_directly(batch, dtype):
+    train, rollout, mask, cu = batch
+    m = logprob_mismatch_stats(train, rollout, mask=mask, cu_seqlens=torch.tensor(cu, dtype=dtype))
+    deltas = [t - r for t, r in zip(train.tolist(), rollout.tolist(), strict=True)]
+    keep = mask.tolist()
+    sequences = [[deltas[i] for i in range(a, b) if keep[i]] for a, b in itertools.pairwise(cu)]
+    compared = [d for seq in sequences for d in seq]
+    assert m.tokens == len(compared) and m.tokens_differing == sum(d != 0 for d in compared)
+    rows = [s for s in sequences if s]
+    assert m.sequences == len(rows)
+    if not compared:  # nothing compared: NaN, never a perfect match
+        assert math.isnan(m.abs_max) and math.isnan(m.delta_mean) and math.isnan(m.kl_k3)
+        return
+    assert m.delta_mean == pytest.approx(sum(sum(s) / len(s) for s in rows) / len(rows), abs=1e-12)
+    k3 = [sum(math.exp(d) - 1 - d for d in s) / len(s) for s in rows]
+    assert m.kl_k3 == pytest.approx(sum(k3) / len(k3), rel=1e-9, abs=1e-15)
+    assert m.abs_max == pytest.approx(max(abs(d) for d in compared))
+
+
+@given(packed_batches(), st.data())
+def test_packed_boundaries_that_do_not_cover_the_tokens_are_refused(batch, data):
+    """Boundaries that decrease, start elsewhere than 0 or end before or after the tokens: one
+    ValueError naming cu_seqlens and its values, from the statistics and from shifted_labels."""
+    train, rollout, _, cu = batch
+    total = cu[-1]
+    broken = data.draw(
+        st.sampled_from(["start", "end_short", "end_long", "decrease", "float", "2-D"])
+    )
+    bad = list(cu)
+    if broken == "start":
+        bad[0] = data.draw(st.integers(1, 5))
+    elif broken == "end_short" and total > 0:
+        bad[-1] = total - data.draw(st.integers(1, total))
+        bad = [min(v, bad[-1]) for v in bad]  # still non-decreasing: covers too few tokens
+    elif broken == "end_long":
+        bad[-1] = total + data.draw(st.integers(1, 5))
+    elif broken == "decrease":
+        bad.insert(1, total + 1)
+    cu_t = torch.tensor(bad)
+    if broken == "float":
+        cu_t = cu_t.float()
+    elif broken == "2-D":
+        cu_t = cu_t[None]
+    if bad == cu and broken not in ("float", "2-D"):
+        return  # end_short of an empty batch: nothing to break
+    tokens = torch.arange(total)
+    for call in (
+        lambda: logprob_mismatch_stats(train, rollout, cu_seqlens=cu_t),
+        lambda: shifted_labels(tokens, cu_seqlens=cu_t),
+    ):
+        with pytest.raises(ValueError, match=r"cu_seqlens (=|is a)"):
+            call()
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=5), st.data())
+def test_shifted_labels_never_cross_a_sequence_boundary(lengths, data):
+    """labels[t] = tokens[t + 1] inside each sequence; a sequence's last token is never compared
+    (its roll would wrap to the next sequence's or the first token)."""
+    total = sum(lengths)
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, 999), min_size=total,
+                                             max_size=total)), dtype=torch.int64)  # fmt: skip
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    labels, mask = shifted_labels(tokens, cu_seqlens=torch.tensor(cu))
+    want_mask = [t + 1 < b for a, b in itertools.pairwise(cu) for t in range(a, b)]
+    assert mask.tolist() == want_mask
+    values = tokens.tolist()
+    assert [lab for lab, k in zip(labels.tolist(), want_mask, strict=True) if k] == [
+        values[t + 1] for t, k in enumerate(want_mask) if k
+    ]
+
+
+def test_a_comparison_of_no_token_is_nan_never_a_match():
+    lp = torch.zeros(2, 3)
+    other = lp.clone()
+    other[0, 1] = 0.5  # the rows differ: a report of 0 would hide it
+    for m in (
+        logprob_mismatch_stats(lp, other, mask=torch.zeros(2, 3, dtype=torch.bool)),
+        logprob_mismatch_stats(torch.zeros(0), torch.zeros(0)),
+        logprob_mismatch_stats(torch.zeros(2, 0), torch.zeros(2, 0)),
+    ):
+        assert m.tokens == 0 and m.sequences == 0
+        figures = (m.abs_mean, m.abs_p99, m.abs_max, m.delta_mean, m.kl_k3, *m.clipped.values())
+        assert all(math.isnan(v) for v in figures), m
+        assert logprob_cells(m)[0] == "nan" and logprob_cells(m)[-1] == "0/0"
+
+
+@pytest.mark.parametrize(
+    "clip_ranges, error, match",
+    [
+        ([(0.2, 0.2)], TypeError, r"clip_ranges is a list; pass a mapping"),
+        ({"a": "0.2"}, TypeError, r"clip_ranges\['a'\] = '0.2'; a range is a pair"),
+        ({"a": (0.1, 0.2, 0.3)}, TypeError, r"clip_ranges\['a'\] = \(0.1, 0.2, 0.3\)"),
+        ({"a": (True, 0.2)}, TypeError, r"clip_ranges\['a'\] low=True \(bool\)"),
+        ({"a": (float("nan"), 0.2)}, ValueError, r"clip_ranges\['a'\] low=nan must be finite"),
+        ({1: (0.1, 0.1)}, TypeError, r"key 1 \(int\); name each range with a string"),
+        ({"ppo_0.2": (0.3, 0.3)}, ValueError, r"'ppo_0.2' is CLIP_RANGES' \(0.2, 0.2\)"),
+    ],
+)
+def test_clip_ranges_of_the_wrong_type_are_named(clip_ranges, error, match):
+    lp = torch.zeros(1, 2)
+    with pytest.raises(error, match=match):
+        logprob_mismatch_stats(lp, lp, clip_ranges=clip_ranges)
+
+
+def test_custom_clip_ranges_get_their_own_columns():
+    m = logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2),
+                               clip_ranges={"wide": (0.5, 1.0), "ppo_0.1": (0.1, 0.1)})  # fmt: skip
+    headers = logprob_headers(tuple(m.clipped))
+    cells = logprob_cells(m)
+    assert headers[5:7] == ("clip wide", "clip 0.1") and len(cells) == len(headers)
+    assert cells[5:7] == ["0.00 %", "50.00 %"]  # exp(0.5) = 1.65: inside [0.5, 2], outside 1.1
+    with pytest.raises(ValueError, match=r"no clip range 'ppo_0.2' \(they have \['ppo_0.1', "):
+        logprob_cells(m, ("ppo_0.2",))
+
+
+def test_token_logprobs_refuses_an_empty_vocabulary_and_bad_chunks():
+    labels = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"an empty vocabulary \(V = 0\)"):
+        token_logprobs(torch.zeros(2, 3, 0), labels)
+    with pytest.raises(ValueError, match="chunk_bytes=0 must be a positive integer"):
+        token_logprobs(torch.zeros(2, 3, 5), labels, chunk_bytes=0)
+    assert token_logprobs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64)).shape == (0,)

@@ -1,9 +1,15 @@
 """Row arithmetic of causal and packed scoring (dsa_precision.rows) against the formulas written out."""
 
+import itertools
+import math
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dsa_precision.rows import (
+    WindowScores,
     causal_key_counts,
     causal_offsets,
     constant_key_counts,
@@ -69,3 +75,76 @@ def test_constant_offsets_and_key_counts_match_their_uncached_builds():
         causal_offsets(None, 3, CPU, "batch row", rows=4, validate=False),
         torch.zeros(3, dtype=torch.int32),
     )
+
+
+# ------------------------------------------------------------------- WindowScores' layouts
+
+
+@st.composite
+def strided_scores(draw):
+    """float32 scores ``(*rows, columns)`` of unit column stride over a buffer, any row strides
+    (0: broadcast; below the columns: overlapping), and int32 lengths in ``[0, columns]``."""
+    columns = draw(st.integers(0, 5))
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
+    strides = draw(st.lists(st.integers(0, 3 * columns + 3), min_size=len(sizes),
+                            max_size=len(sizes)))  # fmt: skip
+    span = sum(st_ * (n - 1) for st_, n in zip(strides, sizes, strict=True)) + max(columns, 1)
+    buffer = torch.arange(span, dtype=torch.float32)
+    scores = buffer.as_strided((*sizes, columns), (*strides, 1))
+    lengths = torch.tensor(
+        draw(
+            st.lists(
+                st.integers(0, columns),
+                min_size=math.prod(sizes),
+                max_size=math.prod(sizes),
+            )
+        ),
+        dtype=torch.int32,
+    ).view(sizes)
+    return buffer, scores, lengths
+
+
+def _offsets(t: torch.Tensor) -> list[int]:
+    """Every element's storage offset, computed one by one."""
+    return [
+        t.storage_offset() + sum(i * s for i, s in zip(index, t.stride(), strict=True))
+        for index in itertools.product(*(range(n) for n in t.shape))
+    ]
+
+
+@given(strided_scores())
+def test_window_scores_refuse_rows_that_share_memory(case):
+    """Accepted layouts have every element in memory of its own (a direct enumeration of the
+    offsets); a layout whose rows share memory is refused, so masked() never writes another
+    row; masked() writes -inf exactly past each row's length and nothing outside the view."""
+    buffer, scores, lengths = case
+    offsets = _offsets(scores)
+    shared = len(set(offsets)) < len(offsets)
+    try:
+        window = WindowScores(scores, lengths)
+    except ValueError as exc:
+        assert "not rows of their own memory" in str(exc)
+        return
+    assert not shared, (scores.shape, scores.stride())
+    before = buffer.clone()
+    want = scores.clone()
+    for index in itertools.product(*(range(n) for n in scores.shape[:-1])):
+        want[index][int(lengths[index]) :] = float("-inf")
+    try:
+        window.masked()
+    except ValueError as exc:  # a layout torch cannot view as (rows, columns)
+        assert "not rows uniformly apart" in str(exc)
+        return
+    assert torch.equal(scores, want)
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[offsets] = False
+    assert torch.equal(buffer[outside], before[outside])
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 3))
+def test_padded_row_major_scores_are_accepted(rows, columns, pad):
+    """DeepGEMM's layout: rows ``columns + pad`` floats apart in one buffer."""
+    buffer = torch.zeros(rows * (columns + pad))
+    scores = buffer.as_strided((rows, columns), (columns + pad, 1))
+    lengths = torch.full((rows,), columns, dtype=torch.int32)
+    assert torch.equal(WindowScores(scores, lengths).masked(), buffer.view(rows, -1)[:, :columns])

@@ -145,6 +145,17 @@ def digest_mismatches(
         layer number -> ``(T,)`` bool, ``True`` where the row differs (``mask.sum()`` counts
         them; mask or replay those rows).
     """
+    for name, given in (("ours", ours), ("engine_digests", engine_digests)):
+        if not isinstance(given, Mapping):
+            raise TypeError(
+                f"digest_mismatches: {name} is {describe(given)}; pass {{layer_number: tensor}} "
+                "(a dict keyed by Megatron's layer numbers, as TopkPicks.indices / digests)."
+            )
+    if engine_rows is not None and not isinstance(engine_rows, torch.Tensor):
+        raise TypeError(
+            f"digest_mismatches: engine_rows is {describe(engine_rows)}; pass a (T,) bool tensor "
+            "(pack_digests' engine_rows) or None."
+        )
     if sorted(ours) != sorted(engine_digests):
         raise ValueError(
             f"digest_mismatches: layers differ: ours {sorted(ours)}, engine "

@@ -12,6 +12,7 @@ file. Needs no Megatron.
 from __future__ import annotations
 
 import json
+import numbers
 import re
 import stat
 from collections.abc import Mapping
@@ -47,17 +48,35 @@ _LAYOUT_KEYS = ("cu_seqlens", "seq_len")
 # ------------------------------------------------------------------------------ replay files
 
 
+def _layer_entry(layer: object, picks: object) -> tuple[int, torch.Tensor]:
+    """``(layer number, picks)`` of one entry of ``TopkPicks.indices`` to save: a 1-based
+    integer key (NumPy integers taken as ints) and an integer tensor."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 1:
+        raise ValueError(
+            f"save_picks: the layer key {layer!r} ({type(layer).__name__}) is not a layer "
+            "number; a replay file names each layer layer_NN by Megatron's 1-based layer number, "
+            "so key the picks by ints >= 1."
+        )
+    if not isinstance(picks, torch.Tensor) or picks.dtype not in _INT_DTYPES:
+        raise TypeError(
+            f"save_picks: layer {int(layer)} holds {type(picks).__name__}"
+            f"{' ' + str(picks.dtype) if isinstance(picks, torch.Tensor) else ''}; pass (T, k) "
+            "integer picks."
+        )
+    return int(layer), picks
+
+
 def save_picks(path: str | Path, picks: TopkPicks) -> None:
     """Write ``picks`` as a replay file (``.safetensors`` by suffix, else ``torch.save``):
-    ``layer_NN`` -> ``(T, k)`` tensors, plus ``cu_seqlens`` or ``seq_len`` when it has a layout."""
+    ``layer_NN`` -> ``(T, k)`` tensors, plus ``cu_seqlens`` or ``seq_len`` when it has a layout.
+    Its folder must exist; ``ValueError`` naming the path when it cannot be written."""
     if not isinstance(picks, TopkPicks):
         raise TypeError(
             f"save_picks takes a TopkPicks (record_topk's .picks, the capture adapters' result), "
             f"got {type(picks).__name__}."
         )
-    tensors = {
-        f"layer_{n:02d}": t.detach().cpu().contiguous() for n, t in sorted(picks.indices.items())
-    }
+    entries = sorted((_layer_entry(n, t) for n, t in picks.indices.items()), key=lambda e: e[0])
+    tensors = {f"layer_{n:02d}": t.detach().cpu().contiguous() for n, t in entries}
     if picks.cu_seqlens is not None:
         tensors["cu_seqlens"] = picks.cu_seqlens.detach().cpu().to(torch.int64)
     if picks.seq_len is not None:
@@ -65,12 +84,22 @@ def save_picks(path: str | Path, picks: TopkPicks) -> None:
     path = Path(path)
     if path.suffix.lower() not in TENSOR_SUFFIXES:
         raise ValueError(f"{path}: save picks as .pt, .pth or .safetensors, got {path.suffix!r}.")
-    if path.suffix.lower() == ".safetensors":
-        from safetensors.torch import save_file
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory; pass the path of the file to write.")
+    if not path.parent.is_dir():
+        raise ValueError(
+            f"{path}: the folder {path.parent} does not exist; create it first (mkdir -p)."
+        )
+    try:
+        if path.suffix.lower() == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file(tensors, str(path))
-    else:
-        torch.save(tensors, path)
+            save_file(tensors, str(path))
+        else:
+            torch.save(tensors, path)
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' own error type
+        msg = " ".join(str(exc).split())[:200]
+        raise ValueError(f"{path}: cannot be written ({msg}).") from None
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:

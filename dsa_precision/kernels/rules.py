@@ -7,7 +7,8 @@ Importing this module imports no Triton (the decision and the launch are apart).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, TypedDict
+import numbers
+from typing import TYPE_CHECKING, TypedDict, get_args
 
 import torch
 
@@ -23,6 +24,12 @@ def engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
     """Whether the engines' lane order is not Megatron's: interleaved RoPE pairs and no Hadamard
     rotation (docs/numerics.md, section 7: the engines rotate each adjacent pair in place)."""
     return preprocess.rope_interleaved and not preprocess.rotate_activation
+
+
+# The bool fields of PreprocessRules, and the dtypes its cos/sin tables may be rounded to.
+_FLAGS = ("interleaved", "hadamard", "input_lane_order", "bf16_math", "fma", "ln_out_bf16",
+          "hadamard_scale_fp32", "q_out_bf16", "k_out_bf16")  # fmt: skip
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Common(TypedDict):
@@ -73,8 +80,39 @@ class PreprocessRules:
     k_out_bf16: bool = False
 
     def __post_init__(self) -> None:
-        if self.rope_dim < 0 or self.rope_dim % 2:
-            raise ValueError(f"rope_dim={self.rope_dim} must be even and non-negative.")
+        for name in ("q_quant", "k_quant"):
+            if not isinstance(getattr(self, name), Fp8Rule):
+                raise TypeError(
+                    f"PreprocessRules.{name}={getattr(self, name)!r} must be an Fp8Rule (an "
+                    "engine profile's q_quant / k_quant)."
+                )
+        dim = self.rope_dim
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(
+                f"PreprocessRules.rope_dim={dim!r} ({type(dim).__name__}) must be an int: the "
+                "width of the RoPE slice."
+            )
+        if dim < 0 or dim % 2:
+            raise ValueError(f"rope_dim={dim} must be even and non-negative.")
+        object.__setattr__(self, "rope_dim", int(dim))
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"PreprocessRules.{name}={value!r} ({type(value).__name__}) must be a bool; "
+                    "pass True or False."
+                )
+        if self.table_dtype not in _TABLE_DTYPES:
+            raise ValueError(
+                f"PreprocessRules.table_dtype={self.table_dtype!r} must be one of "
+                f"{[str(d) for d in _TABLE_DTYPES]} (the cos/sin tables' dtype)."
+            )
+        for name, kind in (("rope_fma", RopeFma), ("layer_norm", LayerNormArith)):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"PreprocessRules.{name}={getattr(self, name)!r} is not a rule the kernel "
+                    f"knows; use one of {get_args(kind)}."
+                )
         if self.input_lane_order and (not self.interleaved or self.hadamard):
             raise ValueError(
                 "input_lane_order puts interleaved RoPE pairs back; it needs interleaved=True and "

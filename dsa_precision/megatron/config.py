@@ -151,8 +151,8 @@ _ROPE_FIELDS = (
     ("rotary_percent", "1.0"),
     ("rotary_scaling_factor", "a positive finite number"),
     ("original_max_position_embeddings", "a positive integer"),
-    ("beta_fast", "a finite number"),
-    ("beta_slow", "a finite number"),
+    ("beta_fast", "a positive finite number"),
+    ("beta_slow", "a positive finite number"),
     ("mscale", "a finite number"),
     ("mscale_all_dim", "a finite number"),
 )
@@ -253,17 +253,22 @@ def _rope_problems(config: Any) -> list[str]:
             problems.append(
                 f"{name}={value!r}: with dsa_indexer_rope_fp32 {why}; set {name} to {needed}"
             )
+    if not problems:  # each value is one; together they must give a table (YaRN's range...)
+        try:
+            _rope_spec(config)
+        except (TypeError, ValueError) as exc:
+            given = ", ".join(f"{k}={v!r}" for k, v in values.items())
+            problems.append(
+                f"{given} (qk_pos_emb_head_dim={config.qk_pos_emb_head_dim!r}): with "
+                f"dsa_indexer_rope_fp32 the engine's {rope_type} tables are built from them, and "
+                f"they give none: {str(exc).removesuffix('.')} (nor does Megatron's own RoPE "
+                "module give a usable one)"
+            )
     return problems
 
 
-def indexer_rope_spec(config: Any) -> RopeSpec:
-    """The indexer's RoPE as megatron-core 0.19.2's ``DSAIndexer.__init__`` reads it
-    (``qk_pos_emb_head_dim``, ``rope_type``, ``rotary_base`` and, for ``"yarn"``, the YaRN
-    fields), for the engine's own tables; ``ValueError`` naming every field the tables cannot
-    honour (a ``DSAPrecisionTransformerConfig`` with ``rope_fp32`` refuses them when built)."""
-    problems = _rope_problems(config)
-    if problems:
-        raise ValueError("the indexer's RoPE fields:\n  - " + "\n  - ".join(problems))
+def _rope_spec(config: Any) -> RopeSpec:
+    """The :class:`RopeSpec` of ``config``'s RoPE fields, built as they are."""
     yarn = None
     if config.rope_type == "yarn":
         yarn = YarnScaling(
@@ -275,6 +280,17 @@ def indexer_rope_spec(config: Any) -> RopeSpec:
             mscale_all_dim=config.mscale_all_dim,
         )
     return RopeSpec(config.qk_pos_emb_head_dim, config.rotary_base, yarn)
+
+
+def indexer_rope_spec(config: Any) -> RopeSpec:
+    """The indexer's RoPE as megatron-core 0.19.2's ``DSAIndexer.__init__`` reads it
+    (``qk_pos_emb_head_dim``, ``rope_type``, ``rotary_base`` and, for ``"yarn"``, the YaRN
+    fields), for the engine's own tables; ``ValueError`` naming every field the tables cannot
+    honour (a ``DSAPrecisionTransformerConfig`` with ``rope_fp32`` refuses them when built)."""
+    problems = _rope_problems(config)
+    if problems:
+        raise ValueError("the indexer's RoPE fields:\n  - " + "\n  - ".join(problems))
+    return _rope_spec(config)
 
 
 def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisionConfig:

@@ -12,6 +12,12 @@ the engine (:func:`dsa_precision.topk_agreement`) and where the rows and the log
 
 Both forwards run without gradients, with the models in eval mode (no dropout) and back in their
 own mode after. A diagnostic: several host synchronisations, the logits of the whole batch held.
+A model is a ``torch.nn.Module`` or Megatron's list of its chunks (virtual pipeline parallelism;
+then ``forward`` runs them). Every argument is checked where it enters, before a forward runs:
+tokens, labels (a negative label, the ``-100`` of an ignored position, is not compared; one past
+the vocabulary is refused), ``loss_mask`` (a bool mask, never token indices), the picks' layout
+and ``engine_rows`` (a bool mask of their rows). A report of no compared token has NaN figures
+(no match) and says so in :meth:`LogprobReport.differences`.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from typing import Any
 import torch
 
 from ..agreement import agreement_and_identical_rows, topk_agreement
+from ..checks import check_bool, check_int_fits, check_tensor, describe
 from ..logprobs import (
     CLIP_RANGES,
-    LOGPROB_HEADERS,
     LOGPROB_LEGEND,
     LogprobMismatch,
+    check_clip_ranges,
     logprob_cells,
+    logprob_headers,
     logprob_mismatch_stats,
     shifted_labels,
     token_logprobs,
@@ -45,8 +53,10 @@ __all__ = [
     "replay_logprobs",
 ]
 
+# A model, or Megatron's list of its chunks (virtual pipeline parallelism).
+Model = torch.nn.Module | Sequence[torch.nn.Module]
 # forward(model) -> logits [*tokens.shape, V] (or [1, T, V] for packed [T] tokens).
-Forward = Callable[[torch.nn.Module], torch.Tensor]
+Forward = Callable[[Any], torch.Tensor]
 Where = tuple[int, int]  # (sequence, position in it)
 
 _AGREEMENT = ("rows identical", "member agreement", "rows differ")
@@ -107,7 +117,8 @@ class LogprobReport:
     def table(self) -> str:
         """Per layer its agreement with the engine, then ``all``: every layer's rows and the
         log-prob statistics (a property of the whole model, so ``-`` on the layers' lines)."""
-        blank = ["-"] * len(LOGPROB_HEADERS)
+        headers = logprob_headers(tuple(self.logprobs.clipped))
+        blank = ["-"] * len(headers)
         rows = [
             [f"layer {layer.layer}", *_agreement_cells(layer.agreement, layer.rows_differing),
              *blank]
@@ -116,12 +127,17 @@ class LogprobReport:
         differing = sum(layer.rows_differing for layer in self.layers)
         rows.append(["all", *_agreement_cells(self.picks, differing),
                      *logprob_cells(self.logprobs)])  # fmt: skip
-        return _format_table([self.name, *_AGREEMENT, *LOGPROB_HEADERS], rows)
+        return _format_table([self.name, *_AGREEMENT, *headers], rows)
 
     def differences(self) -> list[str]:
         """Where the picks and the log-probs differ, one line each (nothing when the picks are
         the engine's everywhere and no log-prob differs)."""
         lines = []
+        if not self.logprobs.tokens:
+            lines.append(
+                f"{self.name}: no token compared (the mask selects none): the log-prob figures "
+                "are NaN, no match; pass labels / loss_mask that select the tokens to compare"
+            )
         for layer in self.layers:
             if layer.rows_differing:
                 rows = int(layer.agreement["rows"])
@@ -163,12 +179,24 @@ def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def format_reports(reports: Sequence[LogprobReport], *, legend: bool = True) -> str:
     """One line per report (its name, every layer's agreement with the engine, the log-prob
     statistics), then the lines of :meth:`LogprobReport.differences` and, with ``legend``,
-    what the columns mean."""
+    what the columns mean. The reports share their clip ranges (one column each)."""
+    if isinstance(reports, LogprobReport) or not all(isinstance(r, LogprobReport) for r in reports):
+        raise TypeError(
+            f"reports is {describe(reports)}; pass a sequence of LogprobReport "
+            "(logprob_mismatch's results)."
+        )
+    names = tuple(reports[0].logprobs.clipped) if reports else tuple(CLIP_RANGES)
+    for r in reports:
+        if tuple(r.logprobs.clipped) != names:
+            raise ValueError(
+                f"report {r.name!r} has the clip ranges {list(r.logprobs.clipped)}, the first "
+                f"{list(names)}; format reports measured with the same clip_ranges together."
+            )
     rows = []
     for r in reports:
         differing = sum(layer.rows_differing for layer in r.layers)
         rows.append([r.name, *_agreement_cells(r.picks, differing), *logprob_cells(r.logprobs)])
-    text = [_format_table(["config", *_AGREEMENT, *LOGPROB_HEADERS], rows)]
+    text = [_format_table(["config", *_AGREEMENT, *logprob_headers(names)], rows)]
     text += [line for r in reports for line in r.differences()]
     if legend:
         text += [
@@ -176,16 +204,39 @@ def format_reports(reports: Sequence[LogprobReport], *, legend: bool = True) -> 
             "(dsa_precision.topk_agreement), over every layer's rows; rows differ: their count;",
             *LOGPROB_LEGEND,
         ]
+        custom = [n for n in names if n not in CLIP_RANGES]
+        if custom:
+            text.append(
+                f"clip {', '.join(custom)}: share of tokens whose ratio leaves [1 - low, 1 + high] "
+                "of clip_ranges[name]."
+            )
     return "\n".join(text)
 
 
 # ------------------------------------------------------------------------------------ running
 
 
-def _dsa_layers(model: torch.nn.Module, name: str) -> list[Any]:
+def _chunks(model: object, name: str) -> list[torch.nn.Module]:
+    """The model's chunks: ``[model]``, or Megatron's list of model chunks (virtual pipeline
+    parallelism) as given."""
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    if (
+        isinstance(model, (list, tuple))
+        and model
+        and all(isinstance(m, torch.nn.Module) for m in model)
+    ):
+        return list(model)
+    raise TypeError(
+        f"{name} is {describe(model)}; pass the model (a torch.nn.Module) or Megatron's list "
+        "of its model chunks (virtual pipeline parallelism)."
+    )
+
+
+def _dsa_layers(model: Model, name: str) -> list[Any]:
     """The model's dsa-precision DSA layers (``PrecisionDSAttention``), found by the top-k
     source they were built with, as :func:`~.monitor.topk_metrics` finds them by their monitor."""
-    modules: Iterator[Any] = model.modules()
+    modules: Iterator[Any] = (m for chunk in _chunks(model, name) for m in chunk.modules())
     layers = [m for m in modules if isinstance(getattr(m, "topk_source", None), str)]
     if not layers:
         raise ValueError(
@@ -195,7 +246,7 @@ def _dsa_layers(model: torch.nn.Module, name: str) -> list[Any]:
     return layers
 
 
-def _check_replaying(replay_model: torch.nn.Module) -> None:
+def _check_replaying(replay_model: Model) -> None:
     sources = {layer.topk_source for layer in _dsa_layers(replay_model, "replay_model")}
     if sources != {"replay"}:
         raise ValueError(
@@ -206,7 +257,7 @@ def _check_replaying(replay_model: torch.nn.Module) -> None:
         )
 
 
-def _check_computing(model: torch.nn.Module) -> None:
+def _check_computing(model: Model) -> None:
     replaying = [
         layer.layer_number for layer in _dsa_layers(model, "model") if layer.topk_source == "replay"
     ]
@@ -218,9 +269,16 @@ def _check_computing(model: torch.nn.Module) -> None:
         )
 
 
-def _check_same_weights(model: torch.nn.Module, replay_model: torch.nn.Module) -> None:
-    ours = dict(model.named_parameters())
-    theirs = dict(replay_model.named_parameters())
+def _named_parameters(model: Model, name: str) -> dict[str, torch.Tensor]:
+    chunks = _chunks(model, name)
+    if len(chunks) == 1:
+        return dict(chunks[0].named_parameters())
+    return {f"{i}.{k}": v for i, chunk in enumerate(chunks) for k, v in chunk.named_parameters()}
+
+
+def _check_same_weights(model: Model, replay_model: Model) -> None:
+    ours = _named_parameters(model, "model")
+    theirs = _named_parameters(replay_model, "replay_model")
     if ours.keys() != theirs.keys():
         missing = sorted(ours.keys() ^ theirs.keys())
         raise ValueError(
@@ -234,6 +292,16 @@ def _check_same_weights(model: torch.nn.Module, replay_model: torch.nn.Module) -
                 f"replay_model's parameter {key!r} differs from model's: the comparison needs the "
                 "same weights (replay_model.load_state_dict(model.state_dict()))."
             )
+
+
+def _check_tokens(tokens: object) -> torch.Tensor:
+    tokens = check_tensor("tokens", tokens)
+    if tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim not in (1, 2):
+        raise ValueError(
+            f"tokens is a {tokens.dtype} tensor of shape {tuple(tokens.shape)}; pass the int64 "
+            "token ids, [b, s] (BSHD) or packed [T] / [1, T]."
+        )
+    return tokens
 
 
 def _layout_of(picks: TopkPicks | Mapping[int, torch.Tensor], tokens: torch.Tensor) -> TopkPicks:
@@ -266,20 +334,38 @@ def _layout_of(picks: TopkPicks | Mapping[int, torch.Tensor], tokens: torch.Tens
                 f"tokens have shape {tuple(tokens.shape)} but the picks pack {total} tokens "
                 f"(cu_seqlens); pass the packed [{total}] or [1, {total}] tokens."
             )
+        layout.validate("picks' cu_seqlens")  # values on a device too: start 0, never decrease
+    rows = picks.engine_rows
+    if rows is not None and (
+        not isinstance(rows, torch.Tensor)
+        or rows.dtype != torch.bool
+        or tuple(rows.shape) != (tokens.numel(),)
+    ):
+        raise ValueError(
+            f"picks.engine_rows is {describe(rows)}; pass a ({tokens.numel()},) bool mask of the "
+            "token rows the engine computed (True: compared), not row indices."
+        )
     return picks
 
 
-def _default_forward(tokens: torch.Tensor, layout: TokenLayout) -> Forward:
+def _default_forward(tokens: torch.Tensor, layout: TokenLayout, chunks: int) -> Forward:
     if layout.cu_seqlens is not None:
         raise ValueError(
             "packed (THD) picks: pass forward=lambda model: model(tokens, position_ids, None, "
             "packed_seq_params=PackedSeqParams(qkv_format='thd', ...)), the logits [1, T, V]."
         )
+    if chunks > 1:
+        raise ValueError(
+            f"the model is {chunks} model chunks (virtual pipeline parallelism): pass "
+            "forward=<a function of the chunks running your pipeline schedule forward only>, "
+            "returning the logits [b, s, V]."
+        )
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).expand(b, s)
 
-    def forward(model: torch.nn.Module) -> torch.Tensor:
-        return model(tokens, positions, None)  # GPTModel: logits [b, s, V] without labels
+    def forward(model: Model) -> torch.Tensor:
+        (chunk,) = _chunks(model, "model")
+        return chunk(tokens, positions, None)  # GPTModel: logits [b, s, V] without labels
 
     return forward
 
@@ -293,28 +379,34 @@ def _labels_and_mask(
     if labels is None:
         labels, mask = shifted_labels(tokens, cu_seqlens=layout.cu_seqlens)
     else:
-        if labels.shape != tokens.shape:
+        labels = check_tensor("labels", labels)
+        if labels.dtype not in (torch.int32, torch.int64) or labels.shape != tokens.shape:
             raise ValueError(
-                f"labels have shape {tuple(labels.shape)}, tokens {tuple(tokens.shape)}; pass "
-                "one label (the next token) per token."
+                f"labels is a {labels.dtype} tensor of shape {tuple(labels.shape)}, tokens "
+                f"{tuple(tokens.shape)}; pass one int64 label (the next token) per token, "
+                "negative (-100) where no log-prob is compared."
             )
-        mask = torch.ones_like(tokens, dtype=torch.bool)
+        labels = labels.to(tokens.device)
+        mask = labels >= 0  # the ignore_index convention (-100): not compared
     if loss_mask is not None:
-        if loss_mask.shape != tokens.shape:
+        loss_mask = check_tensor("loss_mask", loss_mask)
+        if loss_mask.dtype != torch.bool or loss_mask.shape != tokens.shape:
             raise ValueError(
-                f"loss_mask has shape {tuple(loss_mask.shape)}, tokens {tuple(tokens.shape)}; "
-                "pass one entry per token (True: compare its log-prob)."
+                f"loss_mask is a {loss_mask.dtype} tensor of shape {tuple(loss_mask.shape)}, "
+                f"tokens {tuple(tokens.shape)}; pass a bool mask of the tokens' shape (True: "
+                "compare its log-prob; Megatron's 0/1 float loss_mask as loss_mask.bool()), not "
+                "token indices."
             )
-        mask = mask & loss_mask.to(device=mask.device, dtype=torch.bool)
+        mask = mask & loss_mask.to(mask.device)
     return labels, mask
 
 
 class _Eval:
     """The models in eval mode (no dropout) for the block, each back in its own mode after."""
 
-    def __init__(self, *models: torch.nn.Module) -> None:
-        self.models = models
-        self.modes = [m.training for m in models]
+    def __init__(self, *models: Model) -> None:
+        self.models = [chunk for m in models for chunk in _chunks(m, "model")]
+        self.modes = [m.training for m in self.models]
 
     def __enter__(self) -> None:
         for m in self.models:
@@ -326,7 +418,11 @@ class _Eval:
 
 
 def _logprobs_of(
-    model: torch.nn.Module, forward: Forward, tokens: torch.Tensor, labels: torch.Tensor
+    model: Model,
+    forward: Forward,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     logits = forward(model)
     if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
@@ -342,11 +438,23 @@ def _logprobs_of(
                 f"{tuple(tokens.shape)}; return [*tokens.shape, V] over the whole vocabulary "
                 "(gather a vocabulary-parallel output)."
             )
-    return token_logprobs(logits, labels.to(logits.device))
+    labels = labels.to(logits.device)
+    vocab = logits.shape[-1]
+    past = labels >= vocab
+    if mask is not None:
+        past &= mask.to(logits.device)
+    if bool(past.any()):
+        at = tuple(int(i) for i in past.nonzero()[0])
+        raise ValueError(
+            f"labels[{', '.join(map(str, at))}] = {int(labels[at])} is past the vocabulary of the "
+            f"logits ({vocab} entries); pass token ids in [0, {vocab}), a negative label (-100) "
+            "where no log-prob is compared."
+        )
+    return token_logprobs(logits, labels)
 
 
 def replay_logprobs(
-    replay_model: torch.nn.Module,
+    replay_model: Model,
     tokens: torch.Tensor,
     picks: TopkPicks | Mapping[int, torch.Tensor],
     *,
@@ -356,14 +464,17 @@ def replay_logprobs(
     """float32, the tokens' shape: the log-probs of the rollout's run, ``replay_model`` (built
     with ``dsa_indexer_topk_source="replay"``) attending to ``picks`` (the engine's), at
     ``labels`` (default: the next token; 0 where there is none). Arguments as
-    :func:`logprob_mismatch`'s."""
+    :func:`logprob_mismatch`'s; 0 where a label is negative (not compared)."""
+    tokens = _check_tokens(tokens)
     picks = _layout_of(picks, tokens)
     assert picks.layout is not None  # _layout_of checked
     _check_replaying(replay_model)
-    labels, _ = _labels_and_mask(tokens, picks.layout, labels, None)
-    forward = forward or _default_forward(tokens, picks.layout)
+    labels, mask = _labels_and_mask(tokens, picks.layout, labels, None)
+    forward = forward or _default_forward(
+        tokens, picks.layout, len(_chunks(replay_model, "replay_model"))
+    )
     with torch.no_grad(), _Eval(replay_model), engine_topk(picks):
-        return _logprobs_of(replay_model, forward, tokens, labels)
+        return _logprobs_of(replay_model, forward, tokens, labels, mask)
 
 
 def _places(rows: torch.Tensor, layout: TokenLayout, limit: int) -> tuple[Where, ...]:
@@ -431,11 +542,11 @@ def _layer_agreements(
 
 
 def logprob_mismatch(
-    model: torch.nn.Module,
+    model: Model,
     tokens: torch.Tensor,
     picks: TopkPicks | Mapping[int, torch.Tensor],
     *,
-    replay_model: torch.nn.Module | None = None,
+    replay_model: Model | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
@@ -450,7 +561,8 @@ def logprob_mismatch(
 
     Args:
         model: the model under test, its DSA layers computing their picks (``"compute"`` or
-            ``"verify"``), built with the dsa-precision specs.
+            ``"verify"``), built with the dsa-precision specs; or Megatron's list of its model
+            chunks (virtual pipeline parallelism, with a ``forward`` that runs them).
         tokens: int64 ``[b, s]`` (BSHD) or, for packed picks (``cu_seqlens``), ``[T]`` /
             ``[1, T]``: the tokens the engine's picks were made on, rows in their order.
         picks: the engine's picks of those tokens: a :class:`~dsa_precision.picks.TopkPicks`
@@ -461,8 +573,10 @@ def logprob_mismatch(
             computed (:func:`replay_logprobs`; or the engine's own, and then ``delta`` holds more
             than the indexer's share).
         labels: int64, the tokens' shape: the token each position's log-prob is read at
-            (default: the next token, the last position of each sequence left out).
-        loss_mask: bool, the tokens' shape: the tokens to compare (e.g. the response tokens).
+            (default: the next token, the last position of each sequence left out); a negative
+            label (``-100``, Megatron's and HF's ignore index) is not compared.
+        loss_mask: bool, the tokens' shape: the tokens to compare (e.g. the response tokens); a
+            mask, never token indices (a float 0/1 mask as ``loss_mask.bool()``).
         forward: ``forward(model) -> logits [*tokens.shape, V]``; default ``model(tokens,
             positions, None)`` (BSHD; packed tokens need one building ``PackedSeqParams``).
         name: the report's label (a configuration's name).
@@ -471,9 +585,16 @@ def logprob_mismatch(
         clip_ranges: the importance ratio's ranges (:data:`dsa_precision.logprobs.CLIP_RANGES`).
 
     Returns:
-        :class:`LogprobReport`.
+        :class:`LogprobReport`; with no compared token its log-prob figures are NaN.
     """
-    tokens = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+    tokens = _check_tokens(tokens)
+    if not isinstance(name, str):
+        raise TypeError(f"name is {describe(name)}; pass the report's label, a str.")
+    first_tokens = check_int_fits("first_tokens", first_tokens, high=None)
+    check_weights = check_bool("check_weights", check_weights)
+    clip_ranges = check_clip_ranges(clip_ranges)
+    if forward is not None and not callable(forward):
+        raise TypeError(f"forward is {describe(forward)}; pass forward(model) -> logits.")
     picks = _layout_of(picks, tokens)
     layout = picks.layout
     assert layout is not None  # _layout_of checked
@@ -483,22 +604,27 @@ def logprob_mismatch(
             "built with dsa_indexer_topk_source='replay') or rollout_logprobs, exactly one."
         )
     _check_computing(model)
-    if replay_model is not None and check_weights:
-        _check_same_weights(model, replay_model)
-    forward = forward or _default_forward(tokens, layout)
+    if replay_model is not None:
+        _check_replaying(replay_model)
+        if check_weights:
+            _check_same_weights(model, replay_model)
+    forward = forward or _default_forward(tokens, layout, len(_chunks(model, "model")))
     labels, mask = _labels_and_mask(tokens, layout, labels, loss_mask)
     if rollout_logprobs is None:
         assert replay_model is not None  # exactly one of the two
         rollout_logprobs = replay_logprobs(
             replay_model, tokens, picks, labels=labels, forward=forward
         )
-    elif rollout_logprobs.shape != tokens.shape:
-        raise ValueError(
-            f"rollout_logprobs have shape {tuple(rollout_logprobs.shape)}, tokens "
-            f"{tuple(tokens.shape)}; pass one log-prob per token."
-        )
+    else:
+        rollout_logprobs = check_tensor("rollout_logprobs", rollout_logprobs)
+        if not rollout_logprobs.is_floating_point() or rollout_logprobs.shape != tokens.shape:
+            raise ValueError(
+                f"rollout_logprobs is a {rollout_logprobs.dtype} tensor of shape "
+                f"{tuple(rollout_logprobs.shape)}, tokens {tuple(tokens.shape)}; pass one float "
+                "log-prob per token (replay_logprobs')."
+            )
     with torch.no_grad(), _Eval(model), record_topk() as recorder:
-        train = _logprobs_of(model, forward, tokens, labels)
+        train = _logprobs_of(model, forward, tokens, labels, mask)
     layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens)
     rollout = rollout_logprobs.to(train.device)
     mask = mask.to(train.device)

@@ -42,12 +42,18 @@ class TopkMonitor:
         a, same = agreement_and_identical_rows(ours, engine)
         f64 = torch.float64
         rows = a.rows.to(f64)
+
+        def total(mean: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            # A micro-batch with no engine row adds nothing (its means are NaN); a broken one
+            # (NaN with rows) makes the layer's metrics NaN.
+            return torch.where(a.rows > 0, mean * n, 0.0)
+
         values = {
-            "common": a.member_agreement * a.members.to(f64),
+            "common": total(a.member_agreement, a.members.to(f64)),
             "members": a.members.to(f64),
-            "identical": a.rows_identical * rows,
+            "identical": total(a.rows_identical, rows),
             "rows": rows,
-            "flipped": a.flipped_mean * rows,
+            "flipped": total(a.flipped_mean, rows),
         }
         if margins is not None:
             m = margins.reshape(-1).to(f64)

@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Literal
 
+import numpy as np
 import torch
 
 from ..checks import describe
@@ -283,6 +284,20 @@ def replay_validation_enabled() -> bool:
     return os.environ.get(VALIDATE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _layer_number(what: str, layer: object) -> int:
+    """A layer key as a Python int: Megatron's 1-based ``layer_number`` (a NumPy integer is
+    taken as its value); anything else, ``bool`` included, is refused with the reason."""
+    if isinstance(layer, np.integer):
+        layer = int(layer)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+        raise ValueError(
+            f"{what} keys are Megatron's 1-based layer numbers (ints >= 1, a DSA layer's "
+            f"layer_number), got {layer!r} ({type(layer).__name__}); key each layer's tensor "
+            "by its layer number."
+        )
+    return layer
+
+
 def _checked(
     indices: Mapping[int, torch.Tensor], layout: TokenLayout, validate: bool
 ) -> dict[int, torch.Tensor]:
@@ -296,9 +311,8 @@ def _checked(
     if not indices:
         raise ValueError("engine_topk got no layers; pass {layer_number: (T, k) indices}.")
     devices: dict[torch.device, int] = {}
+    indices = {_layer_number("engine_topk", layer): idx for layer, idx in indices.items()}
     for layer, idx in indices.items():
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
-            raise ValueError(f"engine_topk keys are 1-based layer numbers, got {layer!r}.")
         name = f"engine_topk layer {layer}"
         if validate:
             layout.validate_indices(name, idx)
@@ -330,9 +344,9 @@ def _checked_digests(
         )
     lengths = {t.shape[0] for t in indices.values()}
     devices = {t.device for t in indices.values()}
+    if digests is not None:
+        digests = {_layer_number("engine_digests", layer): d for layer, d in digests.items()}
     for layer, d in (digests or {}).items():
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
-            raise ValueError(f"engine_digests keys are 1-based layer numbers, got {layer!r}.")
         name = f"engine_digests layer {layer}"
         if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 1:
             got = describe(d)

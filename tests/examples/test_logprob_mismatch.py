@@ -212,3 +212,42 @@ def test_the_engine_kernel_rollout_names_what_is_missing(capsys, monkeypatch, tm
         lm.parse(["--rollout", "engine-kernels"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--rollout engine-kernels: " in err and str(tmp_path) in err
+
+
+def test_bad_flags_and_unreadable_files_are_one_line_errors(capsys, tmp_path):
+    lm = import_example("logprob_mismatch")
+    (tmp_path / "garbage.pt").write_text("not a torch file")
+    for argv, message in (
+        (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
+        (["--engine", "tgi"], "--engine 'tgi': choose one of"),
+        (["--lr", "nan"], "--lr nan: give a positive finite learning rate"),
+        (["--seq", "1"], "--seq 1: give a count >= 2"),
+        (["--picks", str(tmp_path / "none.pt"), "--tokens", "t.pt"], "none.pt: no such file"),
+        (["--picks", str(tmp_path), "--tokens", "t.pt"], "a directory, not a file"),
+        (["--out", str(tmp_path / "no" / "r.json")], "give a file path in an existing folder"),
+        (["--save", str(tmp_path / "no" / "dir")], "its parent folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            lm.parse(["--device", "cpu", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_mismatched_saved_files_are_one_line_errors(toy_run, tmp_path):
+    """Tokens of another length than the picks', a loss_mask of token indices, weights of
+    another model: exit status 2 and one line naming the file, never a traceback."""
+    out, _, _ = toy_run
+    saved = torch.load(out / "tokens.pt")
+    tokens = saved["tokens"]
+    torch.save({"tokens": tokens[:, 1:]}, tmp_path / "short.pt")
+    torch.save({"tokens": tokens, "loss_mask": torch.tensor([0, 3, 5])}, tmp_path / "indices.pt")
+    torch.save({"embedding.weight": torch.zeros(1)}, tmp_path / "weights.pt")
+    picks = ["--configs", "baseline", "--picks", str(out / "picks.pt")]
+    for argv, message in (
+        (["--tokens", str(tmp_path / "short.pt")], "but the picks seq_len="),
+        (["--tokens", str(tmp_path / "indices.pt")], "holds values other than 0 and 1"),
+        (["--tokens", str(out / "tokens.pt"), "--weights", str(tmp_path / "weights.pt")],
+         "not the toy model's state dict"),
+    ):  # fmt: skip
+        run = _run(*picks, *argv)
+        assert run.returncode == 2, run.stderr[-3000:]
+        assert "Traceback" not in run.stderr and message in run.stderr.strip().splitlines()[-1]

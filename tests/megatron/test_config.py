@@ -220,6 +220,14 @@ def test_params_dtype_must_be_the_engines_checkpoint_dtype():
          r"rotary_scaling_factor=-1.0: .*positive finite number"),
         (dict(rope_type="yarn", original_max_position_embeddings=0),
          r"original_max_position_embeddings=0: .*a positive integer"),
+        # each value is one, but together they give no table (Megatron's YaRN fails on them)
+        (dict(rope_type="yarn", beta_fast=0.0), r"beta_fast=0.0: .*a positive finite number"),
+        (dict(rope_type="yarn", rotary_base=1.0),
+         r"rotary_base=1.0, .*the engine's yarn tables are built from them, and they give none: "
+         r"YaRN's correction range"),
+        (dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale_all_dim=-10 / 3.6888794541139363),
+         r"mscale_all_dim=.*give the magnitude scale"),
+        (dict(rotary_base=1e-300), r"rotary_base=1e-300, .*gives float32 inverse frequencies"),
     ],
 )  # fmt: skip
 def test_rope_fields_the_engine_tables_cannot_honour_are_refused_by_name(fields, match):

@@ -13,10 +13,14 @@ profile, recorded on the same weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dsa_precision.megatron as dsap
 from dsa_precision.megatron.logprobs import format_reports, logprob_mismatch, replay_logprobs
@@ -236,3 +240,146 @@ def test_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match="picks hold no layer 2"):
         logprob_mismatch(model, tokens, TopkPicks({1: picks.indices[1]}, picks.layout),
                          rollout_logprobs=torch.zeros(BATCH, SEQ))  # fmt: skip
+
+
+# ------------------------------------------------- the report's inputs: selectors and labels
+
+
+def test_row_selectors_are_masks_never_indices():
+    """engine_rows and loss_mask given as row indices (or a 0/1 float mask) are refused by name;
+    read as the other they would compare the wrong rows."""
+    args = _args()
+    model, _ = _models(args, "baseline")
+    tokens = _tokens()
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    rollout = torch.zeros(BATCH, SEQ)
+    with pytest.raises(TypeError, match=r"engine_rows is a int64 tensor .*not row indices"):
+        TopkPicks(dict(picks.indices), picks.layout, engine_rows=torch.tensor([0, 1]))
+    wrong_rows = dataclasses.replace(picks)  # engine_rows of the wrong length, set past the check
+    object.__setattr__(wrong_rows, "engine_rows", torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"picks.engine_rows is .*pass a \(192,\) bool mask"):
+        logprob_mismatch(model, tokens, wrong_rows, rollout_logprobs=rollout)
+    for mask in (torch.tensor([0, 1]), torch.ones(BATCH, SEQ)):
+        with pytest.raises(ValueError, match=r"loss_mask is a torch\.(int64|float32) .*bool mask"):
+            logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, loss_mask=mask)
+
+
+@settings(max_examples=6)
+@given(st.data())
+def test_selected_tokens_are_those_of_a_direct_computation(data):
+    """loss_mask, ignored labels (-100) and the last token of each sequence: the report compares
+    exactly the tokens a direct computation selects, with the figures of the log-probs computed
+    here (the rollout's given)."""
+    args = _args()
+    model, _ = _model_once(args)
+    tokens = _tokens()
+    picks = _picks_once(args, model, tokens)
+    n = BATCH * SEQ
+    loss_mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    ignored = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    loss_mask, ignored = loss_mask.view(BATCH, SEQ), ignored.view(BATCH, SEQ)
+    labels = torch.where(ignored, -100, torch.roll(tokens, -1, dims=-1))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    rollout = -torch.rand(BATCH, SEQ, generator=g) * 8
+    report = logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, labels=labels,
+                              loss_mask=loss_mask)  # fmt: skip
+    own = _logprobs(model, tokens, labels.clamp(min=0))
+    chosen = loss_mask & ~ignored
+    want = (own.double() - rollout.double())[chosen]
+    m = report.logprobs
+    assert m.tokens == int(chosen.sum()) and torch.equal(report.mask, chosen)
+    if not chosen.any():
+        assert math.isnan(m.abs_mean) and "no token compared" in report.differences()[0]
+        return
+    assert m.abs_max == pytest.approx(float(want.abs().max()), abs=1e-6)
+    assert m.abs_mean == pytest.approx(float(want.abs().mean()), abs=1e-6)
+
+
+_ONCE: dict = {}
+
+
+def _model_once(args):
+    if "model" not in _ONCE:
+        _ONCE["model"] = _models(args, "baseline")
+    return _ONCE["model"]
+
+
+def _picks_once(args, model, tokens):
+    if "picks" not in _ONCE:
+        _ONCE["picks"] = _engine_picks(args, model.state_dict(), tokens)
+    return _ONCE["picks"]
+
+
+def test_labels_past_the_vocabulary_and_bad_arguments_are_refused_before_any_figure():
+    args = _args()
+    model, _ = _models(args, "baseline")
+    tokens = _tokens()
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    rollout = torch.zeros(BATCH, SEQ)
+    labels = torch.roll(tokens, -1, dims=-1)
+    labels[1, 7] = 10**6
+    with pytest.raises(ValueError, match=r"labels\[1, 7\] = 1000000 is past the vocabulary"):
+        logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, labels=labels)
+    for kw, error, match in (
+        (dict(labels=labels.float()), ValueError, r"labels is a torch\.float32 tensor"),
+        (dict(first_tokens=-1), ValueError, r"first_tokens=-1 is outside"),
+        (dict(check_weights="no"), TypeError, r"check_weights must be a bool"),
+        (dict(clip_ranges=[(0.2, 0.2)]), TypeError, r"clip_ranges is a list"),
+        (dict(name=3), TypeError, r"name is .*a str"),
+    ):
+        with pytest.raises(error, match=match):
+            logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, **kw)
+    with pytest.raises(ValueError, match=r"tokens is a torch\.float32 tensor"):
+        logprob_mismatch(model, tokens.float(), picks, rollout_logprobs=rollout)
+    with pytest.raises(ValueError, match=r"rollout_logprobs is a torch\.int64 tensor"):
+        logprob_mismatch(model, tokens, picks, rollout_logprobs=tokens)
+
+
+def test_a_list_of_model_chunks_is_a_model():
+    """Megatron's list of model chunks (virtual pipeline parallelism): the report of a one-chunk
+    list is the module's; several chunks need a forward running them; topk_metrics reads every
+    chunk's layers."""
+    args = _args()
+    model, replay = _models(args, "rope_fp32+fp8")
+    tokens = _tokens()
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    single = logprob_mismatch(model, tokens, picks, replay_model=replay)
+    chunks = logprob_mismatch([model], tokens, picks, replay_model=[replay])
+    assert chunks.as_dict() == single.as_dict()
+    assert torch.equal(chunks.delta, single.delta)
+    with pytest.raises(ValueError, match=r"the model is 2 model chunks .*pass forward="):
+        logprob_mismatch([model, model], tokens, picks, rollout_logprobs=torch.zeros(BATCH, SEQ))
+    with pytest.raises(TypeError, match=r"model is .*list of its model chunks"):
+        logprob_mismatch("model", tokens, picks, rollout_logprobs=torch.zeros(BATCH, SEQ))
+
+
+def test_custom_clip_ranges_are_printed_in_the_tables():
+    args = _args()
+    model, replay = _models(args, "baseline")
+    tokens = _tokens()
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    report = logprob_mismatch(model, tokens, picks, replay_model=replay,
+                              clip_ranges={"ppo_0.3": (0.3, 0.3)})  # fmt: skip
+    for text in (report.table(), format_reports([report])):
+        assert "clip ppo_0.3" in text and "clip 0.2" not in text.splitlines()[0]
+    other = logprob_mismatch(model, tokens, picks, replay_model=replay, name="default")
+    with pytest.raises(ValueError, match=r"format reports measured with the same clip_ranges"):
+        format_reports([report, other])
+
+
+def test_topk_metrics_reads_every_chunk_of_a_list():
+    """topk_metrics of Megatron's list of model chunks: the module's metrics, not an
+    AttributeError; anything but modules is refused by name."""
+    args = _args()
+    toy = import_example("toy_glm5_train")
+    model = _toy(args, **{**toy.CONFIGS["baseline"], "dsa_indexer_topk_source": "verify"})
+    tokens = _tokens()
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    got = []
+    for form in (model, [model], (model,)):
+        with torch.no_grad(), dsap.engine_topk(picks):
+            model(tokens, _positions(tokens), None)
+        got.append(dsap.topk_metrics(form))
+    assert got[0]["dsa_topk/all/rows"] > 0 and got[0] == got[1] == got[2]
+    with pytest.raises(TypeError, match=r"or Megatron's list of its model chunks, got list"):
+        dsap.topk_metrics([model, "chunk"])

@@ -72,7 +72,7 @@ def test_replay_skips_the_indexer_and_needs_the_indices():
     from dsa_precision import reset_scoring_calls, scoring_calls
 
     attn = make_attention(make_config(dsa_indexer_topk_source="replay"))
-    with pytest.raises(RuntimeError, match=r"layer 1: .*'replay' needs the engine's indices"):
+    with pytest.raises(RuntimeError, match=r"layer 1: .*'replay' needs the engine's picks"):
         run_attention(attn, attention_inputs())
     picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)  # each token its own position
     reset_scoring_calls()
@@ -428,3 +428,15 @@ def test_picks_handed_in_for_an_index_sharing_layer_are_refused():
             ValueError, match=r"picks for DSA layer 2, which reuses layer 1's top-k"
         ):
             run_attention(second, attention_inputs())
+
+
+def test_layer_keys_are_layer_numbers_numpy_integers_included():
+    import numpy as np
+
+    picks = torch.arange(SEQ).view(SEQ, 1).repeat(2, 1)
+    with dsap.engine_topk({np.int64(1): picks}, seq_len=SEQ) as handed:
+        assert list(handed.indices) == [1] and type(next(iter(handed.indices))) is int
+    for key in (True, 1.0, "1", np.int64(0)):
+        with pytest.raises(ValueError, match=r"Megatron's 1-based layer numbers .*layer_number"):
+            with dsap.engine_topk({key: picks}, seq_len=SEQ):
+                pass
