@@ -6,7 +6,10 @@ import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+if (
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None
+):
     collect_ignore_glob = ["test_*.py"]
 
 
