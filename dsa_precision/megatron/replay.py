@@ -172,6 +172,27 @@ class HandedIn:
                 f"this micro-batch's {what}, batch-major."
             )
 
+    def _held(
+        self,
+        held: Mapping[int, torch.Tensor],
+        what: str,
+        layer_number: int,
+        consumer: TokenLayout,
+        name: str,
+        needs: str,
+    ) -> torch.Tensor:
+        """``held[layer_number]`` once the picks' layout is checked against the layer's own
+        (``consumer``); a ``KeyError`` naming the layers held otherwise."""
+        if layer_number not in held:
+            raise KeyError(
+                f"engine_topk holds no {what} for DSA layer {layer_number} (it has layers "
+                f"{sorted(held)}); {needs} needs every top-k-computing layer's."
+            )
+        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
+        where = f"DSA layer {layer_number}"
+        self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
+        return held[layer_number]
+
     def sent_rows(
         self,
         layer_number: int,
@@ -193,13 +214,7 @@ class HandedIn:
                 "dsa_indexer_topk_source='replay_ties' takes pack_tie_rows' output (every row's "
                 "digest, the tied rows' picks). For every row's picks use 'replay'."
             )
-        if layer_number not in sent:
-            raise KeyError(
-                f"engine_topk holds no tied rows for DSA layer {layer_number} (it has layers "
-                f"{sorted(sent)}); replay_ties needs every top-k-computing layer's."
-            )
-        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
-        self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
+        rows = self._held(sent, "tied rows", layer_number, consumer, name, "replay_ties")
         picks = self.picks.indices[layer_number]
         if picks.shape[1] > topk:
             raise ValueError(
@@ -209,7 +224,7 @@ class HandedIn:
         total = (self.picks.digests or {})[layer_number].shape[0]
         self._check_batch_rows(name, where, total, batch, "tied rows")
         device = tokens.device
-        rows = to_device(sent[layer_number], device, torch.int64)
+        rows = to_device(rows, device, torch.int64)
         slot = torch.full((total + 1,), -1, dtype=torch.int64, device=device)
         slot[rows] = torch.arange(rows.numel(), device=device)
         index = slot[tokens.clamp(max=total)]  # rows past the T tokens: the -1 of slot[total]
@@ -235,14 +250,7 @@ class HandedIn:
         name = f"engine_topk digests of layer {layer_number}"
         where = f"DSA layer {layer_number}"
         digests = self.picks.digests or {}
-        if layer_number not in digests:
-            raise KeyError(
-                f"engine_topk holds no digests for DSA layer {layer_number} (it has layers "
-                f"{sorted(digests)}); verify needs every top-k-computing layer's."
-            )
-        assert self.picks.layout is not None  # engine_topk hands in picks with a layout
-        self.picks.layout.check_consumer(name, consumer, where=where, validate=self.validate)
-        layer_digests = digests[layer_number]
+        layer_digests = self._held(digests, "digests", layer_number, consumer, name, "verify")
         total = layer_digests.shape[0]
         self._check_batch_rows(name, where, total, batch, "digests")
         device = tokens.device
