@@ -52,11 +52,16 @@ from dsa_precision import ENGINE_PROFILES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy_glm5_train as toy
 
-COMPARED = ("baseline", "rope_fp32", "fp8", "rope_fp32+fp8", "rope_fp32+fp8+graph")
-# The configuration whose picks are the engine's by construction: its dlogp must be 0.
+COMPARED = ("baseline", "rope_fp32", "fp8", "rope_fp32+fp8", "rope_fp32+fp8+graph",
+            "rope_fp32+fp8+ties")  # fmt: skip
+# The configuration whose picks are the engine's by construction: its dlogp must be 0 (with the
+# engine's own top-k kernels, whose choice among tied keys no precision reproduces: the same
+# fields with the engine's tied rows replayed).
 MATCHED = "rope_fp32+fp8"
-# Where the rollout's picks come from (--rollout).
+MATCHED_TIES = "rope_fp32+fp8+ties"
+# Where the rollout's picks come from (--rollout), and its top-k (--rollout-topk).
 ROLLOUTS = ("model", "engine-kernels")
+ROLLOUT_TOPK = ("exact", "vllm")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -83,6 +88,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="engine-kernels: the scorer of the engine's operands (default deepgemm on CUDA, "
         "exact on the CPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--rollout-topk", choices=ROLLOUT_TOPK, default="exact",
+        help="engine-kernels: the rollout's top-k of the engine's logits: 'exact' (ties to the "
+        "lower key, the package's model of the engine) or 'vllm', vLLM's own top-k kernels "
+        "(DSA_VLLM_OPS: its ops library; rows before --prompt through its prefill kernel, the "
+        "rest as decode steps of the whole batch, the kernel vLLM picks for them)",
+    )  # fmt: skip
+    p.add_argument("--prompt", type=int, default=None,
+                   help="--rollout-topk vllm: the prompt's tokens (default half the sequence)")  # fmt: skip
     p.add_argument("--mlp", choices=toy.MLPS, default=toy.MODEL_DEFAULTS["mlp"])
     p.add_argument(
         "--configs",
@@ -106,7 +120,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.tiny:
         args.seq, args.topk = min(args.seq, 256), min(args.topk, 32)
     if args.configs is None:
-        args.configs = ",".join(n for n in COMPARED if args.device != "cpu" or n not in toy.GRAPHED)
+        args.configs = ",".join(
+            n for n in COMPARED
+            if (args.device != "cpu" or n not in toy.GRAPHED)
+            and (n != MATCHED_TIES or args.rollout == "engine-kernels")
+        )  # fmt: skip
     args.configs = args.configs.split(",")
     for name in [*args.configs, args.train_config]:
         if name not in COMPARED:
@@ -138,10 +156,22 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--rollout engine-kernels: " + "; ".join(missing))
         if args.rollout_scores is None:
             args.rollout_scores = "exact" if args.device == "cpu" else "deepgemm"
+        if args.rollout_topk == "vllm":
+            from dsa_precision.oracles import vllm_topk
+
+            if (why := vllm_topk.missing_reason()) is not None:
+                p.error(f"--rollout-topk vllm: {why}")
     elif args.rollout_scores is not None:
         p.error(
             "--rollout-scores scores the engine kernels' operands: with --rollout engine-kernels"
         )
+    elif args.rollout_topk != "exact" or MATCHED_TIES in args.configs:
+        what = "--rollout-topk" if args.rollout_topk != "exact" else MATCHED_TIES
+        p.error(f"{what} needs the engine's logits: with --rollout engine-kernels")
+    if args.prompt is None:
+        args.prompt = args.seq // 2
+    elif not 0 <= args.prompt <= args.seq:
+        p.error(f"--prompt {args.prompt}: give a count of tokens in [0, --seq {args.seq}]")
     for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1), ("seq", 2), ("topk", 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
@@ -190,7 +220,10 @@ def _check_files(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace, name: str) -> torch.nn.Module:
     """The toy model of configuration ``name`` (or ``"replay"``: the rollout's run, the
     engine's picks handed in; ``"engine"``: the engine's fields), seeded weights."""
-    fields = toy.ENGINE if name == "engine" else toy.CONFIGS[name]
+    if name == MATCHED_TIES:  # the matched fields, the engine's tied rows replayed
+        fields = {**toy.CONFIGS[MATCHED], "dsa_indexer_topk_source": "replay_ties"}
+    else:
+        fields = toy.ENGINE if name == "engine" else toy.CONFIGS[name]
     return toy.build_model(args, toy.model_config(args, **fields))[0]
 
 
@@ -205,10 +238,12 @@ def measure(
     loss_mask: torch.Tensor | None = None,
     forward: Callable | None = None,
     first_tokens: int = 8,
+    tied_rows=None,
 ) -> list:
     """Every configuration's report against the rollout's run (``replay`` attending to
     ``picks``), all models on ``weights``: the rollout's log-probs once, then each model's own
-    (``logprob_mismatch`` with them)."""
+    (``logprob_mismatch`` with them; ``tied_rows``, the engine's tied rows, to the
+    configuration that replays them)."""
     from dsa_precision.megatron.logprobs import logprob_mismatch, replay_logprobs
 
     replay.load_state_dict(weights)
@@ -219,7 +254,8 @@ def measure(
         reports.append(
             logprob_mismatch(model, tokens, picks, rollout_logprobs=rollout, labels=labels,
                              loss_mask=loss_mask, forward=forward, name=name,
-                             first_tokens=first_tokens)
+                             first_tokens=first_tokens,
+                             tied_rows=tied_rows if name == MATCHED_TIES else None)
         )  # fmt: skip
     return reports
 
@@ -238,22 +274,30 @@ def kernel_rollout_picks(
     tokens: torch.Tensor,
     model_picks,
     scores: str,
+    select: Callable[[list[torch.Tensor], int], list[torch.Tensor]],
 ):
     """The rollout's picks from the engine's own code, layer by layer: each DSA layer's inputs
     come from a replaying forward on ``trained``'s weights whose earlier layers attend to the
     engine's picks already made (a layer's inputs do not depend on its own or later layers'
-    picks), and :func:`~dsa_precision.oracles.engine_kernels.engine_layer_picks` makes that
-    layer's from them. ``model_picks`` (the package's model's) stand in for the layers not yet
-    made. Returns the ``TopkPicks`` and the engine code's source."""
+    picks), :func:`~dsa_precision.oracles.engine_kernels.engine_layer_scores` scores that
+    layer's rows with the engine's code and ``select`` (per sequence ``(S, S)`` logits, ``k`` ->
+    per sequence ``(S, k)`` picks) picks from them. ``model_picks`` (the package's model's)
+    stand in for the layers not yet made. Returns the ``TopkPicks``, the engine's tied rows
+    (every row's digest and the tied rows' picks, :func:`~dsa_precision.capture.pack_tie_rows`:
+    what the engine sends for ``replay_ties``) and the engine code's source."""
     import dataclasses
 
     import dsa_precision.megatron as dsap
-    from dsa_precision.oracles.engine_kernels import engine_layer_picks
+    from dsa_precision.capture import engine_tie_rows, pack_tie_rows
+    from dsa_precision.oracles.engine_kernels import engine_layer_scores
 
     replay.load_state_dict(trained.state_dict())
     layers = {m.layer_number: m for m in replay.modules() if hasattr(m, "topk_source")}
     indices, source = dict(model_picks.indices), ""
-    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    seq = tokens.shape[1]
+    frames: list[dict[int, object]] = [{} for _ in range(tokens.shape[0])]
+    pos = torch.arange(seq, device=tokens.device).expand_as(tokens)
+    lengths = torch.arange(1, seq + 1, device=tokens.device)
     for number in sorted(model_picks.indices):
         attn, seen = layers[number], {}
         signature = inspect.signature(attn.forward)
@@ -270,10 +314,24 @@ def kernel_rollout_picks(
                 replay(tokens, pos, None)
         finally:
             hook.remove()
-        indices[number], source = engine_layer_picks(
-            attn.indexer, seen["x"], seen["qr"], attn.index_topk, scores=scores
-        )
-    return dataclasses.replace(model_picks, indices=indices), source
+        logits, source = engine_layer_scores(attn.indexer, seen["x"], seen["qr"], scores=scores)
+        picks = select(logits, min(attn.index_topk, seq))
+        for b, (s, p) in enumerate(zip(logits, picks, strict=True)):
+            frames[b][number] = engine_tie_rows(s, p, lengths.to(s.device))
+        indices[number] = torch.cat(picks)
+    ties = pack_tie_rows(frames, [seq] * len(frames), seq_len=seq)
+    return dataclasses.replace(model_picks, indices=indices), ties, source
+
+
+def rollout_select(args: argparse.Namespace) -> Callable:
+    """The rollout's top-k of the engine's logits (``--rollout-topk``)."""
+    if args.rollout_topk == "vllm":
+        from dsa_precision.oracles import vllm_topk
+
+        return lambda logits, k: vllm_topk.rollout_topk(logits, k, args.prompt)
+    from dsa_precision.oracles.engine_model import engine_select
+
+    return lambda logits, k: [engine_select(s, k) for s in logits]
 
 
 def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
@@ -290,18 +348,22 @@ def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
         while len(losses) < step:
             losses.append(trainer.step(*train_batches[len(losses)]))
         picks, source = engine_picks(engine, trained, tokens), "the package's model of the engine"
+        ties = None
         if args.rollout == "engine-kernels":
-            picks, source = kernel_rollout_picks(
-                replay, trained, tokens, picks, args.rollout_scores
+            picks, ties, source = kernel_rollout_picks(
+                replay, trained, tokens, picks, args.rollout_scores, rollout_select(args)
             )
-            source = f"{source}, scored by {args.rollout_scores}"
-            say(f"\nthe rollout's picks: {source}")
+            top = "vLLM's own top-k kernels" if args.rollout_topk == "vllm" else "an exact top-k"
+            source = f"{source}, scored by {args.rollout_scores}, selected by {top}"
+            sent = sum(int(r.numel()) for r in ties.sent.values())
+            say(f"\nthe rollout's picks: {source}; {sent} tied rows sent over the layers")
         t0 = time.perf_counter()
         reports = measure(models, replay, trained.state_dict(), tokens, picks, labels=labels,
-                          first_tokens=args.first_tokens)  # fmt: skip
+                          first_tokens=args.first_tokens, tied_rows=ties)  # fmt: skip
         seconds = time.perf_counter() - t0
         checkpoints.append(dict(step=step, loss=losses[-1] if losses else None, seconds=seconds,
-                                rollout=source,
+                                rollout=source, ties=ties,
+                                exact_topk=args.rollout_topk == "exact",
                                 reports=reports, picks=picks, tokens=tokens, labels=labels))  # fmt: skip
         say(_heading(args, step, losses, tokens, seconds))
         say(_format(reports, legend=step == args.steps))
@@ -439,16 +501,40 @@ def _format(reports: list, *, legend: bool = True) -> str:
 def as_json(args: argparse.Namespace, result: dict) -> dict:
     checkpoints = [
         dict(step=c["step"], loss=c["loss"], seconds=c["seconds"], rollout=c.get("rollout"),
-             reports=[r.as_dict() for r in c["reports"]])
+             reports=[r.as_dict() for r in c["reports"]],
+             ties=_tie_payload(c.get("ties"), c.get("picks")))
         for c in result["checkpoints"]
     ]  # fmt: skip
     settings = {k: getattr(args, k) for k in ("tiny", "device", "seq", "topk", "batch", "steps",
                                               "lr", "seed", "engine", "rollout",
-                                              "rollout_scores", "mlp", "configs",
+                                              "rollout_scores", "rollout_topk", "prompt", "mlp",
+                                              "configs",
                                               "train_config", "picks", "engine_output",
                                               "engine_format", "tokens", "weights")}  # fmt: skip
     return dict(settings=settings, checkpoints=checkpoints,
                 train_losses=result.get("train_losses"), checks=checks(result))  # fmt: skip
+
+
+def _tie_payload(ties, picks) -> dict | None:
+    """What the engine sends for replay_ties (every row's 8-byte digest, the sent rows' numbers
+    and delta-coded picks, framed: ``TieRows.to_bytes``) against full replay's picks, int32 and
+    delta-coded, in bytes per token and layer."""
+    if ties is None:
+        return None
+    from dsa_precision.capture import TieRows, encode_picks
+
+    tokens = next(iter(ties.digests.values())).numel()
+    sent = int32 = delta = rows_sent = 0
+    for n, rows in ties.sent.items():
+        sent += len(TieRows(ties.digests[n], rows, ties.indices[n].to(torch.int32)).to_bytes())
+        rows_sent += int(rows.numel())
+        int32 += 4 * picks.indices[n].numel()
+        delta += encode_picks(picks.indices[n], "delta").nbytes
+    per = tokens * len(ties.sent)
+    return dict(layers=len(ties.sent), tokens=tokens, rows_sent=rows_sent,
+                bytes_per_token_layer=sent / per, int32_bytes_per_token_layer=int32 / per,
+                delta_bytes_per_token_layer=delta / per, share_of_int32=sent / int32,
+                share_of_delta=sent / delta)  # fmt: skip
 
 
 def checks(result: dict) -> dict:
@@ -461,7 +547,9 @@ def checks(result: dict) -> dict:
                 exact.append(r.logprobs.tokens_differing == 0 and r.logprobs.abs_max == 0)
             # the toy's engine: by construction with --rollout model; the engine's own code's
             # picks with --rollout engine-kernels
-            if r.name == MATCHED and c["step"] is not None:
+            # (rope_fp32+fp8's own picks are the engine's where its top-k is exact; with the
+            # engine's own top-k kernels, once its tied rows are replayed)
+            if r.name == MATCHED_TIES or (r.name == MATCHED and c.get("exact_topk", True)):
                 matched.append(r.picks_identical)
     return dict(
         identical_picks_give_zero_dlogp=all(exact), matched_config_picks_the_engines=all(matched)

@@ -22,6 +22,7 @@ and ``engine_rows`` (a bool mask of their rows). A report of no compared token h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -266,6 +267,27 @@ def _check_computing(model: Model) -> None:
             f"model's DSA layers {replaying} replay the engine's picks "
             "(dsa_indexer_topk_source='replay'): compared with the rollout's run they would "
             "measure nothing; pass the model that computes its own picks ('compute' or 'verify')."
+        )
+
+
+def _check_tied_rows(model: Model, tied_rows: object) -> None:
+    """``tied_rows`` exactly when the model's layers replay the engine's tied rows."""
+    sources = {layer.topk_source for layer in _dsa_layers(model, "model")}
+    wants = "replay_ties" in sources
+    if tied_rows is None and wants:
+        raise ValueError(
+            "model's DSA layers use dsa_indexer_topk_source='replay_ties': pass tied_rows=, the "
+            "engine's tied rows of these tokens (dsa_precision.capture.pack_tie_rows)."
+        )
+    if tied_rows is not None and not wants:
+        raise ValueError(
+            f"tied_rows= is read by layers with dsa_indexer_topk_source='replay_ties'; model's "
+            f"DSA layers use {sorted(sources)}: nothing would read them."
+        )
+    if tied_rows is not None and (not isinstance(tied_rows, TopkPicks) or tied_rows.sent is None):
+        raise TypeError(
+            f"tied_rows is {describe(tied_rows)}; pass pack_tie_rows' TopkPicks (the engine's "
+            "tied rows and every row's digest)."
         )
 
 
@@ -555,6 +577,7 @@ def logprob_mismatch(
     first_tokens: int = 8,
     check_weights: bool = True,
     clip_ranges: Mapping[str, tuple[float, float]] = CLIP_RANGES,
+    tied_rows: TopkPicks | None = None,
 ) -> LogprobReport:
     """The log-prob mismatch of ``model``'s own picks against the engine's ``picks`` (module
     docstring).
@@ -583,6 +606,9 @@ def logprob_mismatch(
         first_tokens: how many differing rows and tokens each report names.
         check_weights: refuse a ``replay_model`` whose parameters differ from ``model``'s.
         clip_ranges: the importance ratio's ranges (:data:`dsa_precision.logprobs.CLIP_RANGES`).
+        tied_rows: for a ``model`` whose DSA layers use ``dsa_indexer_topk_source=
+            "replay_ties"`` (and only then): the engine's tied rows of these tokens
+            (:func:`~dsa_precision.capture.pack_tie_rows`), handed to its own forward.
 
     Returns:
         :class:`LogprobReport`; with no compared token its log-prob figures are NaN.
@@ -604,6 +630,7 @@ def logprob_mismatch(
             "built with dsa_indexer_topk_source='replay') or rollout_logprobs, exactly one."
         )
     _check_computing(model)
+    _check_tied_rows(model, tied_rows)
     if replay_model is not None:
         _check_replaying(replay_model)
         if check_weights:
@@ -623,7 +650,8 @@ def logprob_mismatch(
                 f"{tuple(rollout_logprobs.shape)}, tokens {tuple(tokens.shape)}; pass one float "
                 "log-prob per token (replay_logprobs')."
             )
-    with torch.no_grad(), _Eval(model), record_topk() as recorder:
+    handed = engine_topk(tied_rows) if tied_rows is not None else contextlib.nullcontext()
+    with torch.no_grad(), _Eval(model), record_topk() as recorder, handed:
         train = _logprobs_of(model, forward, tokens, labels, mask)
     layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens)
     rollout = rollout_logprobs.to(train.device)

@@ -86,6 +86,7 @@ __all__ = [
     "EngineRope",
     "engine_kernel_operands",
     "engine_layer_picks",
+    "engine_layer_scores",
     "engine_rope",
     "engine_rotary",
     "kernel_files",
@@ -975,19 +976,18 @@ def operand_diff(a: EngineOperands, b: EngineOperands) -> dict[str, int]:
     return out
 
 
-def engine_layer_picks(
+def engine_layer_scores(
     indexer: Any,  # a dsa_precision.megatron.PrecisionDSAIndexer (no Megatron import here)
     x: torch.Tensor,
     qr: torch.Tensor,
-    topk: int,
     *,
     scores: str = "deepgemm",
     max_position_embeddings: int | None = None,
     root: str | os.PathLike | None = None,
-) -> tuple[torch.Tensor, str]:
-    """What the engine of the indexer's profile picks for one DSA layer's rows, from that layer's
-    own projections: ``(B * S, k)`` int32 sequence-relative keys, batch-major, ascending, ``-1``
-    padded (``k = min(topk, S)``), and the engine code's source (release and hashes).
+) -> tuple[list[torch.Tensor], str]:
+    """What the engine of the indexer's profile scores for one DSA layer's rows, from that
+    layer's own projections: per sequence, ``(S, S)`` float32 logits (``-inf`` past each row's
+    position), and the engine code's source (release and hashes).
 
     ``indexer``: a ``PrecisionDSAIndexer`` with ``rope_fp32`` (its profile has a kernel and a
     RoPE oracle: ``vllm``, ``vllm-eager``, ``lmdeploy``, ``sglang-fused``, ``sglang-unfused``); ``x`` ``[S, B, hidden]`` and ``qr``
@@ -996,16 +996,14 @@ def engine_layer_picks(
     unmodified from ``DSA_ENGINE_KERNELS``: its RoPE table construction (:func:`engine_rope`)
     and its preprocess kernels (:func:`engine_kernel_operands`); the FP8 operands are scored by
     ``scores`` (``"deepgemm"``: DeepGEMM's ``fp8_mqa_logits``, the engines' scorer; ``"exact"``:
-    float64) and selected by :func:`~.engine_model.engine_select` (exact, ties to the lower
-    key: the package's model of the engines' top-k step, not their kernel).
-    ``max_position_embeddings``: the plain-RoPE cache length the engine builds (default ``S``;
-    on CUDA each row depends on its position only).
+    float64). ``max_position_embeddings``: the plain-RoPE cache length the engine builds
+    (default ``S``; on CUDA each row depends on its position only).
     """
     pre = indexer.preprocess()
     if not pre.rope_fp32 or pre.rope_tables is None:
         raise ValueError(
-            "engine_layer_picks: the indexer has no engine RoPE tables (dsa_indexer_rope_fp32 is "
-            "off); build the layer with dsa_indexer_rope_fp32=True and the engine's profile."
+            "engine_layer_scores: the indexer has no engine RoPE tables (dsa_indexer_rope_fp32 "
+            "is off); build the layer with dsa_indexer_rope_fp32=True and the engine's profile."
         )
     profile = pre.engine
     s, batch = x.shape[0], x.shape[1]
@@ -1015,7 +1013,7 @@ def engine_layer_picks(
     )  # fmt: skip
     interleaved = bool(indexer.config.dsa_indexer_rope_interleaved)
     weights_fp32 = profile.weights_dtype == "fp32"  # the engine multiplies x by weights_proj
-    rows, source = [], rope.source
+    logits, source = [], rope.source
     with torch.no_grad():
         for b in range(batch):
             p = indexer.projections(x[:, b : b + 1], qr[:, b : b + 1], None, weights_fp32)
@@ -1025,5 +1023,26 @@ def engine_layer_picks(
                 inputs, profile, interleaved=interleaved, rope=rope, root=root, weights_gemm=gemm
             )
             source = f"{rope.source}; {run.source}"
-            rows.append(engine_select(engine_scores(run.operands, kernel=scores), topk))
-    return torch.cat(rows), source
+            logits.append(engine_scores(run.operands, kernel=scores))
+    return logits, source
+
+
+def engine_layer_picks(
+    indexer: Any,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    topk: int,
+    *,
+    scores: str = "deepgemm",
+    max_position_embeddings: int | None = None,
+    root: str | os.PathLike | None = None,
+) -> tuple[torch.Tensor, str]:
+    """What the engine of the indexer's profile picks for one DSA layer's rows: the logits of
+    :func:`engine_layer_scores` (its arguments) selected by :func:`~.engine_model.engine_select`
+    (exact, ties to the lower key: the package's model of the engines' top-k step, not their
+    kernel). Returns ``(B * S, k)`` int32 sequence-relative keys, batch-major, ascending, ``-1``
+    padded (``k = min(topk, S)``), and the engine code's source."""
+    logits, source = engine_layer_scores(
+        indexer, x, qr, scores=scores, max_position_embeddings=max_position_embeddings, root=root
+    )
+    return torch.cat([engine_select(s, topk) for s in logits]), source

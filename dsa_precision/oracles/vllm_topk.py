@@ -31,8 +31,10 @@ __all__ = [
     "RADIX_TOPK",
     "WORKSPACE_BYTES",
     "applies",
+    "decode_kernel",
     "load",
     "missing_reason",
+    "rollout_topk",
     "run",
 ]
 
@@ -124,3 +126,34 @@ def run(kernel: str, logits: torch.Tensor, lengths: torch.Tensor, k: int) -> tor
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError("vLLM's top-k kernels read float32 logits with unit column stride.")
     return KERNELS[kernel](logits, lengths.to(torch.int32).contiguous(), k)
+
+
+def decode_kernel(rows: int, k: int) -> str:
+    """The kernel vLLM 0.33's ``SparseIndexerTopk`` picks on SM90 for ``rows`` decode rows
+    (``_resolve_auto``): ``cooperative`` up to 64 rows, else ``persistent``, for top-k
+    512/1024/2048; ``decode`` (per row) otherwise."""
+    if k in RADIX_TOPK and rows <= COOPERATIVE_MAX_ROWS:
+        return "cooperative"
+    return "persistent" if k in RADIX_TOPK else "decode"
+
+
+def rollout_topk(logits: list[torch.Tensor], k: int, prompt: int) -> list[torch.Tensor]:
+    """The picks vLLM's kernels make for a batch of sequences generated together: per sequence
+    ``logits`` ``(S, S)`` float32 (row ``t`` scores keys ``0 .. t``), rows ``< prompt`` through
+    the prefill kernel (one call per sequence, as one request's prefill), rows from ``prompt``
+    on as decode steps (one call per position over every sequence's row there, the kernel
+    :func:`decode_kernel` names). Returns per sequence ``(S, k)`` int32, ``-1`` padding."""
+    s = logits[0].shape[0]
+    device = logits[0].device
+    lengths = torch.arange(1, s + 1, dtype=torch.int32, device=device)
+    out = [torch.full((s, k), -1, dtype=torch.int32, device=device) for _ in logits]
+    for seq, picks in zip(logits, out, strict=True):
+        if prompt:
+            picks[:prompt] = run("prefill", seq[:prompt].contiguous(), lengths[:prompt], k)
+    kernel = decode_kernel(len(logits), k)
+    for t in range(prompt, s):
+        rows = torch.stack([seq[t] for seq in logits])
+        step = run(kernel, rows, lengths[t].repeat(len(logits)), k)
+        for b, picks in enumerate(out):
+            picks[t] = step[b]
+    return out

@@ -251,3 +251,44 @@ def test_mismatched_saved_files_are_one_line_errors(toy_run, tmp_path):
         run = _run(*picks, *argv)
         assert run.returncode == 2, run.stderr[-3000:]
         assert "Traceback" not in run.stderr and message in run.stderr.strip().splitlines()[-1]
+
+
+def test_the_engines_tied_rows_replayed_close_the_tie_floor():
+    """With the engine's top-k breaking ties at random (vLLM's kernels do) on logits equal to
+    training's, rope_fp32+fp8's own picks differ exactly on the tied rows and move the log-probs;
+    with the engine's tied rows replayed (replay_ties) every row is the engine's and every
+    token's dlogp is 0 (tests/support/tie_rollout.py: the stand-ins and the planted ties)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.support.tie_rollout", "--tiny", "--device", "cpu",
+         "--steps", "0", "--batch", "2", "--configs", "rope_fp32+fp8,rope_fp32+fp8+ties",
+         "--rollout", "engine-kernels", "--rollout-topk", "vllm", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(run.stdout)
+    assert doc["checks"] == {"identical_picks_give_zero_dlogp": True,
+                             "matched_config_picks_the_engines": True}  # fmt: skip
+    (c,) = doc["checkpoints"]
+    assert "selected by vLLM's own top-k kernels" in c["rollout"]
+    ties = c["ties"]
+    assert ties["rows_sent"] > 0 and ties["layers"] == 2
+    assert ties["bytes_per_token_layer"] < ties["int32_bytes_per_token_layer"]
+    reports = {r["name"]: r for r in c["reports"]}
+    own, replayed = reports["rope_fp32+fp8"], reports["rope_fp32+fp8+ties"]
+    assert not own["picks_identical"] and own["logprobs"]["tokens_differing"] > 0
+    assert replayed["picks_identical"] and replayed["logprobs"]["tokens_differing"] == 0
+    assert replayed["logprobs"]["abs_max"] == 0 and replayed["logprobs"]["kl_k3"] == 0
+
+
+def test_tied_rows_need_the_engines_logits(capsys):
+    lm = import_example("logprob_mismatch")
+    for flags, match in (
+        (["--rollout-topk", "vllm"], "--rollout-topk needs the engine's logits"),
+        (["--configs", "rope_fp32+fp8+ties"], "rope_fp32+fp8+ties needs the engine's logits"),
+        (["--prompt", "9999", "--tiny", "--device", "cpu"], "--prompt 9999"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            lm.parse(flags)
+        assert exit_.value.code == 2 and match in capsys.readouterr().err
