@@ -74,6 +74,15 @@ for step in "$@"; do
       export PYTHONPATH=${PYTHONPATH:-}:$HOME/vdg DSA_VLLM_OPS=$HOME/vllm-ops/$ops
       export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
       cat .vllm-dg/VERSION 2> /dev/null ;;
+    logprobs-vllm)  # issue 48: the RL tables with the rollout's top-k by vLLM's own kernels and
+      # rope_fp32+fp8+ties (after `vllm-ops`; the engines' files in .engine-kernels)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      for shape in "2048 256 30" "8192 2048 10"; do
+        read -r seq topk steps <<< "$shape"
+        TAIL=12 run "logprobs_vllm_$seq" 600 python examples/logprob_mismatch.py --seq "$seq" \
+          --topk "$topk" --steps "$steps" --rollout engine-kernels --rollout-topk vllm \
+          --configs baseline,rope_fp32+fp8,rope_fp32+fp8+ties --out "$LOGS/lp_vllm_$seq.json"
+      done ;;
     engine-topk)  # issue 48: vLLM's four top-k kernels against the exact top-k, and the tie
       # replay (after `vllm-ops`): docs/gpu-validation.md, "The engines' top-k"
       TAIL=45 run engine_topk 600 python tools/engine_topk.py --out "$LOGS" ;;
