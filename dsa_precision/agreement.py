@@ -25,11 +25,13 @@ broken selection never reads as an agreement, and ``broken_rows`` says how many 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from .checks import check_tensor
+from .checks import check_bool, check_tensor
 from .picks import repeated_keys, sorted_keys
+from .ties import INVALID, PRECISION, TIE, classify_rows
 
 __all__ = [
     "TopkAgreement",
@@ -55,20 +57,31 @@ class TopkAgreement:
     rows: torch.Tensor  # int64, rows with a non-empty inference set
     members: torch.Tensor  # int64, sum_rows |I|
     broken_rows: torch.Tensor  # int64, rows of either side breaking the index rule (NaN metrics)
+    # With scores (topk_agreement(..., scores=)): the differing rows by cause (dsa_precision.ties)
+    tie_rows: torch.Tensor | None = None  # int64: the engine's set is a valid top-k of the scores
+    precision_rows: torch.Tensor | None = None  # int64: valid keys, no top-k of the scores
+    invalid_rows: torch.Tensor | None = None  # int64: the engine's set breaks the index rule
 
     def as_dict(self) -> dict[str, float | int]:
-        """Python numbers (one host sync), e.g. for ``json`` or a logger."""
-        values = torch.stack(
-            [getattr(self, f.name).to(torch.float64) for f in dataclasses.fields(self)]
-        )
-        out = dict(zip((f.name for f in dataclasses.fields(self)), values.tolist(), strict=True))
-        for name in ("flipped_max", "rows", "members", "broken_rows"):
-            out[name] = int(out[name])
+        """Python numbers (one host sync), e.g. for ``json`` or a logger; the causes only when
+        they were computed."""
+        fields = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        values = torch.stack([getattr(self, n).to(torch.float64) for n in fields])
+        out = dict(zip(fields, values.tolist(), strict=True))
+        for name in ("flipped_max", "rows", "members", "broken_rows", "tie_rows",
+                     "precision_rows", "invalid_rows"):  # fmt: skip
+            if name in out:
+                out[name] = int(out[name])
         return out
 
 
 def topk_agreement(
-    train_idx: torch.Tensor, infer_idx: torch.Tensor, *, validate: bool = False
+    train_idx: torch.Tensor,
+    infer_idx: torch.Tensor,
+    *,
+    validate: bool = False,
+    scores: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> TopkAgreement:
     """Compare two top-k selections of the same rows.
 
@@ -78,16 +91,32 @@ def topk_agreement(
         validate: check the index rule (module docstring) on the data of both tensors and raise
             ``ValueError`` on a violation; one host synchronisation. Without it, rows breaking
             the rule make the float metrics NaN.
+        scores: training's scores of these rows (``[..., S_k]``, or a function scoring given
+            flattened rows): then each compared row that differs is also told apart
+            (:func:`dsa_precision.classify_rows`: ``tie_rows``, ``precision_rows``,
+            ``invalid_rows``); one host synchronisation finds the differing rows, and only
+            those are scored when ``scores`` is a function.
+        lengths: ``[...]`` each row's visible keys, for ``scores`` (default: the finite ones).
 
     Returns:
         :class:`TopkAgreement` over the rows whose inference set is non-empty; with none,
         ``member_agreement``, ``rows_identical`` and ``flipped_mean`` are NaN (nothing compared
         never reads as a match, as ``topk_metrics`` and ``dsa-precision agree`` treat it).
     """
-    if validate:
+    if check_bool("validate", validate):
         for name, idx in (("train_idx", train_idx), ("infer_idx", infer_idx)):
             validate_index_rows(name, idx)
-    return agreement_and_identical_rows(train_idx, infer_idx)[0]
+    agreement = agreement_and_identical_rows(train_idx, infer_idx)[0]
+    if scores is None:
+        if lengths is not None:
+            raise ValueError("topk_agreement(lengths=...) qualifies scores=; pass both or neither.")
+        return agreement
+    cause = classify_rows(train_idx, infer_idx, scores, lengths=lengths).cause.reshape(-1)
+    compared = (_check_index_tensor("infer_idx", infer_idx) >= 0).any(-1)  # agreement's rows
+    counts = {name: ((cause == code) & compared).sum()
+              for name, code in (("tie_rows", TIE), ("precision_rows", PRECISION),
+                                 ("invalid_rows", INVALID))}  # fmt: skip
+    return dataclasses.replace(agreement, **counts)
 
 
 def _check_index_tensor(name: str, idx: object) -> torch.Tensor:

@@ -111,3 +111,27 @@ def test_nothing_compared_never_reads_as_a_match():
         torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
     )
     assert empty.as_dict()["rows"] == 0 and torch.isnan(empty.member_agreement)
+
+
+def test_with_scores_the_differing_rows_are_told_apart():
+    # Row 0: the same set; 1: another valid top-k of a tied boundary; 2: a key below the k-th
+    # score taken (precision); 3: a key twice (invalid); 4: no engine row (not compared).
+    scores = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 5)
+    scores[1] = torch.tensor([4.0, 2.0, 2.0, 1.0])
+    train = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1]])
+    infer = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 1], [-1, -1]])
+    got = topk_agreement(train, infer, scores=scores).as_dict()
+    assert (got["tie_rows"], got["precision_rows"], got["invalid_rows"]) == (1, 1, 1)
+    assert got["rows"] == 4
+    asked = []
+
+    def score_rows(rows):
+        asked.append(rows.tolist())
+        return scores[rows]
+
+    by_function = topk_agreement(train, infer, scores=score_rows).as_dict()
+    assert asked == [[1, 2, 3, 4]]  # only the rows that differ are scored
+    assert by_function["tie_rows"] == 1 and by_function["precision_rows"] == 1
+    assert "tie_rows" not in topk_agreement(train, infer).as_dict()
+    with pytest.raises(ValueError, match=r"lengths=.*qualifies scores="):
+        topk_agreement(train, infer, lengths=torch.full((5,), 4))

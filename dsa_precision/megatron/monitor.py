@@ -27,7 +27,7 @@ class TopkMonitor:
     """Per-layer agreement with the engine, accumulated on the device (no host sync)."""
 
     _SUMS = ("common", "members", "identical", "rows", "flipped", "margin", "margin_rows",
-             "margin_flipped", "flipped_rows", "flipped_tied", "digest_mismatch",
+             "margin_flipped", "flipped_rows", "flipped_tied", "flipped_strict", "digest_mismatch",
              "digest_compared", "replayed", "tied", "undecided")  # fmt: skip
 
     def __init__(self) -> None:
@@ -66,6 +66,7 @@ class TopkMonitor:
                 "margin_flipped": torch.where(flipped, m, 0.0).sum(),
                 "flipped_rows": flipped.sum().to(f64),
                 "flipped_tied": (flipped & (m == 0)).sum().to(f64),
+                "flipped_strict": (flipped & (m > 0)).sum().to(f64),
             }
         self._add(values)
         top = a.flipped_max.to(torch.int64)
@@ -135,6 +136,7 @@ def _metrics(name: str, raw: list[float]) -> dict[str, float]:
             s["margin_flipped"] / s["flipped_rows"] if s["flipped_rows"] else nan
         ),
         f"{name}/flipped_tied_rows": s["flipped_tied"],
+        f"{name}/flipped_precision_rows": s["flipped_strict"],
         f"{name}/digest_mismatch_rows": s["digest_mismatch"],
         f"{name}/digest_compared_rows": s["digest_compared"],
         f"{name}/replayed_rows": s["replayed"],
@@ -152,11 +154,15 @@ def topk_metrics(
     """Every monitored layer's metrics since the last reset, as ``{name: value}``.
 
     Names: ``dsa_topk/layer_NN/{member_agreement, rows_identical, flipped_per_row, flipped_max,
-    rows, margin_mean, margin_mean_flipped, flipped_tied_rows, digest_mismatch_rows,
-    digest_compared_rows, replayed_rows, tied_rows, undecided_rows}`` and ``dsa_topk/all/...``
-    over every layer (the digest counts are 0 without engine digests). ``flipped_tied_rows``
-    (``verify``): differing rows whose own boundary is tied (margin 0), where no precision can
-    decide the engine's choice. ``replayed_rows``, ``tied_rows``, ``undecided_rows``
+    rows, margin_mean, margin_mean_flipped, flipped_tied_rows, flipped_precision_rows,
+    digest_mismatch_rows, digest_compared_rows, replayed_rows, tied_rows, undecided_rows}`` and
+    ``dsa_topk/all/...`` over every layer (the digest counts are 0 without engine digests).
+    ``flipped_tied_rows`` (``verify``): differing rows whose own boundary is tied (margin 0),
+    where no precision can decide the engine's choice (a tie when the engine scored these
+    logits: ``classify_rows`` with the scores tells exactly); ``flipped_precision_rows``:
+    differing rows whose own boundary is strict (margin > 0: their top-k is unique, so the
+    engine's set is no top-k of these scores: a precision difference, or an invalid set).
+    ``replayed_rows``, ``tied_rows``, ``undecided_rows``
     (``replay_ties``): rows that took the engine's picks, rows the layer finds tied, and tied
     rows the engine did not send (kept as computed). With
     ``group`` (e.g. the data-parallel group) the counts are summed (``flipped_max``: max) across

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dsa_precision.megatron as dsap
-from dsa_precision import indexer_scores
+from dsa_precision import indexer_scores, indexer_topk
 from dsa_precision.capture import TieRows, engine_tie_rows, pack_tie_rows
 from dsa_precision.picks import TokenLayout, TopkPicks
 
@@ -204,3 +204,26 @@ def test_tied_rows_are_checked_where_they_enter():
     with pytest.raises(ValueError, match="the three for the same layers"):
         with dsap.engine_topk(missing):
             pass
+
+
+def test_verify_tells_tied_rows_from_strict_ones():
+    """verify with the engine's picks of planted ties (another valid top-k of the zeroed rows)
+    and one strict row changed (a key below its k-th score taken): the monitor counts the first
+    as flipped on a tied boundary, the second as flipped on a strict one (precision)."""
+    attn = make_attention(make_config(dsa_indexer_topk_source="verify", **FP8))
+    per_seq = _scores(attn, _inputs(2, False))
+    picks = [_engine_topk(s, TOPK, seed=11 + i) for i, s in enumerate(per_seq)]
+    own = [indexer_topk(s, TOPK) for s in per_seq]  # the layer's own rule, ties to the lower key
+    engine, mine = torch.cat(picks).sort(-1).values, torch.cat(own).sort(-1).values
+    tied = int((engine != mine).any(-1).sum())
+    assert tied > 0  # the zeroed rows broke their ties another way
+    engine = torch.cat(picks)
+    row = 15  # sequence 0, position 15: strict boundary (not a zeroed row)
+    unpicked = sorted(set(range(16)) - set(engine[row].tolist()))
+    engine[row, 0] = unpicked[0]
+    dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    with dsap.engine_topk({1: engine}, seq_len=SEQ):
+        run_attention(attn, _inputs(2, False))
+    m = dsap.topk_metrics(torch.nn.ModuleList([attn]))
+    assert m["dsa_topk/layer_01/flipped_tied_rows"] == tied
+    assert m["dsa_topk/layer_01/flipped_precision_rows"] == 1
