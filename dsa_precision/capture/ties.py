@@ -242,8 +242,21 @@ def engine_tie_rows(
     device = logits.device
     if picks.device != device or any(t.device != device for _, t in windows):
         raise ValueError("engine_tie_rows: logits, picks, lengths and starts must share a device.")
-    sent = _not_strict(logits, picks, lengths, starts).nonzero().view(-1)  # the one sync
-    return TieRows(digest_rows(picks), sent, picks[sent].to(torch.int32))
+    if logits.is_cuda and _unit_columns(logits, picks) and triton_unavailable_reason() is None:
+        from ..kernels.tie_rows import tie_rows  # one pass over each row's picks and window
+
+        first = torch.zeros_like(lengths) if starts is None else starts
+        digests, flags = tie_rows(
+            logits, picks, first.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous()
+        )
+    else:
+        digests, flags = digest_rows(picks), _not_strict(logits, picks, lengths, starts)
+    sent = flags.nonzero().view(-1)  # the one synchronisation
+    return TieRows(digests, sent, picks[sent].to(torch.int32))
+
+
+def _unit_columns(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(-1) == 1 for t in tensors)
 
 
 def _not_strict(
@@ -254,8 +267,9 @@ def _not_strict(
 ) -> torch.Tensor:
     """bool ``(rows,)``: the row's margin is not positive (:func:`~dsa_precision.ties.
     selection_margins` ``<= 0``), i.e. a key of the row's window that is not picked scores at
-    least the smallest pick's score. Counted rather than reduced over a masked copy: the keys
-    of the window scoring at least that value outnumber the picks (one comparison pass)."""
+    least the smallest pick's score: the keys of the window scoring at least that value
+    outnumber the picks. The torch expression (the CPU's; on CUDA one Triton pass,
+    :mod:`dsa_precision.kernels.tie_rows`, computes the same with the digests)."""
     picked = picks >= 0
     columns = picks.long().clamp(min=0)
     first = None if starts is None else starts.to(torch.int64).view(-1, 1)
@@ -263,14 +277,6 @@ def _not_strict(
         columns = columns + first
     kth = logits.gather(-1, columns).float().masked_fill(~picked, float("inf")).amin(-1)
     end = lengths.to(torch.int64).view(-1, 1) + (0 if first is None else first)
-    if logits.is_cuda and logits.stride(-1) == 1 and triton_unavailable_reason() is None:
-        from ..kernels.tie_rows import count_at_least  # one pass over each row's window
-
-        start = torch.zeros_like(end) if first is None else first
-        counts = count_at_least(
-            logits, kth, start.view(-1).to(torch.int32), end.view(-1).to(torch.int32)
-        )
-        return counts > picked.sum(-1)
     cols = torch.arange(logits.shape[-1], device=logits.device)
     inside = cols < end
     if first is not None:

@@ -15,16 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["digest_picks"]
+__all__ = ["GOLDEN", "MIX1", "MIX2", "digest_picks", "splitmix64"]
 
 _BLOCK = 1024
-_G = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+# The digest's constants (dsa_precision.capture.digest): the golden-ratio increment and
+# SplitMix64's two multipliers, passed to the kernels as unsigned 64-bit arguments.
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
 
 
 @triton.jit
-def _mix(z, M1, M2):
+def splitmix64(z, M1, M2):
+    """SplitMix64's finaliser of uint64 ``z`` (``M1``, ``M2``: :data:`MIX1`, :data:`MIX2`)."""
     z = (z ^ (z >> 30)) * M1
     z = (z ^ (z >> 27)) * M2
     return z ^ (z >> 31)
@@ -41,10 +44,10 @@ def _digest_kernel(idx_ptr, out_ptr, k, stride, G, M1, M2, BLOCK: tl.constexpr):
         inside = cols < k
         v = tl.load(base + cols, mask=inside, other=-1).to(tl.int64)
         valid = inside & (v >= 0)
-        mixed = _mix((v + 1).to(tl.uint64) * G, M1, M2)
+        mixed = splitmix64((v + 1).to(tl.uint64) * G, M1, M2)
         total += tl.where(valid, mixed, 0)
         count += valid.to(tl.uint64)
-    digest = _mix(tl.sum(total, axis=0) ^ (tl.sum(count, axis=0) * G), M1, M2)
+    digest = splitmix64(tl.sum(total, axis=0) ^ (tl.sum(count, axis=0) * G), M1, M2)
     tl.store(out_ptr + row, digest.to(tl.int64, bitcast=True))
 
 
@@ -58,5 +61,5 @@ def digest_picks(indices: torch.Tensor, *, block: int | None = None) -> torch.Te
     out = torch.empty(rows, dtype=torch.int64, device=indices.device)
     if rows:
         block = _BLOCK if block is None else block
-        _digest_kernel[(rows,)](indices, out, k, indices.stride(0), _G, _M1, _M2, BLOCK=block)
+        _digest_kernel[(rows,)](indices, out, k, indices.stride(0), GOLDEN, MIX1, MIX2, BLOCK=block)
     return out

@@ -1,10 +1,13 @@
-"""Count each row's keys scoring at least a threshold, inside the row's window (Triton).
+"""The engine side of the tie replay in one pass per row (Triton).
 
-The engine side of the tie replay (:func:`dsa_precision.capture.engine_tie_rows`) asks, per row,
-whether a key the top-k left out scores at least the smallest pick's score: the keys of the
-row's window scoring at least that value outnumber the picks. One program per row reads the
-window once and writes one count; the torch expression makes four passes over ``(rows, W)`` and
-three boolean temporaries.
+For each row of an indexer call, :func:`dsa_precision.capture.engine_tie_rows` needs the digest
+of the engine's picks and whether a key the picks left out scores at least the smallest pick's
+score (the row's margin is not positive: a boundary tie, or a set that is no top-k). One program
+per row reads the row's picks once -- the digest (as :mod:`.digest`), their count and the
+smallest of their scores, gathered from the row's logits -- then the row's window of logits
+once, counting the keys scoring at least that value: more of them than picks means the row is
+sent. The torch expression of the same makes a dozen passes over ``(rows, k)`` int64
+temporaries and four over the logits.
 """
 
 from __future__ import annotations
@@ -13,57 +16,95 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["count_at_least"]
+from .digest import GOLDEN, MIX1, MIX2, splitmix64
 
-_BLOCK = 2048
+__all__ = ["tie_rows"]
+
+_BLOCK_PICKS = 1024
+_BLOCK_KEYS = 2048
 
 
 @triton.jit
-def _count_at_least_kernel(
-    logits_ptr, stride, kth_ptr, start_ptr, end_ptr, count_ptr, BLOCK: tl.constexpr
+def _tie_rows_kernel(
+    logits_ptr,
+    logits_stride,
+    picks_ptr,
+    picks_stride,
+    k,
+    start_ptr,
+    length_ptr,
+    digest_ptr,
+    sent_ptr,
+    G,
+    M1,
+    M2,
+    BLOCK_PICKS: tl.constexpr,
+    BLOCK_KEYS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    kth = tl.load(kth_ptr + row)
-    start = tl.load(start_ptr + row)
-    end = tl.load(end_ptr + row)
-    base = logits_ptr + row.to(tl.int64) * stride
-    total = tl.zeros((BLOCK,), dtype=tl.int32)
-    for first in range(start, end, BLOCK):
-        cols = first + tl.arange(0, BLOCK)
+    start = tl.load(start_ptr + row).to(tl.int64)
+    end = start + tl.load(length_ptr + row).to(tl.int64)
+    scores = logits_ptr + row.to(tl.int64) * logits_stride
+    picks = picks_ptr + row.to(tl.int64) * picks_stride
+    total = tl.zeros((BLOCK_PICKS,), dtype=tl.uint64)
+    count = tl.zeros((BLOCK_PICKS,), dtype=tl.int32)
+    smallest = tl.full((BLOCK_PICKS,), float("inf"), dtype=tl.float32)
+    nan = tl.zeros((BLOCK_PICKS,), dtype=tl.int32)
+    for first in range(0, k, BLOCK_PICKS):
+        slots = first + tl.arange(0, BLOCK_PICKS)
+        key = tl.load(picks + slots, mask=slots < k, other=-1).to(tl.int64)
+        valid = (slots < k) & (key >= 0)
+        total += tl.where(valid, splitmix64((key + 1).to(tl.uint64) * G, M1, M2), 0)
+        count += valid.to(tl.int32)
+        s = tl.load(scores + start + key, mask=valid, other=float("inf")).to(tl.float32)
+        nan += (s != s).to(tl.int32)
+        smallest = tl.minimum(smallest, tl.where(s != s, float("inf"), s))
+    n = tl.sum(count, axis=0)
+    digest = splitmix64(tl.sum(total, axis=0) ^ (n.to(tl.uint64) * G), M1, M2)
+    tl.store(digest_ptr + row, digest.to(tl.int64, bitcast=True))
+    # A NaN among the picks' scores makes the smallest NaN (torch's amin): no key compares >= it.
+    kth = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), tl.min(smallest, axis=0))
+    at_least = tl.zeros((BLOCK_KEYS,), dtype=tl.int32)
+    for first in range(start, end, BLOCK_KEYS):
+        cols = first + tl.arange(0, BLOCK_KEYS)
         inside = cols < end
-        v = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        total += ((v >= kth) & inside).to(tl.int32)  # NaN compares False
-    tl.store(count_ptr + row, tl.sum(total, axis=0))
+        v = tl.load(scores + cols, mask=inside, other=0.0).to(tl.float32)
+        at_least += ((v >= kth) & inside).to(tl.int32)  # NaN compares False
+    tl.store(sent_ptr + row, (tl.sum(at_least, axis=0) > n).to(tl.int8))
 
 
-def count_at_least(
+def tie_rows(
     logits: torch.Tensor,
-    kth: torch.Tensor,
+    picks: torch.Tensor,
     starts: torch.Tensor,
-    ends: torch.Tensor,
+    lengths: torch.Tensor,
     *,
-    block: int | None = None,
-) -> torch.Tensor:
-    """int32 ``(rows,)``: per row, the columns ``c`` in ``[starts, ends)`` with
-    ``logits[row, c] >= kth[row]`` (float compare: NaN never counts, ``-0.0 == +0.0``).
+    block_picks: int | None = None,
+    block_keys: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(digests (rows,) int64, sent (rows,) bool)`` of one indexer call: each row's digest of
+    its picks (:func:`dsa_precision.capture.digest_rows`) and whether its margin is not positive.
 
     Args:
         logits: ``(rows, W)`` float32 / bfloat16 / float16, unit column stride.
-        kth: ``(rows,)`` float32 thresholds.
-        starts, ends: ``(rows,)`` int32 column windows, ``0 <= starts <= ends <= W``.
-        block: columns per loop step (any gives the same counts).
+        picks: ``(rows, k)`` int16/int32/int64 keys (``-1`` padding), unit column stride; key
+            ``j`` of a row is column ``starts + j`` (keys below ``-1`` and past the row's window
+            must have been refused by the caller).
+        starts, lengths: ``(rows,)`` int32: each row's window of columns.
+        block_picks, block_keys: loop steps (any gives the same result).
     """
-    if logits.ndim != 2 or logits.stride(1) != 1:
-        raise ValueError("logits must be (rows, W) with unit column stride.")
+    if logits.ndim != 2 or logits.stride(1) != 1 or picks.ndim != 2 or picks.stride(1) != 1:
+        raise ValueError("logits (rows, W) and picks (rows, k) need unit column strides.")
     rows = logits.shape[0]
-    for name, t, dtype in (("kth", kth, torch.float32), ("starts", starts, torch.int32),
-                           ("ends", ends, torch.int32)):  # fmt: skip
-        if t.shape != (rows,) or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous ({rows},) {dtype} tensor.")
-    count = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    for name, t in (("starts", starts), ("lengths", lengths)):
+        if t.shape != (rows,) or t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous ({rows},) int32 tensor.")
+    digests = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    sent = torch.empty(rows, dtype=torch.int8, device=logits.device)
     if rows:
-        block = _BLOCK if block is None else block
-        _count_at_least_kernel[(rows,)](
-            logits, logits.stride(0), kth, starts, ends, count, BLOCK=block
-        )
-    return count
+        _tie_rows_kernel[(rows,)](
+            logits, logits.stride(0), picks, picks.stride(0), picks.shape[1], starts, lengths,
+            digests, sent, GOLDEN, MIX1, MIX2, BLOCK_PICKS=block_picks or _BLOCK_PICKS,
+            BLOCK_KEYS=block_keys or _BLOCK_KEYS,
+        )  # fmt: skip
+    return digests, sent.bool()

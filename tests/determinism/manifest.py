@@ -133,7 +133,7 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
     ),
     "dsa_precision/kernels/tie_rows.py": (
-        f"{INTERPRETER}::test_count_at_least_replays_bit_exact",
+        f"{INTERPRETER}::test_tie_rows_kernel_replays_bit_exact",
         f"{GPU}::test_tie_rows_and_digests_replay_bit_exact",
     ),
     "dsa_precision/capture/digest.py": (

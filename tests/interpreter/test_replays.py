@@ -83,14 +83,16 @@ def test_digest_picks_replays_bit_exact():
     assert digests.dtype == torch.int64
 
 
-def test_count_at_least_replays_bit_exact():
-    """The tie test's window count (capture.engine_tie_rows on CUDA)."""
-    from dsa_precision.kernels.tie_rows import count_at_least
+def test_tie_rows_kernel_replays_bit_exact():
+    """The tie replay's one-pass kernel (capture.engine_tie_rows on CUDA)."""
+    from dsa_precision.kernels.tie_rows import tie_rows
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randint(-2, 3, (5, 3000), generator=g).float()
-    kth = torch.zeros(5)
-    starts = torch.tensor([0, 3, 100, 0, 2999], dtype=torch.int32)
-    ends = torch.tensor([3000, 2000, 100, 1, 3000], dtype=torch.int32)
-    counts = assert_replays_bit_exact(count_at_least, (logits, kth, starts, ends), what="counts")
-    assert int(counts[2]) == 0
+    picks = torch.randint(0, 100, (5, 64), generator=g, dtype=torch.int32)
+    starts = torch.tensor([0, 3, 100, 0, 2800], dtype=torch.int32)
+    lengths = torch.tensor([3000, 2000, 100, 200, 200], dtype=torch.int32)
+    digests, sent = assert_replays_bit_exact(
+        tie_rows, (logits, picks, starts, lengths), what="tie rows"
+    )
+    assert digests.dtype == torch.int64 and sent.dtype == torch.bool
