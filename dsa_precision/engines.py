@@ -407,9 +407,10 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm",
         summary=(
-            "vLLM 0.29+ on Hopper (run: 0.33.0's Triton kernels), the default compiled run: BF16 "
-            "cos/sin cache (GLM-5 in every run mode); float32 LayerNorm operation by operation "
-            "(eps 1e-6), contracted RoPE; UE8M0 by float32 log2"
+            "vLLM 0.29+ on Hopper (run: 0.33.0's Triton kernels; 0.34.0's kernels.py is "
+            "byte-identical; top-k kernels run: 0.33.0 and 0.34.0), the default compiled run, "
+            "FP32 indexer logits: BF16 cos/sin cache (GLM-5 in every run mode); float32 "
+            "LayerNorm operation by operation (eps 1e-6), contracted RoPE; UE8M0 by float32 log2"
         ),
         cos_sin_dtype=_BF16,
         hadamard=False,
@@ -421,9 +422,9 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm-eager",
         summary=(
-            "vLLM 0.29+ on Hopper with --enforce-eager: FP32 cos/sin cache for DeepSeek-V3.2 "
-            "(yarn RoPE with flashinfer); otherwise as 'vllm' (a plain-RoPE model's eager run, "
-            "GLM-5's, is 'vllm')"
+            "vLLM 0.29+ on Hopper with --enforce-eager (run: 0.33.0's kernels; 0.34.0's "
+            "kernels.py is byte-identical): FP32 cos/sin cache for DeepSeek-V3.2 (yarn RoPE with "
+            "flashinfer); otherwise as 'vllm' (a plain-RoPE model's eager run, GLM-5's, is 'vllm')"
         ),
         rope_type="yarn",
         hadamard=False,
@@ -435,7 +436,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm-legacy",
         summary=(
-            "vLLM 0.26-0.28 (generic deepseek_v2 Indexer, fused Triton q): BF16 cos/sin, "
+            "vLLM 0.26-0.28 (run: 0.28.0's kernels; generic deepseek_v2 Indexer, fused Triton "
+            "q): BF16 cos/sin, "
             "Inductor's Welford LayerNorm (eps 1e-6) and RoPE outputs rounded to BF16, q amax "
             "floor 1e-10"
         ),

@@ -27,7 +27,15 @@ from .files import ENGINE_FORMATS, load_engine_output, load_picks, save_picks
 from .pack import pack_digests, pack_requests
 from .sglang import decode_sglang_indexer_topk, from_sglang
 from .ties import TieRows, engine_tie_rows, pack_tie_rows
-from .vllm import VllmStep, decode_vllm_indexer_topk, from_vllm, from_vllm_steps
+from .vllm import (
+    VllmStep,
+    check_vllm_engine_config,
+    decode_vllm_indexer_topk,
+    from_vllm,
+    from_vllm_steps,
+    merge_vllm_shardq_rows,
+    vllm_shared_layers,
+)
 
 __all__ = [
     "ENGINE_FORMATS",
@@ -37,6 +45,7 @@ __all__ = [
     "TokenLayout",
     "TopkPicks",
     "VllmStep",
+    "check_vllm_engine_config",
     "decode_picks",
     "decode_sglang_indexer_topk",
     "decode_vllm_indexer_topk",
@@ -50,10 +59,12 @@ __all__ = [
     "from_vllm_steps",
     "load_engine_output",
     "load_picks",
+    "merge_vllm_shardq_rows",
     "pack_digests",
     "pack_requests",
     "pack_tie_rows",
     "save_picks",
+    "vllm_shared_layers",
 ]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,195 @@ import torch
 from ..picks import TopkPicks, check_key_range
 from .pack import as_request_rows, decode_base64, int_at_least, integer_array, pack_requests
 
-__all__ = ["VllmStep", "decode_vllm_indexer_topk", "from_vllm", "from_vllm_steps"]
+__all__ = [
+    "VLLM_BF16_AUTO_ARCHITECTURES",
+    "VllmStep",
+    "check_vllm_engine_config",
+    "decode_vllm_indexer_topk",
+    "from_vllm",
+    "from_vllm_steps",
+    "merge_vllm_shardq_rows",
+    "vllm_shared_layers",
+]
+
+# vLLM 0.34.0 ``model_executor/models/config.py``: the architectures whose start-up
+# (``_set_deepseek_indexer_logits_dtype``) resolves ``indexer_logits_dtype="auto"`` to BF16 when
+# ``mqa_logits_use_mx_scales()`` (a CUDA device of capability family 10.x, SM100/SM103); every
+# other model, GLM-5's ``GlmMoeDsaForCausalLM`` among them, resolves "auto" to FP32 in the layer.
+VLLM_BF16_AUTO_ARCHITECTURES = frozenset(
+    {
+        "DeepseekV32ForCausalLM",
+        "DeepseekV4ForCausalLM",
+        "DeepseekV4ForConditionalGeneration",
+        "DeepseekV41ForCausalLM",
+    }
+)
+_ENGINE_CONFIG_KEYS = ("indexer_logits_dtype", "architecture", "device_capability")
+
+
+def check_vllm_engine_config(engine_config: Mapping[str, Any]) -> str:
+    """The indexer logits dtype a vLLM (0.34) run used, from its config; ``ValueError`` unless
+    it is FP32, the only one the ``vllm`` profiles model.
+
+    ``engine_config``: ``{"indexer_logits_dtype": "auto" | "float32" | "bfloat16",
+    "architecture": "DeepseekV32ForCausalLM", "device_capability": (9, 0)}`` (the attention
+    config's field as the engine printed it at start-up, the model's architecture, the GPU's
+    compute capability; the last two matter only for ``"auto"``). vLLM releases before 0.34 have
+    no such field and always score FP32 logits: ``{"indexer_logits_dtype": "float32"}``.
+
+    BF16 logits are refused: they round each head-weighted score to 8 significant bits (on SM100
+    the reduction itself runs in BF16 with BF16 head weights), which ties and reorders keys near
+    the top-k boundary, so the engine's picks are not a top-k of the FP32 scores training
+    computes; no profile models that, and an explicit ``bfloat16`` on SM90 is untested anywhere.
+    Full replay (``dsa_indexer_topk_source="replay"``) takes the picks as they are and needs no
+    check: leave ``engine_config`` out there.
+    """
+    if not isinstance(engine_config, Mapping):
+        raise TypeError(
+            f"engine_config={engine_config!r}: pass a mapping with the keys "
+            f"{list(_ENGINE_CONFIG_KEYS)} (vLLM's attention_config.indexer_logits_dtype, the "
+            "model's architecture, the GPU's (major, minor) compute capability)."
+        )
+    unknown = sorted(set(engine_config) - set(_ENGINE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"engine_config has unknown key(s) {unknown}; the keys are {list(_ENGINE_CONFIG_KEYS)}."
+        )
+    value = engine_config.get("indexer_logits_dtype", "auto")
+    if value not in ("auto", "float32", "bfloat16"):
+        raise ValueError(
+            f"engine_config['indexer_logits_dtype']={value!r}: vLLM 0.34 takes 'auto', "
+            "'float32' or 'bfloat16' (attention_config.indexer_logits_dtype)."
+        )
+    resolved = value
+    if value == "auto":
+        arch = engine_config.get("architecture")
+        capability = engine_config.get("device_capability")
+        if capability is not None and (
+            not isinstance(capability, Sequence)
+            or len(capability) != 2
+            or not all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
+        ):
+            raise ValueError(
+                f"engine_config['device_capability']={capability!r}: pass (major, minor), e.g. "
+                "(9, 0) for an H100 / H200, (10, 0) for a B200."
+            )
+        if arch is not None and not isinstance(arch, str):
+            raise TypeError(
+                f"engine_config['architecture']={arch!r}: pass the model's architecture name, "
+                "e.g. 'DeepseekV32ForCausalLM' (config.json's architectures[0])."
+            )
+        if arch is not None and arch not in VLLM_BF16_AUTO_ARCHITECTURES:
+            resolved = "float32"
+        elif capability is not None and capability[0] != 10:
+            resolved = "float32"
+        elif arch is not None and capability is not None:
+            resolved = "bfloat16"
+        else:
+            missing = "architecture" if arch is None else "device_capability"
+            raise ValueError(
+                f"engine_config: indexer_logits_dtype='auto' without {missing!r}: vLLM 0.34 "
+                f"resolves 'auto' to bfloat16 for {sorted(VLLM_BF16_AUTO_ARCHITECTURES)} on a "
+                "device of capability 10.x (SM100) and to float32 otherwise; name the "
+                f"{missing.replace('_', ' ')}, or the resolved value."
+            )
+    if resolved == "bfloat16":
+        how = (
+            "explicitly" if value == "bfloat16" else "as 'auto' resolves it for this model on SM100"
+        )
+        raise ValueError(
+            f"the vLLM run scored BF16 indexer logits ({how}; engine_config={dict(engine_config)}): "
+            "BF16 rounds every score to 8 significant bits, which ties and reorders keys at the "
+            "top-k boundary, and no profile models it (the 'vllm' profiles are FP32 logits), so "
+            "training's top-k and verify's agreement would differ from these picks on those "
+            'rows. Serve with --attention-config \'{"indexer_logits_dtype": "float32"}\', or '
+            "take the picks for full replay only (dsa_indexer_topk_source='replay') without "
+            "engine_config."
+        )
+    return resolved
+
+
+def vllm_shared_layers(skip_layer_ids: Iterable[int], num_layers: int) -> dict[int, int]:
+    """vLLM's index-sharing layers as ``shared=`` of the adapters: ``{Megatron layer number:
+    source layer number}``.
+
+    ``skip_layer_ids``: 0-based layers that reuse top-k (vLLM 0.34's
+    ``model_executor/models/utils.py::compute_skip_topk_layers(hf_config)``); each reads the
+    buffer its closest preceding computing layer wrote (it builds no indexer). ``num_layers``:
+    the model's ``num_hidden_layers``. Megatron numbers are vLLM's ids + 1.
+    """
+    num_layers = int_at_least("num_layers", num_layers, low=1)
+    skips = set()
+    for i in skip_layer_ids:
+        skips.add(int_at_least("skip layer id", i, low=0))
+    beyond = sorted(i for i in skips if i >= num_layers)
+    if beyond:
+        raise ValueError(f"skip layer ids {beyond} are not below num_layers={num_layers}.")
+    shared, source = {}, None
+    for i in range(num_layers):
+        if i not in skips:
+            source = i
+        elif source is None:
+            raise ValueError(
+                f"skip layer id {i} has no computing layer before it; vLLM's first indexer "
+                "layer computes its own top-k."
+            )
+        else:
+            shared[i + 1] = source + 1
+    return shared
+
+
+def merge_vllm_shardq_rows(
+    rank_buffers: Sequence[torch.Tensor],
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    num_tokens_per_rank: Sequence[int] | np.ndarray | torch.Tensor,
+    num_decode_tokens: int,
+) -> torch.Tensor:
+    """One layer's ``topk_indices_buffer`` copies of a vLLM 0.34 ShardQ step, one per TP rank
+    (rank order), -> the step's rows in batch order, as :class:`VllmStep` takes them.
+
+    Under ``sparse_mla_shard_q`` (a prefill step of >= ``sparse_mla_shard_q_min_tokens`` tokens
+    after its decodes, TP > 1) rank ``r`` writes the step's ``num_decode_tokens`` decode rows in
+    place, then only its own prefill tokens, compactly, in ascending order, from row
+    ``num_decode_tokens``; nothing exchanges the top-k back. ``token_ids`` and
+    ``num_tokens_per_rank`` are the step's ``ShardQMetadata`` fields (``zigzag_split``'s output:
+    every rank's prefill token ids, relative to the first prefill token, grouped by rank). The
+    decode rows are rank 0's.
+    """
+    d = int_at_least("num_decode_tokens", num_decode_tokens, low=0)
+    ids = torch.as_tensor(np.asarray(token_ids), dtype=torch.int64).reshape(-1)
+    counts = [int_at_least(f"num_tokens_per_rank[{r}]", int(n), low=0)
+              for r, n in enumerate(np.asarray(num_tokens_per_rank).reshape(-1))]  # fmt: skip
+    if isinstance(rank_buffers, torch.Tensor) or not isinstance(rank_buffers, Sequence):
+        raise TypeError("rank_buffers: pass a sequence of buffer copies, one per TP rank.")
+    if len(rank_buffers) != len(counts) or not counts:
+        raise ValueError(
+            f"rank_buffers holds {len(rank_buffers)} copies for {len(counts)} ranks "
+            "(num_tokens_per_rank); pass every TP rank's copy, in rank order."
+        )
+    n = sum(counts)
+    if ids.numel() != n or not torch.equal(ids.sort().values, torch.arange(n)):
+        raise ValueError(
+            f"token_ids ({ids.numel()} ids) must be a permutation of 0..{n - 1} "
+            f"(sum of num_tokens_per_rank={counts}); pass the step's ShardQMetadata fields."
+        )
+    bufs = []
+    for r, (buf, count) in enumerate(zip(rank_buffers, counts, strict=True)):
+        buf = integer_array(f"rank {r} buffer", buf, shape="(N, topk)")
+        if buf.ndim != 2 or buf.shape[0] < d + count:
+            raise ValueError(
+                f"rank {r} buffer {tuple(buf.shape)}: needs {d} decode + {count} own rows of a "
+                "2-D (N, topk) copy of topk_indices_buffer."
+            )
+        bufs.append(buf)
+    width = min(b.shape[1] for b in bufs)
+    out = bufs[0].new_full((d + n, width), -1)
+    out[:d] = bufs[0][:d, :width]
+    start = 0
+    for buf, count in zip(bufs, counts, strict=True):
+        out[d + ids[start : start + count].to(out.device)] = buf[d : d + count, :width]
+        start += count
+    return out
 
 
 def decode_vllm_indexer_topk(
@@ -41,12 +229,18 @@ def decode_vllm_indexer_topk(
 def from_vllm(
     rows: Mapping[Any, object] | Sequence[object],
     seq_lens: Mapping[Any, int] | Sequence[int],
+    *,
+    engine_config: Mapping[str, Any] | None = None,
     **kw: Any,
 ) -> TopkPicks:
     """Per-request vLLM top-k ``(n, L, k)`` (PR 49555's ``indexer_topk``, decoded with
     :func:`decode_vllm_indexer_topk`, or a NeMo-RL ``[T, L, K]`` payload split per request) ->
     :class:`~dsa_precision.picks.TopkPicks`. ``first_rows`` is the request's ``indexer_topk_prompt_start``; for a
-    NeMo-RL payload, ``layer_numbers`` are its ``layer_ids`` + 1. As :func:`pack_requests`."""
+    NeMo-RL payload, ``layer_numbers`` are its ``layer_ids`` + 1. ``engine_config``: checked by
+    :func:`check_vllm_engine_config` first (picks for verify or tie replay; BF16 logits raise).
+    Otherwise as :func:`pack_requests`."""
+    if engine_config is not None:
+        check_vllm_engine_config(engine_config)
     return pack_requests(rows, seq_lens, source="vllm", **kw)
 
 
@@ -81,6 +275,7 @@ def from_vllm_steps(
     *,
     topk: int,
     order: Sequence[object] | None = None,
+    engine_config: Mapping[str, Any] | None = None,
     **kw: Any,
 ) -> TopkPicks:
     """Reassemble per-step vLLM buffers into per-request rows, then :func:`pack_requests`.
@@ -89,7 +284,11 @@ def from_vllm_steps(
     speculative verification with ``kept_rows``); a gap (a prefix-cache hit computes no rows for
     the cached tokens) or an overlap is an error naming the request and the positions.
     ``topk``: the index top-k (the buffer's first ``topk`` columns are the picks).
+    ``engine_config``: checked by :func:`check_vllm_engine_config` first (BF16 logits raise).
+    A ShardQ step's per-rank copies are merged first (:func:`merge_vllm_shardq_rows`).
     """
+    if engine_config is not None:
+        check_vllm_engine_config(engine_config)
     topk = int_at_least("topk", topk, low=1)
     if isinstance(steps, VllmStep) or not isinstance(steps, Sequence):
         raise TypeError(
