@@ -75,6 +75,12 @@ def save_picks(path: str | Path, picks: TopkPicks) -> None:
             f"save_picks takes a TopkPicks (record_topk's .picks, the capture adapters' result), "
             f"got {type(picks).__name__}."
         )
+    if picks.sent is not None:
+        raise ValueError(
+            "save_picks: these picks hold the engine's tied rows only (pack_tie_rows), not a "
+            "replay file's every row; store the engine's frames instead (TieRows.to_bytes per "
+            "request and layer, TieRows.from_bytes to read them back)."
+        )
     entries = sorted((_layer_entry(n, t) for n, t in picks.indices.items()), key=lambda e: e[0])
     tensors = {f"layer_{n:02d}": t.detach().cpu().contiguous() for n, t in entries}
     if picks.cu_seqlens is not None:

@@ -187,3 +187,14 @@ def test_bad_frames_and_calls_are_named():
         )
     with pytest.raises(TypeError, match=r"lengths: expected \(2,\) integers"):
         engine_tie_rows(torch.zeros(2, 3), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2))
+
+
+def test_tied_rows_are_not_a_replay_file(tmp_path):
+    from dsa_precision.capture import save_picks
+
+    one = TieRows(
+        torch.zeros(3, dtype=torch.int64), torch.tensor([1]), torch.zeros(1, 2, dtype=torch.int32)
+    )
+    with pytest.raises(ValueError, match=r"tied rows only .*TieRows.to_bytes"):
+        save_picks(tmp_path / "p.pt", pack_tie_rows([{1: one}], [3]))
+    assert not (tmp_path / "p.pt").exists()
