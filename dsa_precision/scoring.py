@@ -438,6 +438,7 @@ def indexer_scores(
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     clean = check_bool("clean", clean)  # a truthy "False" would return the other type
+    validate = check_bool("validate", validate)  # a truthy "no" would read the data
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     offsets = causal_offsets(
@@ -607,6 +608,7 @@ def indexer_scores_varlen(
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     clean = check_bool("clean", clean)  # a truthy "False" would return the other type
+    validate = check_bool("validate", validate)  # a truthy "no" would read the data
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
     check_varlen_args(

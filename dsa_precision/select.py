@@ -189,6 +189,8 @@ def indexer_select(
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    deterministic = check_bool("deterministic", deterministic)
+    validate = check_bool("validate", validate)
     ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
@@ -285,6 +287,8 @@ def indexer_select_varlen(
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
     if chunk_bytes is not None:
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    deterministic = check_bool("deterministic", deterministic)
+    validate = check_bool("validate", validate)
     if not isinstance(q, ScoringOperands) and isinstance(q, torch.Tensor) and q.ndim == 3:
         q = q.unsqueeze(0)
         k = None if k is None else k.reshape(1, k.shape[0], k.shape[-1])

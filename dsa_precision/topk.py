@@ -24,6 +24,7 @@ from .backends import cudnn
 from .checks import (
     INT32_MAX,
     as_int32_tensor,
+    check_bool,
     check_float_dtype,
     check_int_tensor,
     check_positive_int,
@@ -148,6 +149,8 @@ def indexer_topk(
         int32 ``(..., k)``: each row's selected key indices in ascending order, ``-1`` in the
         slots that select nothing.
     """
+    deterministic = check_bool("deterministic", deterministic)
+    validate = check_bool("validate", validate)
     name, limit = "seq_lens", "S_k"
     if isinstance(scores, WindowScores):
         if seq_lens is not None:

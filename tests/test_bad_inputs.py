@@ -272,6 +272,16 @@ ERRORS = [
     ("select_varlen: removed scoring_precision=", varlen(indexer_select_varlen, scoring_precision="bf16"), TypeError, r"indexer_select_varlen\(\) takes the precision"),
     ("prepare: removed scoring_precision=", lambda: prepare_scoring_operands(*qkw(), scoring_precision="fp8"), TypeError, r"prepare_scoring_operands\(\) takes the precision as one object"),
     ("prepare: config string", lambda: prepare_scoring_operands(*qkw(), config="fp8"), TypeError, "config must be an IndexerPrecisionConfig, got 'fp8'"),
+    # -------------------------------- boolean flags are bools (a truthy "no" is not False)
+    ("scores: validate string", scores(validate="no"), TypeError, r"validate must be a bool, got 'no' \(str\); pass True or False"),
+    ("scores: validate int", scores(validate=1), TypeError, r"validate must be a bool, got 1 \(int\)"),
+    ("varlen: validate string", varlen(validate="False"), TypeError, r"validate must be a bool, got 'False' \(str\)"),
+    ("select: validate tensor", select(validate=torch.tensor(True)), TypeError, r"validate must be a bool, got tensor\(True\) \(Tensor\)"),
+    ("select: deterministic string", select(deterministic="no"), TypeError, r"deterministic must be a bool, got 'no' \(str\)"),
+    ("select_varlen: validate int", varlen(indexer_select_varlen, validate=0), TypeError, r"validate must be a bool, got 0 \(int\)"),
+    ("select_varlen: deterministic None", varlen(indexer_select_varlen, deterministic=None), TypeError, r"deterministic must be a bool, got None \(NoneType\)"),
+    ("topk: validate string", topk(validate="yes"), TypeError, r"validate must be a bool, got 'yes' \(str\)"),
+    ("topk: deterministic int", topk(deterministic=0), TypeError, r"deterministic must be a bool, got 0 \(int\)"),
 ]  # fmt: skip
 
 
