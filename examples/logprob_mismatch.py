@@ -282,9 +282,10 @@ def kernel_rollout_picks(
     picks), :func:`~dsa_precision.oracles.engine_kernels.engine_layer_scores` scores that
     layer's rows with the engine's code and ``select`` (per sequence ``(S, S)`` logits, ``k`` ->
     per sequence ``(S, k)`` picks) picks from them. ``model_picks`` (the package's model's)
-    stand in for the layers not yet made. Returns the ``TopkPicks``, the engine's tied rows
+    stand in for the layers not yet made. Returns the ``TopkPicks``; the engine's tied rows
     (every row's digest and the tied rows' picks, :func:`~dsa_precision.capture.pack_tie_rows`:
-    what the engine sends for ``replay_ties``) and the engine code's source."""
+    what the engine sends for ``replay_ties``) with, per layer, how many of them tie at an exact
+    0; and the engine code's source."""
     import dataclasses
 
     import dsa_precision.megatron as dsap
@@ -296,6 +297,7 @@ def kernel_rollout_picks(
     indices, source = dict(model_picks.indices), ""
     seq = tokens.shape[1]
     frames: list[dict[int, object]] = [{} for _ in range(tokens.shape[0])]
+    at_zero: dict[int, int] = {}  # per layer: rows sent whose k-th score is an exact 0
     pos = torch.arange(seq, device=tokens.device).expand_as(tokens)
     lengths = torch.arange(1, seq + 1, device=tokens.device)
     for number in sorted(model_picks.indices):
@@ -316,11 +318,15 @@ def kernel_rollout_picks(
             hook.remove()
         logits, source = engine_layer_scores(attn.indexer, seen["x"], seen["qr"], scores=scores)
         picks = select(logits, min(attn.index_topk, seq))
+        at_zero[number] = 0
         for b, (s, p) in enumerate(zip(logits, picks, strict=True)):
-            frames[b][number] = engine_tie_rows(s, p, lengths.to(s.device))
+            frame = frames[b][number] = engine_tie_rows(s, p, lengths.to(s.device))
+            kth = s[frame.rows].gather(-1, frame.picks.clamp(min=0).long())
+            kth = kth.masked_fill(frame.picks < 0, float("inf")).amin(-1)
+            at_zero[number] += int((kth == 0).sum())
         indices[number] = torch.cat(picks)
     ties = pack_tie_rows(frames, [seq] * len(frames), seq_len=seq)
-    return dataclasses.replace(model_picks, indices=indices), ties, source
+    return dataclasses.replace(model_picks, indices=indices), (ties, at_zero), source
 
 
 def rollout_select(args: argparse.Namespace) -> Callable:
@@ -348,9 +354,9 @@ def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
         while len(losses) < step:
             losses.append(trainer.step(*train_batches[len(losses)]))
         picks, source = engine_picks(engine, trained, tokens), "the package's model of the engine"
-        ties = None
+        ties, at_zero = None, None
         if args.rollout == "engine-kernels":
-            picks, ties, source = kernel_rollout_picks(
+            picks, (ties, at_zero), source = kernel_rollout_picks(
                 replay, trained, tokens, picks, args.rollout_scores, rollout_select(args)
             )
             top = "vLLM's own top-k kernels" if args.rollout_topk == "vllm" else "an exact top-k"
@@ -363,6 +369,7 @@ def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
         seconds = time.perf_counter() - t0
         checkpoints.append(dict(step=step, loss=losses[-1] if losses else None, seconds=seconds,
                                 rollout=source, ties=ties,
+                                ties_at_zero=at_zero if ties is not None else None,
                                 exact_topk=args.rollout_topk == "exact",
                                 reports=reports, picks=picks, tokens=tokens, labels=labels))  # fmt: skip
         say(_heading(args, step, losses, tokens, seconds))
@@ -502,7 +509,7 @@ def as_json(args: argparse.Namespace, result: dict) -> dict:
     checkpoints = [
         dict(step=c["step"], loss=c["loss"], seconds=c["seconds"], rollout=c.get("rollout"),
              reports=[r.as_dict() for r in c["reports"]],
-             ties=_tie_payload(c.get("ties"), c.get("picks")))
+             ties=_tie_payload(c.get("ties"), c.get("picks"), c.get("ties_at_zero")))
         for c in result["checkpoints"]
     ]  # fmt: skip
     settings = {k: getattr(args, k) for k in ("tiny", "device", "seq", "topk", "batch", "steps",
@@ -515,10 +522,11 @@ def as_json(args: argparse.Namespace, result: dict) -> dict:
                 train_losses=result.get("train_losses"), checks=checks(result))  # fmt: skip
 
 
-def _tie_payload(ties, picks) -> dict | None:
+def _tie_payload(ties, picks, at_zero) -> dict | None:
     """What the engine sends for replay_ties (every row's 8-byte digest, the sent rows' numbers
     and delta-coded picks, framed: ``TieRows.to_bytes``) against full replay's picks, int32 and
-    delta-coded, in bytes per token and layer."""
+    delta-coded, in bytes per token and layer; the rows sent per layer, and of them those whose
+    k-th score is an exact 0."""
     if ties is None:
         return None
     from dsa_precision.capture import TieRows, encode_picks
@@ -531,7 +539,9 @@ def _tie_payload(ties, picks) -> dict | None:
         int32 += 4 * picks.indices[n].numel()
         delta += encode_picks(picks.indices[n], "delta").nbytes
     per = tokens * len(ties.sent)
-    return dict(layers=len(ties.sent), tokens=tokens, rows_sent=rows_sent,
+    per_layer = {n: dict(rows_sent=int(r.numel()), at_zero=(at_zero or {}).get(n))
+                 for n, r in sorted(ties.sent.items())}  # fmt: skip
+    return dict(layers=len(ties.sent), tokens=tokens, rows_sent=rows_sent, per_layer=per_layer,
                 bytes_per_token_layer=sent / per, int32_bytes_per_token_layer=int32 / per,
                 delta_bytes_per_token_layer=delta / per, share_of_int32=sent / int32,
                 share_of_delta=sent / delta)  # fmt: skip

@@ -274,6 +274,8 @@ def test_the_engines_tied_rows_replayed_close_the_tie_floor():
     assert "selected by vLLM's own top-k kernels" in c["rollout"]
     ties = c["ties"]
     assert ties["rows_sent"] > 0 and ties["layers"] == 2
+    first = ties["per_layer"]["1"]  # the zeroed tokens: rows of exact-0 scores in layer 1
+    assert first["rows_sent"] > 0 and first["at_zero"] == first["rows_sent"]
     assert ties["bytes_per_token_layer"] < ties["int32_bytes_per_token_layer"]
     reports = {r["name"]: r for r in c["reports"]}
     own, replayed = reports["rope_fp32+fp8"], reports["rope_fp32+fp8+ties"]
