@@ -175,8 +175,42 @@ class IndexerPrecisionConfig:
 
         Raises:
             ValueError: one message listing every violated rule, each naming the field, its value
-                and the fix.
+                and the fix (:meth:`model_problems` returns them as a list).
         """
+        problems = self.model_problems(
+            indexer_loss_coeff=indexer_loss_coeff,
+            n_heads=n_heads,
+            head_dim=head_dim,
+            rotate_activation=rotate_activation,
+            rope_interleaved=rope_interleaved,
+            device=device,
+            k_norm_eps=k_norm_eps,
+            k_norm_eps_field=k_norm_eps_field,
+            params_dtype=params_dtype,
+            rope_type=rope_type,
+        )
+        if problems:
+            raise ValueError(
+                f"IndexerPrecisionConfig({self.short_str()}, engine={self.engine.name!r}) cannot "
+                "be honoured:\n  - " + "\n  - ".join(problems)
+            )
+
+    def model_problems(
+        self,
+        *,
+        indexer_loss_coeff: float | None,
+        n_heads: int,
+        head_dim: int,
+        rotate_activation: bool = False,
+        rope_interleaved: bool = False,
+        device: torch.device | str | None = None,
+        k_norm_eps: float | None = None,
+        k_norm_eps_field: str | None = None,
+        params_dtype: torch.dtype | None = None,
+        rope_type: str | None = None,
+    ) -> list[str]:
+        """The rules :meth:`validate_for_model` checks (same arguments), as data: one line per
+        violated rule, naming the field, its value and the fix; empty when the model can run."""
         problems = []
         for name, value in (("dsa_indexer_n_heads", n_heads), ("dsa_indexer_head_dim", head_dim)):
             try:
@@ -215,11 +249,7 @@ class IndexerPrecisionConfig:
                     "kernels are SM90 (Hopper) only; run on such a GPU or use "
                     "scoring_precision='bf16'"
                 )
-        if problems:
-            raise ValueError(
-                f"IndexerPrecisionConfig({self.short_str()}, engine={self.engine.name!r}) cannot "
-                "be honoured:\n  - " + "\n  - ".join(problems)
-            )
+        return problems
 
     @classmethod
     def from_megatron_config(cls, config: Any) -> IndexerPrecisionConfig:

@@ -140,3 +140,17 @@ def test_fp8_on_a_blackwell_gpu_is_refused(monkeypatch):
         IndexerPrecisionConfig(scoring_precision="fp8").validate_for_model(
             **{**GOOD, "device": "cuda:0"}
         )
+
+
+def test_model_problems_are_the_lines_validate_for_model_raises():
+    config = IndexerPrecisionConfig(scoring_precision="fp8")
+    kw = dict(indexer_loss_coeff=0.1, n_heads=48, head_dim=96, device="cpu")
+    problems = config.model_problems(**kw)
+    assert len(problems) == 3 and all(isinstance(p, str) for p in problems)
+    assert any(p.startswith("dsa_indexer_n_heads=48") for p in problems)
+    with pytest.raises(ValueError) as err:
+        config.validate_for_model(**kw)
+    assert str(err.value).splitlines()[1:] == [f"  - {p}" for p in problems]
+    assert (
+        config.model_problems(indexer_loss_coeff=0.0, n_heads=32, head_dim=128, device="cpu") == []
+    )

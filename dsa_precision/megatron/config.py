@@ -365,22 +365,17 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
     # act on here; a spec builder refuses a spec with no DSA layer for them (specs.py).
     if config.dsa_indexer_n_heads is not None or config.dsa_indexer_head_dim is not None:
         k_norm_eps, k_norm_eps_field = indexer_k_norm_eps(config)
-        try:
-            precision.validate_for_model(
-                indexer_loss_coeff=config.dsa_indexer_loss_coeff,
-                n_heads=config.dsa_indexer_n_heads,
-                head_dim=config.dsa_indexer_head_dim,
-                rotate_activation=config.dsa_indexer_rotate_activation,
-                rope_interleaved=config.dsa_indexer_rope_interleaved,
-                k_norm_eps=k_norm_eps,  # what Megatron builds the indexer's k_norm with
-                k_norm_eps_field=k_norm_eps_field,
-                params_dtype=config.params_dtype,  # the projections' and the k_norm's parameters
-                rope_type=config.rope_type,
-            )
-        except ValueError as exc:
-            problems.extend(
-                line.removeprefix("  - ") for line in str(exc).splitlines()[1:] if line.strip()
-            )
+        problems += precision.model_problems(
+            indexer_loss_coeff=config.dsa_indexer_loss_coeff,
+            n_heads=config.dsa_indexer_n_heads,
+            head_dim=config.dsa_indexer_head_dim,
+            rotate_activation=config.dsa_indexer_rotate_activation,
+            rope_interleaved=config.dsa_indexer_rope_interleaved,
+            k_norm_eps=k_norm_eps,  # what Megatron builds the indexer's k_norm with
+            k_norm_eps_field=k_norm_eps_field,
+            params_dtype=config.params_dtype,  # the projections' and the k_norm's parameters
+            rope_type=config.rope_type,
+        )
         if precision.rope_fp32:  # the engine's RoPE tables stand for Megatron's angles
             problems += _rope_problems(config)
     if problems:
