@@ -373,3 +373,16 @@ def test_design_logging_snippet(megatron_parallel, monkeypatch):
     want = {"dsa topk member agreement": 0.9, "dsa topk rows identical": 0.75}
     assert tensorboard.calls == [(name, pytest.approx(v), 7) for name, v in want.items()]
     assert wandb.calls == [({k: pytest.approx(v) for k, v in want.items()}, 7)]
+
+
+def test_the_docs_count_the_frozen_fields_as_the_code_does():
+    from dsa_precision.megatron.config import PRECISION_FIELDS
+
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    n = words[len(PRECISION_FIELDS)]
+    readme = (ROOT / "README.md").read_text()
+    guide = (ROOT / "docs/megatron.md").read_text()
+    assert f"{n.capitalize()} `TransformerConfig` fields" in readme
+    assert f"the {n} fields are frozen after validation" in guide
+    for field in PRECISION_FIELDS:
+        assert f"| `{field}` |" in guide, field
