@@ -585,3 +585,59 @@ def test_layers_share_the_static_buffers_of_their_graphs(dsap):
             assert torch.equal(got, eager.compute_topk(query, x, qr, None)), seed
     # x, qr in; the picks out: one set for both layers (none if an earlier test made them)
     assert len(graphs._STATIC) - before <= 3
+
+
+# ------------------------------------------------------------ dsa_indexer_topk_source="replay_ties"
+
+
+def _random_tie_topk(scores: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """A valid top-k of every row of ``scores`` ``(S, S)`` breaking ties at random (an engine
+    kernel's freedom): ``(S, k)`` int32, ``-1`` padding."""
+    g = torch.Generator(device=scores.device).manual_seed(seed)
+    order = torch.rand(scores.shape, device=scores.device, generator=g).argsort(-1)
+    by_score = torch.sort(scores.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    picks = order.gather(-1, by_score)[:, :k]
+    visible = (scores > float("-inf")).sum(-1, keepdim=True)
+    return torch.where(torch.arange(k, device=scores.device) < visible, picks, -1).int()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graphed"])
+def test_replay_ties_takes_the_engines_tied_rows_without_waiting_for_the_host(dsap, graph):
+    """Planted ties (zeroed hidden states: rows of exact-0 scores) broken at random by the
+    "engine" on the layer's own logits: replay_ties attends to the engine's picks on every row
+    (the output of full replay, bit for bit), from a CUDA graph or eagerly, and a replayed
+    forward (graph captured) never waits for the host."""
+    from dsa_precision import indexer_scores
+    from dsa_precision.capture import engine_tie_rows, pack_tie_rows
+
+    fields = CONFIGS["rope_fp32+fp8"]
+    ties = _attention(
+        dsap,
+        _config(
+            dsap, dsa_indexer_topk_source="replay_ties", dsa_indexer_cuda_graph=graph, **fields
+        ),
+    )
+    full = _attention(  # full replay scores nothing: no graph to capture
+        dsap,
+        _config(dsap, dsa_indexer_topk_source="replay", dsa_indexer_cuda_graph=False, **fields),
+    )
+    full.load_state_dict(ties.state_dict())
+    query, key, x, qr, up_v = _inputs(seed=3)
+    s = x.shape[0]
+    with torch.no_grad():
+        x[1000:1100] = 0  # zero indexer weights: every key of these rows scores exactly 0
+        logits = indexer_scores(ties.indexer.scoring_operands(x, qr, None))[0]
+    engine = _random_tie_topk(logits, 256, seed=5)
+    frame = engine_tie_rows(logits, engine, torch.arange(1, s + 1, device="cuda"))
+    assert frame.rows.numel() >= 100  # the zeroed rows, tied at 0
+    picks = pack_tie_rows([{1: frame}], [s], seq_len=s)
+    with dsap.engine_topk({1: engine}, seq_len=s):
+        want = _forward(full)(query, key, x, qr, up_v)
+    for step in range(3):  # the graph is captured on the first forward
+        with dsap.engine_topk(picks), no_host_sync() if step == 2 else contextlib.nullcontext():
+            got = _forward(ties)(query, key, x, qr, up_v)
+        assert torch.equal(got, want), step
+    m = dsap.topk_metrics(torch.nn.ModuleList([ties]))
+    assert m["dsa_topk/layer_01/undecided_rows"] == 0
+    assert m["dsa_topk/layer_01/digest_mismatch_rows"] == 0
+    assert m["dsa_topk/layer_01/replayed_rows"] == 3 * frame.rows.numel()
