@@ -17,7 +17,10 @@ see the README, "With Megatron-Bridge".
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -70,9 +73,28 @@ def one_gpu(provider, seq: int) -> None:
     provider.seq_length = seq
 
 
-def parse() -> argparse.Namespace:
+def _check_checkpoint(p: argparse.ArgumentParser, folder: Path) -> None:
+    """``folder`` holds a GLM-5 checkpoint's ``config.json`` (``model_type`` glm_moe_dsa)."""
+    config = folder / "config.json"
+    try:
+        fields = json.loads(config.read_text())
+    except FileNotFoundError:
+        p.error(f"--hf {folder}: no config.json; give a Hugging Face checkpoint's folder")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        p.error(f"--hf {folder}: config.json cannot be read ({' '.join(str(exc).split())[:200]})")
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if model_type != "glm_moe_dsa":
+        p.error(f"--hf {folder}: config.json has model_type {model_type!r}; this example reads "
+                f"GLM-5 checkpoints ('glm_moe_dsa')")  # fmt: skip
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hf", default=None, help="a Hugging Face GLM-5 checkpoint (default: the toy)")
+    p.add_argument(
+        "--hf",
+        default=None,
+        help="a Hugging Face GLM-5 checkpoint: its folder or Hub id (default: the toy)",
+    )
     p.add_argument("--rope-fp32", action="store_true", help="dsa_indexer_rope_fp32=True")
     p.add_argument("--fp8", action="store_true", help="dsa_indexer_scoring_precision='fp8'")
     p.add_argument("--engine", default="vllm", help="dsa_indexer_engine (default vllm)")
@@ -80,7 +102,36 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save", default=None, help="write the trained model here (Hugging Face)")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    # Refused with one line (exit status 2) before anything is imported or built.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import flag_checks as fc
+
+    fc.check_counts(p, args, dict(seq=1, steps=0))
+    fc.check_lr(p, args.lr)
+    fc.check_engine(p, args.engine)
+    if args.hf is not None:
+        hf = Path(args.hf)
+        if hf.exists() and not hf.is_dir():
+            p.error(f"--hf {args.hf}: a file; give a Hugging Face checkpoint's folder")
+        local = hf.is_absolute() or args.hf.startswith((".", "~")) or args.hf.count("/") != 1
+        if not hf.exists() and local:  # not a folder here, nor a Hub id (org/name)
+            p.error(f"--hf {args.hf}: no such folder; give a Hugging Face checkpoint's folder")
+        if hf.is_dir():
+            _check_checkpoint(p, hf)
+    if args.save is not None:
+        save = Path(args.save)
+        if save.exists() and not save.is_dir():
+            p.error(f"--save {args.save}: a file, not a folder")
+        if not save.exists() and not save.parent.is_dir():
+            p.error(f"--save {args.save}: its parent folder {save.parent} does not exist")
+    if not torch.cuda.is_available():
+        p.error("no CUDA device here: the example trains on one GPU (NCCL)")
+    missing = fc.missing_modules("megatron.bridge", "transformer_engine", "transformers")
+    if missing:
+        p.error(f"{' and '.join(missing)} cannot be imported here; install Megatron-Bridge and "
+                f"Transformer Engine (README, \"With Megatron-Bridge\")")  # fmt: skip
+    return args
 
 
 def main() -> int:

@@ -125,6 +125,7 @@ import torch.distributed as dist  # noqa: E402
 from dsa_precision.testing.megatron import megatron_on_cpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flag_checks as fc  # noqa: E402
 import parallel_runs as runs  # noqa: E402
 import toy_glm5_train as toy  # noqa: E402
 
@@ -151,10 +152,21 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--throughput-steps", type=int, default=5, help="timed steps (after 2 warm-up)")
     args = p.parse_args(argv)
-    args.seq = args.seq or (128 if args.tiny else 8192)
-    args.topk = args.topk or (16 if args.tiny else 2048)
+    # Refused with one line (exit status 2) before torch.distributed starts.
+    fc.check_counts(p, args, dict(seq=1, topk=1, batch=1, steps=1, throughput_steps=1))
+    fc.check_lr(p, args.lr)
+    fc.check_engine(p, args.engine)
+    args.device = fc.check_device(p, args.device)
+    fc.check_output(p, "json", args.json)
+    if args.seq is None:  # "or" would take --seq 0 for the default
+        args.seq = 128 if args.tiny else 8192
+    if args.topk is None:
+        args.topk = 16 if args.tiny else 2048
     seqs = args.throughput_seqs or ("128,256" if args.tiny else "16384,32768")
-    args.throughput_seqs = [int(s) for s in seqs.split(",")]
+    try:
+        args.throughput_seqs = [int(s) for s in seqs.split(",")]
+    except ValueError:
+        p.error(f"--throughput-seqs {seqs}: give comma-separated token counts, e.g. 16384,32768")
     args.configs = args.configs.split(",")
     args.model = runs.ToyModel(toy.model_config, toy._unswap, CONFIGS)
     args.layouts = args.layouts.split(",")
@@ -164,6 +176,18 @@ def parse(argv=None) -> argparse.Namespace:
     for name in args.layouts:
         if name not in runs.LAYOUTS:
             p.error(f"unknown layout {name!r}; choose from {', '.join(runs.LAYOUTS)}")
+    world = os.environ.get("WORLD_SIZE", "1")
+    if args.throughput:
+        # CP = 2 splits each sequence into 2 * CP zigzag chunks.
+        bad = [s for s in args.throughput_seqs if s < 4 or s % 4]
+        if bad:
+            p.error(f"--throughput-seqs {bad[0]}: give a multiple of 4 (CP=2's four chunks)")
+    else:
+        if world not in ("1", "2"):
+            p.error(f"WORLD_SIZE={world}: parallel_parity runs on 1 or 2 ranks "
+                    f"(torchrun --nproc-per-node 1|2)")  # fmt: skip
+        if args.seq % 64:  # the packed batches: four sequences of 7, 5, 3, 1 sixteenths
+            p.error(f"--seq {args.seq}: give a multiple of 64 (the packed THD micro-batches)")
     return args
 
 

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flag_checks as fc
 import toy_glm5_train as toy
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seq", type=int, default=8192)
@@ -45,7 +46,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--engine", default="vllm")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    # Refused with one line (exit status 2) before anything is built.
+    fc.check_counts(p, args, dict(steps=1, seq=1, topk=1, batch=1))
+    fc.check_lr(p, args.lr)
+    fc.check_engine(p, args.engine)
+    args.device = fc.check_device(p, args.device)
+    fc.check_output(p, "out", args.out)
+    return args
 
 
 ENGINE = toy.ENGINE  # the rope_fp32+fp8 fields

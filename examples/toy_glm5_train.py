@@ -47,6 +47,7 @@ import statistics
 import time
 import unittest.mock
 
+import flag_checks as fc
 import torch
 
 CONFIGS = {
@@ -90,6 +91,11 @@ MLPS = ("moe", "dense")
 PACKINGS: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
 
 
+def packing_weights(n: int) -> tuple[int, ...]:
+    """The relative lengths of ``--packed n``'s sequences: 4 : 1 : 3 : 2, repeated."""
+    return tuple((4, 1, 3, 2)[i % 4] for i in range(n))
+
+
 def set_packing(total: int, n: int, device: str) -> list[int]:
     """Register the THD packing of ``n`` sequences for batches of shape ``(1, total)``."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -97,7 +103,7 @@ def set_packing(total: int, n: int, device: str) -> list[int]:
     from dsa_precision.cli.bench_config import thd_lengths
 
     # n uneven sequences in proportion 4 : 1 : 3 : 2 (repeated), as the benchmarks pack them
-    lens = thd_lengths(total, tuple((4, 1, 3, 2)[i % 4] for i in range(n)))
+    lens = thd_lengths(total, packing_weights(n))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n_) for n_ in lens]).view(1, -1).to(device)
     cu = cu.to(device)
@@ -124,7 +130,7 @@ def packed_params(tokens: torch.Tensor):
     return None if packing is None else packing[1]
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--share-steps", type=int, default=3, help="steps of the top-k-sharing variant")
@@ -209,7 +215,14 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="small model and sequence (smoke test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    check(p, args)
+    return args
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags that cannot run refused with one line (exit status 2), before anything is built;
+    ``--tiny``'s sequence and the default ``--configs`` filled in."""
     if args.kernel_backend != "none" and args.stock_steps:
         p.error(
             f"--stock-steps {args.stock_steps} compares the default fields with stock Megatron "
@@ -217,7 +230,58 @@ def parse() -> argparse.Namespace:
             f"{args.kernel_backend}: atomic adds) does not reproduce run to run; pass "
             f"--stock-steps 0 with it"
         )
-    return args
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: give a count >= 2 (the run checks that the loss decreased)")
+    fc.check_counts(p, args, dict(
+        share_steps=0, stock_steps=0, seq=1, topk=1, batch=1, packed=0, attention_heads=1,
+        profile_steps=0, host_steps=0, top_kernels=0, manual_gc=0,
+    ))  # fmt: skip
+    fc.check_lr(p, args.lr)
+    fc.check_engine(p, args.engine)
+    args.device = fc.check_device(p, args.device)
+    fc.check_output(p, "out", args.out)
+    if args.tiny and args.seq == 2048:
+        args.seq = 256
+    if args.configs is None:
+        names = [n for n in CONFIGS if args.device != "cpu" or n not in GRAPHED]
+        names = [n for n in names if not args.packed or n not in REPLAYED]
+        args.configs = ",".join(names)
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            p.error(f"--configs: unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+        if name in GRAPHED and args.device == "cpu":
+            p.error(f"--configs: {name} replays CUDA graphs; leave it out on the CPU")
+    if args.kernel_backend != "none":
+        if args.device == "cpu":
+            p.error(f"--kernel-backend {args.kernel_backend} runs Megatron's fused CUDA kernels; "
+                    f"pass --kernel-backend none with --device cpu")  # fmt: skip
+        try:  # Megatron's own check of the fused kernels' packages (megatron-core >= 0.16)
+            from megatron.core.utils import _validate_dsa_kernel_backend_dependencies
+        except ImportError:
+            pass
+        else:
+            try:
+                _validate_dsa_kernel_backend_dependencies(args.kernel_backend)
+            except ValueError as exc:
+                p.error(f"--kernel-backend {args.kernel_backend}: {exc}")
+    if args.bridge and (missing := fc.missing_modules("megatron.bridge", "transformer_engine")):
+        p.error(f"--bridge builds the model with Megatron-Bridge and Transformer Engine; "
+                f"{' and '.join(missing)} cannot be imported here")  # fmt: skip
+    if args.packed:
+        if args.batch != 1 or set(args.configs.split(",")) & REPLAYED or args.stock_steps:
+            p.error(
+                f"--packed {args.packed}: pass --batch 1, --stock-steps 0 and no replay "
+                f"configuration (got --batch {args.batch}, --stock-steps {args.stock_steps}, "
+                f"--configs {args.configs})"
+            )
+        from dsa_precision.cli.bench_config import thd_lengths
+
+        try:
+            thd_lengths(args.seq, packing_weights(args.packed))
+        except ValueError:
+            p.error(f"--packed {args.packed}: {args.seq} tokens (--seq) leave an empty sequence "
+                    f"among {args.packed} in proportion 4:1:3:2; pass fewer sequences or a "
+                    f"larger --seq")  # fmt: skip
 
 
 def moe_fields(tiny: bool) -> dict:
@@ -837,19 +901,7 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.configs is None:
-        names = [n for n in CONFIGS if args.device != "cpu" or n not in GRAPHED]
-        names = [n for n in names if not args.packed or n not in REPLAYED]
-        args.configs = ",".join(names)
-    if args.packed:
-        if args.batch != 1 or set(args.configs.split(",")) & REPLAYED or args.stock_steps:
-            raise SystemExit(
-                f"--packed {args.packed}: pass --batch 1, --stock-steps 0 and no replay "
-                f"configuration (got --batch {args.batch}, --stock-steps {args.stock_steps}, "
-                f"--configs {args.configs})."
-            )
-    if args.tiny and args.seq == 2048:
-        args.seq = 256
+    """The run of the flags :func:`parse` checked (and filled in)."""
     if args.packed:
         args.packed_lengths = set_packing(args.seq, args.packed, args.device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

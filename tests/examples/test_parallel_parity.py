@@ -197,3 +197,58 @@ def test_megatron_on_cpu_is_scoped():
     with pytest.raises(Exception, match="not added"):  # Megatron's own tracker again
         with mp_random.get_cuda_rng_tracker().fork():
             pass
+
+
+BAD_FLAGS = [
+    (["--seq", "0"], "--seq 0: give a count >= 1"),
+    (["--seq", "100"], "--seq 100: give a multiple of 64 (the packed THD micro-batches)"),
+    (["--topk", "-1"], "--topk -1: give a count >= 1"),
+    (["--steps", "0"], "--steps 0: give a count >= 1"),
+    (["--batch", "0"], "--batch 0: give a count >= 1"),
+    (["--throughput-steps", "0"], "--throughput-steps 0: give a count >= 1"),
+    (["--throughput", "--throughput-seqs", "128,abc"], "--throughput-seqs 128,abc: give comma-separated token counts"),
+    (["--throughput", "--throughput-seqs", "130"], "--throughput-seqs 130: give a multiple of 4"),
+    (["--configs", "fp16"], "unknown configuration 'fp16'"),
+    (["--layouts", "tp4"], "unknown layout 'tp4'"),
+    (["--engine", "tgi"], "--engine 'tgi': choose one of"),
+    (["--lr", "0"], "--lr 0.0: give a positive finite learning rate"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here; run with --device cpu"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--json", "{tmp}/missing/parity.json"], "give a file path in an existing folder"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    """The launcher's module, its environment defaults (DSA_PRECISION_STRICT, ...) set while it
+    is imported and taken back after."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ):
+        return import_example("parallel_parity")
+
+
+@pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flags_are_one_line_errors(launcher, argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        launcher.parse(["--tiny", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.splitlines()[-1], err
+
+
+def test_the_world_size_and_the_defaults(launcher, capsys, monkeypatch):
+    """More than 2 ranks are refused before torch.distributed starts; ``--seq 0`` is refused
+    rather than read as "the default"; good flags parse with the tiny defaults."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as exit_:
+        launcher.parse(["--tiny", "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert "WORLD_SIZE=4: parallel_parity runs on 1 or 2 ranks" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = launcher.parse(["--tiny", "--device", "cpu"])
+    assert (args.seq, args.topk, args.throughput_seqs) == (128, 16, [128, 256])
+    args = launcher.parse(["--tiny", "--device", "cpu", "--seq", "192", "--topk", "8"])
+    assert (args.seq, args.topk) == (192, 8)

@@ -107,3 +107,85 @@ def test_the_full_size_toy_is_the_seeds_moe_model(megatron_parallel):
     assert dense.num_moe_experts is None
     with pytest.raises(ValueError, match="mlp='sparse'"):
         toy.model_config(argparse.Namespace(**vars(args), mlp="sparse"))
+
+
+TOY_BAD_FLAGS = [
+    (["--steps", "1"], "--steps 1: give a count >= 2"),
+    (["--steps", "-5"], "--steps -5: give a count >= 2"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--seq", "0"], "--seq 0: give a count >= 1"),
+    (["--topk", "-3"], "--topk -3: give a count >= 1"),
+    (["--batch", "0"], "--batch 0: give a count >= 1"),
+    (["--share-steps", "-1"], "--share-steps -1: give a count >= 0"),
+    (["--manual-gc", "-1"], "--manual-gc -1: give a count >= 0"),
+    (["--attention-heads", "0"], "--attention-heads 0: give a count >= 1"),
+    (["--lr", "inf"], "--lr inf: give a positive finite learning rate"),
+    (["--lr=-1e-3"], "--lr -0.001: give a positive finite learning rate"),
+    (["--lr", "0"], "--lr 0.0: give a positive finite learning rate"),
+    (["--engine", "tgi"], "--engine 'tgi': choose one of"),
+    (["--mlp", "sparse"], "argument --mlp: invalid choice: 'sparse'"),
+    (["--configs", "fp16"], "--configs: unknown configuration 'fp16'"),
+    (["--configs", "baseline,"], "--configs: unknown configuration ''"),
+    (["--configs", "rope_fp32+fp8+graph"], "rope_fp32+fp8+graph replays CUDA graphs"),
+    (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here; run with --device cpu"),
+    (["--packed", "3", "--batch", "2", "--stock-steps", "0"], "--packed 3: pass --batch 1"),
+    (["--packed", "3"], "--packed 3: pass --batch 1, --stock-steps 0"),
+    (["--packed", "3", "--stock-steps", "0", "--configs", "replay"], "no replay configuration"),
+    (["--packed", "300", "--stock-steps", "0"],
+     "--packed 300: 256 tokens (--seq) leave an empty sequence among 300"),
+    (["--kernel-backend", "cudnn", "--stock-steps", "0"],
+     "--kernel-backend cudnn runs Megatron's fused CUDA kernels; pass --kernel-backend none"),
+    (["--kernel-backend", "tilelang"], "--stock-steps 3 compares the default fields"),
+    (["--out", "{tmp}/no/toy.json"], "give a file path in an existing folder"),
+    (["--out", "{tmp}"], "give a file path in an existing folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message", TOY_BAD_FLAGS, ids=[" ".join(a) for a, _ in TOY_BAD_FLAGS]
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys, monkeypatch, tmp_path):
+    """Every flag the run cannot honour ends the command in one line and exit status 2
+    (argparse's), before anything is built; the device as this machine has none."""
+    toy = import_example("toy_glm5_train")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        toy.parse(["--tiny", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.splitlines()[-1], err
+
+
+def test_bridge_without_its_packages_is_a_one_line_error(capsys, monkeypatch):
+    toy = import_example("toy_glm5_train")
+    fc = import_example("flag_checks")
+    monkeypatch.setattr(fc, "missing_modules", lambda *names: ["transformer_engine"])
+    with pytest.raises(SystemExit) as exit_:
+        toy.parse(["--tiny", "--device", "cpu", "--bridge"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and "--bridge builds the model" in err
+    assert "transformer_engine cannot be imported here" in err
+
+
+def test_good_flags_parse_with_the_tiny_defaults_filled_in(tmp_path):
+    toy = import_example("toy_glm5_train")
+    args = toy.parse(["--tiny", "--device", "cpu:0", "--out", str(tmp_path / "toy.json")])
+    assert (args.seq, args.device) == (256, "cpu")  # "cpu:0" as the run compares it
+    assert args.configs.split(",") == [n for n in toy.CONFIGS if n not in toy.GRAPHED]
+    packed = toy.parse(["--tiny", "--device", "cpu", "--packed", "4", "--stock-steps", "0"])
+    assert "replay" not in packed.configs.split(",")
+
+
+def test_a_bad_flag_on_the_command_line_prints_no_traceback():
+    run = subprocess.run(
+        [sys.executable, "examples/toy_glm5_train.py", "--tiny", "--device", "cpu", "--steps", "0"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--steps 0: give a count >= 2 (the run checks that the loss decreased)")
+    )

@@ -353,6 +353,38 @@ def test_a_list_of_model_chunks_is_a_model():
         logprob_mismatch("model", tokens, picks, rollout_logprobs=torch.zeros(BATCH, SEQ))
 
 
+def test_chunks_as_a_tuple_and_several_chunks_with_their_forward():
+    """A tuple of chunks is a model as a list is; several chunks run by the caller's forward (it
+    gets the chunks as given) give the one module's log-probs, every chunk in eval mode during
+    the call and back in its own mode after; a chunk that is not a module is refused by name."""
+    args = _args()
+    model, replay = _models(args, "rope_fp32+fp8")
+    second = _toy(args, **import_example("toy_glm5_train").CONFIGS["replay"])
+    second.train(False)  # the modes to be restored: replay training, second eval
+    tokens = _tokens(7)
+    picks = _engine_picks(args, model.state_dict(), tokens)
+    single = replay_logprobs(replay, tokens, picks)
+    assert torch.equal(replay_logprobs((replay,), tokens, picks), single)
+    modes = []
+
+    def forward(chunks):  # a pipeline schedule's forward, here: the first chunk does it all
+        assert isinstance(chunks, list) and chunks[1] is second
+        modes.append((chunks[0].training, chunks[1].training))
+        return chunks[0](tokens, _positions(tokens), None)
+
+    assert torch.equal(replay_logprobs([replay, second], tokens, picks, forward=forward), single)
+    assert modes == [(False, False)] and replay.training and not second.training
+    report = logprob_mismatch((model,), tokens, picks, replay_model=(replay,))
+    assert report.as_dict() == logprob_mismatch(model, tokens, picks, replay_model=replay).as_dict()
+    with pytest.raises(ValueError, match=r"the model is 2 model chunks .*pass forward="):
+        replay_logprobs((replay, second), tokens, picks)
+    for bad in ([replay, "chunk"], (), []):
+        with pytest.raises(TypeError, match=r"replay_model is .*list of its model chunks"):
+            replay_logprobs(bad, tokens, picks)
+    with pytest.raises(TypeError, match=r"^model is tuple; pass the model"):
+        logprob_mismatch((model, None), tokens, picks, replay_model=replay)
+
+
 def test_custom_clip_ranges_are_printed_in_the_tables():
     args = _args()
     model, replay = _models(args, "baseline")
