@@ -7,7 +7,12 @@ For each sequence length and head count: the package's FP8 operands of the demo'
 synthetic projections (``rope_fp32+fp8``, profile ``vllm``), scored by DeepGEMM (``indexer_scores
 (backend="deepgemm")``: the kernel vLLM scores with) on sampled query rows (every row past the
 first top-k up to ``--all-rows``, else ``--blocks`` blocks of ``--block`` consecutive rows spread
-over the sequence), then each of vLLM's four top-k kernels on those logits. Per kernel:
+over the sequence), then each of vLLM's four top-k kernels on those logits, and (``--engines``;
+not yet run on a GPU) SGLang 0.5.23's (``sglang-decode`` / ``sglang-prefill``: its JIT top-k v2
+from ``DSA_ENGINE_KERNELS``; ``sglang-prefill-paged``: sgl-kernel's compiled op,
+``DSA_SGL_KERNEL_OPS``, under torch 2.14 only) and LMDeploy 0.18.0's (``lmdeploy-tilelang``,
+``lmdeploy-bitonic``: :mod:`dsa_precision.oracles.lmdeploy_topk`); a kernel that cannot run here
+is listed with the reason. Per kernel:
 
 - rows that differ from the exact top-k (ties to the lower key), split by
   :func:`dsa_precision.ties.classify_rows` into tie (the kernel's set is a valid top-k of the
@@ -37,7 +42,7 @@ import torch
 
 from dsa_precision import IndexerPrecisionConfig, indexer_scores, indexer_topk
 from dsa_precision.capture import encode_picks, engine_tie_rows
-from dsa_precision.oracles import vllm_topk
+from dsa_precision.oracles import lmdeploy_topk, sglang_topk, vllm_topk
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 from dsa_precision.oracles.training import IndexerFields, training_operands
 from dsa_precision.ties import INVALID, PRECISION, TIE, classify_rows, selection_margins
@@ -51,6 +56,24 @@ def _rows(seq: int, topk: int, args: argparse.Namespace) -> list[tuple[int, int]
     span = seq - topk - args.block
     starts = [topk + span * i // max(args.blocks - 1, 1) for i in range(args.blocks)]
     return [(a, a + args.block) for a in starts]
+
+
+def _kernels(engines: list[str]) -> dict[str, tuple]:
+    """Table label -> (oracle module, its kernel): vLLM's four under their own names, SGLang's
+    and LMDeploy's prefixed with the engine (not yet run on a GPU)."""
+    out: dict[str, tuple] = {}
+    if "vllm" in engines:
+        out.update({name: (vllm_topk, name) for name in vllm_topk.KERNELS})
+    if "sglang" in engines:
+        out.update({f"sglang-{name}": (sglang_topk, name) for name in sglang_topk.KERNELS})
+    if "lmdeploy" in engines:
+        out.update({f"lmdeploy-{name}": (lmdeploy_topk, name) for name in lmdeploy_topk.KERNELS})
+    return out
+
+
+def _missing(engine, name: str) -> str | None:
+    """Why the oracle ``engine``'s kernel ``name`` cannot run here (``None``: it can)."""
+    return engine.missing_reason() if engine is vllm_topk else engine.missing_reason(name)
 
 
 def _time(fn, repeat: int) -> float:
@@ -92,22 +115,23 @@ def run_case(seq: int, heads: int, args: argparse.Namespace) -> dict:
         "tied_rows": int(tied.sum()), "tied_at_zero": int((tied & (kth == 0)).sum()),
         "kernels": {},
     }  # fmt: skip
-    for name in vllm_topk.KERNELS:
-        why = vllm_topk.applies(
-            name, min(rows, args.split) if name == "cooperative" else rows, topk
+    for label, (engine, name) in _kernels(args.engines).items():
+        cooperative = engine is vllm_topk and name == "cooperative"
+        why = _missing(engine, name) or engine.applies(
+            name, min(rows, args.split) if cooperative else rows, topk
         )
         if why is not None:
-            case["kernels"][name] = {"skipped": why}
+            case["kernels"][label] = {"skipped": why}
             continue
 
-        def call(rows_: slice, name=name) -> torch.Tensor:
-            if name == "cooperative":  # vLLM runs it on up to 64 rows: calls of --split rows
+        def call(rows_: slice, engine=engine, name=name, cooperative=cooperative) -> torch.Tensor:
+            if cooperative:  # vLLM runs it on up to 64 rows: calls of --split rows
                 parts = [
-                    vllm_topk.run(name, s[i : i + args.split], lens[i : i + args.split], topk)
+                    engine.run(name, s[i : i + args.split], lens[i : i + args.split], topk)
                     for i in range(rows_.start or 0, rows_.stop or rows, args.split)
                 ]
                 return torch.cat(parts)
-            return vllm_topk.run(name, s[rows_], lens[rows_], topk)
+            return engine.run(name, s[rows_], lens[rows_], topk)
 
         every = slice(0, rows)
         picks = call(every)
@@ -133,12 +157,16 @@ def run_case(seq: int, heads: int, args: argparse.Namespace) -> dict:
         same = (merged.long().sort(-1).values == keys[0]).all(-1)
         sent = torch.zeros(rows, dtype=torch.bool, device=device)
         sent[frame.rows] = True
-        tie_bytes = len(frame.to_bytes())
-        delta_bytes = encode_picks(picks.cpu(), "delta").nbytes
+        try:  # a row that repeats a key (LMDeploy's bitonic_topk on ties) has no wire format
+            tie_bytes: float = len(frame.to_bytes())
+            delta_bytes: float = encode_picks(picks.cpu(), "delta").nbytes
+        except ValueError as exc:
+            print(f"engine_topk: {label}: no frame bytes: {exc}", file=sys.stderr)
+            tie_bytes, delta_bytes = float("nan"), float("nan")
         t_kernel = _time(lambda every=every: call(every), args.repeat)
         t_ties = _time(lambda picks=picks: engine_tie_rows(s, picks, lens), args.repeat)
         differs = causes != 0
-        case["kernels"][name] = {
+        case["kernels"][label] = {
             "differ": int(differs.sum()),
             "tie": int((causes == TIE).sum()),
             "wrong": int((causes == PRECISION).sum()),
@@ -203,12 +231,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scores", default="deepgemm", help="the scoring backend (deepgemm: vLLM's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--engines", nargs="+", default=["vllm"], choices=["vllm", "sglang", "lmdeploy"],
+        help="whose top-k kernels (default vLLM's: gpu_session.sh's engine-topk step); a kernel "
+        "that cannot run here is listed with the reason",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    why = vllm_topk.missing_reason()
-    if why is not None:
-        print(f"engine_topk: {why}", file=sys.stderr)
+    kernels = _kernels(args.engines)
+    reasons = {label: _missing(engine, name) for label, (engine, name) in kernels.items()}
+    for label, why in reasons.items():
+        if why is not None:
+            print(f"engine_topk: {label}: {why}", file=sys.stderr)
+    if all(why is not None for why in reasons.values()):
         return 2
-    print("vLLM ops:", vllm_topk.load(), "| device:", torch.cuda.get_device_name())
+    if "vllm" in args.engines and vllm_topk.missing_reason() is None:
+        print("vLLM ops:", vllm_topk.load())
+    if "sglang" in args.engines and reasons.get("sglang-decode") is None:
+        print("SGLang top-k v2:", sglang_topk.build())
+    if "lmdeploy" in args.engines:
+        for name in lmdeploy_topk.KERNELS:
+            if reasons[f"lmdeploy-{name}"] is None:
+                print(f"LMDeploy {name}:", lmdeploy_topk.source(name))
+    print("device:", torch.cuda.get_device_name() if args.device == "cuda" else args.device)
     cases = []
     for seq in args.seq:
         for heads in args.heads:

@@ -14,4 +14,7 @@ command; nothing here is on a training path, and importing it loads no kernel.
 - :mod:`.legacy_kernel`: vLLM 0.28's own CUDA key quantization, the ``vllm-legacy`` k oracle.
 - :mod:`.legacy_q`: vLLM 0.28's own Triton query kernel, the ``vllm-legacy`` q oracle.
 - :mod:`.training`: the package's operands of the same inputs (:func:`training_operands`).
+- :mod:`.vllm_topk`, :mod:`.sglang_topk`, :mod:`.lmdeploy_topk`: the engines' own indexer top-k
+  kernels (vLLM's ops library; SGLang's JIT top-k v2 and sgl-kernel's op; LMDeploy's TileLang and
+  Triton kernels), one ``run(kernel, logits, lengths, k)`` each.
 """

@@ -4,16 +4,18 @@ closes the gap. Fails if a kernel starts to differ on a row without a boundary t
 that is no top-k, or if the rows the engine sends stop being the rows training finds tied.
 Run as docs/gpu-validation.md, "The engines' top-k", says."""
 
+import functools
+
 import pytest
 import torch
 
 from dsa_precision import IndexerPrecisionConfig, classify_rows, indexer_scores, indexer_topk
 from dsa_precision.backends import deepgemm
 from dsa_precision.capture import TieRows, engine_tie_rows
-from dsa_precision.oracles import vllm_topk
+from dsa_precision.oracles import lmdeploy_topk, sglang_topk, vllm_topk
 from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 from dsa_precision.oracles.training import IndexerFields, training_operands
-from dsa_precision.ties import SAME, TIE, selection_margins
+from dsa_precision.ties import INVALID, PRECISION, SAME, TIE, selection_margins
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +35,19 @@ def logits():
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
+    return _scored()
+
+
+@pytest.fixture(scope="module")
+def engine_logits():
+    """The same logits for SGLang's and LMDeploy's kernels (DeepGEMM, no vLLM ops library)."""
+    if not deepgemm.deepgemm_available():
+        pytest.skip("DeepGEMM is not importable (deep_gemm or vLLM's vllm.third_party.deep_gemm)")
+    return _scored()
+
+
+@functools.cache
+def _scored():
     config = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8", engine="vllm")
     inputs = synthetic_indexer_inputs(SEQ, n_heads=32, seed=0).to("cuda")
     ops = training_operands(inputs, config, IndexerFields())
@@ -84,3 +99,56 @@ def test_the_digest_and_count_kernels_give_the_cpu_bits():
     on_cpu = engine_tie_rows(logits, picks, lengths)
     assert torch.equal(on_gpu.rows.cpu(), on_cpu.rows) and on_cpu.rows.numel() > 0
     assert torch.equal(on_gpu.digests.cpu(), on_cpu.digests)
+
+
+def _check_tie_replay(s, lengths, exact, tied, picks):
+    """The engine sends exactly the tied rows; training's picks with them replaced are the
+    kernel's, row for row."""
+    frame = engine_tie_rows(s, picks, lengths)
+    assert torch.equal(frame.rows, tied.nonzero().view(-1))
+    back = TieRows.from_bytes(frame.to_bytes()).to("cuda")
+    merged = exact.clone()
+    merged[back.rows] = back.picks
+    assert torch.equal(merged.long().sort(-1).values, picks.long().sort(-1).values)
+
+
+_ENGINE_KERNELS = [
+    *((sglang_topk, name) for name in sorted(sglang_topk.KERNELS)),
+    (lmdeploy_topk, "tilelang"),
+]
+
+
+@pytest.mark.parametrize(
+    "engine, kernel",
+    _ENGINE_KERNELS,
+    ids=[f"{e.__name__.split('.')[-1]}-{k}" for e, k in _ENGINE_KERNELS],
+)
+def test_sglang_and_lmdeploy_differ_from_the_exact_topk_only_by_ties(engine_logits, engine, kernel):
+    """SGLang 0.5.23's top-k v2 (decode, ragged prefill), sgl-kernel's paged prefill op and
+    LMDeploy 0.18's TileLang kernel: as for vLLM's (not yet run on a GPU)."""
+    reason = engine.missing_reason(kernel) or engine.applies(kernel, 1, TOPK)
+    if reason is not None:
+        pytest.skip(reason)
+    s, lengths, exact, tied = engine_logits
+    picks = engine.run(kernel, s, lengths, TOPK)
+    cause = classify_rows(exact, picks, s, lengths=lengths).cause
+    assert bool(((cause == SAME) | (cause == TIE)).all()), cause.unique().tolist()
+    assert not bool((cause[~tied] != SAME).any())
+    _check_tie_replay(s, lengths, exact, tied, picks)
+
+
+def test_lmdeploy_bitonic_repeats_keys_it_finds_equal(engine_logits):
+    """LMDeploy's Triton fallback (top-k other than 512 / 2048, or no TileLang): its
+    compare-and-swap copies one of two equal scores' keys over the other (tests/interpreter shows
+    it on the CPU), so a row may repeat a key; it never returns a wrong set of distinct keys."""
+    reason = lmdeploy_topk.missing_reason("bitonic")
+    if reason is not None:
+        pytest.skip(reason)
+    s, lengths, exact, _ = engine_logits
+    picks = lmdeploy_topk.run("bitonic", s, lengths, TOPK)
+    cause = classify_rows(exact, picks, s, lengths=lengths).cause
+    assert not bool((cause == PRECISION).any())
+    bad = (cause == INVALID).nonzero().view(-1)
+    for row in bad.tolist():
+        keys = picks[row][picks[row] >= 0]
+        assert bool((keys < lengths[row]).all()) and keys.unique().numel() < keys.numel()
