@@ -70,14 +70,7 @@ def test_a_kernel_differs_from_the_exact_topk_only_by_the_choice_among_tied_keys
     cause = classify_rows(exact, picks, s, lengths=lengths).cause
     assert bool(((cause == SAME) | (cause == TIE)).all()), cause.unique().tolist()
     assert not bool((cause[~tied] != SAME).any())  # untied rows: the exact set
-    # The tie replay: the engine sends exactly the tied rows; training's own picks with them
-    # replaced are the kernel's, row for row.
-    frame = engine_tie_rows(s, picks, lengths)
-    assert torch.equal(frame.rows, tied.nonzero().view(-1))
-    back = TieRows.from_bytes(frame.to_bytes()).to("cuda")
-    merged = exact.clone()
-    merged[back.rows] = back.picks
-    assert torch.equal(merged.long().sort(-1).values, picks.long().sort(-1).values)
+    _check_tie_replay(s, lengths, exact, tied, picks)
 
 
 def test_the_digest_and_count_kernels_give_the_cpu_bits():
