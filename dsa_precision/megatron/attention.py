@@ -367,10 +367,15 @@ class PrecisionDSAttention(DSAttention):
             self.topk_monitor.update_tied_rows(taken & compared, tied & compared, differs, compared)
         if layout.cu_seqlens is None:  # BSHD: sequence-relative keys are the layer's keys
             return merged.view(topk.shape)
-        cu = to_device(layout.cu_seqlens, topk.device, torch.int64)
-        start = cu[packed_sequence_of(cu, tokens)]
+        start = self._sequence_starts(layout.cu_seqlens, tokens)
         packed = torch.where(merged >= 0, merged.to(torch.int64) + start[:, None], -1)
         return packed.to(topk.dtype).view(topk.shape)
+
+    @staticmethod
+    def _sequence_starts(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """int64 ``(rows,)``: the packed row each row's sequence starts at (THD)."""
+        cu = to_device(cu_seqlens, rows.device, torch.int64)
+        return cu[packed_sequence_of(cu, rows)]
 
     def _engines_layout(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
@@ -383,8 +388,7 @@ class PrecisionDSAttention(DSAttention):
             seq = rows * layout.cp_size
             tokens = torch.arange(topk.shape[0], device=topk.device).view(-1, 1) * seq + positions
             return tokens.reshape(-1), topk.reshape(-1, topk.shape[-1])
-        cu = to_device(layout.cu_seqlens, topk.device, torch.int64)
-        start = cu[packed_sequence_of(cu, positions)]
+        start = self._sequence_starts(layout.cu_seqlens, positions)
         local = torch.where(topk[0] >= 0, topk[0] - start[:, None].to(topk.dtype), -1)
         return positions, local
 

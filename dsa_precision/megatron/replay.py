@@ -394,8 +394,8 @@ def _checked_digests(
 def _checked_sent(picks: TopkPicks, layout: TokenLayout, validate: bool) -> None:
     """The tied rows of :func:`~dsa_precision.capture.pack_tie_rows`: per layer, ``(n,)`` int64
     token rows and their ``(n, k)`` picks, beside every row's digest. Host facts always (layers,
-    dtypes, shapes, devices; rows held on the CPU: ascending, inside ``T``); with ``validate``
-    the rows and the picks' causal range on any device (one synchronisation per layer)."""
+    dtypes, shapes, devices); the data (rows ascending inside ``T``, the picks' causal range)
+    when held on the CPU, and with ``validate`` on any device (one synchronisation per layer)."""
     sent, digests = picks.sent or {}, picks.digests
     if not isinstance(sent, Mapping) or not sent:
         raise TypeError(
@@ -529,21 +529,35 @@ def engine_topk(
                 "(assemble the ranks' recorded picks first)."
             )
         picks = indices
-        layout, engine_rows, engine_digests = picks.layout, picks.engine_rows, picks.digests
-        assert layout is not None  # checked above
+        assert picks.layout is not None  # checked above
         if picks.sent is not None:  # the engine's tied rows (replay_ties): their own checks
-            _checked_sent(picks, layout, validate)
-            _checked_digests(engine_digests, engine_rows, layout, {})
-            token = _HANDED_IN.set(HandedIn(picks, validate))
-            try:
-                yield picks
-            finally:
-                _HANDED_IN.reset(token)
-            return
-        indices = dict(picks.indices) or None
+            _checked_sent(picks, picks.layout, validate)
+            _checked_digests(picks.digests, picks.engine_rows, picks.layout, {})
+        else:
+            picks = _checked_picks(
+                dict(picks.indices) or None, picks.layout, picks.digests, picks.engine_rows,
+                validate, picks,
+            )  # fmt: skip
     else:
-        picks = None
         layout = TokenLayout(cu_seqlens=cu_seqlens, seq_len=seq_len)
+        picks = _checked_picks(indices, layout, engine_digests, engine_rows, validate, None)
+    token = _HANDED_IN.set(HandedIn(picks, validate))
+    try:
+        yield picks
+    finally:
+        _HANDED_IN.reset(token)
+
+
+def _checked_picks(
+    indices: Mapping[int, torch.Tensor] | None,
+    layout: TokenLayout,
+    engine_digests: Mapping[int, torch.Tensor] | None,
+    engine_rows: torch.Tensor | None,
+    validate: bool,
+    given: TopkPicks | None,
+) -> TopkPicks:
+    """:func:`engine_topk`'s picks of every row (and digests), checked against ``layout``; a
+    ``given`` ``TopkPicks`` keeps its other fields."""
     if indices is None and engine_digests is None:
         raise ValueError(
             "engine_topk needs the engine's picks (indices={layer: (T, k)}) or their digests "
@@ -555,15 +569,9 @@ def engine_topk(
         if engine_digests is None and engine_rows is None
         else _checked_digests(engine_digests, engine_rows, layout, checked)
     )
-    if picks is None:
-        picks = TopkPicks(checked, layout, engine_rows=rows, digests=digests)
-    else:
-        picks = dataclasses.replace(picks, indices=checked, engine_rows=rows, digests=digests)
-    token = _HANDED_IN.set(HandedIn(picks, validate))
-    try:
-        yield picks
-    finally:
-        _HANDED_IN.reset(token)
+    if given is None:
+        return TopkPicks(checked, layout, engine_rows=rows, digests=digests)
+    return dataclasses.replace(given, indices=checked, engine_rows=rows, digests=digests)
 
 
 def current_handed_in() -> HandedIn | None:
