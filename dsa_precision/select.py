@@ -50,6 +50,7 @@ from .scoring import (
     resolve_scoring_backend,
     thd_scores,
 )
+from .ties import selection_margins
 from .topk import resolve_topk_backend, select_rows
 
 __all__ = [
@@ -112,18 +113,12 @@ def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch
 
 def _margins(scores: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     """float32 ``(rows,)``: each row's ``k``-th minus ``(k + 1)``-th score, from the scores
-    ``(rows, >= S_k)`` the picks ``(rows, k)`` were selected from (valid: column ``< lens``, not
-    ``-inf``, not NaN). NaN where a row has fewer than ``k`` picks or no further valid key. The
-    scores are read, never written (DeepGEMM's logits included)."""
-    nan, inf = float("nan"), float("inf")
-    picked = picks >= 0
-    safe = picks.clamp(min=0).long()
-    kth = scores.gather(-1, safe).float().masked_fill_(~picked, nan).amin(-1)  # NaN propagates
-    cols = torch.arange(scores.shape[-1], device=scores.device)
-    rest = scores.float().masked_fill(cols >= lens.view(-1, 1), -inf)  # a copy: 4 bytes a score
-    rest.masked_fill_(rest.isnan(), -inf).scatter_(-1, safe, -inf)
-    following = rest.amax(-1)
-    return torch.where(following > -inf, kth - following, nan)
+    ``(rows, >= S_k)`` the picks ``(rows, k)`` were selected from
+    (:func:`dsa_precision.ties.selection_margins` over the row's ``lens`` columns). NaN where a
+    row has fewer than ``k`` picks or no further valid key. The scores are read, never written
+    (DeepGEMM's logits included)."""
+    margins = selection_margins(scores, picks, lens)
+    return margins.masked_fill_(~(picks >= 0).all(-1), float("nan"))
 
 
 def _margin_rows(

@@ -52,20 +52,13 @@ _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ScoreRows = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _valid_columns(
-    scores: torch.Tensor, lengths: torch.Tensor | None, starts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """bool ``(rows, S_k)``: column in ``[starts, starts + lengths)`` (default: every column),
-    score neither ``-inf`` nor NaN."""
+def _valid_columns(scores: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """bool ``(rows, S_k)``: column below the row's length (default: every column), score
+    neither ``-inf`` nor NaN."""
     valid = ~(torch.isnan(scores) | (scores == float("-inf")))
-    if lengths is None and starts is None:
-        return valid
-    cols = torch.arange(scores.shape[-1], device=scores.device)
-    first = 0 if starts is None else starts.to(scores.device).view(-1, 1)
-    if starts is not None:
-        valid &= cols >= first
     if lengths is not None:
-        valid &= cols < first + lengths.to(scores.device).view(-1, 1)
+        cols = torch.arange(scores.shape[-1], device=scores.device)
+        valid &= cols < lengths.to(scores.device).view(-1, 1)
     return valid
 
 
@@ -80,19 +73,26 @@ def selection_margins(
     under ``scores`` ``(rows, S_k)``, ``-1`` padding; ``lengths`` ``(rows,)``: the row's valid
     keys (default: all). ``starts`` ``(rows,)``: the column of each row's key 0 (a row's keys
     are columns ``starts + key``, as in the windows of DeepGEMM's and vLLM's prefill logits);
-    default 0. NaN where the row picks nothing or leaves no valid key out. Keys outside the
-    row's columns must have been refused by the caller. One pass over the scores (a float32
-    copy of them); no host synchronisation."""
+    default 0. NaN where the row picks nothing or leaves no valid key out, or where a pick's
+    score is NaN. Keys outside the row's columns must have been refused by the caller. One
+    float32 copy of the scores; no host synchronisation."""
     nan, inf = float("nan"), float("inf")
     s = scores.float()
     picked = picks >= 0
     safe = picks.long().clamp(min=0)
     if starts is not None:
         safe = safe + starts.to(device=safe.device, dtype=torch.int64).view(-1, 1)
-    kth = s.gather(-1, safe).masked_fill(~picked, inf).amin(-1)
-    rest = s.masked_fill(~_valid_columns(s, lengths, starts), -inf)
-    rest = torch.nn.functional.pad(rest, (0, 1), value=-inf)  # padding slots write this column
-    rest.scatter_(-1, torch.where(picked, safe, s.shape[-1]), -inf)  # the picks leave the rest
+    kth = s.gather(-1, safe).masked_fill(~picked, inf).amin(-1)  # NaN propagates
+    cols = torch.arange(s.shape[-1], device=s.device)
+    first = 0 if starts is None else starts.to(s.device).view(-1, 1)
+    outside = None if lengths is None else cols >= first + lengths.to(s.device).view(-1, 1)
+    if starts is not None:
+        outside = cols < first if outside is None else outside | (cols < first)
+    rest = s.clone() if outside is None else s.masked_fill(outside, -inf)  # the one copy
+    rest.masked_fill_(rest.isnan(), -inf)
+    # The picks leave the rest; padding slots rewrite one of the row's picks (a row that picks
+    # nothing has no margin whatever they write).
+    rest.scatter_(-1, torch.where(picked, safe, safe.amax(-1, keepdim=True)), -inf)
     following = rest.amax(-1)
     return torch.where((following > -inf) & (kth < inf), kth - following, nan)
 

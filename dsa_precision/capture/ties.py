@@ -35,6 +35,7 @@ import torch
 from ..checks import describe
 from ..kernels import triton_unavailable_reason
 from ..picks import TokenLayout, TopkPicks
+from ..ties import selection_margins
 from .compact import CompactPicks, decode_picks, encode_picks
 from .digest import digest_rows, mix64, mix64_int, signed64
 from .pack import int_at_least, keyed, pack_digests
@@ -250,39 +251,14 @@ def engine_tie_rows(
             logits, picks, first.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous()
         )
     else:
-        digests, flags = digest_rows(picks), _not_strict(logits, picks, lengths, starts)
+        margins = selection_margins(logits, picks, lengths, starts=starts)
+        digests, flags = digest_rows(picks), margins <= 0  # NaN: nothing left out
     sent = flags.nonzero().view(-1)  # the one synchronisation
     return TieRows(digests, sent, picks[sent].to(torch.int32))
 
 
 def _unit_columns(*tensors: torch.Tensor) -> bool:
     return all(t.stride(-1) == 1 for t in tensors)
-
-
-def _not_strict(
-    logits: torch.Tensor,
-    picks: torch.Tensor,
-    lengths: torch.Tensor,
-    starts: torch.Tensor | None,
-) -> torch.Tensor:
-    """bool ``(rows,)``: the row's margin is not positive (:func:`~dsa_precision.ties.
-    selection_margins` ``<= 0``), i.e. a key of the row's window that is not picked scores at
-    least the smallest pick's score: the keys of the window scoring at least that value
-    outnumber the picks. The torch expression (the CPU's; on CUDA one Triton pass,
-    :mod:`dsa_precision.kernels.tie_rows`, computes the same with the digests)."""
-    picked = picks >= 0
-    columns = picks.long().clamp(min=0)
-    first = None if starts is None else starts.to(torch.int64).view(-1, 1)
-    if first is not None:
-        columns = columns + first
-    kth = logits.gather(-1, columns).float().masked_fill(~picked, float("inf")).amin(-1)
-    end = lengths.to(torch.int64).view(-1, 1) + (0 if first is None else first)
-    cols = torch.arange(logits.shape[-1], device=logits.device)
-    inside = cols < end
-    if first is not None:
-        inside &= cols >= first
-    at_least = (logits >= kth.view(-1, 1)) & inside  # NaN compares False
-    return at_least.sum(-1) > picked.sum(-1)
 
 
 def pack_tie_rows(
