@@ -855,16 +855,8 @@ def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
     """SGLang's indexer wrappers and JIT build code, loaded unmodified with the stand-ins."""
     root = files[0].parents[5]  # the folder holding sglang/
     stubs = sglang_stubs(root)
-    modules: dict[str, types.ModuleType] = {}
-    for rel in SGLANG_JIT_PY:
-        name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
-        modules[rel] = stubs[name] = load_module(
-            root / SGLANG_JIT / "utils" / f"{rel}.py", name, stubs
-        )
-        parent, _, leaf = name.rpartition(".")
-        setattr(stubs[parent], leaf, modules[rel])
-    files_key = " ".join(sha256(p) for p in files)
-    jit = SglangJit(modules, files_key)
+    jit = SglangJit.load(lambda rel: root / rel, stubs, " ".join(sha256(p) for p in files))
+    modules = jit.m
     # sglang/kernels/jit/utils/__init__.py's public names the indexer wrappers import; its
     # load_jit is SGLang's loader less its cache (_SglangJit).
     stubs["sglang.kernels.jit.utils"].__dict__.update(

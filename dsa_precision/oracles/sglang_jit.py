@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .loader import package
+from .loader import load_module, package
 
 __all__ = [
     "SGLANG_COMMON_HEADERS",
@@ -259,6 +259,23 @@ class SglangJit:
         self.m = modules
         self.files_key = files_key
         self.built: list[Path] = []
+
+    @classmethod
+    def load(
+        cls, path_of: Callable[[str], Path], stubs: dict[str, types.ModuleType], files_key: str
+    ) -> SglangJit:
+        """SGLang's JIT utilities (:data:`SGLANG_JIT_PY`, ``path_of(relative path)`` each),
+        loaded unmodified into ``stubs`` as submodules of their package, in order, and the
+        build over them (``files_key``: the SHA-256 of the engine files it builds from)."""
+        modules: dict[str, types.ModuleType] = {}
+        for rel in SGLANG_JIT_PY:
+            name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
+            modules[rel] = stubs[name] = load_module(
+                path_of(f"{SGLANG_JIT}/utils/{rel}.py"), name, stubs
+            )
+            parent, _, leaf = name.rpartition(".")
+            setattr(stubs[parent], leaf, modules[rel])
+        return cls(modules, files_key)
 
     def build(
         self,

@@ -152,15 +152,8 @@ def _load(files: tuple[Path, ...]) -> types.SimpleNamespace:
     root = files[0].parents[5]  # the folder holding sglang/
     stubs = sglang_stubs(root)
     stubs["sglang.srt.utils"].__dict__["is_xpu"] = lambda: False
-    modules: dict[str, types.ModuleType] = {}
-    for rel in SGLANG_JIT_PY:
-        name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
-        modules[rel] = stubs[name] = load_module(
-            root / SGLANG_JIT / "utils" / f"{rel}.py", name, stubs
-        )
-        parent, _, leaf = name.rpartition(".")
-        setattr(stubs[parent], leaf, modules[rel])
-    jit = SglangJit(modules, " ".join(sha256(p) for p in files))
+    jit = SglangJit.load(lambda rel: root / rel, stubs, " ".join(sha256(p) for p in files))
+    modules = jit.m
     # What sglang/kernels/jit/utils/__init__.py and compile/__init__.py export to these files;
     # load_jit is SGLang's loader less its cache.
     stubs["sglang.kernels.jit.utils"].__dict__.update(

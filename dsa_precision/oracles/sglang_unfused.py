@@ -417,15 +417,8 @@ def _load_sglang_unfused(sgl: tuple[Path, ...], fi: tuple[Path, ...]) -> types.S
     norm, fi_calls = _load_flashinfer(fi)
 
     stubs = sglang_stubs(root)
-    jit_modules: dict[str, types.ModuleType] = {}
-    for rel in SGLANG_JIT_PY:
-        name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
-        jit_modules[rel] = stubs[name] = load_module(
-            files[f"{SGLANG_JIT}/utils/{rel}.py"], name, stubs
-        )
-        parent, _, leaf = name.rpartition(".")
-        setattr(stubs[parent], leaf, jit_modules[rel])
-    jit = SglangJit(jit_modules, " ".join(sha256(p) for p in (*sgl, *fi)))
+    jit = SglangJit.load(files.__getitem__, stubs, " ".join(sha256(p) for p in (*sgl, *fi)))
+    jit_modules = jit.m
     stubs["sglang.kernels.jit.utils"].__dict__.update(
         cache_once=jit_modules["common"].cache_once,
         is_arch_support_pdl=jit_modules["arch"].is_arch_support_pdl,
