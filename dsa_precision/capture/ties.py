@@ -10,7 +10,8 @@ training cannot compute:
   indexer call (a torch function; no Megatron): every row's 64-bit digest
   (:func:`~dsa_precision.capture.digest.digest_rows`) and the picks of the rows whose margin is
   not positive (a boundary tie, or a set that is no top-k of the logits). One pass over the
-  logits and one host synchronisation (the count of rows sent).
+  logits and one host synchronisation (the count of rows sent; int64 picks: one more, their
+  key range checked before the int32 cast).
 - :class:`TieRows` holds that, per layer and request (or step); :meth:`TieRows.to_bytes` /
   :meth:`TieRows.from_bytes` frame it (magic ``DSATIES1``, header, digests, rows, then the picks
   as a :class:`~dsa_precision.capture.compact.CompactPicks` frame), checked where it enters.
@@ -34,7 +35,7 @@ import torch
 
 from ..checks import describe
 from ..kernels import triton_unavailable_reason
-from ..picks import TokenLayout, TopkPicks
+from ..picks import TokenLayout, TopkPicks, check_key_range
 from ..ties import selection_margins
 from .compact import CompactPicks, decode_picks, encode_picks
 from .digest import digest_rows, mix64, mix64_int, signed64
@@ -132,9 +133,22 @@ class TieRows:
         return header + body + picks.to_bytes()
 
     @classmethod
-    def from_bytes(cls, buffer: bytes | bytearray | memoryview) -> TieRows:
+    def from_bytes(
+        cls, buffer: bytes | bytearray | memoryview, *, source: str | None = None
+    ) -> TieRows:
         """A frame of :meth:`to_bytes`, on the CPU, checked: a wrong magic, sizes that do not
-        fit the buffer, a damaged payload or rows out of order raise ``ValueError``."""
+        fit the buffer, a damaged payload or rows out of order raise ``ValueError``, prefixed
+        with ``source`` when given (where the frame came from, e.g. ``"vllm request 'a' layer
+        3"``: the frame itself knows neither)."""
+        try:
+            return cls._read(buffer)
+        except ValueError as exc:
+            if source is None:
+                raise
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def _read(cls, buffer: bytes | bytearray | memoryview) -> TieRows:
         if not isinstance(buffer, bytes | bytearray | memoryview):
             raise TypeError(f"TieRows.from_bytes takes bytes, got {type(buffer).__name__}.")
         raw = bytes(buffer)
@@ -243,6 +257,8 @@ def engine_tie_rows(
     device = logits.device
     if picks.device != device or any(t.device != device for _, t in windows):
         raise ValueError("engine_tie_rows: logits, picks, lengths and starts must share a device.")
+    if picks.dtype == torch.int64:  # the key range in the picks' own dtype, before any use
+        check_key_range("engine_tie_rows picks", picks)
     if logits.is_cuda and _unit_columns(logits, picks) and triton_unavailable_reason() is None:
         from ..kernels.tie_rows import tie_rows  # one pass over each row's picks and window
 

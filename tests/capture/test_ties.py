@@ -198,3 +198,15 @@ def test_tied_rows_are_not_a_replay_file(tmp_path):
     with pytest.raises(ValueError, match=r"tied rows only .*TieRows.to_bytes"):
         save_picks(tmp_path / "p.pt", pack_tie_rows([{1: one}], [3]))
     assert not (tmp_path / "p.pt").exists()
+
+
+def test_a_damaged_frame_names_its_source_and_wide_keys_are_refused_before_the_cast():
+    frame = TieRows(torch.arange(4), torch.tensor([2]), torch.tensor([[0, 1]], dtype=torch.int32))
+    raw = bytearray(frame.to_bytes())
+    raw[40] ^= 1  # a digest byte
+    with pytest.raises(ValueError, match=r"^vllm request 'a' layer 3: tie-rows frame is damaged"):
+        TieRows.from_bytes(bytes(raw), source="vllm request 'a' layer 3")
+    logits = torch.tensor([[1.0, 1.0, 0.0]])
+    picks = torch.tensor([[0, 2**32 + 1]])  # would wrap to key 1 in int32
+    with pytest.raises(ValueError, match=r"engine_tie_rows picks: row 0 .*holds 4294967297"):
+        engine_tie_rows(logits, picks, torch.tensor([3]))
