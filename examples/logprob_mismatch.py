@@ -98,6 +98,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=None,
                    help="--rollout-topk vllm: the prompt's tokens (default half the sequence)")  # fmt: skip
     p.add_argument("--mlp", choices=toy.MLPS, default=toy.MODEL_DEFAULTS["mlp"])
+    p.add_argument("--attention-heads", type=int, default=toy.MODEL_DEFAULTS["attention_heads"],
+                   help="attention heads (Megatron's unfused sparse attention holds heads x S x S "
+                   "float32 scores per layer: 2 at S = 32768)")  # fmt: skip
     p.add_argument(
         "--configs",
         default=None,
@@ -172,7 +175,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.prompt = args.seq // 2
     elif not 0 <= args.prompt <= args.seq:
         p.error(f"--prompt {args.prompt}: give a count of tokens in [0, --seq {args.seq}]")
-    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1), ("seq", 2), ("topk", 1)):
+    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1), ("seq", 2), ("topk", 1),
+                      ("attention_heads", 1)):  # fmt: skip
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
     if not (0 < args.lr < float("inf")):

@@ -74,10 +74,21 @@ CONFIGS = {
         dsa_indexer_scoring_precision="fp8",
         dsa_indexer_topk_source="replay",
     ),
+    # rope_fp32+fp8 computing its own picks and taking the engine's for the rows the engine
+    # sends (dsa_indexer_topk_source="replay_ties"): every row's digest of the engine model's
+    # picks and the picks of --tie-share of the rows (an engine sends its boundary-tied rows;
+    # the toy's rarely tie, so a share is sent to time the merge at a realistic payload).
+    "rope_fp32+fp8+ties": dict(
+        dsa_indexer_rope_fp32=True,
+        dsa_indexer_scoring_precision="fp8",
+        dsa_indexer_topk_source="replay_ties",
+    ),
 }
 GRAPHED = {name for name, fields in CONFIGS.items() if fields.get("dsa_indexer_cuda_graph")}
 REPLAYED = {
-    name for name, fields in CONFIGS.items() if fields.get("dsa_indexer_topk_source") == "replay"
+    name
+    for name, fields in CONFIGS.items()
+    if fields.get("dsa_indexer_topk_source") in ("replay", "replay_ties")
 }
 
 
@@ -150,6 +161,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="N > 0: each batch is one packed (THD) micro-batch of N sequences of uneven lengths "
         "(4 : 1 : 3 : 2) summing to --seq, Megatron's PackedSeqParams (needs --batch 1; the "
         "replay configuration is left out)",
+    )
+    p.add_argument(
+        "--tie-share",
+        type=float,
+        default=0.02,
+        help="rope_fp32+fp8+ties: the share of each sequence's rows whose engine picks are sent "
+        "(default 0.02, the boundary-tied share measured at S >= 32768 with vLLM's kernels)",
     )
     p.add_argument(
         "--attention-heads",
@@ -237,6 +255,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         profile_steps=0, host_steps=0, top_kernels=0, manual_gc=0,
     ))  # fmt: skip
     fc.check_lr(p, args.lr)
+    if not 0 <= args.tie_share <= 1:
+        p.error(f"--tie-share {args.tie_share}: give a share of rows in [0, 1]")
     fc.check_engine(p, args.engine)
     args.device = fc.check_device(p, args.device)
     fc.check_output(p, "out", args.out)
@@ -567,15 +587,43 @@ def indexer_ms(args, model, tokens) -> tuple[float | None, float | None]:
 ENGINE = CONFIGS["rope_fp32+fp8"]
 
 
-def handed_in(engine, model, tokens):
+def handed_in(engine, model, tokens, tie_share: float | None = None):
     """For a replaying configuration (``engine`` is its picks' model), a context that hands
     ``engine``'s picks of ``tokens`` on ``model``'s weights at this call to the forwards inside it;
-    otherwise a no-op. The picks are captured when this is called, outside the timed step."""
+    otherwise a no-op. The picks are captured when this is called, outside the timed step. With
+    ``tie_share`` (``replay_ties``): every row's digest and the picks of that share of each
+    sequence's rows (every ``round(1 / tie_share)``-th row) instead of every row's picks."""
     if engine is None:
         return contextlib.nullcontext()
     import dsa_precision.megatron as dsap
 
-    return dsap.engine_topk(engine_picks(engine, model, tokens), seq_len=tokens.shape[1])
+    picks, seq = engine_picks(engine, model, tokens), tokens.shape[1]
+    if tie_share is None:
+        return dsap.engine_topk(picks, seq_len=seq)
+    return dsap.engine_topk(tie_rows(picks, tokens.shape[0], seq, tie_share))
+
+
+def tie_share(args, name: str) -> float | None:
+    """``--tie-share`` for a ``replay_ties`` configuration, else ``None``."""
+    ties = CONFIGS[name].get("dsa_indexer_topk_source") == "replay_ties"
+    return args.tie_share if ties else None
+
+
+def tie_rows(picks: dict[int, torch.Tensor], batch: int, seq: int, share: float):
+    """``picks`` (layer -> ``(batch * seq, k)``) as the tie replay's payload: per sequence, every
+    row's digest and the picks of every ``round(1 / share)``-th row (none for ``share`` 0)."""
+    from dsa_precision.capture import TieRows, digest_rows, pack_tie_rows
+
+    stride = round(1 / share) if share > 0 else seq + 1
+    frames = []
+    for b in range(batch):
+        frame = {}
+        for n, idx in picks.items():
+            rows = idx[b * seq : (b + 1) * seq]
+            sent = torch.arange(stride - 1, seq, stride, device=rows.device)
+            frame[n] = TieRows(digest_rows(rows), sent, rows[sent].to(torch.int32))
+        frames.append(frame)
+    return pack_tie_rows(frames, [seq] * batch, seq_len=seq)
 
 
 def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:
@@ -723,13 +771,15 @@ def train(args, names: list[str]) -> list[dict]:
         engine = build_model(args, model_config(args, **ENGINE))[0] if name in REPLAYED else None
         runs.append(
             dict(name=name, model=model, trainer=Trainer(model, args.lr), vocab=vocab,
-                 engine=engine, losses=[], times=[], calls=dict(fp8=0, fp8_cudnn=0, total=0))
+                 engine=engine, tie_share=tie_share(args, name), losses=[], times=[],
+                 calls=dict(fp8=0, fp8_cudnn=0, total=0))
         )  # fmt: skip
     data = copy_task(args, runs[0]["vocab"], args.steps)
     with manual_gc(args.manual_gc) as collect:
         for i, (tokens, labels) in enumerate(data, 1):
             for run in runs:
-                picks = handed_in(run["engine"], run["model"], tokens)  # captured here, untimed
+                # captured here, untimed
+                picks = handed_in(run["engine"], run["model"], tokens, run["tie_share"])
                 collect(i)
                 if args.device != "cpu":  # every step starts on an idle device (not behind the
                     torch.cuda.synchronize()  # capture's forward, which would hide host time)
@@ -749,13 +799,14 @@ def train(args, names: list[str]) -> list[dict]:
     # Every configuration's host times before any profile runs (torch.profiler's CUDA activity
     # tracing, CUPTI, can leave later launches slower).
     for run in runs:
-        model, engine = run["model"], run["engine"]
-        run["index_ms"] = run["topk_host_ms"] = None  # a replaying configuration: no indexer
+        model, engine, share = run["model"], run["engine"], run["tie_share"]
+        # A replaying configuration's indexer is not timed alone (replay runs none).
+        run["index_ms"] = run["topk_host_ms"] = None
         if engine is None:
             run["index_ms"], run["topk_host_ms"] = indexer_ms(args, model, data[0][0])
         run["host_ms"] = run["in_step_ms"] = run["attention_in_step_ms"] = None
         if args.host_steps:
-            with handed_in(engine, model, data[-1][0]):
+            with handed_in(engine, model, data[-1][0], share):
                 layers = len(model.decoder.layers)
                 trainer, batch = run["trainer"], data[-1]
                 run["host_ms"] = package_host_ms(trainer, batch, args.host_steps, layers)
@@ -765,12 +816,13 @@ def train(args, names: list[str]) -> list[dict]:
                 )
     for run in runs:
         name, model, losses, engine = run["name"], run["model"], run["losses"], run["engine"]
+        share = run["tie_share"]
         index_ms, topk_host_ms = run["index_ms"], run["topk_host_ms"]
         host_ms, in_step_ms = run["host_ms"], run["in_step_ms"]
         attention_ms = run["attention_in_step_ms"]
         busy, kernels = None, []
         if args.device != "cpu" and args.profile_steps:
-            with handed_in(engine, model, data[-1][0]):
+            with handed_in(engine, model, data[-1][0], share):
                 busy, kernels = gpu_busy_ms(
                     run["trainer"], data[-1], args.profile_steps, args.top_kernels
                 )
@@ -923,7 +975,7 @@ def _run(args: argparse.Namespace) -> int:
     compared = slice(None) if args.kernel_backend == "none" else slice(0, 1)
     results["losses_compared"] = "all" if args.kernel_backend == "none" else "first"
     for other, key in (("rope_fp32+fp8+graph", "graph"), ("rope_fp32+fp8+eager", "eager"),
-                       ("replay", "replay")):  # fmt: skip
+                       ("replay", "replay"), ("rope_fp32+fp8+ties", "ties")):  # fmt: skip
         if {"rope_fp32+fp8", other} <= set(by_name):
             results[f"{key}_losses_identical"] = (
                 by_name["rope_fp32+fp8"]["losses"][compared] == by_name[other]["losses"][compared]
@@ -985,6 +1037,9 @@ def _run(args: argparse.Namespace) -> int:
     if "replay_losses_identical" in results:
         print(f"rope_fp32+fp8 with its picks handed in (replay) vs computed: losses "
               f"identical{which} {results['replay_losses_identical']}")  # fmt: skip
+    if "ties_losses_identical" in results:
+        print(f"rope_fp32+fp8 with {args.tie_share:.0%} of rows' picks handed in (replay_ties) vs "
+              f"computed: losses identical{which} {results['ties_losses_identical']}")  # fmt: skip
     s = results.get("stock_equivalence")
     if s is not None:
         print(f"default vs stock Megatron: losses identical {s['bit_identical_losses']}, "
@@ -996,6 +1051,7 @@ def _run(args: argparse.Namespace) -> int:
     ok &= s is None or (s["bit_identical_losses"] and s["bit_identical_grads"])
     ok &= results.get("graph_losses_identical", True)
     ok &= results.get("replay_losses_identical", True)
+    ok &= results.get("ties_losses_identical", True)
     dist.destroy_process_group()
     return 0 if ok else 1
 

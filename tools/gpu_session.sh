@@ -68,8 +68,10 @@ for step in "$@"; do
     vllm-ops)  # vLLM's own pieces from its wheel (../shared/gpu/vllm_wheel.sh): the vendored
       # DeepGEMM 2.8.1 from .vllm-dg/ on PYTHONPATH, and its ops library (the indexer top-k
       # kernels), joined from the parts kept by .bigcarry/bin/keep.sh, as DSA_VLLM_OPS
+      # (a later call on the same machine reuses the joined library)
       ops=_C_stable_libtorch.abi3.so
-      TAIL=3 run vllm_ops 120 bash -c "bash .bigcarry/bin/join.sh $ops \$HOME/vllm-ops && \
+      TAIL=3 run vllm_ops 120 bash -c "{ [ -f \$HOME/vllm-ops/$ops ] || \
+        bash .bigcarry/bin/join.sh $ops \$HOME/vllm-ops; } && \
         mkdir -p \$HOME/vdg && tar -xJf .vllm-dg/vdg.tar.xz -C \$HOME/vdg"
       export PYTHONPATH=${PYTHONPATH:-}:$HOME/vdg DSA_VLLM_OPS=$HOME/vllm-ops/$ops
       export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
@@ -83,6 +85,39 @@ for step in "$@"; do
           --topk "$topk" --steps "$steps" --rollout engine-kernels --rollout-topk vllm \
           --configs baseline,rope_fp32+fp8,rope_fp32+fp8+ties --out "$LOGS/lp_vllm_$seq.json"
       done ;;
+    logprobs-vllm-long)  # issue 48: the RL table at S = 32768 (top-2048, 2 attention heads:
+      # Megatron's unfused sparse attention holds heads x S x S float32 scores), rollout top-k by
+      # vLLM's kernels (after `vllm-ops`); the baseline is left out (Megatron's BF16 indexer holds
+      # S x 32 x S float32 scores, 128 GiB)
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      TAIL=12 run logprobs_vllm_32768 600 python examples/logprob_mismatch.py --seq 32768 \
+        --topk 2048 --attention-heads 2 --steps ${LOGPROB_STEPS_32768:-3} --rollout engine-kernels \
+        --rollout-topk vllm --configs rope_fp32+fp8,rope_fp32+fp8+ties \
+        --out "$LOGS/lp_vllm_32768.json" ;;
+    toy-ties)  # issue 48: the step time of replay_ties (2 % of rows sent, --tie-share) beside the
+      # computed picks and full replay, S = 2048 then 8192
+      for shape in "2048 256 40" "8192 2048 12"; do
+        read -r seq topk steps <<< "$shape"
+        TAIL=10 run "toy_ties_$seq" 600 python examples/toy_glm5_train.py --seq "$seq" \
+          --topk "$topk" --steps "$steps" --share-steps 0 --stock-steps 0 --profile-steps 2 \
+          --host-steps 0 --configs rope_fp32+fp8,rope_fp32+fp8+ties,replay \
+          --out "$LOGS/toy_ties_$seq.json"
+      done ;;
+    topk-engines)  # issue 48: SGLang 0.5.23's and LMDeploy 0.18.0's top-k kernels (the files in
+      # DSA_ENGINE_KERNELS; lmdeploy-tilelang after `tilelang`) against the exact top-k
+      export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
+      TAIL=45 run engine_topk_engines 600 python tools/engine_topk.py --engines sglang lmdeploy \
+        --out "$LOGS/topk-engines" ;;
+    conformance-034)  # issue 49: vLLM 0.34.0's kernels (.engine-kernels034, the vendored
+      # DeepGEMM of its wheel in .vllm-dg034) against the profiles vllm and vllm-eager, kernel
+      # level then layer level
+      mkdir -p "$HOME/vdg034" && tar -xJf .vllm-dg034/vdg.tar.xz -C "$HOME/vdg034"
+      TAIL=20 run conformance_034 600 env DSA_ENGINE_KERNELS="$PWD/.engine-kernels034" \
+        PYTHONPATH="$PWD:$HOME/vdg034:${PYTHONPATH:-}" python tools/engine_conformance.py \
+        --profiles vllm vllm-eager --out "$LOGS/conf034"
+      TAIL=20 run layer_conformance_034 600 env DSA_ENGINE_KERNELS="$PWD/.engine-kernels034" \
+        PYTHONPATH="$PWD:$HOME/vdg034:${PYTHONPATH:-}" python tools/layer_conformance.py \
+        --profiles vllm vllm-eager --out "$LOGS/layer034" ;;
     engine-topk)  # issue 48: vLLM's four top-k kernels against the exact top-k, and the tie
       # replay (after `vllm-ops`): docs/gpu-validation.md, "The engines' top-k"
       TAIL=45 run engine_topk 600 python tools/engine_topk.py --out "$LOGS" ;;
