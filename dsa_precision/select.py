@@ -27,6 +27,8 @@ valid keys (or fewer than ``topk`` picks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
@@ -145,6 +147,41 @@ def _with_margins(
     return picks if margins is None else (picks, margins)
 
 
+def _select_chunks(
+    chunk_scores: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, str]],
+    lead: tuple[int, ...],
+    rows: int,
+    step: int,
+    topk: int,
+    deterministic: bool,
+    margins: bool,
+    device: torch.device,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The chunk loop of both layouts: query rows ``[r0, r1)`` in chunks of ``step``, each
+    scored by ``chunk_scores(r0, r1)`` -> ``(scores (n, >= W) float32, lens (n,), top-k
+    backend)`` with ``n = prod(lead) * (r1 - r0)`` rows, batch-major, then selected (and its
+    margins read) before the next chunk is scored. Returns int32 ``(*lead, rows, topk)`` (with
+    ``margins``: and float32 ``(*lead, rows)``); a single chunk's top-k output as it is."""
+    chunked = step < rows
+    out = _picks((*lead, rows, topk), chunked, device)
+    out_margins = _margin_rows((*lead, rows), margins and chunked, device)
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        scores, lens, row_backend = chunk_scores(r0, r1)
+        picks = select_rows(scores, topk, lens, deterministic, row_backend)
+        gaps = _margins(scores, lens, picks).view(*lead, r1 - r0) if margins else None
+        picks = picks.view(*lead, r1 - r0, topk)
+        if out is None:
+            return _with_margins(picks, gaps)
+        out[..., r0:r1, :] = picks
+        if gaps is not None:
+            assert out_margins is not None  # chunked, with margins
+            out_margins[..., r0:r1] = gaps
+        del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
+    assert out is not None  # chunked: one chunk returned in the loop
+    return _with_margins(out, out_margins)
+
+
 @takes_precision_config
 def indexer_select(
     q: torch.Tensor | ScoringOperands,
@@ -206,11 +243,9 @@ def indexer_select(
         )
     start = _int_offset(q_causal_offsets)  # a Python int offset: shared constant tensors
     step = chunk_rows(chunk_bytes, sq, b * sk * SELECT_BYTES_PER_SCORE)
-    out = _picks((b, sq, topk), step < sq, device)
-    out_margins = _margin_rows((b, sq), margins and step < sq, device)
     buf = _buffer(b * min(step, sq) * sk, backend, device)
-    for r0 in range(0, sq, step):
-        r1 = min(r0 + step, sq)
+
+    def chunk_scores(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, str]:
         part = ops.rows(r0, r1)
         # Each row's visible keys: the top-k's lengths, and DeepGEMM's windows.
         if start is None:
@@ -220,30 +255,19 @@ def indexer_select(
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             # The buffer's rows (the window itself is not kept: its logits go with the scores).
             scores = deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
-            row_backend = _window_topk_backend(scores, topk)
+            return scores, lens, _window_topk_backend(scores, topk)
+        if r0 == 0:
+            part_offsets = offsets
+        elif start is None:
+            part_offsets = offsets + r0
         else:
-            if r0 == 0:
-                part_offsets = offsets
-            elif start is None:
-                part_offsets = offsets + r0
-            else:
-                part_offsets = constant_offsets(start + r0, b, device)
-            assert buf is not None  # allocated for every backend but DeepGEMM
-            part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
-            scores = bshd_scores(part, part_offsets, ratio, backend, part_out)
-            scores = scores.view(b * (r1 - r0), sk)
-            row_backend = topk_backend
-        picks = select_rows(scores, topk, lens, deterministic, row_backend).view(b, r1 - r0, topk)
-        gaps = _margins(scores, lens, picks.view(-1, topk)).view(b, -1) if margins else None
-        if out is None:
-            return _with_margins(picks, gaps)
-        out[:, r0:r1] = picks
-        if margins:
-            assert out_margins is not None and gaps is not None  # chunked, with margins
-            out_margins[:, r0:r1] = gaps
-        del scores, lens, picks, gaps  # DeepGEMM: free this chunk's logits before the next launch
-    assert out is not None  # chunked: one chunk returned in the loop
-    return _with_margins(out, out_margins)
+            part_offsets = constant_offsets(start + r0, b, device)
+        assert buf is not None  # allocated for every backend but DeepGEMM
+        part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
+        scores = bshd_scores(part, part_offsets, ratio, backend, part_out)
+        return scores.view(b * (r1 - r0), sk), lens, topk_backend
+
+    return _select_chunks(chunk_scores, (b,), sq, step, topk, deterministic, margins, device)
 
 
 @takes_precision_config
@@ -316,11 +340,9 @@ def indexer_select_varlen(
             dtype=torch.float32,
         )  # fmt: skip
     step = chunk_rows(chunk_bytes, tq, max_seqlen_k * SELECT_BYTES_PER_SCORE)
-    out = _picks((tq, topk), step < tq, ops.device)
-    out_margins = _margin_rows((tq,), margins and step < tq, ops.device)
     buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
-    for r0 in range(0, tq, step):
-        r1 = min(r0 + step, tq)
+
+    def chunk_scores(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, str]:
         part = ops.rows(r0, r1)
         if step >= tq:  # one chunk: the caller's lengths and offsets as they are (no slice)
             cu_chunk, off_chunk = cu_q, offsets
@@ -329,35 +351,17 @@ def indexer_select_varlen(
             off_chunk = off_chunk.to(torch.int32)
         # Each row's key window: DeepGEMM's ks / ke, and the top-k's lengths (one launch on CUDA).
         windows = varlen_windows(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
-        lens = windows.counts
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
             window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, windows=windows)
-            scores = window.rows_in_place()  # the window goes: its logits go with the scores
-            del window
-            row_backend = _window_topk_backend(scores, topk)
-        else:
-            assert buf is not None  # allocated for every backend but DeepGEMM
-            scores = thd_scores(
-                part,
-                cu_chunk,
-                cu_k,
-                min(max_seqlen_q, r1 - r0),
-                max_seqlen_k,
-                off_chunk,
-                ratio,
-                backend,
-                buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
-            )
-            row_backend = topk_backend
-        picks = select_rows(scores, topk, lens, deterministic, row_backend)
-        gaps = _margins(scores, lens, picks) if margins else None
-        if out is None:
-            return _with_margins(picks, gaps)
-        out[r0:r1] = picks
-        if margins:
-            assert out_margins is not None and gaps is not None  # chunked, with margins
-            out_margins[r0:r1] = gaps
-        del scores, lens, windows, picks, gaps  # DeepGEMM: free this chunk's logits first
-    assert out is not None  # chunked: one chunk returned in the loop
-    return _with_margins(out, out_margins)
+            # The window is not kept: its logits go with the scores.
+            scores = window.rows_in_place()
+            return scores, windows.counts, _window_topk_backend(scores, topk)
+        assert buf is not None  # allocated for every backend but DeepGEMM
+        scores = thd_scores(
+            part, cu_chunk, cu_k, min(max_seqlen_q, r1 - r0), max_seqlen_k, off_chunk, ratio,
+            backend, buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
+        )  # fmt: skip
+        return scores, windows.counts, topk_backend
+
+    return _select_chunks(chunk_scores, (), tq, step, topk, deterministic, margins, ops.device)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ..support.configs import ROOT
 from ..support.helpers import free_port, import_example
@@ -21,7 +22,8 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     out = tmp_path / "toy.json"
     args = ["--tiny", "--device", "cpu", "--steps", "4", "--share-steps", "1",
             "--stock-steps", "1", "--profile-steps", "1", "--host-steps", "1",
-            "--configs", "baseline,rope_fp32+fp8,replay", "--manual-gc", "2"]  # fmt: skip
+            "--configs", "baseline,rope_fp32+fp8,replay,rope_fp32+fp8+ties", "--manual-gc", "2",
+            "--tie-share", "0.1"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, "examples/toy_glm5_train.py", *args, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -38,6 +40,10 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert runs["rope_fp32+fp8"]["scoring_calls"]["fp8"] == 2 * 4  # 2 layers x 4 steps
     assert runs["replay"]["scoring_calls"]["total"] == 0  # its step scores nothing
     assert runs["replay"]["indexer_ms"] is None
+    # replay_ties: its own top-k in every step, a tenth of the rows taken from the engine model
+    # (the same picks), so it trains as the FP8 configuration that computes them all.
+    assert result["ties_losses_identical"] is True
+    assert runs["rope_fp32+fp8+ties"]["scoring_calls"]["fp8"] == 2 * 4
     assert runs["rope_fp32+fp8"]["topk_host_ms_in_step"] > 0  # its top-k, timed inside steps
     assert runs["replay"]["topk_host_ms_in_step"] is None  # no top-k of its own
     assert runs["baseline"]["topk_host_ms_in_step"] is None  # Megatron's, inside its forward
@@ -49,6 +55,20 @@ def test_toy_trains_and_its_replay_configuration_is_the_fp8_one_without_an_index
     assert attention["replay"] < attention["rope_fp32+fp8"], attention
     assert result["stock_equivalence"]["bit_identical_losses"] is True
     assert "replay" not in str(result["topk_identical_inputs"])
+    assert "ties" not in str(result["topk_identical_inputs"])
+
+
+def test_tie_rows_sends_every_digest_and_the_shares_rows():
+    toy = import_example("toy_glm5_train")
+    from dsa_precision.capture import digest_rows
+
+    seq, k = 20, 4
+    picks = {1: torch.arange(2 * seq * k, dtype=torch.int64).reshape(2 * seq, k) % seq}
+    payload = toy.tie_rows(picks, 2, seq, 0.1)  # every 10th row of each sequence
+    assert torch.equal(payload.digests[1], digest_rows(picks[1]))
+    assert payload.sent[1].tolist() == [9, 19, 29, 39]
+    assert torch.equal(payload.indices[1], picks[1][[9, 19, 29, 39]].to(torch.int32))
+    assert toy.tie_rows(picks, 2, seq, 0.0).sent[1].numel() == 0
 
 
 def test_manual_gc_collects_only_at_its_interval(monkeypatch):
@@ -119,6 +139,7 @@ TOY_BAD_FLAGS = [
     (["--share-steps", "-1"], "--share-steps -1: give a count >= 0"),
     (["--manual-gc", "-1"], "--manual-gc -1: give a count >= 0"),
     (["--attention-heads", "0"], "--attention-heads 0: give a count >= 1"),
+    (["--tie-share", "1.5"], "--tie-share 1.5: give a share of rows in [0, 1]"),
     (["--lr", "inf"], "--lr inf: give a positive finite learning rate"),
     (["--lr=-1e-3"], "--lr -0.001: give a positive finite learning rate"),
     (["--lr", "0"], "--lr 0.0: give a positive finite learning rate"),
