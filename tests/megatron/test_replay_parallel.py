@@ -9,6 +9,9 @@ the way Megatron hands them to ``DSAttention.forward``: TP+SP, ``x`` / ``qr`` se
 of the rank's zigzag chunks (BSHD) or of every packed sequence's zigzag chunks (THD), keys
 all-gathered by Megatron. Checked against the single-process run:
 
+- ``replay_ties`` with FP8 scoring: every row's recorded picks (its own top-k, or the engine's
+  for the rows the engine sent) and the layer's counters;
+
 - ``replay``: the attention output of the rank's rows and heads is the single-process one, bit
   for bit. The engine picks one key per token (a random causal key, the other slots ``-1``): the
   softmax is then exactly 1 on it, so the output is that key's latent value, projected -- exact
@@ -172,8 +175,56 @@ def _case(name: str, rank: int, device: str) -> dict:
             metrics=metrics,
             ref_metrics=ref_metrics,
         )
+    result["replay_ties"] = _ties(inputs, engine, cu, tp, cp, rank, device)
     result["rope_fp32"] = _rope_fp32_rows(inputs, cu, tp, cp, rank, device)
     return result
+
+
+def _tie_payload(engine: torch.Tensor, cu: list[int] | None):
+    """``engine``'s picks as the tie replay ships them: every row's digest, the picks of every
+    third row of each sequence."""
+    from dsa_precision.capture import TieRows, digest_rows, pack_tie_rows
+
+    lengths = [b - a for a, b in itertools.pairwise(cu)] if cu else [SEQ] * (engine.shape[0] // SEQ)
+    frames, start = [], 0
+    for n in lengths:
+        rows = engine[start : start + n]
+        sent = torch.arange(2, n, 3)
+        frames.append({1: TieRows(digest_rows(rows), sent, rows[sent].to(torch.int32))})
+        start += n
+    return pack_tie_rows(frames, lengths, seq_len=None if cu else SEQ)
+
+
+def _ties(inputs: dict, engine: torch.Tensor, cu, tp: int, cp: int, rank: int, device: str):
+    """replay_ties (FP8) under the parallel layout against one process: the picks each row
+    attends to (recorded, by global token) and the layer's metrics (summed over the CP group)."""
+    from megatron.core import parallel_state
+
+    import dsa_precision.megatron as dsap
+
+    from ..support.megatron import run_attention
+
+    payload = _tie_payload(engine, cu)
+    kw = _packed_kw(cu, device)
+    runs = []
+    for layout_tp, layout_cp in ((1, 1), (tp, cp)):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(layout_tp, 1, context_parallel_size=layout_cp)
+        group = parallel_state.get_context_parallel_group() if layout_cp > 1 else None
+        mine, _, _ = _shard(inputs, layout_tp, layout_cp, cu, rank)
+        attn = _layer("replay_ties", layout_tp, layout_cp, True).to(device)
+        mine = {k: v.to(device) for k, v in mine.items()}
+        with torch.no_grad(), dsap.engine_topk(payload), dsap.record_topk() as rec:
+            run_attention(attn, mine, **kw)
+        metrics = dsap.topk_metrics(torch.nn.ModuleList([attn]), group=group)
+        runs.append((rec.picks, metrics))
+    (ref, ref_metrics), (got, metrics) = runs
+    tokens = slice(None) if got.tokens is None else got.tokens.cpu()
+    return dict(
+        picks_equal=torch.equal(got.indices[1].cpu(), ref.indices[1].cpu()[tokens]),
+        metrics=metrics,
+        ref_metrics=ref_metrics,
+    )
 
 
 def _rope_fp32_rows(inputs: dict, cu, tp: int, cp: int, rank: int, device: str) -> dict:
@@ -248,7 +299,28 @@ def test_verify_metrics_are_the_single_process_metrics(parallel, case):
         assert got.keys() == want.keys() and want, (case, rank, got, want)
         assert want["dsa_topk/layer_01/rows"] == SEQ * (1 if "thd" in case else 2)
         for key, value in want.items():
-            if "margin" in key:
+            if value != value:  # NaN: no rows compared (replay_ties' own picks), in both runs
+                assert got[key] != got[key], (case, rank, key, got[key])
+            elif "margin" in key:
+                assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
+            else:
+                assert got[key] == value, (case, rank, key, got[key], value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replay_ties_picks_and_metrics_are_the_single_process_ones(parallel, case):
+    """Each rank's rows attend to the picks one process merges (its own top-k, the engine's
+    for the rows sent), and the replay_ties counters summed over the CP group are one process's."""
+    for rank, results in enumerate(parallel):
+        r = results[case]["replay_ties"]
+        assert r["picks_equal"], (case, rank)
+        got, want = r["metrics"], r["ref_metrics"]
+        assert want["dsa_topk/layer_01/replayed_rows"] == (10 if case.endswith("bshd") else 5)
+        assert got.keys() == want.keys(), (case, rank, got, want)
+        for key, value in want.items():
+            if value != value:  # NaN: no rows compared (replay_ties' own picks), in both runs
+                assert got[key] != got[key], (case, rank, key, got[key])
+            elif "margin" in key:
                 assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
             else:
                 assert got[key] == value, (case, rank, key, got[key], value)
