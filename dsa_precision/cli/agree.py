@@ -14,6 +14,12 @@ padding) is an error.
 Metrics (:func:`dsa_precision.topk_agreement`), over the rows whose inference set ``I`` is
 non-empty (``T``: training's set): rows identical (share of rows with ``T == I``), member
 agreement (``sum |T & I| / sum |I|``), flipped picks per row (``|I - T|``, mean and max).
+
+``--scores S`` (training's float scores of the same rows: one ``[..., S_k]`` tensor for an index
+file, ``layer_NN`` tensors ``(T, S_k)`` for replay files; keys a row cannot see hold ``-inf``, as
+``indexer_scores`` returns them) also tells each differing row apart
+(:func:`dsa_precision.classify_rows`): a tie (inference's set is a valid top-k of training's
+scores: no precision can reproduce its choice), a precision difference, or an invalid set.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ from . import CliError, print_json
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 
 __all__ = ["load_indices", "register"]
+
+# The differing rows' causes (with --scores), TopkAgreement's names.
+CAUSES = ("tie_rows", "precision_rows", "invalid_rows")
+CAUSES_LEGEND = (
+    "tie, precision, invalid: differing rows where inference's set is a valid top-k of training's "
+    "scores (a tie no precision reproduces), is not one, or breaks the index rule."
+)
 
 
 def _cli(flag: str, exc: Exception) -> CliError:
@@ -144,6 +157,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "return_indexer_topk, vLLM's indexer top-k), read through dsa_precision.capture; --train "
         "is then a replay file of the same packed requests",
     )
+    p.add_argument(
+        "--scores",
+        type=Path,
+        metavar="S",
+        help="training's scores of the same rows (a [..., S_k] tensor, or layer_NN tensors for "
+        "replay files; -inf where a row sees no key): each differing row is then counted as a "
+        "tie, a precision difference or an invalid inference set",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(func=main)
 
@@ -186,11 +207,56 @@ def _pooled(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "rows": rows,
         "members": members,
         "broken_rows": sum(m.get("broken_rows", 0) for m in metrics),
+        **{
+            cause: sum(m[cause] for m in metrics)
+            for cause in CAUSES
+            if all(cause in m for m in metrics)
+        },
     }
 
 
+def _scores(path: Path | None, key: str | None, names: list[str]) -> dict[str, torch.Tensor]:
+    """``--scores``: name -> float scores (``names``: ``[""]`` for an index file's one tensor,
+    else the ``layer_NN`` names of replay files), each checked to be a floating tensor."""
+    if path is None:
+        return {}
+    loaded = _load_tensors(path, "--scores")
+    if not isinstance(loaded, dict):
+        loaded = {"": loaded}
+    elif names == [""]:
+        if key is None and len(loaded) != 1:
+            raise CliError(f"--scores {path} holds {sorted(loaded)}; pass --key to pick one")
+        loaded = {"": loaded[key if key is not None else next(iter(loaded))]}
+    out = {}
+    for name in names:
+        where = f"--scores {path}" + (f" {name}" if name else "")
+        if name not in loaded:
+            raise CliError(f"{where}: missing; give training's scores of every compared layer")
+        t = loaded[name]
+        if not t.is_floating_point():
+            raise CliError(f"{where}: dtype {t.dtype}; give float scores (-inf for unseen keys)")
+        out[name] = t
+    return out
+
+
+def _agreement(
+    train: torch.Tensor, infer: torch.Tensor, scores: torch.Tensor | None, where: str
+) -> dict[str, Any]:
+    """``topk_agreement`` of one selection (with ``scores``: its differing rows' causes)."""
+    if scores is not None and scores.shape[:-1] != train.shape[:-1]:
+        raise CliError(
+            f"{where}: scores of shape {tuple(scores.shape)} for picks of shape "
+            f"{tuple(train.shape)}; give one row of scores [S_k] per row of picks"
+        )
+    return topk_agreement(train, infer, scores=scores).as_dict()
+
+
 def _compare(
-    train_path: Path, infer_path: Path, key: str | None, infer_format: str | None = None
+    train_path: Path,
+    infer_path: Path,
+    key: str | None,
+    infer_format: str | None = None,
+    scores_path: Path | None = None,
 ) -> tuple[list[tuple[str, dict]], list[int] | None]:
     """``([(name, TopkAgreement.as_dict())], shape)``: one row and the tensors' shape, or one row
     per layer (then "all" last) and ``None``. Every compared selection has at least one row."""
@@ -218,8 +284,9 @@ def _compare(
                 f"shape mismatch: --train {tuple(train.shape)} vs --infer {tuple(infer.shape)}; "
                 "compare selections of the same rows with the same k"
             )
-        metrics = _nonempty(topk_agreement(train, infer).as_dict(), f"--infer {infer_path}")
-        return [(train_path.name, metrics)], list(train.shape)
+        given = _scores(scores_path, key, [""]).get("")
+        metrics = _agreement(train, infer, given, f"--scores {scores_path}")
+        return [(train_path.name, _nonempty(metrics, f"--infer {infer_path}"))], list(train.shape)
     if key is not None:
         raise CliError(
             f"--key {key}: replay files (layer_NN tensors) are compared layer by layer, every "
@@ -253,9 +320,11 @@ def _compare(
             f"--train has {_describe_layout(train_layout)}, --infer "
             f"{_describe_layout(infer_layout)}; the two files must hold picks of the same tokens"
         )
+    layer_scores = _scores(scores_path, None, [f"layer_{n:02d}" for n in layers])
     rows = []
     for n, (train, infer) in layers.items():
-        metrics = topk_agreement(train, infer).as_dict()
+        name = f"layer_{n:02d}"
+        metrics = _agreement(train, infer, layer_scores.get(name), f"--scores {scores_path} {name}")
         rows.append((f"layer {n}", _nonempty(metrics, f"--infer {infer_path} layer {n}")))
     rows.append(("all", _pooled([m for _, m in rows])))
     return rows, None
@@ -274,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
     gate = args.min_agreement
     if gate is not None and not (0.0 <= gate <= 1.0):
         raise CliError(f"--min-agreement {gate}: give a fraction in [0, 1], e.g. 0.999")
-    results, shape = _compare(args.train, args.infer, args.key, args.infer_format)
+    results, shape = _compare(args.train, args.infer, args.key, args.infer_format, args.scores)
     overall = results[-1][1]
     # The gate covers every compared selection: each layer (and the pooled "all" row).
     failed = [] if gate is None else [n for n, m in results if m["member_agreement"] < gate]
@@ -303,10 +372,17 @@ def main(args: argparse.Namespace) -> int:
             f"{overall['members']} inference picks"
         )
         print()
-        table = [[name, *agreement_cells(metrics)] for name, metrics in results]
-        print(format_table(["train", *AGREEMENT_HEADERS], table))
+        causes = [c for c in CAUSES if c in overall]
+        table = [
+            [name, *agreement_cells(metrics), *(str(metrics[c]) for c in causes)]
+            for name, metrics in results
+        ]
+        headers = ["train", *AGREEMENT_HEADERS, *(c.removesuffix("_rows") for c in causes)]
+        print(format_table(headers, table))
         print()
         print("\n".join(AGREEMENT_LEGEND))
+        if causes:
+            print(CAUSES_LEGEND)
     metrics = dict(results)
     for name in failed:
         print(

@@ -341,3 +341,66 @@ def test_a_replay_file_against_a_plain_file_is_refused(tmp_path):
         "agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt"
     )
     assert code == 2 and "both be replay files" in err and err.count("\n") == 1
+
+
+# A planted tie, a precision difference and an invalid set (keys 0-3 of four rows, top-2): row 0
+# agrees; row 1's scores tie at the boundary (keys 1 and 2: inference's {0, 2} is a top-2 too);
+# row 2's do not (inference took key 2 below key 1); row 3's inference set takes key 3, which the
+# row does not see (-inf).
+CAUSE_SCORES = torch.tensor(
+    [[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 2.0, 1.0], [3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, -torch.inf]]
+)
+CAUSE_TRAIN = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]], dtype=torch.int32)
+CAUSE_INFER = torch.tensor([[0, 1], [0, 2], [0, 2], [0, 3]], dtype=torch.int32)
+
+
+def test_scores_tell_each_differing_row_apart(tmp_path):
+    torch.save(CAUSE_TRAIN, tmp_path / "train.pt")
+    torch.save(CAUSE_INFER, tmp_path / "infer.pt")
+    torch.save(CAUSE_SCORES, tmp_path / "scores.pt")
+    argv = ("agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt")
+    code, out, err = run_cli(*argv, "--scores", tmp_path / "scores.pt", "--json")
+    assert code == 0, err
+    got = json.loads(out)["configs"][0]
+    assert (got["tie_rows"], got["precision_rows"], got["invalid_rows"]) == (1, 1, 1)
+    assert got["rows_identical"] == 0.25
+    code, out, _ = run_cli(*argv, "--scores", tmp_path / "scores.pt")
+    header = next(line for line in out.splitlines() if "rows identical" in line)
+    assert code == 0 and header.split()[-3:] == ["tie", "precision", "invalid"]
+    code, out, _ = run_cli(*argv, "--json")  # without scores: no causes
+    assert code == 0 and "tie_rows" not in json.loads(out)["configs"][0]
+
+
+def test_scores_of_replay_files_are_read_per_layer_and_pooled(tmp_path):
+    from dsa_precision.capture import TokenLayout, TopkPicks, save_picks
+
+    # One sequence of 8 tokens: rows 0-3 pick key 0 on both sides, rows 4-6 are CAUSE's rows 0-2
+    # (a replay file's picks are causal, so its invalid row is left out: row 7 agrees).
+    layout = TokenLayout(seq_len=8)
+    first = torch.tensor([[0, -1]] * 4, dtype=torch.int32)
+    train = torch.cat([first, CAUSE_TRAIN])
+    infer = torch.cat([first, CAUSE_INFER[:3], CAUSE_TRAIN[3:]])
+    scores = torch.full((8, 8), -torch.inf)
+    scores[:4, 0] = 1.0
+    scores[4:, :4] = CAUSE_SCORES.nan_to_num(neginf=0.0)
+    save_picks(tmp_path / "train.pt", TopkPicks({1: train, 2: train}, layout))
+    save_picks(tmp_path / "infer.pt", TopkPicks({1: infer, 2: train}, layout))
+    torch.save({"layer_01": scores, "layer_02": scores}, tmp_path / "scores.pt")
+    argv = ("agree", "--train", tmp_path / "train.pt", "--infer", tmp_path / "infer.pt")
+    code, out, err = run_cli(*argv, "--scores", tmp_path / "scores.pt", "--json")
+    assert code == 0, err
+    by = {c["name"]: c for c in json.loads(out)["configs"]}
+    assert (by["layer 1"]["tie_rows"], by["layer 1"]["precision_rows"]) == (1, 1)
+    assert (by["layer 2"]["tie_rows"], by["layer 2"]["precision_rows"]) == (0, 0)
+    assert (by["all"]["tie_rows"], by["all"]["precision_rows"], by["all"]["invalid_rows"]) == (
+        1, 1, 0,
+    )  # fmt: skip
+    torch.save({"layer_01": scores}, tmp_path / "one.pt")
+    code, _, err = run_cli(*argv, "--scores", tmp_path / "one.pt")
+    assert code == 2 and "layer_02: missing" in err
+    torch.save({"layer_01": scores, "layer_02": scores[:2]}, tmp_path / "short.pt")
+    code, _, err = run_cli(*argv, "--scores", tmp_path / "short.pt")
+    assert code == 2 and "scores of shape (2, 8) for picks of shape (8, 2)" in err
+    torch.save({"layer_01": train, "layer_02": train}, tmp_path / "ints.pt")
+    code, _, err = run_cli(*argv, "--scores", tmp_path / "ints.pt")
+    assert code == 2 and "give float scores" in err
