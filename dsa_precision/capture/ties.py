@@ -123,6 +123,17 @@ class TieRows:
         """The frame: header (magic, sizes, checksum), digests (int64), rows sent (int32), then
         the picks as a :class:`CompactPicks` frame of ``format`` (``delta`` by default)."""
         n, m, k = self.digests.shape[0], self.rows.shape[0], self.k
+        repeated = _repeats_a_key(self.picks.detach().cpu()).nonzero().view(-1)
+        if repeated.numel():
+            i = int(repeated[0])
+            raise ValueError(
+                f"TieRows.to_bytes: row {int(self.rows[i])} holds a key twice "
+                f"({self.picks[i].tolist()[:8]}...; {repeated.numel()} such row(s)). The engine's "
+                "top-k returned a set with a repeated key (LMDeploy's bitonic_topk does on equal "
+                "scores); training attends to distinct keys and cannot reproduce it. Serve with a "
+                "top-k that returns distinct keys (LMDeploy: TileLang's sparse_index_topk, top-k "
+                "512 or 2048)."
+            )
         digests = self.digests.detach().cpu().contiguous()
         rows = self.rows.detach().cpu().to(torch.int32).contiguous()
         header = _HEADER.pack(_MAGIC, n, m, k, _checksum(n, k, digests, rows.to(torch.int64)))
@@ -237,7 +248,9 @@ def engine_tie_rows(
 
     Returns:
         :class:`TieRows` on the logits' device: every row's digest, and the picks of the rows
-        whose margin is not positive (boundary-tied, or not a top-k of the logits).
+        whose margin is not positive (boundary-tied, or not a top-k of the logits) or that hold
+        a key twice (LMDeploy's ``bitonic_topk`` on equal scores). Training cannot attend to a
+        key twice, so :meth:`TieRows.to_bytes` refuses a frame with such a row, naming it.
     """
     for name, t in (("logits", logits), ("picks", picks), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
@@ -269,8 +282,20 @@ def engine_tie_rows(
     else:
         margins = selection_margins(logits, picks, lengths, starts=starts)
         digests, flags = digest_rows(picks), margins <= 0  # NaN: nothing left out
+    # A set holding a key twice is no top-k even where its margin is positive (the other copy
+    # displaced the k-th key): sent too, so that it is never mistaken for training's own set.
+    flags = flags | _repeats_a_key(picks)
     sent = flags.nonzero().view(-1)  # the one synchronisation
     return TieRows(digests, sent, picks[sent].to(torch.int32))
+
+
+def _repeats_a_key(picks: torch.Tensor) -> torch.Tensor:
+    """``(rows,)`` bool: the rows of ``(rows, k)`` picks (``-1`` padding) that hold a key twice
+    (one sort of the picks, on their device, no synchronisation)."""
+    if picks.shape[-1] < 2:
+        return torch.zeros(picks.shape[:-1], dtype=torch.bool, device=picks.device)
+    ordered = picks.sort(dim=-1).values
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(-1)
 
 
 def _unit_columns(*tensors: torch.Tensor) -> bool:

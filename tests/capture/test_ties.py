@@ -33,6 +33,19 @@ def _engine_picks(scores: torch.Tensor, k: int, gen: torch.Generator) -> torch.T
     return torch.where(torch.arange(k) < lengths[:, None], idx, -1).to(torch.int32)
 
 
+def test_a_set_holding_a_key_twice_is_sent_and_its_frame_refused():
+    # Row 0 is a strict top-2 (keys 0, 1); row 1 repeats key 0 (what LMDeploy's bitonic_topk
+    # returns on equal scores): its margin is positive (key 0's score over everything left out)
+    # but it is no top-k, so it is sent, and the frame names it.
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0], [4.0, 3.0, 1.0, 0.0]])
+    picks = torch.tensor([[0, 1], [0, 0]], dtype=torch.int32)
+    frame = engine_tie_rows(logits, picks, torch.tensor([4, 4]))
+    assert frame.rows.tolist() == [1] and frame.picks.tolist() == [[0, 0]]
+    with pytest.raises(ValueError, match=r"row 1 holds a key twice .*bitonic_topk.*TileLang"):
+        frame.to_bytes()
+    assert engine_tie_rows(logits[:1], picks[:1], torch.tensor([4])).to_bytes()  # a valid set
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(5, 24), st.integers(0, 2**31 - 1), st.sampled_from([2, 3, 6]))
 def test_the_rows_sent_are_the_rows_whose_boundary_ties(n, seed, levels):

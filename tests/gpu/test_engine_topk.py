@@ -145,3 +145,6 @@ def test_lmdeploy_bitonic_repeats_keys_it_finds_equal(engine_logits):
     for row in bad.tolist():
         keys = picks[row][picks[row] >= 0]
         assert bool((keys < lengths[row]).all()) and keys.unique().numel() < keys.numel()
+    # The engine side sends every such row (no top-k), so it is never taken for training's own.
+    sent = set(engine_tie_rows(s, picks, lengths).rows.tolist())
+    assert set(bad.tolist()) <= sent
