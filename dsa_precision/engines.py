@@ -407,8 +407,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm",
         summary=(
-            "vLLM 0.29+ on Hopper (run: 0.33.0's Triton kernels; 0.34.0's kernels.py is "
-            "byte-identical; top-k kernels run: 0.33.0 and 0.34.0), the default compiled run, "
+            "vLLM 0.29+ on Hopper (run: 0.33.0's and 0.34.0's Triton kernels and top-k "
+            "kernels), the default compiled run, "
             "FP32 indexer logits: BF16 cos/sin cache (GLM-5 in every run mode); float32 "
             "LayerNorm operation by operation (eps 1e-6), contracted RoPE; UE8M0 by float32 log2"
         ),
@@ -422,8 +422,8 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
     EngineProfile(
         name="vllm-eager",
         summary=(
-            "vLLM 0.29+ on Hopper with --enforce-eager (run: 0.33.0's kernels; 0.34.0's "
-            "kernels.py is byte-identical): FP32 cos/sin cache for DeepSeek-V3.2 (yarn RoPE with "
+            "vLLM 0.29+ on Hopper with --enforce-eager (run: 0.33.0's and 0.34.0's kernels): "
+            "FP32 cos/sin cache for DeepSeek-V3.2 (yarn RoPE with "
             "flashinfer); otherwise as 'vllm' (a plain-RoPE model's eager run, GLM-5's, is 'vllm')"
         ),
         rope_type="yarn",

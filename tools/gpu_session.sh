@@ -85,29 +85,32 @@ for step in "$@"; do
           --topk "$topk" --steps "$steps" --rollout engine-kernels --rollout-topk vllm \
           --configs baseline,rope_fp32+fp8,rope_fp32+fp8+ties --out "$LOGS/lp_vllm_$seq.json"
       done ;;
-    logprobs-vllm-long)  # issue 48: the RL table at S = 32768 (top-2048, 2 attention heads:
-      # Megatron's unfused sparse attention holds heads x S x S float32 scores), rollout top-k by
-      # vLLM's kernels (after `vllm-ops`); the baseline is left out (Megatron's BF16 indexer holds
-      # S x 32 x S float32 scores, 128 GiB)
+    logprobs-vllm-long)  # issue 48: the RL table at S = 32768 (top-2048; 1 attention head:
+      # Megatron's unfused sparse attention holds heads x S x S float32 scores, and 2 ran out of
+      # memory in the warm-up backward on an H100), rollout top-k by vLLM's kernels (after
+      # `vllm-ops`); the baseline is left out (its BF16 indexer holds S x 32 x S float32 scores)
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
-      TAIL=12 run logprobs_vllm_32768 600 python examples/logprob_mismatch.py --seq 32768 \
-        --topk 2048 --attention-heads 2 --steps ${LOGPROB_STEPS_32768:-3} --rollout engine-kernels \
-        --rollout-topk vllm --configs rope_fp32+fp8,rope_fp32+fp8+ties \
-        --out "$LOGS/lp_vllm_32768.json" ;;
+      for steps in 0 2; do
+        TAIL=12 run "logprobs_vllm_32768_s$steps" 400 env \
+          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python examples/logprob_mismatch.py \
+          --seq 32768 --topk 2048 --attention-heads 1 --steps "$steps" \
+          --train-config rope_fp32+fp8 --rollout engine-kernels --rollout-topk vllm \
+          --configs rope_fp32+fp8,rope_fp32+fp8+ties --out "$LOGS/lp_vllm_32768_s$steps.json"
+      done ;;
     toy-ties)  # issue 48: the step time of replay_ties (2 % of rows sent, --tie-share) beside the
       # computed picks and full replay, S = 2048 then 8192
-      for shape in "2048 256 40" "8192 2048 12"; do
-        read -r seq topk steps <<< "$shape"
+      for shape in "2048 256 30 2" "8192 2048 8 1"; do
+        read -r seq topk steps profile <<< "$shape"
         TAIL=10 run "toy_ties_$seq" 600 python examples/toy_glm5_train.py --seq "$seq" \
-          --topk "$topk" --steps "$steps" --share-steps 0 --stock-steps 0 --profile-steps 2 \
-          --host-steps 0 --configs rope_fp32+fp8,rope_fp32+fp8+ties,replay \
-          --out "$LOGS/toy_ties_$seq.json"
+          --topk "$topk" --steps "$steps" --share-steps 0 --stock-steps 0 \
+          --profile-steps "$profile" --host-steps 0 \
+          --configs rope_fp32+fp8,rope_fp32+fp8+ties,replay --out "$LOGS/toy_ties_$seq.json"
       done ;;
     topk-engines)  # issue 48: SGLang 0.5.23's and LMDeploy 0.18.0's top-k kernels (the files in
       # DSA_ENGINE_KERNELS; lmdeploy-tilelang after `tilelang`) against the exact top-k
       export DSA_ENGINE_KERNELS=${DSA_ENGINE_KERNELS:-$PWD/.engine-kernels}
       TAIL=45 run engine_topk_engines 600 python tools/engine_topk.py --engines sglang lmdeploy \
-        --out "$LOGS/topk-engines" ;;
+        --runs 3 --out "$LOGS/topk-engines" ;;
     conformance-034)  # issue 49: vLLM 0.34.0's kernels (.engine-kernels034, the vendored
       # DeepGEMM of its wheel in .vllm-dg034) against the profiles vllm and vllm-eager, kernel
       # level then layer level
