@@ -28,6 +28,7 @@ __all__ = [
     "IndexerPrecisionConfig",
     "ScoringPrecision",
     "check_precision_config",
+    "check_scoring_backend",
     "fp8_indexer_loss_error",
 ]
 
@@ -96,6 +97,13 @@ class IndexerPrecisionConfig:
             ``rope_fp32``), quantization and head-weight folding (with ``"fp8"``) training
             reproduces. Default ``"vllm"``, vLLM's default compiled run on Hopper (``"vllm-exact"``
             is the literal all-FP32 contract of earlier releases).
+        scoring_backend: the kernel whose logits the scoring returns (:data:`SCORING_BACKENDS`):
+            ``"auto"`` (default) the fastest exact one that serves the call (DeepGEMM's MQA
+            logits for FP8 where installed, else cuDNN's SM90 kernel, else the torch reference),
+            or one pinned: ``"deepgemm"`` (FP8 only; the engines' kernel), ``"cudnn"``,
+            ``"torch"``. Their FP8 logits differ in the last bits (docs/numerics.md, section 7),
+            so it is part of the precision: prepared operands carry it to every scoring call, and
+            the audit (:func:`dsa_precision.scoring_calls`) records the kernel that ran.
     """
 
     # FP32 preprocessing after the projections (LayerNorm, RoPE, Hadamard); default: BF16 as Megatron.
@@ -104,6 +112,8 @@ class IndexerPrecisionConfig:
     scoring_precision: ScoringPrecision = ScoringPrecision.BF16
     # Engine profile; accepts a registered name or a profile, stored as the profile.
     engine: EngineProfile = field(default=DEFAULT_ENGINE)
+    # The scoring kernel (SCORING_BACKENDS); "auto" decides per call.
+    scoring_backend: str = "auto"
 
     if TYPE_CHECKING:  # the constructor takes the string forms too (normalised below)
 
@@ -112,6 +122,7 @@ class IndexerPrecisionConfig:
             rope_fp32: bool = False,
             scoring_precision: ScoringPrecision | str = ScoringPrecision.BF16,
             engine: EngineProfile | str = DEFAULT_ENGINE,
+            scoring_backend: str = "auto",
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -121,6 +132,7 @@ class IndexerPrecisionConfig:
             self, "scoring_precision", ScoringPrecision.parse(self.scoring_precision)
         )
         object.__setattr__(self, "engine", engine_profile(self.engine))
+        check_scoring_backend(self.scoring_backend, self.scoring_precision)
 
     @property
     def fp8(self) -> bool:
@@ -254,13 +266,29 @@ class IndexerPrecisionConfig:
     @classmethod
     def from_megatron_config(cls, config: Any) -> IndexerPrecisionConfig:
         """Build from a config carrying ``dsa_indexer_rope_fp32``,
-        ``dsa_indexer_scoring_precision`` and ``dsa_indexer_engine`` (missing fields take the
-        defaults)."""
+        ``dsa_indexer_scoring_precision``, ``dsa_indexer_engine`` and
+        ``dsa_indexer_scoring_backend`` (missing fields take the defaults)."""
         return cls(
             rope_fp32=getattr(config, "dsa_indexer_rope_fp32", False),
             scoring_precision=getattr(config, "dsa_indexer_scoring_precision", "bf16"),
             engine=getattr(config, "dsa_indexer_engine", DEFAULT_ENGINE.name),
+            scoring_backend=getattr(config, "dsa_indexer_scoring_backend", "auto"),
         )
+
+
+def check_scoring_backend(backend: object, precision: ScoringPrecision) -> str:
+    """``backend`` if it is one of :data:`SCORING_BACKENDS` that can score ``precision``
+    (``"deepgemm"`` scores FP8 only); ``ValueError`` naming the value and the fix otherwise."""
+    if not isinstance(backend, str) or backend not in SCORING_BACKENDS:
+        raise ValueError(
+            f"scoring_backend={backend!r} is not a scoring backend; use one of {SCORING_BACKENDS}."
+        )
+    if backend == "deepgemm" and precision is not ScoringPrecision.FP8:
+        raise ValueError(
+            "scoring_backend='deepgemm': DeepGEMM's MQA logits score FP8 operands only; set "
+            "scoring_precision='fp8' or another backend."
+        )
+    return backend
 
 
 def check_precision_config(value: object, name: str = "config") -> IndexerPrecisionConfig:

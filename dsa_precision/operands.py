@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from .checks import check_real, check_same_device, check_tensor
-from .config import ScoringPrecision
+from .config import ScoringPrecision, check_scoring_backend
 
 __all__ = ["WEIGHT_DTYPES", "ScoringOperands"]
 
@@ -42,6 +42,9 @@ class ScoringOperands:
     q_descale: torch.Tensor | None = None  # (B, S_q, H) fp32, fp8 only (already in weights)
     k_descale: torch.Tensor | None = None  # (B, S_k) fp32, fp8 only
     sm_scale: float = 1.0  # applied by the kernel; fp8: 1.0 (folded into weights)
+    # The scoring kernel the precision config chose (IndexerPrecisionConfig.scoring_backend):
+    # what every scoring and select call of these operands runs unless it names another.
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         q, k, w = self.q, self.k, self.weights
@@ -94,6 +97,7 @@ class ScoringOperands:
             if self.q_descale is not None or self.k_descale is not None:
                 raise ValueError("bf16 operands carry no descales.")
         check_real("sm_scale", self.sm_scale)
+        check_scoring_backend(self.backend, self.precision)
         check_same_device(q=q, k=k, weights=w, q_descale=self.q_descale, k_descale=self.k_descale)
 
     @property
@@ -135,7 +139,7 @@ class ScoringOperands:
                     "NaN (or, for BF16 keys on cuDNN, silently finite). Fix the inputs upstream."
                 )
 
-    def replace_trusted(self, **fields: torch.Tensor | None) -> ScoringOperands:
+    def replace_trusted(self, **fields: torch.Tensor | str | None) -> ScoringOperands:
         """These operands with some tensors replaced by tensors of the same kind (dtype, device,
         and shapes that keep the operands consistent: a row slice, a lane permutation) derived
         from these, without running the constructor's checks again (:meth:`trusted`)."""
@@ -151,6 +155,7 @@ class ScoringOperands:
         q_descale: torch.Tensor | None = None,
         k_descale: torch.Tensor | None = None,
         sm_scale: float = 1.0,
+        backend: str = "auto",
     ) -> ScoringOperands:
         """Operands built from inputs the caller checked (the fused kernel's outputs, whose
         dtypes, shapes and device follow from those inputs), without the constructor's checks
@@ -158,7 +163,7 @@ class ScoringOperands:
         new = object.__new__(cls)
         for name, value in (
             ("q", q), ("k", k), ("weights", weights), ("q_descale", q_descale),
-            ("k_descale", k_descale), ("sm_scale", sm_scale),
+            ("k_descale", k_descale), ("sm_scale", sm_scale), ("backend", backend),
         ):  # fmt: skip
             object.__setattr__(new, name, value)
         return new

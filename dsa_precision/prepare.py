@@ -201,7 +201,7 @@ def prepare_scoring_operands(
     sm_scale = check_real("sm_scale", sm_scale)
     if precision is ScoringPrecision.BF16:
         check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
-        return _round_bf16(q, k, weights, sm_scale)
+        return _with_backend(_round_bf16(q, k, weights, sm_scale), config)
     if q.shape[-1] != QUANT_BLOCK:
         raise ValueError(
             f"q and k have head dim {q.shape[-1]}; FP8 scoring quantizes {QUANT_BLOCK}-wide "
@@ -209,8 +209,17 @@ def prepare_scoring_operands(
         )
     reason = quantize_kernel_reason(q, k, weights, engine)
     if use_kernel(impl, reason):
-        return _quantize_triton(q, k, weights, sm_scale, engine)
-    return _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
+        return _with_backend(_quantize_triton(q, k, weights, sm_scale, engine), config)
+    ops = _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
+    return _with_backend(ops, config)
+
+
+def _with_backend(ops: ScoringOperands, config: IndexerPrecisionConfig) -> ScoringOperands:
+    """``ops`` carrying ``config``'s scoring kernel (checked against their precision when the
+    config was built)."""
+    if config.scoring_backend == ops.backend:
+        return ops
+    return ops.replace_trusted(backend=config.scoring_backend)
 
 
 def _quantize_triton(
@@ -329,7 +338,8 @@ def prepare_indexer_operands(
                 token_freqs=token_freqs, positions=positions,
             )  # fmt: skip
             w = indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
-            return _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
+            ops = _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
+            return _with_backend(ops, config)
         engine = config.engine
         pre, post = _split_fold(engine.weights_fold, sm_scale, n_heads, head_dim)
         reason = fused_unsupported_reason(preprocess, q_proj, k_proj, w_proj, config=config)
@@ -368,9 +378,8 @@ def prepare_indexer_operands(
                 cos, sin = _kernel_rope_tables(
                     token_freqs, rows, mscale, rules.table_dtype, rules.math_dtype
                 )
-            return _fused(
-                preprocess, rules, q_proj, k_proj, w_pre, cos, sin, fold_scales=post
-            )  # fmt: skip
+            ops = _fused(preprocess, rules, q_proj, k_proj, w_pre, cos, sin, fold_scales=post)
+            return _with_backend(ops, config)
         q, k = preprocess(
             q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs,
             positions=positions,
@@ -379,7 +388,7 @@ def prepare_indexer_operands(
             q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
             engine.weights_fold,
         )  # fmt: skip
-        return _engine_lane_order(ops, preprocess)
+        return _with_backend(_engine_lane_order(ops, preprocess), config)
 
 
 def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> ScoringOperands:

@@ -348,7 +348,7 @@ def indexer_scores(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: Literal[True] = True,
@@ -363,7 +363,7 @@ def indexer_scores(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: Literal[False],
@@ -378,7 +378,7 @@ def indexer_scores(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: bool = True,
@@ -393,7 +393,7 @@ def indexer_scores(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: bool = True,
@@ -414,11 +414,12 @@ def indexer_scores(
         ratio: key compression ratio of the causal mask (1: one key per token).
         q_causal_offsets: global index of each batch row's query 0: an int or a ``(B,)`` integer
             tensor (0 by default).
-        backend: ``"cudnn"`` (SM90 kernel), ``"deepgemm"`` (DeepGEMM's MQA logits, FP8 only),
-            ``"torch"`` (exact reference, any device) or ``"auto"`` (the fastest that can serve
-            the call: DeepGEMM for FP8 when installed and ``out`` is not given, else cuDNN, else
-            torch; :func:`resolve_scoring_backend`). An explicit kernel backend that cannot run
-            raises.
+        backend: ``None`` (default): the operands' kernel, i.e. their config's
+            ``scoring_backend``; else, for this call, ``"cudnn"`` (SM90 kernel), ``"deepgemm"``
+            (DeepGEMM's MQA logits, FP8 only), ``"torch"`` (exact reference, any device) or
+            ``"auto"`` (the fastest that can serve the call: DeepGEMM for FP8 when installed and
+            ``out`` is not given, else cuDNN, else torch; :func:`resolve_scoring_backend`). An
+            explicit kernel backend that cannot run raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
         validate: check the data too (offsets in range before their int32 cast, finite
             operands); this synchronises with the host, so it is off by default.
@@ -447,7 +448,8 @@ def indexer_scores(
     if validate:
         ops.check_finite()
     _check_out(out, (b, sq, sk), ops.device)
-    backend = resolve_scoring_backend(backend, ops, writes_out=out is not None)
+    requested = ops.backend if backend is None else backend
+    backend = resolve_scoring_backend(requested, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
     if clean:
@@ -511,7 +513,7 @@ def indexer_scores_varlen(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: Literal[True] = True,
@@ -530,7 +532,7 @@ def indexer_scores_varlen(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: Literal[False],
@@ -549,7 +551,7 @@ def indexer_scores_varlen(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: bool = True,
@@ -568,7 +570,7 @@ def indexer_scores_varlen(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     out: torch.Tensor | None = None,
     validate: bool = False,
     clean: bool = True,
@@ -621,7 +623,8 @@ def indexer_scores_varlen(
     if validate:
         ops.check_finite()
     _check_out(out, (tq, max_seqlen_k), ops.device)
-    backend = resolve_scoring_backend(backend, ops, writes_out=out is not None)
+    requested = ops.backend if backend is None else backend
+    backend = resolve_scoring_backend(requested, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)

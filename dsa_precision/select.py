@@ -193,7 +193,7 @@ def indexer_select(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     chunk_bytes: int | None = None,
     deterministic: bool = True,
     margins: bool = False,
@@ -204,8 +204,8 @@ def indexer_select(
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
     ``config``), plus ``topk``, ``chunk_bytes`` (``None``: :data:`DEFAULT_CHUNK_BYTES`, 4 GiB;
     see the module docstring) and
-    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` chooses both
-    kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
+    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` (``None``: the
+    operands', their config's ``scoring_backend``) chooses both kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
     can, reading DeepGEMM's logits in place; ``"auto"`` scores as
     :func:`dsa_precision.scoring.resolve_scoring_backend` decides (DeepGEMM first for FP8
@@ -228,7 +228,8 @@ def indexer_select(
     sk = ops.k.shape[1]
     device = ops.device
     offsets = causal_offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
-    requested, backend = backend, resolve_scoring_backend(backend, ops)
+    requested = ops.backend if backend is None else backend
+    backend = resolve_scoring_backend(requested, ops)
     margins = check_bool("margins", margins)
     if sq == 0 or sk == 0:
         empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=device)
@@ -285,7 +286,7 @@ def indexer_select_varlen(
     sm_scale: float = 1.0,
     ratio: int = 1,
     q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
     chunk_bytes: int | None = None,
     deterministic: bool = True,
     margins: bool = False,
@@ -325,7 +326,8 @@ def indexer_select_varlen(
     )
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
     cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
-    requested, backend = backend, resolve_scoring_backend(backend, ops)
+    requested = ops.backend if backend is None else backend
+    backend = resolve_scoring_backend(requested, ops)
     margins = check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)

@@ -129,6 +129,56 @@ def test_from_megatron_config():
     assert IndexerPrecisionConfig.from_megatron_config(object()) == IndexerPrecisionConfig()
     Cfg.dsa_indexer_engine = "lmdeploy"
     assert IndexerPrecisionConfig.from_megatron_config(Cfg()).engine.name == "lmdeploy"
+    Cfg.dsa_indexer_scoring_backend = "deepgemm"
+    assert IndexerPrecisionConfig.from_megatron_config(Cfg()).scoring_backend == "deepgemm"
+
+
+def test_the_scoring_kernel_is_a_field_checked_at_construction():
+    assert IndexerPrecisionConfig().scoring_backend == "auto"
+    pinned = IndexerPrecisionConfig(scoring_precision="fp8", scoring_backend="deepgemm")
+    assert pinned != IndexerPrecisionConfig(scoring_precision="fp8")  # part of the precision
+    with pytest.raises(ValueError, match=r"scoring_backend='tpu' is not a scoring backend"):
+        IndexerPrecisionConfig(scoring_backend="tpu")
+    with pytest.raises(ValueError, match=r"scoring_backend='deepgemm': .* FP8 operands only"):
+        IndexerPrecisionConfig(scoring_backend="deepgemm")  # BF16 scoring
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pinned.scoring_backend = "torch"  # type: ignore[misc]
+
+
+def test_prepared_operands_carry_the_configs_kernel_to_every_call():
+    """On the CPU only the torch reference scores: a config pinning cuDNN is honoured (its
+    operands' scoring and selection refuse to run anything else), and a call naming a backend
+    overrides it for that call alone."""
+    import torch
+
+    from dsa_precision import (
+        indexer_scores,
+        indexer_select,
+        prepare_scoring_operands,
+        scoring_calls,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 32, 128, generator=g)
+    k = torch.randn(1, 6, 128, generator=g)
+    w = torch.randn(1, 6, 32, generator=g)
+    for precision in ("bf16", "fp8"):
+        config = IndexerPrecisionConfig(scoring_precision=precision, scoring_backend="cudnn")
+        ops = prepare_scoring_operands(q, k, w, config=config)
+        assert ops.backend == "cudnn" and ops.rows(0, 3).backend == "cudnn"
+        with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call"):
+            indexer_scores(ops)
+        with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call"):
+            indexer_select(ops, topk=2)
+        with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call"):
+            indexer_scores(q, k, w, config=config)  # carriers prepared under the config
+        before = scoring_calls(precision, "torch")
+        auto = prepare_scoring_operands(
+            q, k, w, config=dataclasses.replace(config, scoring_backend="auto")
+        )
+        assert auto.backend == "auto"
+        assert torch.equal(indexer_scores(ops, backend="torch"), indexer_scores(auto))
+        assert scoring_calls(precision, "torch") == before + 2
 
 
 def test_fp8_on_a_blackwell_gpu_is_refused(monkeypatch):

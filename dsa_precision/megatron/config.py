@@ -295,8 +295,12 @@ def indexer_rope_spec(config: Any) -> RopeSpec:
 
 def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisionConfig:
     """One ``ValueError`` naming every field that keeps the requested precision from running."""
-    try:
-        precision = IndexerPrecisionConfig.from_megatron_config(config)
+    try:  # the scoring backend joins once its own rules hold (below, with Megatron's names)
+        precision = IndexerPrecisionConfig(
+            rope_fp32=config.dsa_indexer_rope_fp32,
+            scoring_precision=config.dsa_indexer_scoring_precision,
+            engine=config.dsa_indexer_engine,
+        )
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"dsa_indexer_{exc}") from None
     problems = []
@@ -383,7 +387,7 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             f"dsa-precision fields ({precision.short_str()}, dsa_indexer_engine="
             f"{precision.engine.name!r}) cannot be honoured:\n  - " + "\n  - ".join(problems)
         )
-    return precision
+    return dataclasses.replace(precision, scoring_backend=backend)
 
 
 def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

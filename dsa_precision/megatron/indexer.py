@@ -96,9 +96,9 @@ class PrecisionDSAIndexer(DSAIndexer):
         # (Megatron fields it follows, module): a tuple, so nn.Module does not register the
         # preprocessing (it borrows k_norm; the state dict keeps Megatron's names).
         self._preprocess_cache: tuple[tuple[bool, ...], IndexerPreprocess] | None = None
-        # The scoring kernel: the config's choice (dsa_indexer_scoring_backend; "auto" for a
-        # plain TransformerConfig), resolved once, at the first package scoring.
-        self._requested_backend = getattr(self.config, "dsa_indexer_scoring_backend", "auto")
+        # The scoring kernel: the precision's (dsa_indexer_scoring_backend; "auto" for a plain
+        # TransformerConfig), resolved once, at the first package scoring.
+        self._requested_backend = self._precision.scoring_backend
         self._scoring_backend: ResolvedBackend | None = None
         if self._precision.rope_fp32 or self._precision.fp8:
             self.preprocess()  # built (and its arguments checked) now, not at the first forward

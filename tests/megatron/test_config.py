@@ -167,7 +167,9 @@ def test_the_scoring_backend_is_decided_once_per_layer_and_reported(monkeypatch)
     fresh = make_attention(make_config(**fp8))
     run_attention(fresh, attention_inputs())
     assert fresh.scoring_backend == "deepgemm"  # auto takes the engines' kernel where it serves
-    pinned = make_attention(make_config(**fp8, dsa_indexer_scoring_backend="cudnn"))
+    pinned_config = make_config(**fp8, dsa_indexer_scoring_backend="cudnn")
+    assert pinned_config.dsa_indexer_precision.scoring_backend == "cudnn"  # the precision's
+    pinned = make_attention(pinned_config)
     with pytest.raises(RuntimeError, match=r"backend='cudnn' cannot score this call"):
         run_attention(pinned, attention_inputs())
     with pytest.raises(ValueError, match=r"dsa_indexer_scoring_backend='deepgemm': DeepGEMM's MQA"):
