@@ -23,7 +23,12 @@ from .prepare import prepare_indexer_operands, prepare_scoring_operands
 
 # Scoring, top-k, and both in one pass (BSHD and packed THD)
 from .rows import WindowScores
-from .scoring import indexer_scores, indexer_scores_varlen
+from .scoring import (
+    indexer_scores,
+    indexer_scores_varlen,
+    indexer_window_scores,
+    indexer_window_scores_varlen,
+)
 from .topk import indexer_topk
 from .select import indexer_select, indexer_select_varlen
 
@@ -58,6 +63,8 @@ __all__ = [
     "indexer_select",
     "indexer_select_varlen",
     "indexer_topk",
+    "indexer_window_scores",
+    "indexer_window_scores_varlen",
     "prepare_indexer_operands",
     "prepare_scoring_operands",
     "quantize_e4m3_ue8m0",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Mapping
 from typing import cast
 
@@ -244,10 +245,13 @@ def as_scoring_operands(
     *,
     config: IndexerPrecisionConfig | None = None,
     sm_scale: float = 1.0,
+    entry: str | None = None,
 ) -> ScoringOperands:
     """``q`` if it is :class:`ScoringOperands` (then no carriers may be given, and ``config``,
     if given, must name their precision), else the carriers prepared by
-    :func:`prepare_scoring_operands` under ``config``: what every scoring entry point takes."""
+    :func:`prepare_scoring_operands` under ``config``: what every scoring entry point takes.
+    ``entry``: the public function called with carriers, named in its ``DeprecationWarning``
+    (scoring and selection take prepared operands; the carrier form goes in the next release)."""
     if config is not None:
         config = check_precision_config(config)
     if isinstance(q, ScoringOperands):
@@ -266,6 +270,14 @@ def as_scoring_operands(
         raise ValueError(
             "carriers need q, k, weights and config=IndexerPrecisionConfig(scoring_precision="
             "'bf16' or 'fp8', engine=...); or pass ScoringOperands."
+        )
+    if entry is not None:
+        warnings.warn(
+            f"{entry}(q, k, weights, config=...) is deprecated: prepare the operands once with "
+            f"dsa_precision.prepare_scoring_operands(q, k, weights, config=...) and pass them, "
+            f"{entry}(operands, ...).",
+            DeprecationWarning,
+            stacklevel=4,  # the caller of the public entry (through its keyword-check wrapper)
         )
     return prepare_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
 

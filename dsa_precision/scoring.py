@@ -26,7 +26,8 @@ data-dependent checks run only with ``validate=True``.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, Unpack, overload
+import warnings
+from typing import Literal, TypedDict, Unpack, cast, overload
 
 import torch
 
@@ -67,6 +68,8 @@ __all__ = [
     "deepgemm_select_input",
     "indexer_scores",
     "indexer_scores_varlen",
+    "indexer_window_scores",
+    "indexer_window_scores_varlen",
     "resolve_scoring_backend",
     "thd_scores",
 ]
@@ -335,6 +338,28 @@ def _reference_scores(
     return out
 
 
+_BSHD, _THD = "indexer_scores", "indexer_scores_varlen"
+
+
+def _operands(ops: object, entry: str) -> ScoringOperands:
+    """``ops`` if prepared operands, else ``TypeError`` naming the preparing step."""
+    if not isinstance(ops, ScoringOperands):
+        raise TypeError(
+            f"{entry}() takes prepared ScoringOperands, got {type(ops).__name__}; build them with "
+            "dsa_precision.prepare_scoring_operands(q, k, weights, config=...)."
+        )
+    return ops
+
+
+def _warn_clean(entry: str, replacement: str) -> None:
+    warnings.warn(
+        f"{entry}(..., clean=False) is deprecated: call dsa_precision.{replacement}(operands, "
+        "...), which returns the WindowScores.",
+        DeprecationWarning,
+        stacklevel=4,  # the caller of the public entry (through its keyword-check wrapper)
+    )
+
+
 # ------------------------------------------------------------------------------------- BSHD
 
 
@@ -436,9 +461,46 @@ def indexer_scores(
         at ``B = 1`` and by one mask of the unwritten tails otherwise). With ``clean=False``, a
         :class:`~dsa_precision.rows.WindowScores` of those scores.
     """
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_BSHD)
+    if not check_bool("clean", clean):  # a truthy "False" would return the other type
+        _warn_clean(_BSHD, "indexer_window_scores")
+    return _bshd_call(ops, ratio, q_causal_offsets, backend, out, validate, clean)
+
+
+def indexer_window_scores(
+    ops: ScoringOperands,
+    *,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> WindowScores:
+    """:func:`indexer_scores` of prepared operands without the cleaning past each row's causal
+    limit: a :class:`~dsa_precision.rows.WindowScores`, the scores ``(B, S_q, S_k)`` float32
+    (up to each row's limit the same as :func:`indexer_scores`', past it whatever the kernel
+    left there) and the limits ``(B, S_q)`` int32, what :func:`~dsa_precision.indexer_topk` reads
+    in place. On DeepGEMM that is its uncleaned call and nothing else (no cleaning kernel, no
+    mask); cuDNN and torch write ``-inf`` there anyway. Arguments as for
+    :func:`indexer_scores`."""
+    return cast(
+        WindowScores,
+        _bshd_call(_operands(ops, "indexer_window_scores"), ratio, q_causal_offsets, backend,
+                   out, validate, False),
+    )  # fmt: skip
+
+
+def _bshd_call(
+    ops: ScoringOperands,
+    ratio: int,
+    q_causal_offsets: torch.Tensor | int | None,
+    backend: Backend | None,
+    out: torch.Tensor | None,
+    validate: bool,
+    clean: bool,
+) -> torch.Tensor | WindowScores:
+    """The body of :func:`indexer_scores` and :func:`indexer_window_scores`."""
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    clean = check_bool("clean", clean)  # a truthy "False" would return the other type
     validate = check_bool("validate", validate)  # a truthy "no" would read the data
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
@@ -605,11 +667,59 @@ def indexer_scores_varlen(
             )
         q, weights = q.unsqueeze(0), weights.unsqueeze(0)
         k = k.reshape(1, k.shape[0], k.shape[-1])  # (T_k, D) or (T_k, 1, D); T_k may be 0
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
+    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_THD)
+    if not check_bool("clean", clean):  # a truthy "False" would return the other type
+        _warn_clean(_THD, "indexer_window_scores_varlen")
+    return _thd_call(
+        ops, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ratio, q_causal_offsets,
+        backend, out, validate, clean,
+    )  # fmt: skip
+
+
+def indexer_window_scores_varlen(
+    ops: ScoringOperands,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    ratio: int = 1,
+    q_causal_offsets: torch.Tensor | int | None = None,
+    backend: Backend | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> WindowScores:
+    """:func:`indexer_window_scores` for packed (THD) operands (batch 1): the scores
+    ``(T_q, max_seqlen_k)`` of :func:`indexer_scores_varlen` uncleaned past each row's causal
+    limit, and the limits ``(T_q,)`` int32 (on DeepGEMM its compressed uncleaned call, which
+    DeepGEMM cannot clean itself, and the rows' windows). Arguments as for
+    :func:`indexer_scores_varlen`."""
+    return cast(
+        WindowScores,
+        _thd_call(
+            _operands(ops, "indexer_window_scores_varlen"), cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, ratio, q_causal_offsets, backend, out, validate, False,
+        ),
+    )  # fmt: skip
+
+
+def _thd_call(
+    ops: ScoringOperands,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    ratio: int,
+    q_causal_offsets: torch.Tensor | int | None,
+    backend: Backend | None,
+    out: torch.Tensor | None,
+    validate: bool,
+    clean: bool,
+) -> torch.Tensor | WindowScores:
+    """The body of :func:`indexer_scores_varlen` and :func:`indexer_window_scores_varlen`."""
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
     ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    clean = check_bool("clean", clean)  # a truthy "False" would return the other type
     validate = check_bool("validate", validate)  # a truthy "no" would read the data
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]

@@ -223,7 +223,9 @@ def indexer_select(
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     deterministic = check_bool("deterministic", deterministic)
     validate = check_bool("validate", validate)
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
+    ops = as_scoring_operands(
+        q, k, weights, config=config, sm_scale=sm_scale, entry="indexer_select"
+    )
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     device = ops.device
@@ -313,7 +315,9 @@ def indexer_select_varlen(
         q = q.unsqueeze(0)
         k = None if k is None else k.reshape(1, k.shape[0], k.shape[-1])
         weights = None if weights is None else weights.unsqueeze(0)
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale)
+    ops = as_scoring_operands(
+        q, k, weights, config=config, sm_scale=sm_scale, entry="indexer_select_varlen"
+    )
     tq, tk = ops.q.shape[1], ops.k.shape[1]
     # The caller's lengths (each chunk's are derived from them).
     check_varlen_args(

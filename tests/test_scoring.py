@@ -9,6 +9,7 @@ from dsa_precision import (
     ScoringOperands,
     indexer_scores,
     indexer_scores_varlen,
+    indexer_select,
     indexer_topk,
     prepare_scoring_operands,
     reset_scoring_calls,
@@ -370,6 +371,49 @@ def test_uncleaned_varlen_scores_carry_each_rows_limit():
     ]
     assert window.lengths.tolist() == want
     assert torch.equal(indexer_topk(window, 4), indexer_topk(clean, 4))
+
+
+def test_window_scores_of_prepared_operands_are_the_deprecated_clean_false():
+    """``indexer_window_scores`` (operands only) returns what ``clean=False`` returned, bit for
+    bit; the old forms still run for one release, each with a ``DeprecationWarning`` naming its
+    replacement; the new function refuses carriers, naming the preparing step."""
+    import warnings
+
+    from dsa_precision import indexer_window_scores, indexer_window_scores_varlen
+
+    q, k, w = _inputs(b=2, sq=9, sk=9)
+    ops = prepare_scoring_operands(q, k, w, config=FP8)
+    kw = dict(q_causal_offsets=torch.tensor([0, 3]), backend="torch")
+    new = indexer_window_scores(ops, **kw)
+    with pytest.warns(DeprecationWarning, match=r"clean=False\) is deprecated: call "
+                      r"dsa_precision\.indexer_window_scores\(operands"):  # fmt: skip
+        old = indexer_scores(ops, clean=False, **kw)
+    assert_bitwise_equal(new.scores, old.scores, "window scores")
+    assert torch.equal(new.lengths, old.lengths)
+    with pytest.warns(DeprecationWarning, match=r"indexer_scores\(q, k, weights, config=\.\.\.\) "
+                      r"is deprecated: prepare the operands once"):  # fmt: skip
+        carried = indexer_scores(q, k, w, config=FP8, **kw)
+    assert_bitwise_equal(carried, indexer_scores(ops, **kw), "carriers vs operands")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the operand forms warn about nothing
+        indexer_scores(ops, **kw)
+        indexer_window_scores(ops, **kw)
+    with pytest.raises(TypeError, match=r"indexer_window_scores\(\) takes prepared "
+                       r"ScoringOperands, got Tensor; build them with dsa_precision\."
+                       r"prepare_scoring_operands"):  # fmt: skip
+        indexer_window_scores(q, **kw)  # type: ignore[arg-type]
+    lens = [4, 5]
+    vq, vk, vw = _inputs(b=1, sq=9, sk=9)
+    vops = prepare_scoring_operands(vq, vk, vw, config=FP8)
+    vkw = dict(cu_seqlens_q=cu_seqlens(lens), cu_seqlens_k=cu_seqlens(lens), max_seqlen_q=5,
+               max_seqlen_k=5, backend="torch")  # fmt: skip
+    with pytest.warns(DeprecationWarning, match=r"indexer_window_scores_varlen"):
+        old_v = indexer_scores_varlen(vops, clean=False, **vkw)
+    new_v = indexer_window_scores_varlen(vops, **vkw)
+    assert_bitwise_equal(new_v.scores, old_v.scores, "packed window scores")
+    assert torch.equal(new_v.lengths, old_v.lengths)
+    with pytest.warns(DeprecationWarning, match=r"indexer_select\(q, k, weights"):
+        indexer_select(q, k, w, config=FP8, topk=2, backend="torch")
 
 
 def test_uncleaned_empty_calls_have_empty_lengths():

@@ -561,8 +561,9 @@ def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
 
 
 def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+    from ..prepare import prepare_scoring_operands
     from ..rows import causal_key_counts
-    from ..scoring import indexer_scores, resolve_scoring_backend
+    from ..scoring import indexer_scores, indexer_window_scores, resolve_scoring_backend
     from ..select import indexer_select
     from ..topk import indexer_topk
 
@@ -591,7 +592,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
                 t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_logits(ops8, lens, True))
             t["score_fp8_deepgemm"] = timer(lambda: indexer_scores(ops8, backend="deepgemm"))
             t["score_fp8_deepgemm_window"] = timer(
-                lambda: indexer_scores(ops8, backend="deepgemm", clean=False)
+                lambda: indexer_window_scores(ops8, backend="deepgemm")
             )
         scores = raw.cudnn_scores(ops8, offsets).view(b * seq, seq)
         for key, val in (("raw_topk", False), ("raw_topk_val", True)):
@@ -613,7 +614,9 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         car = (q32.transpose(0, 1), k32.transpose(0, 1), work.w8.transpose(0, 1))
         for p, config in (("bf16", work.cfg16), ("fp8", work.cfg8)):
             t[f"api_{p}"] = timer(
-                lambda config=config: indexer_topk(indexer_scores(*car, config=config), cfg.topk)
+                lambda config=config: indexer_topk(
+                    indexer_scores(prepare_scoring_operands(*car, config=config)), cfg.topk
+                )
             )
         del q32, k32, car
     sel: _SelectArgs = dict(topk=cfg.topk, chunk_bytes=cfg.chunk_bytes)
@@ -800,9 +803,9 @@ def _measure_split(
 def _verify_deepgemm_window(raw: _Raw, ops: ScoringOperands, lens: torch.Tensor) -> None:
     """Before timing ``indexer_scores(clean=False)`` on DeepGEMM (batch 1): its scores inside each
     row's window are DeepGEMM's compressed logits bit for bit, its lengths the causal counts."""
-    from ..scoring import indexer_scores
+    from ..scoring import indexer_window_scores
 
-    window = indexer_scores(ops, backend="deepgemm", clean=False)
+    window = indexer_window_scores(ops, backend="deepgemm")
     logits = raw.deepgemm_logits(ops, lens)
     inside = torch.arange(logits.shape[1], device=_DEVICE) < lens.unsqueeze(1)
     if not torch.equal(window.lengths[0], lens) or not torch.equal(
@@ -816,7 +819,7 @@ def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple
     bit: on DeepGEMM its compressed logits inside each row's window and ``-inf`` past it (and
     the same values in DeepGEMM's cleaned logits, the windows read at their packed keys), on
     cuDNN the THD kernel's scores (``-inf`` included). ``CliError`` otherwise."""
-    from ..scoring import indexer_scores_varlen
+    from ..scoring import indexer_scores_varlen, indexer_window_scores_varlen
 
     kw = pack.varlen_kwargs()
     cols = torch.arange(pack.max_len, device=_DEVICE)
@@ -829,7 +832,7 @@ def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple
             (got[~inside] == float("-inf")).all()
         ):
             raise CliError("DeepGEMM THD scores differ from its raw logits; not timing.")
-        window = indexer_scores_varlen(ops, backend="deepgemm", clean=False, **kw)
+        window = indexer_window_scores_varlen(ops, backend="deepgemm", **kw)
         if not torch.equal(window.lengths, pack.counts) or not torch.equal(
             window.scores[inside], logits[inside]
         ):
@@ -852,7 +855,11 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
     """One packing of ``lens`` (summing to ``work.seq``) at ``work.heads``, FP8 operands:
     ``indexer_scores_varlen`` beside the raw kernels (below ``--chunked-from``), and
     ``indexer_select_varlen`` beside the raw chunked score + top-k, each backend."""
-    from ..scoring import indexer_scores_varlen, resolve_scoring_backend
+    from ..scoring import (
+        indexer_scores_varlen,
+        indexer_window_scores_varlen,
+        resolve_scoring_backend,
+    )
     from ..select import SELECT_BYTES_PER_SCORE, chunk_rows, indexer_select_varlen
 
     raw = _Raw(cfg.topk)
@@ -883,8 +890,8 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
             if raw.deepgemm_windows(ops, *dg, 0) is not None:
                 t["raw_score_dg_clean"] = timer(lambda: raw.deepgemm_windows(ops, *dg, 0))
             host["score_dg"] = lambda: indexer_scores_varlen(ops, backend="deepgemm", **kw)
-            host["score_dg_window"] = lambda: indexer_scores_varlen(
-                ops, backend="deepgemm", clean=False, **kw
+            host["score_dg_window"] = lambda: indexer_window_scores_varlen(
+                ops, backend="deepgemm", **kw
             )
         t |= {name: timer(fn) for name, fn in host.items()}
         out["host_us"] = {name: timer.host_us(fn) for name, fn in host.items()}
