@@ -291,20 +291,25 @@ def test_replay_output_is_the_single_process_output(parallel, case):
         assert r["equal"], f"{case}, rank {rank}: max |diff| {r['max_diff']:.3e}"
 
 
+def _assert_same_metrics(got: dict, want: dict, case: str, rank: int) -> None:
+    """Counts exactly, mean margins to float64 rounding, NaN (nothing compared) in both."""
+    assert got.keys() == want.keys() and want, (case, rank, got, want)
+    for key, value in want.items():
+        if value != value:  # NaN: no rows compared (replay_ties' own picks), in both runs
+            assert got[key] != got[key], (case, rank, key, got[key])
+        elif "margin" in key:
+            assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
+        else:
+            assert got[key] == value, (case, rank, key, got[key], value)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_verify_metrics_are_the_single_process_metrics(parallel, case):
     for rank, results in enumerate(parallel):
         r = results[case]["verify"]
         got, want = r["metrics"], r["ref_metrics"]
-        assert got.keys() == want.keys() and want, (case, rank, got, want)
         assert want["dsa_topk/layer_01/rows"] == SEQ * (1 if "thd" in case else 2)
-        for key, value in want.items():
-            if value != value:  # NaN: no rows compared (replay_ties' own picks), in both runs
-                assert got[key] != got[key], (case, rank, key, got[key])
-            elif "margin" in key:
-                assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
-            else:
-                assert got[key] == value, (case, rank, key, got[key], value)
+        _assert_same_metrics(got, want, case, rank)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -316,14 +321,7 @@ def test_replay_ties_picks_and_metrics_are_the_single_process_ones(parallel, cas
         assert r["picks_equal"], (case, rank)
         got, want = r["metrics"], r["ref_metrics"]
         assert want["dsa_topk/layer_01/replayed_rows"] == (10 if case.endswith("bshd") else 5)
-        assert got.keys() == want.keys(), (case, rank, got, want)
-        for key, value in want.items():
-            if value != value:  # NaN: no rows compared (replay_ties' own picks), in both runs
-                assert got[key] != got[key], (case, rank, key, got[key])
-            elif "margin" in key:
-                assert got[key] == pytest.approx(value, rel=1e-12), (case, rank, key)
-            else:
-                assert got[key] == value, (case, rank, key, got[key], value)
+        _assert_same_metrics(got, want, case, rank)
 
 
 @pytest.mark.parametrize("case", CASES)
