@@ -16,9 +16,9 @@ Both take prepared operands, or q / k / weights carriers, which they prepare fir
 precision is the operands'; this module only chooses a kernel, and calls each in one place:
 ``_cudnn_scores`` (cuDNN's SM90 indexer, BF16 or FP8), ``_deepgemm_scores`` (DeepGEMM's MQA
 logits, the engines' kernel: one launch per call, batch rows flattened into key windows) and
-``_reference_scores`` (exact, float64, any device); :func:`deepgemm_select_input` hands
-DeepGEMM's logits to the top-k unmasked, with each row's length. :func:`bshd_scores` and
-:func:`thd_scores` are the entry points past their checks (for :mod:`dsa_precision.select`,
+``_reference_scores`` (exact, float64, any device); :func:`_deepgemm_select_input` hands
+DeepGEMM's logits to the top-k unmasked, with each row's length. :func:`_bshd_scores` and
+:func:`_thd_scores` are the entry points past their checks (for :mod:`dsa_precision.select`,
 which checks once per call, not once per chunk).
 Nothing here waits for the host: lengths are Python ints, offsets stay on the device, and the
 data-dependent checks run only with ``validate=True``.
@@ -64,14 +64,11 @@ from .rows import (
 __all__ = [
     "Backend",
     "ResolvedBackend",
-    "bshd_scores",
-    "deepgemm_select_input",
     "indexer_scores",
     "indexer_scores_varlen",
     "indexer_window_scores",
     "indexer_window_scores_varlen",
     "resolve_scoring_backend",
-    "thd_scores",
 ]
 
 Backend = Literal["auto", "cudnn", "deepgemm", "torch"]
@@ -276,7 +273,7 @@ def _deepgemm_varlen_windows(
     return _deepgemm_scores(ops, windows.start, windows.end, max_seqlen_k, windows.counts)
 
 
-def deepgemm_select_input(
+def _deepgemm_select_input(
     ops: ScoringOperands,
     offsets: torch.Tensor,
     ratio: int,
@@ -515,16 +512,16 @@ def _bshd_call(
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
     if clean:
-        return bshd_scores(ops, offsets, ratio, backend, out)
+        return _bshd_scores(ops, offsets, ratio, backend, out)
     if backend == "deepgemm" and sq and sk:
         record_scoring_call(ops.precision.value, backend)
         window = _deepgemm_causal_windows(ops, offsets, ratio)
         return WindowScores(window.scores.view(b, sq, sk), window.lengths.view(b, sq))
-    scores = bshd_scores(ops, offsets, ratio, backend, out)
+    scores = _bshd_scores(ops, offsets, ratio, backend, out)
     return WindowScores(scores, causal_key_counts(offsets, 0, sq, ratio, sk))
 
 
-def bshd_scores(
+def _bshd_scores(
     ops: ScoringOperands,
     offsets: torch.Tensor,
     ratio: int,
@@ -740,15 +737,17 @@ def _thd_call(
     cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
     cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
     if clean:
-        return thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+        return _thd_scores(
+            ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out
+        )
     if backend == "deepgemm" and tq and max_seqlen_k:
         record_scoring_call(ops.precision.value, backend)
         return _deepgemm_varlen_windows(ops, cu_q, cu_k, offsets, ratio, max_seqlen_k)
-    scores = thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
+    scores = _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
     return WindowScores(scores, varlen_key_counts(cu_q, cu_k, offsets, ratio, tq))
 
 
-def thd_scores(
+def _thd_scores(
     ops: ScoringOperands,
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,

@@ -47,13 +47,13 @@ from .rows import (
 )
 from .scoring import (
     Backend,
-    bshd_scores,
-    deepgemm_select_input,
+    _bshd_scores,
+    _deepgemm_select_input,
+    _thd_scores,
     resolve_scoring_backend,
-    thd_scores,
 )
 from .ties import selection_margins
-from .topk import resolve_topk_backend, select_rows
+from .topk import _select_rows, resolve_topk_backend
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -168,7 +168,7 @@ def _select_chunks(
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         scores, lens, row_backend = chunk_scores(r0, r1)
-        picks = select_rows(scores, topk, lens, deterministic, row_backend)
+        picks = _select_rows(scores, topk, lens, deterministic, row_backend)
         gaps = _margins(scores, lens, picks).view(*lead, r1 - r0) if margins else None
         picks = picks.view(*lead, r1 - r0, topk)
         if out is None:
@@ -257,7 +257,7 @@ def indexer_select(
             lens = constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             # The buffer's rows (the window itself is not kept: its logits go with the scores).
-            scores = deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
+            scores = _deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
             return scores, lens, _window_topk_backend(scores, topk)
         if r0 == 0:
             part_offsets = offsets
@@ -267,7 +267,7 @@ def indexer_select(
             part_offsets = constant_offsets(start + r0, b, device)
         assert buf is not None  # allocated for every backend but DeepGEMM
         part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
-        scores = bshd_scores(part, part_offsets, ratio, backend, part_out)
+        scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
         return scores.view(b * (r1 - r0), sk), lens, topk_backend
 
     return _select_chunks(chunk_scores, (b,), sq, step, topk, deterministic, margins, device)
@@ -359,12 +359,12 @@ def indexer_select_varlen(
         windows = varlen_windows(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
-            window = deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, windows=windows)
+            window = _deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, windows=windows)
             # The window is not kept: its logits go with the scores.
             scores = window.rows_in_place()
             return scores, windows.counts, _window_topk_backend(scores, topk)
         assert buf is not None  # allocated for every backend but DeepGEMM
-        scores = thd_scores(
+        scores = _thd_scores(
             part, cu_chunk, cu_k, min(max_seqlen_q, r1 - r0), max_seqlen_k, off_chunk, ratio,
             backend, buf[: (r1 - r0) * max_seqlen_k].view(r1 - r0, max_seqlen_k),
         )  # fmt: skip

@@ -34,7 +34,7 @@ from .config import TOPK_BACKENDS
 from .kernels import triton_unavailable_reason
 from .rows import WindowScores
 
-__all__ = ["indexer_topk", "resolve_topk_backend", "select_rows"]
+__all__ = ["indexer_topk", "resolve_topk_backend"]
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows per torch-path chunk are bounded so the int64 sort keys stay under this many bytes.
@@ -194,11 +194,11 @@ def indexer_topk(
     backend = resolve_topk_backend(
         backend, device=flat.device, k=min(k, max(sk, 1)), dtype=flat.dtype
     )
-    picked = select_rows(flat, k, lens, deterministic, backend)
+    picked = _select_rows(flat, k, lens, deterministic, backend)
     return picked if len(lead) == 1 else picked.reshape(*lead, k)
 
 
-def select_rows(
+def _select_rows(
     scores: torch.Tensor, k: int, seq_lens: torch.Tensor, deterministic: bool, backend: str
 ) -> torch.Tensor:
     """:func:`indexer_topk` of score rows once its arguments are checked (for

@@ -1,5 +1,6 @@
 """The package's layout rules, read from its source: no import circle between its modules, no
-private name of one module used by another (the package, the tools and the examples), one
+private name of the package used by the tools or the examples (the package's modules share
+their plumbing; tests may reach it), no private name in an export list, one
 name for the picks type, and every attribute of a package module a test reads (the GPU tests'
 too, which run only on the device) present."""
 
@@ -115,14 +116,33 @@ def _private_uses(path: pathlib.Path, module: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("folder", ["dsa_precision", "tools", "examples"])
-def test_no_module_uses_a_private_name_of_another_package_module(folder):
+@pytest.mark.parametrize("folder", ["tools", "examples"])
+def test_code_outside_the_package_uses_only_its_public_names(folder):
+    """Private names (``_x``) are the package's plumbing: its modules share them between the
+    floors of the dataflow (``select`` reads ``scoring._bshd_scores``), and tests may reach them;
+    the tools and examples, like a user, use only public names."""
     problems = {}
     for path in sorted((ROOT / folder).rglob("*.py")):
-        module = _module_name(path) if folder == "dsa_precision" else path.stem
-        found = _private_uses(path, module)
+        found = _private_uses(path, path.stem)
         if found:
             problems[str(path.relative_to(ROOT))] = found
+    assert not problems, problems
+
+
+def test_module_export_lists_hold_public_names_only():
+    """A module's ``__all__`` is what it offers; plumbing stays out of it (and private)."""
+    problems = {}
+    for module, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                and isinstance(node.value, ast.List | ast.Tuple)
+            ):
+                names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+                private = [n for n in names if _private(n)]
+                if private:
+                    problems[module] = private
     assert not problems, problems
 
 

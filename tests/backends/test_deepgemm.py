@@ -243,13 +243,13 @@ def topk_inputs(monkeypatch):
     """Record what reaches the top-k from ``indexer_select``."""
     seen = []
 
-    select_rows = select_module.select_rows
+    _select_rows = select_module._select_rows
 
     def recording_topk(scores, k, seq_lens, deterministic, backend):
         seen.append(dict(scores=scores, seq_lens=seq_lens.clone(), backend=backend))
-        return select_rows(scores, k, seq_lens, deterministic, backend)
+        return _select_rows(scores, k, seq_lens, deterministic, backend)
 
-    monkeypatch.setattr(select_module, "select_rows", recording_topk)
+    monkeypatch.setattr(select_module, "_select_rows", recording_topk)
     return seen
 
 
