@@ -53,7 +53,7 @@ from dsa_precision.cli.engine_model import EngineOperands, engine_scores, engine
 from dsa_precision.cli.synthetic import SyntheticIndexerInputs
 from dsa_precision.config import IndexerPrecisionConfig
 from dsa_precision.engines import EngineProfile
-from dsa_precision.fused_path import Impl
+from dsa_precision.preprocess_kernel import Impl
 from dsa_precision.rope import RopeSpec
 
 from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, sha256

@@ -101,8 +101,8 @@ def test_the_inference_side_shares_no_numerics_code_with_the_training_side():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     forbidden = {
-        "preprocess", "rope", "exact_math", "quantize", "operands", "prepare", "fused_path",
-        "rows", "scoring", "select", "topk", "kernels", "training",
+        "preprocess", "rope", "exact_math", "quantize", "operands", "prepare", "preprocess_kernel",
+        "rows", "scoring", "select", "topk", "kernels", "demo_operands",
     }  # fmt: skip
     assert not {m.rsplit(".", 1)[-1] for m in modules} & forbidden, modules
 

@@ -10,9 +10,9 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.exact_math import pairwise_sum
-from dsa_precision.fused_path import fused_unsupported_reason
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
 from dsa_precision.kernels.rules import PreprocessRules
+from dsa_precision.preprocess_kernel import fused_unsupported_reason
 
 from ..support.fused_cases import (
     PROFILES,
