@@ -27,9 +27,6 @@ from .scoring import indexer_scores, indexer_scores_varlen
 from .topk import indexer_topk
 from .select import indexer_select, indexer_select_varlen
 
-# Fused indexer + sparse attention (the precision is a forward input)
-from .fused import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
-
 # Train / inference top-k agreement, and why rows differ (ties no precision can decide)
 from .agreement import TopkAgreement, topk_agreement
 from .ties import RowCauses, classify_rows
@@ -42,7 +39,6 @@ __version__ = "0.2.0"
 __all__ = [
     "ENGINE_PROFILES",
     "EngineProfile",
-    "FusedIndexerSparseAttnFunc",
     "IndexerPrecisionConfig",
     "IndexerPreprocess",
     "RowCauses",
@@ -52,7 +48,6 @@ __all__ = [
     "WindowScores",
     "classify_rows",
     "dequantize_fp8",
-    "fused_indexer_sparse_attention",
     "indexer_scores",
     "indexer_scores_varlen",
     "indexer_select",

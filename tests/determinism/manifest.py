@@ -149,17 +149,6 @@ REGISTRY: dict[str, tuple[str, ...]] = {
         f"{INTERPRETER}::test_drop_invalid_picks_replays_bit_exact",
         f"{GPU}::test_topk_replays_bit_exact",
     ),
-    "dsa_precision/sparse_attention.py": (
-        f"{CPU}::test_sparse_attention_replays_bit_exact",
-        f"{CPU}::test_fused_attention_replays_bit_exact",
-        f"{GPU}::test_fused_forward_replays_bit_exact",
-        f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
-    ),
-    "dsa_precision/fused.py": (
-        f"{CPU}::test_fused_attention_replays_bit_exact",
-        f"{GPU}::test_fused_forward_replays_bit_exact",
-        f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
-    ),
     "dsa_precision/megatron/indexer.py": (
         f"{CPU}::test_megatron_attention_replays_bit_exact",
         f"{MEGATRON_GPU}::test_attention_replays_bit_exact",
