@@ -32,9 +32,6 @@ from .scoring import (
 from .topk import indexer_topk
 from .select import indexer_select, indexer_select_varlen
 
-# Fused indexer + sparse attention (the precision is a forward input)
-from .fused import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
-
 # Train / inference top-k agreement, and why rows differ (ties no precision can decide)
 from .agreement import TopkAgreement, topk_agreement
 from .ties import RowCauses, classify_rows
@@ -47,7 +44,6 @@ __version__ = "0.2.0"
 __all__ = [
     "ENGINE_PROFILES",
     "EngineProfile",
-    "FusedIndexerSparseAttnFunc",
     "IndexerPrecisionConfig",
     "IndexerPreprocess",
     "RowCauses",
@@ -57,7 +53,6 @@ __all__ = [
     "WindowScores",
     "classify_rows",
     "dequantize_fp8",
-    "fused_indexer_sparse_attention",
     "indexer_scores",
     "indexer_scores_varlen",
     "indexer_select",

@@ -9,7 +9,7 @@ indexer's projections, in one precision, decided once.
   entry point takes).
 
 On CUDA both run the fused Triton kernel (:mod:`dsa_precision.kernels.preprocess_quantize`) for
-FP8 when it reproduces the torch reference bit for bit (:mod:`dsa_precision.fused_path`), and the
+FP8 when it reproduces the torch reference bit for bit (:mod:`dsa_precision.preprocess_kernel`), and the
 reference otherwise; the bytes are the same either way.
 """
 
@@ -34,7 +34,10 @@ from .checks import (
 from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, check_precision_config
 from .devices import DerivedCache, f32, shared_device_tensor
 from .engines import EngineProfile
-from .fused_path import (
+from .kernels.rules import PreprocessRules, engine_lanes_differ
+from .operands import WEIGHT_DTYPES, ScoringOperands
+from .preprocess import IndexerPreprocess, indexer_head_weights, layer_norm_params
+from .preprocess_kernel import (
     MAX_KERNEL_FOLD_SCALES,
     Impl,
     check_impl,
@@ -42,9 +45,6 @@ from .fused_path import (
     quantize_kernel_reason,
     use_kernel,
 )
-from .kernels.rules import PreprocessRules, engine_lanes_differ
-from .operands import WEIGHT_DTYPES, ScoringOperands
-from .preprocess import IndexerPreprocess, indexer_head_weights, layer_norm_params
 from .quantize import quantize_fp8
 from .rope import RopePositions, rope_tables, thd_token_freqs
 

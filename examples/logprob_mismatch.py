@@ -34,15 +34,19 @@ GPU:    python examples/logprob_mismatch.py --out $OUT/logprobs.json --plot $OUT
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import contextlib
 import inspect
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -146,7 +150,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rollout == "engine-kernels":
         if args.files:
             p.error("--rollout engine-kernels computes the rollout's picks; saved picks are theirs")
-        from dsa_precision.oracles import engine_kernels as ek
+        from conformance import engine_kernels as ek
 
         profile = ENGINE_PROFILES[args.engine] if args.engine in ENGINE_PROFILES else None
         if profile is None or ek.oracle_for(profile) is None or args.engine not in ek.ROPE_ORACLES:
@@ -160,7 +164,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.rollout_scores is None:
             args.rollout_scores = "exact" if args.device == "cpu" else "deepgemm"
         if args.rollout_topk == "vllm":
-            from dsa_precision.oracles import vllm_topk
+            from conformance import vllm_topk
 
             if (why := vllm_topk.missing_reason()) is not None:
                 p.error(f"--rollout-topk vllm: {why}")
@@ -283,7 +287,7 @@ def kernel_rollout_picks(
     """The rollout's picks from the engine's own code, layer by layer: each DSA layer's inputs
     come from a replaying forward on ``trained``'s weights whose earlier layers attend to the
     engine's picks already made (a layer's inputs do not depend on its own or later layers'
-    picks), :func:`~dsa_precision.oracles.engine_kernels.engine_layer_scores` scores that
+    picks), :func:`~conformance.engine_kernels.engine_layer_scores` scores that
     layer's rows with the engine's code and ``select`` (per sequence ``(S, S)`` logits, ``k`` ->
     per sequence ``(S, k)`` picks) picks from them. ``model_picks`` (the package's model's)
     stand in for the layers not yet made. Returns the ``TopkPicks``; the engine's tied rows
@@ -293,8 +297,8 @@ def kernel_rollout_picks(
     import dataclasses
 
     import dsa_precision.megatron as dsap
+    from conformance.engine_kernels import engine_layer_scores
     from dsa_precision.capture import engine_tie_rows, pack_tie_rows
-    from dsa_precision.oracles.engine_kernels import engine_layer_scores
 
     replay.load_state_dict(trained.state_dict())
     layers = {m.layer_number: m for m in replay.modules() if hasattr(m, "topk_source")}
@@ -336,10 +340,10 @@ def kernel_rollout_picks(
 def rollout_select(args: argparse.Namespace) -> Callable:
     """The rollout's top-k of the engine's logits (``--rollout-topk``)."""
     if args.rollout_topk == "vllm":
-        from dsa_precision.oracles import vllm_topk
+        from conformance import vllm_topk
 
         return lambda logits, k: vllm_topk.rollout_topk(logits, k, args.prompt)
-    from dsa_precision.oracles.engine_model import engine_select
+    from dsa_precision.cli.engine_model import engine_select
 
     return lambda logits, k: [engine_select(s, k) for s in logits]
 

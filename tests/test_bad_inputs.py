@@ -10,7 +10,6 @@ from dsa_precision import (
     IndexerPreprocess,
     ScoringOperands,
     dequantize_fp8,
-    fused_indexer_sparse_attention,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -26,6 +25,7 @@ from dsa_precision.engines import Fp8Rule
 from dsa_precision.prepare import as_scoring_operands
 
 from .support.configs import CONFIGS
+from .support.fused_attention import fused_indexer_sparse_attention
 from .support.helpers import cu_seqlens
 
 META = torch.device("meta")

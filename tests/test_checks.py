@@ -20,6 +20,8 @@ from dsa_precision.checks import (
     takes_precision_config,
 )
 
+from .support.fused_attention import fused_indexer_sparse_attention
+
 CPU = torch.device("cpu")
 
 
@@ -204,11 +206,14 @@ QUANTIZING = [
     "indexer_select_varlen",
     "fused_indexer_sparse_attention",
 ]
+# Entry points the tests keep beside the package (tests/support), not in it.
+TEST_SUPPORT = {"fused_indexer_sparse_attention": fused_indexer_sparse_attention}
 
 
 def _public_callables():
-    for name in dsa_precision.__all__:
-        obj = getattr(dsa_precision, name)
+    """The package's public callables, and the entry points the tests keep beside it."""
+    entries = {name: getattr(dsa_precision, name) for name in dsa_precision.__all__}
+    for name, obj in {**entries, **TEST_SUPPORT}.items():
         if callable(obj) and name not in _FIELD_OWNERS:
             try:
                 yield name, inspect.signature(obj)
@@ -223,7 +228,8 @@ def test_no_public_entry_point_takes_loose_precision_primitives():
 
 @pytest.mark.parametrize("name", QUANTIZING)
 def test_every_quantizing_entry_point_takes_the_config(name):
-    param = inspect.signature(getattr(dsa_precision, name)).parameters["config"]
+    entry = TEST_SUPPORT[name] if name in TEST_SUPPORT else getattr(dsa_precision, name)
+    param = inspect.signature(entry).parameters["config"]
     assert param.kind is inspect.Parameter.KEYWORD_ONLY
     assert "IndexerPrecisionConfig" in str(param.annotation)
 

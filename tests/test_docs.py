@@ -235,7 +235,7 @@ def test_relative_links_resolve(doc):
     # Repository paths written out (`docs/x.md`, `examples/y.py`, in text or commands), not
     # patterns such as `tests/test_<module>.py`.
     for path in re.findall(
-        r"(?<![\w/.-])((?:docs|dsa_precision|examples|tests|tools|\.ci)/[\w./-]*\w)(?![\w./<{*-])",
+        r"(?<![\w/.-])((?:docs|dsa_precision|conformance|examples|tests|tools|\.ci)/[\w./-]*\w)(?![\w./<{*-])",
         doc.read_text(),
     ):
         if not (ROOT / path).exists():

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from dsa_precision import (
-    FusedIndexerSparseAttnFunc,
     IndexerPrecisionConfig,
-    fused_indexer_sparse_attention,
     indexer_select,
     reset_scoring_calls,
     scoring_calls,
 )
 
+from .support.fused_attention import FusedIndexerSparseAttnFunc, fused_indexer_sparse_attention
 from .test_sparse_attention import dense_reference
 
 SQ, B, N, D, DV, H, K = 24, 2, 4, 72, 64, 32, 6

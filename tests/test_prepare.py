@@ -238,9 +238,9 @@ def test_fp8_operands_keep_interleaved_rope_pairs_in_place(rope_fp32):
 def test_fp8_operands_are_the_demo_engine_models_lane_by_lane():
     """The demo's independent engine model (``cli/engine_model.py``) rotates pairs in place; with
     ``rope_fp32`` the package's FP8 operands are its operands bit for bit, lane by lane."""
-    from dsa_precision.oracles.engine_model import engine_operands
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-    from dsa_precision.oracles.training import IndexerFields, training_operands
+    from dsa_precision.cli.demo_operands import IndexerFields, training_operands
+    from dsa_precision.cli.engine_model import engine_operands
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     # The model's arithmetic: float64 LayerNorm, no contraction (sglang-fused's lane order and
     # scales; its compiled LayerNorm and RoPE rules are checked against SGLang's own kernels).

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsa_precision import sparse_attention as sa
+from .support import sparse_attention as sa
 
 
 def dense_reference(q, kv, idx, scale, d_v):

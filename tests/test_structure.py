@@ -1,17 +1,23 @@
-"""The package's layout rules, read from its source: no import circle between its modules, no
-private name of the package used by the tools or the examples (the package's modules share
-their plumbing; tests may reach it), no private name in an export list, one
-name for the picks type, and every attribute of a package module a test reads (the GPU tests'
-too, which run only on the device) present."""
+"""The package's layout rules, read from its source: no import circle between its modules (and
+conformance/'s); no private name of the package used outside it (the package's modules share
+their plumbing, tests may reach it; the engine oracles of ``conformance/``, the tools and the
+examples use public names), no private name in an export list; one name for the picks type;
+every attribute of a package module a test reads (the GPU tests' too, which run only on the
+device) present; and the library apart from its lab: no engine loader or test-only path in the
+package, which imports neither ``conformance`` (but for the demo, lazily) nor ``tests``."""
 
 import ast
+import fnmatch
 import pathlib
+import textwrap
 
 import pytest
 
 from .support.configs import ROOT
 
 PACKAGE = ROOT / "dsa_precision"
+# The engine oracles: beside the package, not installed (only tests, tools and examples use them).
+CONFORMANCE = ROOT / "conformance"
 # Names of earlier releases that now only point to their successors (``__getattr__`` messages).
 RENAMED = ("ReplayInput", "EngineTopk", "CapturedTopk", "capture_topk", "save_topk", "load_topk")
 
@@ -22,6 +28,11 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+LAB_MODULES = {_module_name(p): p for p in sorted(CONFORMANCE.rglob("*.py"))}
+# The modules whose private names no other module may use, and whose import graph has no circle.
+KNOWN = {**MODULES, **LAB_MODULES}
+# Roots of those modules' dotted names.
+ROOTS = ("dsa_precision", "conformance")
 
 
 def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
@@ -45,20 +56,21 @@ def _imports(module: str, path: pathlib.Path) -> list[tuple[str, str, ast.AST]]:
             source = _resolve(module, path, node)
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
-                found.append((sub, "", node) if sub in MODULES else (source, alias.name, node))
+                found.append((sub, "", node) if sub in KNOWN else (source, alias.name, node))
     return found
 
 
 def _package_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {m: set() for m in MODULES}
-    for module, path in MODULES.items():
+    graph: dict[str, set[str]] = {m: set() for m in KNOWN}
+    for module, path in KNOWN.items():
         for target, _, _ in _imports(module, path):
-            if target in MODULES and target != module:
+            if target in KNOWN and target != module:
                 graph[module].add(target)
     return graph
 
 
 def test_no_import_circle_between_the_modules_of_the_package():
+    """The package's modules and conformance/'s, together."""
     graph = _package_graph()
     state: dict[str, int] = {}
     cycles = []
@@ -90,7 +102,7 @@ def _private_uses(path: pathlib.Path, module: str) -> list[str]:
     problems = []
     aliases: dict[str, str] = {}  # local name -> package module it is bound to
     for target, name, node in _imports(module, path):
-        if not target.startswith("dsa_precision"):
+        if target.split(".")[0] not in ROOTS:
             continue
         parts = target.split(".")
         if any(_private(p) for p in parts) or _private(name):
@@ -102,7 +114,7 @@ def _private_uses(path: pathlib.Path, module: str) -> list[str]:
             )
             if local:
                 aliases[local] = target
-        elif f"{target}.{name}" in MODULES:
+        elif f"{target}.{name}" in KNOWN:
             aliases[name] = f"{target}.{name}"
     for node in ast.walk(ast.parse(path.read_text())):
         if (
@@ -116,14 +128,15 @@ def _private_uses(path: pathlib.Path, module: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("folder", ["tools", "examples"])
+@pytest.mark.parametrize("folder", ["conformance", "tools", "examples"])
 def test_code_outside_the_package_uses_only_its_public_names(folder):
     """Private names (``_x``) are the package's plumbing: its modules share them between the
     floors of the dataflow (``select`` reads ``scoring._bshd_scores``), and tests may reach them;
-    the tools and examples, like a user, use only public names."""
+    the engine oracles, the tools and the examples, like a user, use only public names."""
     problems = {}
     for path in sorted((ROOT / folder).rglob("*.py")):
-        found = _private_uses(path, path.stem)
+        module = _module_name(path) if folder in ROOTS else path.stem
+        found = _private_uses(path, module)
         if found:
             problems[str(path.relative_to(ROOT))] = found
     assert not problems, problems
@@ -179,18 +192,18 @@ def test_old_names_say_the_new_one(module, name, new):
 
 
 def _module_aliases(tree: ast.AST) -> dict[str, str]:
-    """``{local name: dsa_precision module}`` bound by the file's imports (inside functions too):
-    ``import dsa_precision.x as y``, ``from dsa_precision import x [as y]`` where ``x`` is a
-    module."""
+    """``{local name: dsa_precision or conformance module}`` bound by the file's imports (inside
+    functions too): ``import dsa_precision.x as y``, ``from dsa_precision import x [as y]`` where
+    ``x`` is a module (the same for ``conformance``)."""
     aliases = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("dsa_precision") and a.asname:
+                if a.name.split(".")[0] in ROOTS and a.asname:
                     aliases[a.asname] = a.name
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsa_precision"):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ROOTS:
             for a in node.names:
-                if f"{node.module}.{a.name}" in MODULES:
+                if f"{node.module}.{a.name}" in KNOWN:
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
     return aliases
 
@@ -219,3 +232,127 @@ def test_every_package_attribute_a_test_reads_exists(path):
             if not hasattr(module, node.attr):
                 missing.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- the library apart from its lab
+
+# The one package module that may import conformance (lazily: a pip install has none).
+LAZY_CONFORMANCE = frozenset({"dsa_precision.cli.demo"})
+# Module names that belong to the lab (conformance/, tests/support/), never to the package.
+LAB_NAMES = (
+    "engine_kernels", "sglang_*", "lmdeploy_*", "vllm_topk", "legacy_*", "loader", "oracles",
+    "fused", "sparse_attention",
+)  # fmt: skip
+_IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    caught = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(c, ast.Name) and c.id in _IMPORT_ERRORS for c in caught)
+
+
+def _placed_imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement with where it stands: ``(node, inside a function, inside the body
+    of a ``try`` that catches ImportError)``."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool, guarded: bool) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append((node, in_function, guarded))
+            return
+        in_function = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        if isinstance(node, ast.Try):
+            catches = any(_catches_import_error(h) for h in node.handlers)
+            for stmt in node.body:
+                visit(stmt, in_function, guarded or catches)
+            for other in [*node.handlers, *node.orelse, *node.finalbody]:
+                visit(other, in_function, guarded)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function, guarded)
+
+    visit(tree, False, False)
+    return found
+
+
+def _lab_import_problems(module: str, path: pathlib.Path) -> list[str]:
+    """The imports of ``tests`` or ``conformance`` in a package module (anywhere in it), but for
+    the lazy, ImportError-guarded import of ``conformance`` by :data:`LAZY_CONFORMANCE`."""
+    problems = []
+    for node, in_function, guarded in _placed_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            targets = [_resolve(module, path, node)]
+        for target in targets:
+            root = target.split(".")[0]
+            if root == "tests":
+                problems.append(f"line {node.lineno}: imports {target}")
+            elif root == "conformance" and module not in LAZY_CONFORMANCE:
+                problems.append(f"line {node.lineno}: imports {target} (not installed)")
+            elif root == "conformance" and not (in_function and guarded):
+                problems.append(
+                    f"line {node.lineno}: imports {target} outside a function's "
+                    "try / except ImportError (a pip install has no conformance/)"
+                )
+    return problems
+
+
+def test_the_package_imports_neither_conformance_nor_tests():
+    """The installed package stands alone: the engine oracles (``conformance/``) and the tests'
+    support stay in the source checkout; only the demo imports ``conformance``, inside a function
+    and guarded by ImportError, and says so when it is not there."""
+    problems = {}
+    for module, path in MODULES.items():
+        found = _lab_import_problems(module, path)
+        if found:
+            problems[str(path.relative_to(ROOT))] = found
+    assert not problems, problems
+
+
+@pytest.mark.parametrize(
+    "module, source, expected",
+    [
+        ("dsa_precision.x", "import conformance.loader", ["imports conformance.loader"]),
+        (
+            "dsa_precision.x",
+            "def f():\n    from tests.support import helpers",
+            ["imports tests.support"],
+        ),
+        ("dsa_precision.cli.demo", "from conformance.inference import f", ["outside a function"]),
+        (
+            "dsa_precision.cli.demo",
+            "def f():\n    try:\n        import conformance\n    except ValueError:\n        pass",
+            ["outside a function"],
+        ),
+        (
+            "dsa_precision.cli.demo",
+            "def f():\n    try:\n        from conformance import inference\n"
+            "    except ImportError:\n        pass",
+            [],
+        ),
+        (
+            "dsa_precision.x",
+            "def f():\n    try:\n        import conformance\n    except ImportError:\n        pass",
+            ["(not installed)"],
+        ),
+    ],
+)
+def test_the_lab_import_check_sees_each_case(tmp_path, module, source, expected):
+    path = tmp_path / "x.py"
+    path.write_text(textwrap.dedent(source))
+    problems = _lab_import_problems(module, path)
+    assert len(problems) == len(expected), problems
+    for problem, part in zip(problems, expected, strict=True):
+        assert part in problem, problem
+
+
+def test_the_package_holds_no_engine_loader_nor_test_only_path():
+    """The engines' loaders live in ``conformance/`` and the fused attention test path in
+    ``tests/support/``: no module or folder of the package is named like one of them."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for part in path.relative_to(PACKAGE).with_suffix("").parts:
+            if any(fnmatch.fnmatchcase(part, pattern) for pattern in LAB_NAMES):
+                found.append(str(path.relative_to(ROOT)))
+    assert not found, found

@@ -1,7 +1,7 @@
 """Conformance of the package's engine profiles with the engines' own kernels, on the GPU.
 
 For each model (H heads, RoPE layout) and each profile with a kernel oracle
-(``dsa_precision.oracles.engine_kernels``): the engine's unmodified Triton kernels build their FP8
+(``conformance.engine_kernels``): the engine's unmodified Triton kernels build their FP8
 operands from the package's synthetic BF16 projections; the package builds its ``rope_fp32+fp8``
 operands with the same profile (fused kernel and torch reference); bytes are compared, then both
 sides are scored by DeepGEMM's ``fp8_mqa_logits`` and selected top-k (ties to the lower key) and
@@ -31,6 +31,12 @@ changes: the engine kernels run here, under this process's Triton.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import hashlib
 import json
@@ -38,18 +44,16 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
+from conformance import engine_kernels as ek
 from dsa_precision import ENGINE_PROFILES
+from dsa_precision.cli.engine_model import EngineOperands, engine_scores, engine_select
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 from dsa_precision.exact_math import layer_norm_fp32_ops
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles.engine_model import EngineOperands, engine_scores, engine_select
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
 from dsa_precision.preprocess import layer_norm_params
 from dsa_precision.rope import apply_rope
 

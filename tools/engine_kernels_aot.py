@@ -1,6 +1,6 @@
 """The engines' Triton indexer kernels compiled ahead of time for Hopper, without a GPU.
 
-Runs the engines' own launch code (``dsa_precision.oracles.engine_kernels``: vLLM 0.33's
+Runs the engines' own launch code (``conformance.engine_kernels``: vLLM 0.33's
 ``fused_norm_rope`` / ``fused_q``, LMDeploy 0.18's ``prepare_dsa_indexer_{q,k_cache}``; with
 ``--profiles vllm-legacy`` vLLM 0.28's ``fused_indexer_q_rope_quant``, ``.legacy_q``; unmodified
 from ``DSA_ENGINE_KERNELS``) on CPU tensors with a stand-in driver that answers ``sm_90`` (Triton
@@ -19,6 +19,12 @@ docs/numerics.md, section 8.11, has what the SASS of Triton 3.8 shows.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import contextlib
 import json
@@ -26,16 +32,14 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from conformance import engine_kernels as ek
+from conformance import legacy_q
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles import legacy_q
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 # (heads, interleaved RoPE): GLM-5-like, DeepSeek-V3.2-like.
 MODELS = ((32, True), (64, False))

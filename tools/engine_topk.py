@@ -11,7 +11,7 @@ over the sequence), then each of vLLM's four top-k kernels on those logits, and 
 not yet run on a GPU) SGLang 0.5.23's (``sglang-decode`` / ``sglang-prefill``: its JIT top-k v2
 from ``DSA_ENGINE_KERNELS``; ``sglang-prefill-paged``: sgl-kernel's compiled op,
 ``DSA_SGL_KERNEL_OPS``, under torch 2.14 only) and LMDeploy 0.18.0's (``lmdeploy-tilelang``,
-``lmdeploy-bitonic``: :mod:`dsa_precision.oracles.lmdeploy_topk`); a kernel that cannot run here
+``lmdeploy-bitonic``: :mod:`conformance.lmdeploy_topk`); a kernel that cannot run here
 is listed with the reason. Per kernel:
 
 - rows that differ from the exact top-k (ties to the lower key), split by
@@ -32,19 +32,23 @@ Prints one table per section; ``--out`` writes the JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import statistics
+
 import torch
 
+from conformance import lmdeploy_topk, sglang_topk, vllm_topk
 from dsa_precision import IndexerPrecisionConfig, indexer_scores, indexer_topk
 from dsa_precision.capture import encode_picks, engine_tie_rows
-from dsa_precision.oracles import lmdeploy_topk, sglang_topk, vllm_topk
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-from dsa_precision.oracles.training import IndexerFields, training_operands
+from dsa_precision.cli.demo_operands import IndexerFields, training_operands
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 from dsa_precision.ties import INVALID, PRECISION, TIE, classify_rows, selection_margins
 
 

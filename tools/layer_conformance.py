@@ -11,7 +11,7 @@ code: its RoPE table construction (vLLM 0.33's and SGLang 0.5.23's rotary module
 device as their loaders build them; LMDeploy 0.18's, its ``inv_freq`` on the CPU) and its indexer
 kernels (SGLang's fused JIT CUDA for ``sglang-fused``, the interleaved model only; its unfused
 path for ``sglang-unfused``, the NeoX one, FlashInfer's CuTe DSL LayerNorm included)
-(``dsa_precision.oracles.engine_kernels``), all unmodified from ``DSA_ENGINE_KERNELS``.
+(``conformance.engine_kernels``), all unmodified from ``DSA_ENGINE_KERNELS``.
 Compared: the tables (the layer's against the engine's, and Megatron's own angles against the
 engine's, for Megatron's ``inv_freq`` where the layer has it and built on the CPU), every q / k
 E4M3 byte, k descale and folded head weight (the layer's own operands -- the fused kernel on
@@ -38,6 +38,12 @@ Prints one markdown table last; writes ``layer_conformance.json`` to ``--out``.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import contextlib
 import dataclasses
@@ -46,19 +52,17 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import time
 import traceback
 import types
-from pathlib import Path
 
 import torch
 
+from conformance import engine_kernels as ek
+from conformance.legacy_kernel import package_key
 from dsa_precision import ENGINE_PROFILES, EngineProfile, prepare_indexer_operands
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles.engine_model import EngineOperands, engine_scores, engine_select
-from dsa_precision.oracles.legacy_kernel import package_key
-from dsa_precision.oracles.synthetic import SyntheticIndexerInputs
+from dsa_precision.cli.engine_model import EngineOperands, engine_scores, engine_select
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
 from dsa_precision.rope import RopePositions, rope_tables
 
 # name: (indexer heads, interleaved RoPE, Megatron's RoPE fields)
@@ -275,11 +279,11 @@ def _legacy_engine(args, inputs: SyntheticIndexerInputs, spec, interleaved: bool
     """vLLM 0.28.0's side of a ``vllm-legacy`` cell: its key path and query kernel in a child
     (``tools/vllm_legacy_engine.py``; ``--engine-torch`` first on its ``PYTHONPATH``, Inductor's
     and Triton's output kept under ``--out``/vllm-legacy/TAG), its key quantized here by vLLM
-    0.28.0's CUDA kernel (:mod:`dsa_precision.oracles.legacy_kernel`). Returns the engine's
+    0.28.0's CUDA kernel (:mod:`conformance.legacy_kernel`). Returns the engine's
     tables, its operands, what the child ran (with the LayerNorm rule of the kernel Inductor
     kept: ``layernorm_rule``) and its BF16 key before quantization."""
-    from dsa_precision.oracles import legacy_kernel
-    from dsa_precision.oracles.legacy_key import inductor_layernorm_rule
+    from conformance import legacy_kernel
+    from conformance.legacy_key import inductor_layernorm_rule
 
     if not inputs.q.is_cuda:
         raise RuntimeError(

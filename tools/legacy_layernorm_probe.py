@@ -9,12 +9,16 @@ Inductor's generated code, and counts the BF16 key entries each candidate rule g
 ``PROBE_RUNS=0,1,2,-1``: the autotuner configurations to force, in turn (-1: Inductor's own pick).
 """
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import json
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -49,7 +53,7 @@ def child(idx: int, out: Path):
         return r
 
     th.CachingAutotuner.autotune_to_one_config = a2o
-    from dsa_precision.oracles.legacy_key import legacy_engine_run
+    from conformance.legacy_key import legacy_engine_run
     from dsa_precision.rope import RopeSpec
 
     d = torch.load(out / "inputs.pt")

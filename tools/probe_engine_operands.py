@@ -15,9 +15,9 @@ import argparse
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.oracles.engine_model import engine_operands
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-from dsa_precision.oracles.training import IndexerFields, training_operands
+from dsa_precision.cli.demo_operands import IndexerFields, training_operands
+from dsa_precision.cli.engine_model import engine_operands
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 
 def _package(inputs, engine, interleaved, hadamard, impl):

@@ -3,7 +3,7 @@
 tools/layer_conformance.py runs this as a child for the ``vllm-legacy`` cells, with
 ``--engine-torch DIR`` (a ``pip install --target`` of torch 2.13.0 and Triton 3.7.1, what vLLM
 0.28.0 pins) first on ``PYTHONPATH``, so that Inductor and Triton of vLLM's own release compile
-the key path (:mod:`dsa_precision.oracles.legacy_key`), and ``TORCHINDUCTOR_CACHE_DIR`` under
+the key path (:mod:`conformance.legacy_key`), and ``TORCHINDUCTOR_CACHE_DIR`` under
 the output folder, so that the code Inductor generated is kept beside the result:
 
     python tools/vllm_legacy_engine.py INPUTS.pt OUTPUT.pt [--eager]
@@ -20,10 +20,15 @@ with eager binding the import would fail on the first.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# conformance/ (the engine oracles) lives beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import dataclasses
 import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setdlopenflags((sys.getdlopenflags() & ~os.RTLD_NOW) | os.RTLD_LAZY)
     import torch
 
-    from dsa_precision.oracles.legacy_key import legacy_engine_run
+    from conformance.legacy_key import legacy_engine_run
 
     inputs = torch.load(args.inputs, weights_only=False)
     run = legacy_engine_run(

@@ -54,9 +54,9 @@ from .bench_config import (
 from .bench_tables import format_tables
 
 if TYPE_CHECKING:
-    from ..fused_path import Impl
     from ..operands import ScoringOperands
     from ..preprocess import IndexerPreprocess
+    from ..preprocess_kernel import Impl
     from ..scoring import Backend
 
 __all__ = ["BenchConfig", "Timer", "bench_inputs", "format_tables", "register", "run_bench"]

@@ -1,12 +1,13 @@
 """``python -m dsa_precision demo``: how often training picks the keys inference picked.
 
-From one set of structured BF16 projection outputs (:mod:`dsa_precision.oracles.synthetic`), the demo
-computes the inference engine's top-k and the training top-k of the four configurations the
-Megatron integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
+From one set of structured BF16 projection outputs (:mod:`.synthetic`), the demo computes the
+inference engine's top-k and the training top-k of the four configurations the Megatron
+integration offers (baseline, rope_fp32, fp8, rope_fp32+fp8), and reports their agreement.
 
 The two sides share nothing but the inputs. The inference side is :mod:`.engine_model`: on CUDA
-the engine's own kernels when ``DSA_ENGINE_KERNELS`` holds them (vLLM 0.33, LMDeploy 0.18), else
-an independent model of the chosen engine profile (the report says which); on the CPU its scores
+the engine's own kernels when ``DSA_ENGINE_KERNELS`` holds them (vLLM 0.33, LMDeploy 0.18) and the
+demo runs from a source checkout (their loaders, ``conformance/``, are not installed), else an
+independent model of the chosen engine profile (the report says which); on the CPU its scores
 are exact, on CUDA they are DeepGEMM's MQA logits (the engines' kernel) when importable. The
 training side is the package, as the Megatron integration runs it (torch reference on the CPU,
 cuDNN on CUDA). On the CPU both sides use exact arithmetic, so the ``rope_fp32+fp8`` row measures
@@ -30,14 +31,19 @@ from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
 from ..backends import deepgemm
 from ..config import FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
-from ..oracles.engine_model import MODEL_SOURCE, engine_scores, engine_select
-from ..oracles.inference import inference_operands
-from ..oracles.synthetic import synthetic_indexer_inputs
-from ..oracles.training import IndexerFields, training_operands
 from ..scoring import Backend, indexer_scores
 from ..topk import indexer_topk
 from . import CliError, print_json, progress, seed
+from .demo_operands import IndexerFields, training_operands
+from .engine_model import (
+    MODEL_SOURCE,
+    EngineOperands,
+    engine_operands,
+    engine_scores,
+    engine_select,
+)
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
+from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
 __all__ = ["ConfigResult", "DemoRun", "configs", "register", "run_demo"]
 
@@ -48,6 +54,24 @@ ROPE_DIM = 64
 PLOT_BINS = 64
 # Fewer compared rows (query positions with more visible keys than topk) than this measure nothing.
 MIN_COMPARED_ROWS = 32
+
+
+def _inference_operands(
+    inputs: SyntheticIndexerInputs, engine: EngineProfile, *, hadamard: bool, interleaved: bool
+) -> tuple[EngineOperands, str]:
+    """The inference side's operands and what built them. From a source checkout
+    ``conformance.inference.inference_operands`` decides (the engine's own kernels on CUDA when
+    ``DSA_ENGINE_KERNELS`` holds them, else the engine model, with the reason); a pip install has
+    no ``conformance/``, so the engine model builds them and the description says why."""
+    try:
+        from conformance.inference import inference_operands as from_checkout
+    except ImportError as error:  # a pip install: the engine oracles are not installed
+        if (error.name or "").partition(".")[0] != "conformance":
+            raise
+        ops = engine_operands(inputs, engine, hadamard=hadamard, interleaved=interleaved)
+        why = "they run from a source checkout (conformance/)"
+        return ops, f"{MODEL_SOURCE}; not the engine's kernels: {why}"
+    return from_checkout(inputs, engine, hadamard=hadamard, interleaved=interleaved)
 
 
 def configs(engine: EngineProfile) -> tuple[IndexerPrecisionConfig, ...]:
@@ -156,7 +180,7 @@ def run_demo(
     ).to(device)
     rows = slice(topk, None)
     with torch.no_grad():
-        ref_ops, source = inference_operands(
+        ref_ops, source = _inference_operands(
             inputs, engine, hadamard=model.hadamard, interleaved=model.rope_interleaved
         )
         ref_scores = engine_scores(ref_ops, kernel=kernel)[rows]

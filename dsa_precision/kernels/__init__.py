@@ -4,7 +4,7 @@
   the key LayerNorm of the ``rope_fp32`` path) in one pass, bit-identical to the torch reference,
   under one :class:`~.rules.PreprocessRules`. Use it through
   :func:`dsa_precision.prepare_indexer_operands` and :func:`dsa_precision.prepare_scoring_operands`,
-  which decide when it applies (:mod:`dsa_precision.fused_path`).
+  which decide when it applies (:mod:`dsa_precision.preprocess_kernel`).
 - :mod:`.topk_picks`: the cuDNN top-k's ``-inf`` / NaN picks set to ``-1`` in one pass
   (:func:`dsa_precision.indexer_topk` calls it).
 - :mod:`.mask_tails`: ``-inf`` into the unwritten tails of DeepGEMM's compressed logits.

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conformance.loader import ENV_VAR, load_module, package, roots
 from dsa_precision.capture import (
     VllmStep,
     check_vllm_engine_config,
@@ -21,7 +22,6 @@ from dsa_precision.capture import (
     merge_vllm_shardq_rows,
     vllm_shared_layers,
 )
-from dsa_precision.oracles.loader import ENV_VAR, load_module, package, roots
 
 from ..support.engine_outputs import K, engine_rows
 

@@ -1,6 +1,6 @@
 """``dsa-precision demo``: run in-process at small sizes and check what it reports.
 
-The inference side (``dsa_precision.oracles.engine_model``) is an independent model of each engine
+The inference side (``dsa_precision.cli.engine_model``) is an independent model of each engine
 profile; the training side is the package. With ``rope_fp32+fp8`` the package must reproduce every
 profile's picks on the CPU (both sides exact), and the baseline must not.
 """
@@ -20,7 +20,7 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, cli
 from dsa_precision.cli import demo
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 SEQ, TOPK = 512, 64
 NAMES = ["baseline", "rope_fp32", "fp8", "rope_fp32+fp8"]
@@ -92,7 +92,7 @@ def test_engines_that_round_to_bf16_are_matched_by_fp8_alone():
 
 
 def test_the_inference_side_shares_no_numerics_code_with_the_training_side():
-    from dsa_precision.oracles import engine_model
+    from dsa_precision.cli import engine_model
 
     source = pathlib.Path(engine_model.__file__).read_text()
     modules = {
@@ -101,10 +101,25 @@ def test_the_inference_side_shares_no_numerics_code_with_the_training_side():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     forbidden = {
-        "preprocess", "rope", "exact_math", "quantize", "operands", "prepare", "fused_path",
-        "rows", "scoring", "select", "topk", "kernels", "training",
+        "preprocess", "rope", "exact_math", "quantize", "operands", "prepare", "preprocess_kernel",
+        "rows", "scoring", "select", "topk", "kernels", "demo_operands",
     }  # fmt: skip
     assert not {m.rsplit(".", 1)[-1] for m in modules} & forbidden, modules
+
+
+def test_without_conformance_the_demo_runs_the_engine_model_and_says_why(monkeypatch, demo_json):
+    """A pip install has no ``conformance/`` (the engine oracles stay in the source checkout): the
+    inference side is the engine model, the numbers are the same, and the report says why."""
+    monkeypatch.setitem(sys.modules, "conformance", None)
+    monkeypatch.setitem(sys.modules, "conformance.inference", None)
+    code, out, err = run_cli("demo", "--seq", str(SEQ), "--topk", str(TOPK), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["inference"]["operands"] == (
+        "an independent model of its operands (dsa_precision.cli.engine_model); not the engine's "
+        "kernels: they run from a source checkout (conformance/)"
+    )
+    assert result["configs"] == demo_json["configs"]
 
 
 def test_text_output_says_which_side_is_which(tmp_path):

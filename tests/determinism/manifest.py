@@ -23,10 +23,11 @@ A module *dispatches kernels* when it
   Questions asked of a kernel module (``*_reason``, ``*_available``, ``entry_point``,
   ``device_scope``) launch nothing.
 
-Commands (``cli/``) time or compare kernels and the references (``oracles/``) are checked
-against, neither feeds training; ``testing/`` is the replay helper itself. Type annotations name
-classes without calling them: they are not calls. :data:`REGISTERED_BEYOND_THE_SCAN` lists hot-path modules registered although they
-only compose torch operations.
+Commands (``cli/``, the demo's engine model among them) time or compare kernels, they do not feed
+training (the engine oracles, ``conformance/``, are outside the package); ``testing/`` is the
+replay helper itself. Type annotations name classes without calling them: they are not calls.
+:data:`REGISTERED_BEYOND_THE_SCAN` lists hot-path modules registered although they only compose
+torch operations.
 
     python -m tests.determinism.manifest      # the scan and the registry, side by side
 """
@@ -46,9 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "dsa_precision"
 
 KERNEL_LIBRARIES = ("triton", "cudnn", "deep_gemm", "flash_mla", "fast_hadamard_transform")
-# Commands time or compare kernels and oracles are references; neither feeds training. testing/
-# holds the replay helper.
-EXCLUDED = ("dsa_precision/cli/", "dsa_precision/oracles/", "dsa_precision/testing/")
+# Commands time or compare kernels (the demo's engine model is a reference); none feeds training.
+# testing/ holds the replay helper.
+EXCLUDED = ("dsa_precision/cli/", "dsa_precision/testing/")
 # Functions of a kernel module that answer a question and launch nothing.
 QUERY = re.compile(r"(_reason|_available|^entry_point|^device_scope)$")
 ACCUMULATING = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce_"}
@@ -147,17 +148,6 @@ REGISTRY: dict[str, tuple[str, ...]] = {
     "dsa_precision/kernels/topk_picks.py": (
         f"{INTERPRETER}::test_drop_invalid_picks_replays_bit_exact",
         f"{GPU}::test_topk_replays_bit_exact",
-    ),
-    "dsa_precision/sparse_attention.py": (
-        f"{CPU}::test_sparse_attention_replays_bit_exact",
-        f"{CPU}::test_fused_attention_replays_bit_exact",
-        f"{GPU}::test_fused_forward_replays_bit_exact",
-        f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
-    ),
-    "dsa_precision/fused.py": (
-        f"{CPU}::test_fused_attention_replays_bit_exact",
-        f"{GPU}::test_fused_forward_replays_bit_exact",
-        f"{GPU}::test_fused_backward_replays_bit_exact_when_deterministic",
     ),
     "dsa_precision/megatron/indexer.py": (
         f"{CPU}::test_megatron_attention_replays_bit_exact",

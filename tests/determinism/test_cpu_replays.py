@@ -13,7 +13,6 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
-    fused_indexer_sparse_attention,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -22,11 +21,12 @@ from dsa_precision import (
     prepare_indexer_operands,
     prepare_scoring_operands,
 )
-from dsa_precision.sparse_attention import sparse_mla_attention
 from dsa_precision.testing import assert_replays_bit_exact
 
 from ..support import fake_cudnn
+from ..support.fused_attention import fused_indexer_sparse_attention
 from ..support.helpers import cu_seqlens
+from ..support.sparse_attention import sparse_mla_attention
 
 
 def _qkw(b=2, s=40, h=32, seed=0):
@@ -126,7 +126,7 @@ def test_indexer_operands_replay_bit_exact(rope_fp32, precision):
     assert ops.q.dtype == (torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16)
 
 
-# ---------------------------------------------------------- sparse_attention.py, fused.py
+# ------------------------- tests/support: sparse_attention.py, fused_attention.py (test-only)
 
 
 def test_sparse_attention_replays_bit_exact():

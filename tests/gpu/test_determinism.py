@@ -9,7 +9,6 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
-    fused_indexer_sparse_attention,
     indexer_scores,
     indexer_scores_varlen,
     indexer_select,
@@ -22,6 +21,7 @@ from dsa_precision.preprocess import indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
 
 from ..support.configs import CONFIGS, FP8
+from ..support.fused_attention import fused_indexer_sparse_attention
 from ..support.helpers import needs_deepgemm
 
 pytestmark = pytest.mark.gpu

@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 
+from conformance import lmdeploy_topk, sglang_topk, vllm_topk
 from dsa_precision import IndexerPrecisionConfig, classify_rows, indexer_scores, indexer_topk
 from dsa_precision.backends import deepgemm
 from dsa_precision.capture import TieRows, engine_tie_rows
-from dsa_precision.oracles import lmdeploy_topk, sglang_topk, vllm_topk
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
-from dsa_precision.oracles.training import IndexerFields, training_operands
+from dsa_precision.cli.demo_operands import IndexerFields, training_operands
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 from dsa_precision.ties import INVALID, PRECISION, SAME, TIE, selection_margins
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dsa_precision.oracles import engine_kernels as ek
+from conformance import engine_kernels as ek
 
 from ..support.configs import load_tool
 from ..support.helpers import needs_deepgemm
@@ -48,7 +48,7 @@ def test_the_layer_matches_sglangs_unfused_code_on_the_gpu(tmp_path, record, sco
 
 
 def _legacy_missing() -> list[str]:
-    from dsa_precision.oracles import legacy_kernel, legacy_key
+    from conformance import legacy_kernel, legacy_key
 
     return [r for r in (legacy_key.missing_reason(), legacy_kernel.missing_reason()) if r]
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dsa_precision.oracles import engine_kernels as ek
+from conformance import engine_kernels as ek
 
 from ..support.configs import ROOT
 from ..support.helpers import free_port, needs_deepgemm

@@ -10,9 +10,9 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.exact_math import pairwise_sum
-from dsa_precision.fused_path import fused_unsupported_reason
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
 from dsa_precision.kernels.rules import PreprocessRules
+from dsa_precision.preprocess_kernel import fused_unsupported_reason
 
 from ..support.fused_cases import (
     PROFILES,
@@ -301,7 +301,7 @@ def test_freqs_must_cover_the_tokens_on_both_paths():
 
 
 def _engine_kernels_reason(engine: str) -> str | None:
-    from dsa_precision.oracles import engine_kernels
+    from conformance import engine_kernels
 
     return engine_kernels.missing_reason(engine)
 
@@ -313,9 +313,9 @@ def test_the_engines_kernels_build_the_profiles_operands(record, name, heads, in
     by this host's Triton, against the package's fused kernel and torch reference with the
     profile: every q / k byte, k descale and folded weight (tools/engine_conformance.py adds the
     top-k rows at S=8192)."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles.inference import inference_operands
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+    from conformance import engine_kernels as ek
+    from conformance.inference import inference_operands
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     profile = ENGINE_PROFILES[name]
     reason = _engine_kernels_reason(ek.oracle_for(profile))
@@ -365,9 +365,9 @@ def test_sglangs_kernels_build_the_profiles_operands(record, name, heads):
     RoPE, Hadamard) run from the wheels (``Indexer._get_q_k_bf16``, ``act_quant``,
     ``_store_index_k_cache``, ``_get_logits_head_gate``: FlashInfer 0.7.2's CuTe DSL LayerNorm,
     SGLang's JIT RoPE, Hadamard and index-K store, its Triton act_quant, its compiled head gate;
-    oracles.sglang_unfused; numerics 8.6)."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+    conformance.sglang_unfused; numerics 8.6)."""
+    from conformance import engine_kernels as ek
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     interleaved, seed, variants = SGLANG_CASES[name]
     profile = ENGINE_PROFILES[name]
@@ -400,9 +400,9 @@ def test_vllm_028s_own_key_kernel_builds_the_legacy_profiles_k(
     $DSA_VLLM_LEGACY) on the package's vllm-legacy BF16 key, against the package's fused kernel
     and torch reference: every k byte and k scale. ``norm_scale`` shrinks the key LayerNorm's
     affine so every key is under the 1e-4 amax floor."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles import legacy_kernel as lk
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+    from conformance import engine_kernels as ek
+    from conformance import legacy_kernel as lk
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     reason = lk.missing_reason()
     if reason is not None:
@@ -435,9 +435,9 @@ def test_vllm_028s_own_query_kernel_builds_the_legacy_profiles_q(record, heads, 
     vLLM launches it (Triton's default contraction), against the package's vllm-legacy fused
     kernel and torch reference: every q byte and folded weight; the uncontracted profile beside
     it, recorded."""
-    from dsa_precision.oracles import engine_kernels as ek
-    from dsa_precision.oracles import legacy_q
-    from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+    from conformance import engine_kernels as ek
+    from conformance import legacy_q
+    from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
     reason = ek.missing_reason("vllm-legacy-q")
     if reason is not None:

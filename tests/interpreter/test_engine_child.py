@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conformance import engine_kernels as ek
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 from ..support.configs import load_tool
 

@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 
+from conformance import engine_kernels as ek
 from dsa_precision import ENGINE_PROFILES, quantize_fp8
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles.engine_model import EngineOperands
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.cli.engine_model import EngineOperands
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 
 from ..support.engine_oracles import cast_probe_values, hardware_casts, interpreter_cast_errors
 
@@ -122,7 +122,7 @@ def test_vllm_028s_own_query_kernel_builds_the_legacy_profiles_q(heads, interlea
     """vLLM 0.28.0's fused_indexer_q_rope_quant (the query of vllm-legacy) against the package's
     operands of that profile uncontracted (the interpreter does not contract): every q byte and
     folded weight, the key side handed through."""
-    from dsa_precision.oracles import legacy_q
+    from conformance import legacy_q
 
     inputs = synthetic_indexer_inputs(64, n_heads=heads, seed=2)
     profile = ENGINE_PROFILES["vllm-legacy"]

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from dsa_precision.oracles import engine_kernels as ek
+from conformance import engine_kernels as ek
 
 from ..support.configs import load_tool
 from ..support.engine_oracles import hardware_casts

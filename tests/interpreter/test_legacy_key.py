@@ -1,5 +1,5 @@
 """vLLM 0.28.0's indexer key path (its LayerNorm and rotary files, unmodified, in
-``Indexer.forward``'s order: :mod:`dsa_precision.oracles.legacy_key`) against ``vllm-legacy``'s
+``Indexer.forward``'s order: :mod:`conformance.legacy_key`) against ``vllm-legacy``'s
 key before quantization, on the CPU (the query kernel runs under Triton's interpreter beside it).
 
 Compiled by Inductor, as vLLM's default run compiles it, the key is the profile's: LayerNorm in
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conformance import legacy_key as lk
+from conformance.legacy_kernel import package_key
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import legacy_key as lk
-from dsa_precision.oracles.legacy_kernel import package_key
-from dsa_precision.oracles.synthetic import SyntheticIndexerInputs
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
 from dsa_precision.preprocess import IndexerPreprocess
 from dsa_precision.rope import EngineRopeTables, RopePositions, RopeSpec, YarnScaling
 

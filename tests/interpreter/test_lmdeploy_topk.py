@@ -6,8 +6,8 @@ tie its compare-and-swap keeps one key twice and drops the other (a repeated key
 import pytest
 import torch
 
+from conformance import lmdeploy_topk
 from dsa_precision import classify_rows, indexer_topk
-from dsa_precision.oracles import lmdeploy_topk
 from dsa_precision.ties import INVALID, PRECISION, SAME, selection_margins
 
 

@@ -15,9 +15,9 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
 from dsa_precision.exact_math import pairwise_sum
-from dsa_precision.fused_path import fused_unsupported_reason
 from dsa_precision.hadamard import hadamard_transform
 from dsa_precision.prepare import prepare_scoring_operands
+from dsa_precision.preprocess_kernel import fused_unsupported_reason
 
 from ..support import kernel_probes
 from ..support.fused_cases import (

@@ -1,4 +1,4 @@
-"""The engine-kernel oracle loader (dsa_precision.oracles.engine_kernels) without running a kernel:
+"""The engine-kernel oracle loader (conformance.engine_kernels) without running a kernel:
 finding the files, the scoped stand-ins for the engines' imports, the byte comparison. The
 kernels themselves run in tests/interpreter/test_engine_kernels.py and on the GPU
 (tools/engine_conformance.py)."""
@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from conformance import engine_kernels as ek
+from conformance import sglang_jit, sglang_unfused
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles import sglang_jit, sglang_unfused
-from dsa_precision.oracles.engine_model import EngineOperands
+from dsa_precision.cli.engine_model import EngineOperands
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"

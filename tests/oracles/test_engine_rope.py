@@ -8,8 +8,8 @@ tools/layer_conformance.py compares them where the engines build them."""
 import pytest
 import torch
 
+from conformance import engine_kernels as ek
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import engine_kernels as ek
 from dsa_precision.rope import EngineRopeTables, RopePositions, RopeSpec, YarnScaling
 
 needs = {

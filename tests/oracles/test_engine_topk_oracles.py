@@ -6,8 +6,8 @@ run in tests/gpu/test_engine_topk.py (and LMDeploy's Triton one in tests/interpr
 import pytest
 import torch
 
-from dsa_precision.oracles import lmdeploy_topk, sglang_topk
-from dsa_precision.oracles.loader import ENV_VAR
+from conformance import lmdeploy_topk, sglang_topk
+from conformance.loader import ENV_VAR
 
 
 def test_without_the_files_each_kernel_says_why(monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dsa_precision.oracles.legacy_key import inductor_layernorm_rule
+from conformance.legacy_key import inductor_layernorm_rule
 
 PER = "triton_per_fused__to_copy_native_layer_norm_slice_0"
 RED = "triton_red_fused__to_copy_native_layer_norm_slice_0"

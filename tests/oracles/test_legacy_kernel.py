@@ -1,4 +1,4 @@
-"""The vLLM 0.28 key-kernel oracle (dsa_precision.oracles.legacy_kernel) and its pack script
+"""The vLLM 0.28 key-kernel oracle (conformance.legacy_kernel) and its pack script
 (tools/vllm_legacy_kernel.sh) without a GPU: the pinned file list, what pack accepts and refuses,
 where the oracle says it cannot run, and the key it feeds the kernel. The kernel itself runs in
 tests/gpu/test_preprocess_quantize.py."""
@@ -11,10 +11,10 @@ import tarfile
 import pytest
 import torch
 
+from conformance import engine_kernels as ek
+from conformance import legacy_kernel as lk
 from dsa_precision import ENGINE_PROFILES
-from dsa_precision.oracles import engine_kernels as ek
-from dsa_precision.oracles import legacy_kernel as lk
-from dsa_precision.oracles.synthetic import synthetic_indexer_inputs
+from dsa_precision.cli.synthetic import synthetic_indexer_inputs
 from dsa_precision.preprocess import IndexerPreprocess
 
 from ..support.configs import ROOT

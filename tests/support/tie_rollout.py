@@ -16,8 +16,8 @@ import sys
 
 import torch
 
+from conformance import engine_kernels, vllm_topk
 from dsa_precision import indexer_scores
-from dsa_precision.oracles import engine_kernels, vllm_topk
 
 from .helpers import import_example
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import IndexerPrecisionConfig
-from ..fused_path import Impl
 from ..operands import ScoringOperands
 from ..prepare import prepare_indexer_operands
 from ..preprocess import IndexerPreprocess
+from ..preprocess_kernel import Impl
 from .synthetic import SyntheticIndexerInputs
 
 __all__ = ["IndexerFields", "training_operands"]

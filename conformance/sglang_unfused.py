@@ -55,7 +55,9 @@ from typing import Any
 
 import torch
 
-from .engine_model import EngineOperands
+from dsa_precision.cli.engine_model import EngineOperands
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
+
 from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, scoped_modules, sha256
 from .sglang_jit import (
     SGLANG_COMMON_HEADERS,
@@ -69,7 +71,6 @@ from .sglang_jit import (
     sglang_stubs,
     sglang_toolchain_reason,
 )
-from .synthetic import SyntheticIndexerInputs
 
 __all__ = [
     "FLASHINFER_FILES",

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from ..engines import ENGINE_PROFILES, LayerNormArith
-from ..rope import RopeSpec
+from dsa_precision.engines import ENGINE_PROFILES, LayerNormArith
+from dsa_precision.rope import RopeSpec
+
 from . import legacy_q
 from .engine_kernels import engine_rotary, rope_code
 from .engine_kernels import missing_reason as files_missing_reason

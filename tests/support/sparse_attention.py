@@ -17,6 +17,8 @@ Kernels, in order of preference:
 
 The built-in forward and backward recompute per row chunk from ``(q, kv, idx, lse)``, so memory
 stays ``O(chunk * K * D)``; they are checked against a dense masked-attention reference.
+
+Test support, not part of the installed package: the attention of :mod:`.fused_attention`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .backends import cudnn
-from .checks import (
+from dsa_precision.backends import cudnn
+from dsa_precision.checks import (
     check_int_tensor,
     check_positive_int,
     check_real,

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..engines import ENGINE_PROFILES, EngineProfile
-from ..preprocess import IndexerPreprocess
-from .synthetic import SyntheticIndexerInputs
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
+from dsa_precision.engines import ENGINE_PROFILES, EngineProfile
+from dsa_precision.preprocess import IndexerPreprocess
 
 __all__ = [
     "ENV_VAR",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .engine_model import EngineOperands
+from dsa_precision.cli.engine_model import EngineOperands
 
 __all__ = [
     "ENV_VAR",

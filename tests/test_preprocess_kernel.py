@@ -1,4 +1,4 @@
-"""When the fused preprocess + quantize kernel builds the operands (dsa_precision.fused_path): only where it gives the reference's bytes, decided without Triton."""
+"""When the fused preprocess + quantize kernel builds the operands (dsa_precision.preprocess_kernel): only where it gives the reference's bytes, decided without Triton."""
 
 import os
 import subprocess
@@ -10,9 +10,9 @@ import torch
 from dsa_precision import (
     IndexerPrecisionConfig,
     IndexerPreprocess,
-    fused_path,
     prepare_indexer_operands,
     prepare_scoring_operands,
+    preprocess_kernel,
     quantize_e4m3_ue8m0,
 )
 from dsa_precision import prepare as prepare_module
@@ -126,6 +126,6 @@ def test_fused_kernel_reasons(monkeypatch):
     rms = IndexerPreprocess(128, 64, rope_fp32=True, k_norm=torch.nn.RMSNorm(128))
     assert "RMSNorm" in fused_unsupported_reason(rms, q, k, w, config=fp8)
     plain = IndexerPreprocess(128, 64, rope_fp32=False, rotate_activation=True)
-    monkeypatch.setattr(fused_path, "HAVE_FAST_HADAMARD", True)
+    monkeypatch.setattr(preprocess_kernel, "HAVE_FAST_HADAMARD", True)
     cfg = IndexerPrecisionConfig(rope_fp32=False, scoring_precision="fp8")
     assert "fast_hadamard_transform" in fused_unsupported_reason(plain, q, k, w, config=cfg)

@@ -1,12 +1,13 @@
 """The inference side of the comparisons: the engine's own kernels on CUDA when they are present
-(:mod:`.engine_kernels`), otherwise the independent model of :mod:`.engine_model`."""
+(:mod:`.engine_kernels`), otherwise the independent model of :mod:`dsa_precision.cli.engine_model`."""
 
 from __future__ import annotations
 
-from ..engines import EngineProfile
+from dsa_precision.cli.engine_model import MODEL_SOURCE, EngineOperands, engine_operands
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
+from dsa_precision.engines import EngineProfile
+
 from . import engine_kernels
-from .engine_model import MODEL_SOURCE, EngineOperands, engine_operands
-from .synthetic import SyntheticIndexerInputs
 
 __all__ = ["inference_operands"]
 
@@ -15,7 +16,7 @@ def inference_operands(
     inputs: SyntheticIndexerInputs, engine: EngineProfile, *, hadamard: bool, interleaved: bool
 ) -> tuple[EngineOperands, str]:
     """The inference side's operands and what built them: the engine's own kernels
-    (:func:`~dsa_precision.oracles.engine_kernels.engine_kernel_operands`) when the inputs are on
+    (:func:`~conformance.engine_kernels.engine_kernel_operands`) when the inputs are on
     CUDA and the profile's kernels are in ``DSA_ENGINE_KERNELS``, otherwise
     :func:`engine_operands`, with the reason in the description."""
     oracle = engine_kernels.oracle_for(engine)

@@ -8,6 +8,9 @@ gradients are precomputed in forward and scaled by the loss gradient in backward
 Layouts are Megatron's (sequence first): ``query`` ``(S_q, B, N, D)``, ``kv`` ``(S_k, B, D)``
 (absorbed MLA: keys and values share storage, values are the first ``d_v`` channels),
 ``q_indexer`` ``(S_q, B, H, 128)``, ``k_indexer`` ``(S_k, B, 128)``, ``weights`` ``(S_q, B, H)``.
+
+Test support, not part of the installed package: the tests run the package's selection and
+precision checks through a whole autograd path with it (its attention is :mod:`.sparse_attention`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from .checks import (
+from dsa_precision.checks import (
     INT32_MAX,
     check_positive_int,
     check_real,
@@ -25,8 +28,13 @@ from .checks import (
     check_tensor,
     takes_precision_config,
 )
-from .config import IndexerPrecisionConfig, check_precision_config, fp8_indexer_loss_error
-from .select import indexer_select
+from dsa_precision.config import (
+    IndexerPrecisionConfig,
+    check_precision_config,
+    fp8_indexer_loss_error,
+)
+from dsa_precision.select import indexer_select
+
 from .sparse_attention import sparse_backward, sparse_forward
 
 __all__ = ["FusedIndexerSparseAttnFunc", "IndexerLossFn", "fused_indexer_sparse_attention"]

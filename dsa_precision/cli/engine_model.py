@@ -1,5 +1,5 @@
 """An independent model of an engine's FP8 indexer (the inference side of the comparisons where the
-engine's own kernels do not run: :func:`~.inference.inference_operands` decides).
+engine's own kernels do not run: :func:`conformance.inference.inference_operands` decides).
 
 Written from the engines' sources (``docs/numerics.md``) and an :class:`~dsa_precision.EngineProfile`
 (facts only), it shares no preprocessing, quantization or scoring code with the package: RoPE
@@ -28,7 +28,7 @@ __all__ = [
     "engine_select",
 ]
 
-MODEL_SOURCE = "an independent model of its operands (dsa_precision.oracles.engine_model)"
+MODEL_SOURCE = "an independent model of its operands (dsa_precision.cli.engine_model)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ separated) holding the wheels' relative paths; ``docs/gpu-validation.md`` has th
 oracle reports the SHA-256 of the file it ran, so a result names the engine release it checked.
 
 Entry points build the engine's FP8 operands from the same BF16 projections as the training side
-(:class:`~dsa_precision.oracles.synthetic.SyntheticIndexerInputs`) in the layout of
-:class:`~dsa_precision.oracles.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
+(:class:`~dsa_precision.cli.synthetic.SyntheticIndexerInputs`) in the layout of
+:class:`~dsa_precision.cli.engine_model.EngineOperands`; :func:`operand_diff` counts the bytes that
 differ. Importing this module needs neither vLLM nor LMDeploy, nor Triton until an oracle runs.
 
 SGLang 0.5.23's fused indexer (``sglang/kernels/ops/attention/dsa/indexer_{k,q}.py``, the CUDA
@@ -48,11 +48,14 @@ from typing import Any
 
 import torch
 
-from ..config import IndexerPrecisionConfig
-from ..engines import EngineProfile
-from ..fused_path import Impl
-from ..rope import RopeSpec
-from .engine_model import EngineOperands, engine_scores, engine_select
+from dsa_precision.cli.demo_operands import IndexerFields, training_operands
+from dsa_precision.cli.engine_model import EngineOperands, engine_scores, engine_select
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
+from dsa_precision.config import IndexerPrecisionConfig
+from dsa_precision.engines import EngineProfile
+from dsa_precision.preprocess_kernel import Impl
+from dsa_precision.rope import RopeSpec
+
 from .loader import ENV_VAR, EngineKernelRun, load_module, package, roots, sha256
 from .sglang_jit import (
     SGLANG_COMMON_HEADERS,
@@ -69,8 +72,6 @@ from .sglang_jit import (
     sglang_toolchain_reason,
 )
 from .sglang_unfused import run_sglang_unfused, sglang_unfused_missing_reason
-from .synthetic import SyntheticIndexerInputs
-from .training import IndexerFields, training_operands
 
 __all__ = [
     "ENGINE_FILES",
@@ -1030,7 +1031,7 @@ def engine_layer_picks(
     root: str | os.PathLike | None = None,
 ) -> tuple[torch.Tensor, str]:
     """What the engine of the indexer's profile picks for one DSA layer's rows: the logits of
-    :func:`engine_layer_scores` (its arguments) selected by :func:`~.engine_model.engine_select`
+    :func:`engine_layer_scores` (its arguments) selected by :func:`~dsa_precision.cli.engine_model.engine_select`
     (exact, ties to the lower key: the package's model of the engines' top-k step, not their
     kernel). Returns ``(B * S, k)`` int32 sequence-relative keys, batch-major, ascending, ``-1``
     padded (``k = min(topk, S)``), and the engine code's source."""

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from ..engines import EngineProfile
+from dsa_precision.cli.engine_model import EngineOperands
+from dsa_precision.cli.synthetic import SyntheticIndexerInputs
+from dsa_precision.engines import EngineProfile
+
 from .engine_kernels import KNOWN_SHA256, kernel_files, load_module, missing_reason
-from .engine_model import EngineOperands
-from .synthetic import SyntheticIndexerInputs
 
 __all__ = ["legacy_q_operands"]
 
