@@ -27,8 +27,10 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
     Triton's interpreter (which runs it on CPU tensors). A recorder stands in for the launch."""
     from dsa_precision.kernels import triton_unavailable_reason
 
-    launches = []
-    monkeypatch.setattr(prepare_module, "_quantize_triton", lambda *a: launches.append(a) or "k")
+    launches, made = [], []  # the recorder returns operands (those of the reference, below)
+    monkeypatch.setattr(
+        prepare_module, "_quantize_triton", lambda *a: launches.append(a) or made[0]
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, w = scoring_carriers()
     auto = prepare_scoring_operands(q, k, w, config=FP8, impl="auto")
@@ -36,9 +38,10 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
     q8, qs = quantize_e4m3_ue8m0(q)  # the reference's bytes (default engine)
     assert_bitwise_equal(auto.q, q8, "q")
     assert_bitwise_equal(auto.weights, w.float() * qs, "weights")
+    made.append(auto)
     if triton_unavailable_reason() is None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert prepare_scoring_operands(q, k, w, config=FP8, impl="auto") == "k"
+        assert prepare_scoring_operands(q, k, w, config=FP8, impl="auto") is auto
         assert len(launches) == 1
 
 
