@@ -33,15 +33,7 @@ from .checks import check_bool, check_tensor
 from .picks import repeated_keys, sorted_keys
 from .ties import INVALID, PRECISION, TIE, classify_rows
 
-__all__ = [
-    "TopkAgreement",
-    "agreement_and_identical_rows",
-    "boundary_margin",
-    "row_scale",
-    "score_error",
-    "topk_agreement",
-    "validate_index_rows",
-]
+__all__ = ["TopkAgreement", "topk_agreement"]
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 

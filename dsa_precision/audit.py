@@ -22,15 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = [
-    "STRICT_ENV",
-    "PrecisionMismatchError",
-    "reset_scoring_calls",
-    "scoring_calls",
-    "scoring_site",
-    "strict_enabled",
-    "strict_precision",
-]
+__all__ = ["reset_scoring_calls", "scoring_calls", "scoring_site"]
 
 STRICT_ENV = "DSA_PRECISION_STRICT"
 

@@ -18,19 +18,7 @@ import torch
 from .checks import check_bool, check_positive_int
 from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
 
-__all__ = [
-    "FP8_HEAD_DIM",
-    "FP8_MIN_COMPUTE_CAPABILITY",
-    "FP8_N_HEADS",
-    "QUANT_BLOCK",
-    "SCORING_BACKENDS",
-    "TOPK_BACKENDS",
-    "IndexerPrecisionConfig",
-    "ScoringPrecision",
-    "check_precision_config",
-    "check_scoring_backend",
-    "fp8_indexer_loss_error",
-]
+__all__ = ["IndexerPrecisionConfig", "ScoringPrecision"]
 
 # One FP8 descale per this many contiguous values: the indexer's head dim, and DeepGEMM's
 # per-token cast granularity on Hopper.

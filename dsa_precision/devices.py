@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["DerivedCache", "device_constant", "f32", "shared_device_tensor", "to_device"]
+__all__ = ["f32"]
 
 
 def to_device(

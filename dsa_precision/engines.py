@@ -17,14 +17,7 @@ from typing import Literal, TypedDict, get_args
 
 import torch
 
-__all__ = [
-    "DEFAULT_ENGINE",
-    "ENGINE_PROFILES",
-    "EngineProfile",
-    "Fp8Rule",
-    "engine_profile",
-    "vllm_legacy_profile",
-]
+__all__ = ["DEFAULT_ENGINE", "ENGINE_PROFILES", "EngineProfile", "vllm_legacy_profile"]
 
 # One descale per 128-vector: a power of two (UE8M0) or the float32 ratio itself.
 ScaleFormat = Literal["ue8m0", "fp32"]

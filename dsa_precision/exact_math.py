@@ -22,18 +22,12 @@ import torch
 from .devices import device_constant
 
 __all__ = [
-    "INDUCTOR_SUM_DISTANCES_X1",
-    "TRITON_SUM_DISTANCES_128",
     "fma_fp32",
     "inductor_block_sum",
     "layer_norm_fp32",
     "layer_norm_fp32_ops",
-    "layer_norm_fp32_warp",
     "layer_norm_fp32_welford",
-    "pairwise_sum",
     "rsqrt_fp32",
-    "triton_block_sum",
-    "warp_block_sum",
 ]
 
 

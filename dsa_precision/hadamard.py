@@ -10,7 +10,7 @@ import torch
 
 from .devices import device_constant
 
-__all__ = ["HAVE_FAST_HADAMARD", "hadamard_transform", "rotate_activation"]
+__all__ = ["hadamard_transform", "rotate_activation"]
 
 try:  # Optional CUDA extension; Megatron's own rotate_activation calls it.
     from fast_hadamard_transform import hadamard_transform as _fast_hadamard_transform

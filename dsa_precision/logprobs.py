@@ -32,19 +32,7 @@ import torch
 
 from .checks import check_positive_int, check_real, check_tensor
 
-__all__ = [
-    "CLIP_RANGES",
-    "LOGPROB_HEADERS",
-    "LOGPROB_LEGEND",
-    "LogprobMismatch",
-    "check_clip_ranges",
-    "check_cu_seqlens",
-    "logprob_cells",
-    "logprob_headers",
-    "logprob_mismatch_stats",
-    "shifted_labels",
-    "token_logprobs",
-]
+__all__ = []
 
 # name -> (low, high): a token is clipped when exp(delta) < 1 - low or exp(delta) > 1 + high.
 CLIP_RANGES: Mapping[str, tuple[float, float]] = {

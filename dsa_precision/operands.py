@@ -22,7 +22,7 @@ import torch
 from .checks import check_real, check_same_device, check_tensor
 from .config import ScoringPrecision, check_scoring_backend
 
-__all__ = ["WEIGHT_DTYPES", "ScoringOperands"]
+__all__ = ["ScoringOperands"]
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 

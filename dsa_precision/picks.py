@@ -30,16 +30,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = [
-    "INDEX_DTYPES",
-    "KEY_LIMIT",
-    "PAD",
-    "TokenLayout",
-    "TopkPicks",
-    "check_key_range",
-    "repeated_keys",
-    "sorted_keys",
-]
+__all__ = ["TokenLayout", "TopkPicks"]
 
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)

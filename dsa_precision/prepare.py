@@ -48,12 +48,7 @@ from .preprocess_kernel import (
 from .quantize import quantize_fp8
 from .rope import RopePositions, rope_tables, thd_token_freqs
 
-__all__ = [
-    "as_scoring_operands",
-    "fold_head_weights",
-    "prepare_indexer_operands",
-    "prepare_scoring_operands",
-]
+__all__ = ["prepare_indexer_operands", "prepare_scoring_operands"]
 
 _CARRIER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

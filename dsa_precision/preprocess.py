@@ -58,13 +58,7 @@ from .rope import (
     thd_token_freqs,
 )
 
-__all__ = [
-    "IndexerPreprocess",
-    "check_layer_norm",
-    "indexer_head_weights",
-    "layer_norm_params",
-    "weights_gemm_fp32",
-]
+__all__ = ["IndexerPreprocess", "layer_norm_params"]
 
 # (x [s, b, *, d], freqs, mscale, cu_seqlens) -> x rotated: a model's own RoPE (e.g. Megatron's
 # DSAIndexer._apply_rope, which knows about context parallelism and fused TE RoPE).

@@ -20,15 +20,7 @@ from .kernels import interpreting, triton_unavailable_reason
 from .operands import WEIGHT_DTYPES
 from .preprocess import IndexerPreprocess, check_layer_norm
 
-__all__ = [
-    "IMPLS",
-    "MAX_KERNEL_FOLD_SCALES",
-    "Impl",
-    "check_impl",
-    "fused_unsupported_reason",
-    "quantize_kernel_reason",
-    "use_kernel",
-]
+__all__ = ["Impl"]
 
 Impl = Literal["auto", "triton", "torch"]
 IMPLS = ("auto", "triton", "torch")

@@ -33,16 +33,7 @@ from .config import QUANT_BLOCK
 from .devices import device_constant
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
-__all__ = [
-    "DEFAULT_AMAX_FLOOR",
-    "E4M3_MAX",
-    "LOG2_CEIL_BAND",
-    "dequantize_fp8",
-    "fp8_descale",
-    "quantize_e4m3_ue8m0",
-    "quantize_fp8",
-    "ue8m0_descale",
-]
+__all__ = ["dequantize_fp8", "quantize_e4m3_ue8m0", "quantize_fp8", "ue8m0_descale"]
 
 # Largest finite float8_e4m3fn value (torch.finfo(torch.float8_e4m3fn).max).
 E4M3_MAX = 448.0

@@ -30,18 +30,7 @@ from .devices import to_device
 from .engines import EngineProfile, RopeFma, YarnMscale
 from .exact_math import fma_fp32
 
-__all__ = [
-    "EngineRopeTables",
-    "RopePositions",
-    "RopeSpec",
-    "YarnScaling",
-    "apply_rope",
-    "apply_rope_tables",
-    "engine_rope_cache",
-    "rope_inv_freq",
-    "rope_tables",
-    "thd_token_freqs",
-]
+__all__ = ["RopePositions", "RopeSpec", "apply_rope", "rope_tables"]
 
 # A bound on the positions of a RoPE table (exact in float64: YaRN's range reads it as one).
 _MAX_POSITIONS = 2**53

@@ -18,21 +18,7 @@ import torch
 from .checks import INT32_MAX, as_int32_tensor, check_int_fits, check_int_tensor
 from .devices import shared_device_tensor
 
-__all__ = [
-    "VarlenWindows",
-    "WindowScores",
-    "causal_key_counts",
-    "causal_offsets",
-    "check_cu_seqlens",
-    "check_varlen_args",
-    "constant_key_counts",
-    "constant_offsets",
-    "packed_sequence_of",
-    "validate_cu_seqlens",
-    "varlen_key_counts",
-    "varlen_row_slice",
-    "varlen_windows",
-]
+__all__ = ["WindowScores", "causal_key_counts"]
 
 
 def causal_key_counts(

@@ -62,13 +62,10 @@ from .rows import (
 )
 
 __all__ = [
-    "Backend",
-    "ResolvedBackend",
     "indexer_scores",
     "indexer_scores_varlen",
     "indexer_window_scores",
     "indexer_window_scores_varlen",
-    "resolve_scoring_backend",
 ]
 
 Backend = Literal["auto", "cudnn", "deepgemm", "torch"]

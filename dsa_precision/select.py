@@ -55,13 +55,7 @@ from .scoring import (
 from .ties import selection_margins
 from .topk import _select_rows, resolve_topk_backend
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "SELECT_BYTES_PER_SCORE",
-    "chunk_rows",
-    "indexer_select",
-    "indexer_select_varlen",
-]
+__all__ = ["indexer_select", "indexer_select_varlen"]
 
 # Working-set budget of one chunk by default: the extra memory of a call is at most this plus
 # the chunk's picks (docs/benchmarks.md, "Peak extra memory").

@@ -34,16 +34,7 @@ import torch
 from .checks import check_tensor
 from .picks import repeated_keys, sorted_keys
 
-__all__ = [
-    "CAUSES",
-    "INVALID",
-    "PRECISION",
-    "SAME",
-    "TIE",
-    "RowCauses",
-    "classify_rows",
-    "selection_margins",
-]
+__all__ = ["INVALID", "PRECISION", "TIE", "RowCauses", "classify_rows", "selection_margins"]
 
 SAME, TIE, PRECISION, INVALID = 0, 1, 2, 3
 CAUSES = ("same", "tie", "precision", "invalid")

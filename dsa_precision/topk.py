@@ -34,7 +34,7 @@ from .config import TOPK_BACKENDS
 from .kernels import triton_unavailable_reason
 from .rows import WindowScores
 
-__all__ = ["indexer_topk", "resolve_topk_backend"]
+__all__ = ["indexer_topk"]
 
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows per torch-path chunk are bounded so the int64 sort keys stay under this many bytes.

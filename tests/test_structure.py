@@ -142,6 +142,42 @@ def test_code_outside_the_package_uses_only_its_public_names(folder):
     assert not problems, problems
 
 
+def test_module_export_lists_name_only_what_is_used_from_outside():
+    """A module's ``__all__`` is its public surface: the user API (``dsa_precision``,
+    ``dsa_precision.capture``, ``dsa_precision.megatron``) or a name the engine oracles, tools
+    or examples read; the rest is the package's plumbing, left out of it (tests may reach it)."""
+    import re
+
+    import dsa_precision
+    import dsa_precision.capture
+
+    api = set(dsa_precision.__all__) | set(dsa_precision.capture.__all__)
+    megatron = (PACKAGE / "megatron" / "__init__.py").read_text()
+    api |= set(re.findall(r'"(\w+)"', megatron[megatron.index("__all__") :]))
+    outside = "\n".join(
+        p.read_text() for folder in ("conformance", "tools", "examples")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    )  # fmt: skip
+    problems = {}
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                and isinstance(node.value, ast.List | ast.Tuple)
+            ):
+                names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+                unused = [
+                    n for n in names
+                    if n not in api and not re.search(rf"\b{re.escape(n)}\b", outside)
+                ]  # fmt: skip
+                if unused:
+                    problems[module] = unused
+    assert not problems, problems
+
+
 def test_module_export_lists_hold_public_names_only():
     """A module's ``__all__`` is what it offers; plumbing stays out of it (and private)."""
     problems = {}

@@ -16,21 +16,7 @@ import torch
 from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 from ..devices import Lru
 
-__all__ = [
-    "CUDNN_BF16_N_HEADS",
-    "CUDNN_TOPK_MAX_K",
-    "TOPK_INPUT_ALIGN",
-    "CudnnDsaInterface",
-    "device_scope",
-    "dsa",
-    "dsa_available",
-    "dsa_unavailable_reason",
-    "scoring_reason",
-    "scoring_unsupported_reason",
-    "topk_plan",
-    "topk_reason",
-    "topk_unsupported_reason",
-]
+__all__ = ["dsa", "dsa_available", "dsa_unavailable_reason"]
 
 # Head counts the SM90 BF16 indexer kernel packs (FP8: FP8_N_HEADS); one key head.
 CUDNN_BF16_N_HEADS = (16, 32, 64)

@@ -55,16 +55,7 @@ import torch
 from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
 from ..rows import WindowScores
 
-__all__ = [
-    "EntryPoint",
-    "causal_logits",
-    "deepgemm_available",
-    "entry_point",
-    "kernel_entry",
-    "mqa_logits_unsupported_reason",
-    "unavailable_reason",
-    "window_logits",
-]
+__all__ = []
 
 # Tried in order: the standalone package, then vLLM's vendored copy.
 _MODULES = ("deep_gemm", "vllm.third_party.deep_gemm")

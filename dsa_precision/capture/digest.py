@@ -31,14 +31,7 @@ import torch
 from ..checks import describe
 from ..kernels import triton_unavailable_reason
 
-__all__ = [
-    "digest_mismatches",
-    "digest_row_reference",
-    "digest_rows",
-    "mix64",
-    "mix64_int",
-    "signed64",
-]
+__all__ = ["digest_mismatches", "digest_row_reference", "digest_rows"]
 
 _MASK = (1 << 64) - 1
 _G = 0x9E3779B97F4A7C15

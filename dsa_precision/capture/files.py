@@ -26,16 +26,7 @@ from .pack import int_at_least
 from .sglang import from_sglang
 from .vllm import decode_vllm_indexer_topk, from_vllm
 
-__all__ = [
-    "ENGINE_FORMATS",
-    "TENSOR_SUFFIXES",
-    "integer_indices",
-    "load_engine_output",
-    "load_picks",
-    "picks_from_tensors",
-    "read_tensors",
-    "save_picks",
-]
+__all__ = ["ENGINE_FORMATS", "load_engine_output", "load_picks", "read_tensors", "save_picks"]
 
 ENGINE_FORMATS = ("sglang", "vllm")
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")

@@ -22,16 +22,7 @@ import torch
 
 from ..picks import TokenLayout, TopkPicks, check_key_range
 
-__all__ = [
-    "LastRow",
-    "as_request_rows",
-    "decode_base64",
-    "int_at_least",
-    "integer_array",
-    "keyed",
-    "pack_digests",
-    "pack_requests",
-]
+__all__ = ["keyed", "pack_digests", "pack_requests"]
 
 LastRow = Literal["empty", "self"]
 _INT_DTYPES = (torch.int16, torch.int32, torch.int64)

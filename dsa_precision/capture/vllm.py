@@ -17,7 +17,6 @@ from ..picks import TopkPicks, check_key_range
 from .pack import as_request_rows, decode_base64, int_at_least, integer_array, pack_requests
 
 __all__ = [
-    "VLLM_BF16_AUTO_ARCHITECTURES",
     "VllmStep",
     "check_vllm_engine_config",
     "decode_vllm_indexer_topk",

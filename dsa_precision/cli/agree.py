@@ -44,7 +44,7 @@ from ..picks import TokenLayout, TopkPicks
 from . import CliError, print_json
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 
-__all__ = ["load_indices", "register"]
+__all__ = ["register"]
 
 # The differing rows' causes (with --scores), TopkAgreement's names.
 CAUSES = ("tie_rows", "precision_rows", "invalid_rows")

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ..preprocess_kernel import Impl
     from ..scoring import Backend
 
-__all__ = ["BenchConfig", "Timer", "bench_inputs", "format_tables", "register", "run_bench"]
+__all__ = ["Timer", "bench_inputs", "register"]
 
 _FLUSH_BYTES = 256 << 20  # larger than the H200's L2 (60 MB)
 _BANDWIDTH_BYTES = 1 << 30

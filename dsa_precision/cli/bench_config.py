@@ -4,18 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = [
-    "FUSED_THRESHOLD",
-    "HEAD_DIM",
-    "LONG_SEQS",
-    "MEGATRON_BACKENDS",
-    "ROPE_DIM",
-    "SPLIT_SEQS",
-    "THD_SEQS",
-    "THD_WEIGHTS",
-    "BenchConfig",
-    "thd_lengths",
-]
+__all__ = ["thd_lengths"]
 
 HEAD_DIM = 128
 ROPE_DIM = 64

@@ -31,7 +31,7 @@ import torch
 
 from .bench_config import MEGATRON_BACKENDS
 
-__all__ = ["measure_megatron"]
+__all__ = []
 
 _BLOCK_SIZE = 8192  # DSAttention.forward's fused_indexer_block_size default
 # S x B x H x S float32 tensors budgeted for Megatron's PyTorch indexer (scores, ReLU, weighted,

@@ -8,7 +8,7 @@ from typing import Any
 
 from .bench_config import FUSED_THRESHOLD, HEAD_DIM, MEGATRON_BACKENDS
 
-__all__ = ["format_tables"]
+__all__ = []
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:

@@ -45,7 +45,7 @@ from .engine_model import (
 from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
 from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
-__all__ = ["ConfigResult", "DemoRun", "configs", "register", "run_demo"]
+__all__ = ["configs", "register"]
 
 # (seq_len, topk) per device when not given; the CPU size finishes in well under 30 s on 2 cores.
 DEFAULT_SIZES = {"cpu": (2048, 256), "cuda": (8192, 2048)}

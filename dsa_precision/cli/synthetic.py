@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["SyntheticIndexerInputs", "rope_freqs", "synthetic_indexer_inputs"]
+__all__ = ["SyntheticIndexerInputs", "synthetic_indexer_inputs"]
 
 # Generator constants (documented in docs/numerics.md; changing one changes the demo's numbers).
 LATENT_RANK = 16  # rank of the shared query/key structure

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GOLDEN", "MIX1", "MIX2", "digest_picks", "splitmix64"]
+__all__ = []
 
 _BLOCK = 1024
 # The digest's constants (dsa_precision.capture.digest): the golden-ratio increment and

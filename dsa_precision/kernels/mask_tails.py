@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["mask_tails"]
+__all__ = []
 
 _BLOCK = 1024
 

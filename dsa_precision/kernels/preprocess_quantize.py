@@ -48,7 +48,7 @@ from ..exact_math import DIV_FULL_ONE_THIRD
 from . import interpreting
 from .rules import PreprocessRules
 
-__all__ = ["HEAD_DIM", "MIN_AMAX_FLOOR", "preprocess_quantize"]
+__all__ = ["preprocess_quantize"]
 
 HEAD_DIM = 128
 # Smallest float32 amax floor the kernel accepts: above it every descale 2**e and its reciprocal

@@ -17,7 +17,7 @@ from ..engines import EngineProfile, Fp8Rule, LayerNormArith, RopeFma
 if TYPE_CHECKING:
     from ..preprocess import IndexerPreprocess
 
-__all__ = ["PreprocessRules", "engine_lanes_differ"]
+__all__ = ["PreprocessRules"]
 
 
 def engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:

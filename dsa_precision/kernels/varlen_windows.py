@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["varlen_windows"]
+__all__ = []
 
 _BLOCK = 1024
 

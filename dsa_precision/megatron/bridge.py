@@ -39,7 +39,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .compat import TESTED_MEGATRON_BRIDGE, check_megatron_bridge
+from .compat import check_megatron_bridge
 
 check_megatron_bridge()
 
@@ -50,12 +50,7 @@ from megatron.core.models.gpt import experimental_attention_variant_module_specs
 from .config import PRECISION_FIELDS, DSAPrecisionTransformerConfig
 from .specs import get_gpt_dsa_precision_block_spec, with_dsa_precision
 
-__all__ = [
-    "TESTED_MEGATRON_BRIDGE",
-    "DSAPrecisionMLAModelProvider",
-    "PrecisionLayerSpec",
-    "dsa_precision_provider",
-]
+__all__ = ["dsa_precision_provider"]
 
 
 @dataclass

@@ -21,25 +21,7 @@ import importlib
 import inspect
 from typing import Any
 
-__all__ = [
-    "ATTRIBUTES_OF",
-    "BRIDGE_CALLS",
-    "BRIDGE_METHODS",
-    "BRIDGE_PROVIDER_FIELDS",
-    "CALLS",
-    "CONFIG_FIELDS",
-    "INSTANCE_ATTRIBUTES",
-    "METHODS",
-    "PACKED_SEQ_FIELDS",
-    "PROCESS_GROUP_FIELDS",
-    "TESTED_MEGATRON_BRIDGE",
-    "TESTED_MEGATRON_CORE",
-    "check_built",
-    "check_megatron_bridge",
-    "check_megatron_core",
-    "megatron_bridge_version",
-    "megatron_core_version",
-]
+__all__ = ["TESTED_MEGATRON_CORE"]
 
 TESTED_MEGATRON_CORE = "0.19.2"
 TESTED_MEGATRON_BRIDGE = "0.6.2"

@@ -20,13 +20,9 @@ from .replay import TOPK_SOURCES
 
 __all__ = [
     "PRECISION_FIELDS",
-    "VALIDATED_MEGATRON_FIELDS",
     "DSAPrecisionTransformerConfig",
     "add_dsa_precision_args",
     "config_from_args",
-    "indexer_k_norm_eps",
-    "indexer_rope_spec",
-    "layer_decisions",
 ]
 
 

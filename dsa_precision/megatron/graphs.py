@@ -45,7 +45,7 @@ import torch
 from .. import audit
 from ..devices import to_device
 
-__all__ = ["AUTO_GRAPH_MAX_ROWS", "GraphedCalls", "graph_packing"]
+__all__ = ["AUTO_GRAPH_MAX_ROWS"]
 
 # dsa_indexer_cuda_graph="auto" graphs a forward of at most this many indexer rows (B x S; T
 # packed): below it the eager FP8 top-k waits for the host (docs/megatron.md, "CUDA graphs of the

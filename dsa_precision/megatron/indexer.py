@@ -40,7 +40,7 @@ from ..topk import indexer_topk
 from . import compat
 from .config import indexer_rope_spec, layer_decisions
 
-__all__ = ["IndexerProjections", "PrecisionDSAIndexer"]
+__all__ = ["PrecisionDSAIndexer"]
 
 
 class IndexerProjections(NamedTuple):

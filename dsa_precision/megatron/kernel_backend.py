@@ -26,16 +26,7 @@ import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_kernels
 from megatron.core.utils import _validate_dsa_kernel_backend_dependencies
 
-__all__ = [
-    "SPARSE_MLA_LATENT",
-    "SPARSE_MLA_MIN_HEADS",
-    "SPARSE_MLA_ROPE",
-    "SPARSE_MLA_TOPK_BLOCK",
-    "TILELANG",
-    "sparse_mla_heads_supported",
-    "tilelang_picks",
-    "tilelang_problems",
-]
+__all__ = []
 
 TILELANG = "tilelang"
 # TileLang's SparseMLA (megatron-core 0.19.2) is specialised for the absorbed layout

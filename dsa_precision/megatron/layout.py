@@ -32,7 +32,7 @@ from ..operands import ScoringOperands
 from ..rows import packed_sequence_of, varlen_row_slice
 from ..select import indexer_select, indexer_select_varlen
 
-__all__ = ["RankLayout", "gather_keys", "owned_topk", "owned_topk_with_margins", "query_positions"]
+__all__ = ["RankLayout", "owned_topk", "query_positions"]
 
 # (tensor with the sequence dimension first) -> the tensors of every CP rank concatenated along
 # it: Megatron's gather_from_sequence_parallel_region over the CP group, or a test's stand-in.

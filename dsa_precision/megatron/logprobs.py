@@ -46,13 +46,7 @@ from ..picks import TokenLayout, TopkPicks
 from .record import record_topk
 from .replay import engine_topk
 
-__all__ = [
-    "LayerAgreement",
-    "LogprobReport",
-    "format_reports",
-    "logprob_mismatch",
-    "replay_logprobs",
-]
+__all__ = ["format_reports", "logprob_mismatch", "replay_logprobs"]
 
 # A model, or Megatron's list of its chunks (virtual pipeline parallelism).
 Model = torch.nn.Module | Sequence[torch.nn.Module]

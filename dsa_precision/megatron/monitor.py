@@ -17,7 +17,7 @@ import torch
 
 from ..agreement import agreement_and_identical_rows
 
-__all__ = ["METRIC_PREFIX", "TopkMonitor", "topk_metrics"]
+__all__ = ["topk_metrics"]
 
 # Metric names: dsa_topk/layer_07/member_agreement, ...; dsa_topk/all/... over every layer.
 METRIC_PREFIX = "dsa_topk"

@@ -18,7 +18,7 @@ import torch
 
 from ..picks import TokenLayout, TopkPicks
 
-__all__ = ["TopkRecorder", "current_recorder", "record_topk"]
+__all__ = ["record_topk"]
 
 
 class TopkRecorder:

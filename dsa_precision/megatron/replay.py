@@ -39,15 +39,7 @@ from ..devices import to_device
 from ..picks import TokenLayout, TopkPicks, check_key_range
 from ..rows import packed_sequence_of
 
-__all__ = [
-    "TOPK_SOURCES",
-    "VALIDATE_ENV",
-    "HandedIn",
-    "current_handed_in",
-    "engine_topk",
-    "replay_validation_enabled",
-    "set_replay_validation",
-]
+__all__ = ["engine_topk", "set_replay_validation"]
 
 TopkSource = Literal["compute", "replay", "verify", "replay_ties"]
 TOPK_SOURCES = ("compute", "replay", "verify", "replay_ties")

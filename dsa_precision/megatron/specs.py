@@ -32,7 +32,6 @@ from .indexer import PrecisionDSAIndexer
 
 __all__ = [
     "LocalDSASpecProvider",
-    "default_backend",
     "get_dsa_precision_module_spec",
     "get_gpt_dsa_precision_block_spec",
     "with_dsa_precision",
