@@ -142,6 +142,25 @@ def test_code_outside_the_package_uses_only_its_public_names(folder):
     assert not problems, problems
 
 
+def _export_lists(subpackages: bool) -> list[tuple[str, list[str]]]:
+    """``(module, names of its __all__)`` of every package module that has one (with
+    ``subpackages``: the ``__init__`` modules too)."""
+    found = []
+    for module, path in MODULES.items():
+        if path.name == "__init__.py" and not subpackages:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                and isinstance(node.value, ast.List | ast.Tuple)
+            ):
+                found.append(
+                    (module, [e.value for e in node.value.elts if isinstance(e, ast.Constant)])
+                )
+    return found
+
+
 def test_module_export_lists_name_only_what_is_used_from_outside():
     """A module's ``__all__`` is its public surface: the user API (``dsa_precision``,
     ``dsa_precision.capture``, ``dsa_precision.megatron``) or a name the engine oracles, tools
@@ -159,39 +178,22 @@ def test_module_export_lists_name_only_what_is_used_from_outside():
         for p in sorted((ROOT / folder).rglob("*.py"))
     )  # fmt: skip
     problems = {}
-    for module, path in MODULES.items():
-        if path.name == "__init__.py":
-            continue
-        for node in ast.parse(path.read_text()).body:
-            if (
-                isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-                and isinstance(node.value, ast.List | ast.Tuple)
-            ):
-                names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
-                unused = [
-                    n for n in names
-                    if n not in api and not re.search(rf"\b{re.escape(n)}\b", outside)
-                ]  # fmt: skip
-                if unused:
-                    problems[module] = unused
+    for module, names in _export_lists(subpackages=False):
+        unused = [
+            n for n in names if n not in api and not re.search(rf"\b{re.escape(n)}\b", outside)
+        ]  # fmt: skip
+        if unused:
+            problems[module] = unused
     assert not problems, problems
 
 
 def test_module_export_lists_hold_public_names_only():
     """A module's ``__all__`` is what it offers; plumbing stays out of it (and private)."""
     problems = {}
-    for module, path in MODULES.items():
-        for node in ast.parse(path.read_text()).body:
-            if (
-                isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-                and isinstance(node.value, ast.List | ast.Tuple)
-            ):
-                names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
-                private = [n for n in names if _private(n)]
-                if private:
-                    problems[module] = private
+    for module, names in _export_lists(subpackages=True):
+        private = [n for n in names if _private(n)]
+        if private:
+            problems[module] = private
     assert not problems, problems
 
 
