@@ -17,7 +17,12 @@ The toy (examples/toy_glm5_train.py, MoE by default): the "engine" is a model of
 fields and the engine profile (``--engine``), its picks recorded with ``record_topk`` on the
 current training weights. The weights train ``--steps`` steps of the toy's copy task (the
 ``--train-config`` configuration) so that the logits are not uniform; the report is made at
-step 0 and after them, on a held-out batch of the task.
+step 0 and after them, on a held-out batch of the task. With ``--rollout engine-kernels`` the
+engine's own code makes the rollout's picks (``--rollout-topk vllm``: vLLM's own top-k kernels,
+which choose among tied keys at random) and ``rope_fp32+fp8+ties`` replays the engine's tied
+rows; with it and rope_fp32+fp8 both run, the report splits rope_fp32+fp8's dlogp by cause: the
+tokens moved only by the engine's choice among tied keys, and those still moved with the tied
+rows replayed.
 
 Saved picks (``--picks`` a replay file, or ``--engine-output`` an engine's saved responses with
 ``--engine-format``) with ``--tokens`` (a .pt / .safetensors tensor of the tokens, or a dict with
@@ -382,7 +387,42 @@ def run_toy(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
                                 reports=reports, picks=picks, tokens=tokens, labels=labels))  # fmt: skip
         say(_heading(args, step, losses, tokens, seconds))
         say(_format(reports, legend=step == args.steps))
+        checkpoints[-1]["dlogp_by_cause"] = split = dlogp_by_cause(reports)
+        if split is not None:
+            say(_format_split(split))
     return dict(checkpoints=checkpoints, train_losses=losses, weights=trained.state_dict())
+
+
+def dlogp_by_cause(reports: list) -> dict | None:
+    """rope_fp32+fp8's dlogp split by cause, with rope_fp32+fp8+ties beside it (both measured):
+    the tokens whose log-prob moves only because the engine chose among tied keys (dlogp != 0
+    with training's own picks, 0 once the engine's tied rows are replayed), and those left moved
+    with the tied rows replayed (precision, or an engine set that is no top-k). ``None``
+    without both configurations."""
+    by_name = {r.name: r for r in reports}
+    if MATCHED not in by_name or MATCHED_TIES not in by_name:
+        return None
+    own, replayed = by_name[MATCHED], by_name[MATCHED_TIES]
+    mask = own.mask & replayed.mask
+    moved, left = (own.delta != 0) & mask, (replayed.delta != 0) & mask
+    ties = moved & ~left
+    return dict(
+        tokens=int(mask.sum()),
+        ties=dict(tokens=int(ties.sum()), abs_sum=float(own.delta.abs()[ties].sum()),
+                  abs_max=float(own.delta.abs()[ties].max()) if bool(ties.any()) else 0.0),
+        left=dict(tokens=int(left.sum()), abs_sum=float(replayed.delta.abs()[left].sum()),
+                  abs_max=float(replayed.delta.abs()[left].max()) if bool(left.any()) else 0.0),
+    )  # fmt: skip
+
+
+def _format_split(split: dict) -> str:
+    ties, left = split["ties"], split["left"]
+    return (
+        f"dlogp of {MATCHED} by cause: ties {ties['tokens']} of {split['tokens']} tokens (sum "
+        f"|dlogp| {ties['abs_sum']:.3g}, max {ties['abs_max']:.3g}: gone with the tied rows "
+        f"replayed); left with them replayed (precision, or an engine set that is no top-k) "
+        f"{left['tokens']} tokens (sum |dlogp| {left['abs_sum']:.3g}, max {left['abs_max']:.3g})"
+    )
 
 
 def run_files(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
@@ -517,7 +557,8 @@ def as_json(args: argparse.Namespace, result: dict) -> dict:
     checkpoints = [
         dict(step=c["step"], loss=c["loss"], seconds=c["seconds"], rollout=c.get("rollout"),
              reports=[r.as_dict() for r in c["reports"]],
-             ties=_tie_payload(c.get("ties"), c.get("picks"), c.get("ties_at_zero")))
+             ties=_tie_payload(c.get("ties"), c.get("picks"), c.get("ties_at_zero")),
+             dlogp_by_cause=c.get("dlogp_by_cause"))
         for c in result["checkpoints"]
     ]  # fmt: skip
     settings = {k: getattr(args, k) for k in ("tiny", "device", "seq", "topk", "batch", "steps",

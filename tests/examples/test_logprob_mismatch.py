@@ -282,6 +282,11 @@ def test_the_engines_tied_rows_replayed_close_the_tie_floor():
     assert not own["picks_identical"] and own["logprobs"]["tokens_differing"] > 0
     assert replayed["picks_identical"] and replayed["logprobs"]["tokens_differing"] == 0
     assert replayed["logprobs"]["abs_max"] == 0 and replayed["logprobs"]["kl_k3"] == 0
+    # dlogp by cause: every moved token moved because of a tie; none is left once replayed.
+    split = c["dlogp_by_cause"]
+    assert split["ties"]["tokens"] == own["logprobs"]["tokens_differing"] > 0
+    assert split["ties"]["abs_max"] == own["logprobs"]["abs_max"]
+    assert split["left"] == dict(tokens=0, abs_sum=0.0, abs_max=0.0)
 
 
 def test_tied_rows_need_the_engines_logits(capsys):
