@@ -235,6 +235,8 @@ def build(args: argparse.Namespace, name: str) -> torch.nn.Module:
     engine's picks handed in; ``"engine"``: the engine's fields), seeded weights."""
     if name == MATCHED_TIES:  # the matched fields, the engine's tied rows replayed
         fields = {**toy.CONFIGS[MATCHED], "dsa_indexer_topk_source": "replay_ties"}
+    elif name == MATCHED:  # its own picks, compared with the engine's as it runs: by cause
+        fields = {**toy.CONFIGS[MATCHED], "dsa_indexer_topk_source": "verify"}
     else:
         fields = toy.ENGINE if name == "engine" else toy.CONFIGS[name]
     return toy.build_model(args, toy.model_config(args, **fields))[0]

@@ -43,6 +43,7 @@ from ..logprobs import (
     token_logprobs,
 )
 from ..picks import TokenLayout, TopkPicks
+from .monitor import topk_metrics
 from .record import record_topk
 from .replay import engine_topk
 
@@ -66,6 +67,11 @@ class LayerAgreement:
     rows_differing: int  # token rows whose set of keys is not the engine's (of the rows the
     # engine ran, TopkPicks.engine_rows, with a non-empty set: topk_agreement's rows)
     first_differing: tuple[Where, ...]  # the first of them, (sequence, position)
+    # A "verify" model's differing rows by cause (topk_metrics: "tie_rows", its own boundary
+    # tied, which no precision decides; "precision_rows", strict, so the engine's set is no top-k
+    # of its scores: precision, an invalid set, or, past the first layer, inputs an earlier
+    # layer's differing picks moved); None for a "compute" model.
+    causes: Mapping[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready Python values."""
@@ -74,6 +80,7 @@ class LayerAgreement:
             **dict(self.agreement),
             "rows_differing": self.rows_differing,
             "first_differing": [list(w) for w in self.first_differing],
+            **({} if self.causes is None else {"causes": dict(self.causes)}),
         }
 
 
@@ -136,9 +143,17 @@ class LogprobReport:
         for layer in self.layers:
             if layer.rows_differing:
                 rows = int(layer.agreement["rows"])
+                causes = ""
+                if layer.causes is not None:
+                    causes = (
+                        f" ({layer.causes['tie_rows']} at a tie of its own scores, "
+                        f"{layer.causes['precision_rows']} strict: precision, an invalid set, or "
+                        "inputs an earlier layer moved)"
+                    )
                 lines.append(
                     f"{self.name}: layer {layer.layer}: {layer.rows_differing} of {rows} rows "
-                    f"differ from the engine's picks, first at {_where(layer.first_differing)}"
+                    f"differ from the engine's picks{causes}, first at "
+                    f"{_where(layer.first_differing)}"
                 )
         if self.logprobs.tokens_differing:
             lines.append(
@@ -508,8 +523,23 @@ def _places(rows: torch.Tensor, layout: TokenLayout, limit: int) -> tuple[Where,
     return tuple(places)
 
 
+def _causes(metrics: Mapping[str, float]) -> dict[int, dict[str, int]]:
+    """Layer number -> its differing rows by cause, from :func:`~.monitor.topk_metrics`."""
+    causes: dict[int, dict[str, int]] = {}
+    for key, value in metrics.items():
+        scope, _, name = key.removeprefix("dsa_topk/").partition("/")
+        if scope.startswith("layer_") and name in ("flipped_tied_rows", "flipped_precision_rows"):
+            cause = "tie_rows" if name == "flipped_tied_rows" else "precision_rows"
+            causes.setdefault(int(scope.removeprefix("layer_")), {})[cause] = int(value)
+    return causes
+
+
 def _layer_agreements(
-    own: TopkPicks, engine: TopkPicks, layout: TokenLayout, first_tokens: int
+    own: TopkPicks,
+    engine: TopkPicks,
+    layout: TokenLayout,
+    first_tokens: int,
+    causes: Mapping[int, Mapping[str, int]] | None = None,
 ) -> tuple[tuple[LayerAgreement, ...], dict[str, float | int]]:
     if own.tokens is not None:
         raise NotImplementedError(
@@ -544,6 +574,7 @@ def _layer_agreements(
                 agreement=agreement.as_dict(),
                 rows_differing=int(differing.numel()),
                 first_differing=_places(differing, layout, first_tokens),
+                causes=None if causes is None else causes.get(n),
             )
         )
         pooled_own.append(mine)
@@ -579,7 +610,9 @@ def logprob_mismatch(
     Args:
         model: the model under test, its DSA layers computing their picks (``"compute"`` or
             ``"verify"``), built with the dsa-precision specs; or Megatron's list of its model
-            chunks (virtual pipeline parallelism, with a ``forward`` that runs them).
+            chunks (virtual pipeline parallelism, with a ``forward`` that runs them). A
+            ``"verify"`` model is handed ``picks`` for its forward and each layer's differing
+            rows come with their cause (:attr:`LayerAgreement.causes`; its counters are reset).
         tokens: int64 ``[b, s]`` (BSHD) or, for packed picks (``cu_seqlens``), ``[T]`` /
             ``[1, T]``: the tokens the engine's picks were made on, rows in their order.
         picks: the engine's picks of those tokens: a :class:`~dsa_precision.picks.TopkPicks`
@@ -644,10 +677,18 @@ def logprob_mismatch(
                 f"{tuple(rollout_logprobs.shape)}, tokens {tuple(tokens.shape)}; pass one float "
                 "log-prob per token (replay_logprobs')."
             )
-    handed = engine_topk(tied_rows) if tied_rows is not None else contextlib.nullcontext()
+    verifying = {layer.topk_source for layer in _dsa_layers(model, "model")} == {"verify"}
+    if tied_rows is not None:
+        handed: Any = engine_topk(tied_rows)
+    elif verifying:  # verify compares each layer's own picks with the engine's: by cause
+        topk_metrics(_chunks(model, "model"))  # the counters from this forward on (a reset)
+        handed = engine_topk(picks)
+    else:
+        handed = contextlib.nullcontext()
     with torch.no_grad(), _Eval(model), record_topk() as recorder, handed:
         train = _logprobs_of(model, forward, tokens, labels, mask)
-    layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens)
+    causes = _causes(topk_metrics(_chunks(model, "model"))) if verifying else None
+    layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens, causes)
     rollout = rollout_logprobs.to(train.device)
     mask = mask.to(train.device)
     stats = logprob_mismatch_stats(

@@ -282,6 +282,12 @@ def test_the_engines_tied_rows_replayed_close_the_tie_floor():
     assert not own["picks_identical"] and own["logprobs"]["tokens_differing"] > 0
     assert replayed["picks_identical"] and replayed["logprobs"]["tokens_differing"] == 0
     assert replayed["logprobs"]["abs_max"] == 0 and replayed["logprobs"]["kl_k3"] == 0
+    # rope_fp32+fp8 runs as verify: layer 1's differing rows are all at a tie of its own scores
+    # (the planted ties); layer 2's follow from them (inputs moved), none is left once replayed.
+    first_layer = own["layers"][0]
+    assert first_layer["rows_differing"] > 0
+    assert first_layer["causes"] == dict(tie_rows=first_layer["rows_differing"], precision_rows=0)
+    assert "causes" not in replayed["layers"][0]
     # dlogp by cause: every moved token moved because of a tie; none is left once replayed.
     split = c["dlogp_by_cause"]
     assert split["ties"]["tokens"] == own["logprobs"]["tokens_differing"] > 0
