@@ -43,7 +43,6 @@ from ..logprobs import (
     token_logprobs,
 )
 from ..picks import TokenLayout, TopkPicks
-from .monitor import topk_metrics
 from .record import record_topk
 from .replay import engine_topk
 
@@ -523,17 +522,6 @@ def _places(rows: torch.Tensor, layout: TokenLayout, limit: int) -> tuple[Where,
     return tuple(places)
 
 
-def _causes(metrics: Mapping[str, float]) -> dict[int, dict[str, int]]:
-    """Layer number -> its differing rows by cause, from :func:`~.monitor.topk_metrics`."""
-    causes: dict[int, dict[str, int]] = {}
-    for key, value in metrics.items():
-        scope, _, name = key.removeprefix("dsa_topk/").partition("/")
-        if scope.startswith("layer_") and name in ("flipped_tied_rows", "flipped_precision_rows"):
-            cause = "tie_rows" if name == "flipped_tied_rows" else "precision_rows"
-            causes.setdefault(int(scope.removeprefix("layer_")), {})[cause] = int(value)
-    return causes
-
-
 def _layer_agreements(
     own: TopkPicks,
     engine: TopkPicks,
@@ -677,17 +665,24 @@ def logprob_mismatch(
                 f"{tuple(rollout_logprobs.shape)}, tokens {tuple(tokens.shape)}; pass one float "
                 "log-prob per token (replay_logprobs')."
             )
-    verifying = {layer.topk_source for layer in _dsa_layers(model, "model")} == {"verify"}
+    dsa_layers = _dsa_layers(model, "model")
+    # verify compares each layer's own picks with the engine's as it runs: by cause
+    monitors = (
+        {layer.layer_number: layer.topk_monitor for layer in dsa_layers}
+        if {layer.topk_source for layer in dsa_layers} == {"verify"}
+        else None
+    )
     if tied_rows is not None:
         handed: Any = engine_topk(tied_rows)
-    elif verifying:  # verify compares each layer's own picks with the engine's: by cause
-        topk_metrics(_chunks(model, "model"))  # the counters from this forward on (a reset)
+    elif monitors is not None:
+        for monitor in monitors.values():
+            monitor.reset()  # the counters of this forward alone
         handed = engine_topk(picks)
     else:
         handed = contextlib.nullcontext()
     with torch.no_grad(), _Eval(model), record_topk() as recorder, handed:
         train = _logprobs_of(model, forward, tokens, labels, mask)
-    causes = _causes(topk_metrics(_chunks(model, "model"))) if verifying else None
+    causes = None if monitors is None else {n: m.causes() for n, m in monitors.items()}
     layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens, causes)
     rollout = rollout_logprobs.to(train.device)
     mask = mask.to(train.device)

@@ -121,6 +121,16 @@ class TopkMonitor:
         self.sums.clear()
         self.flipped_max = None
 
+    def causes(self) -> dict[str, int]:
+        """The differing rows since the last reset by cause (``verify``): ``tie_rows`` (own
+        boundary tied), ``precision_rows`` (strict); what ``topk_metrics`` names
+        ``flipped_tied_rows`` and ``flipped_precision_rows``. One host synchronisation."""
+        held = [self.sums.get(n) for n in ("flipped_tied", "flipped_strict")]
+        device = next((t.device for t in held if t is not None), "cpu")
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        tied, strict = torch.stack([zero if t is None else t for t in held]).tolist()
+        return {"tie_rows": int(tied), "precision_rows": int(strict)}
+
 
 def _metrics(name: str, raw: list[float]) -> dict[str, float]:
     s = dict(zip(TopkMonitor._SUMS, raw[:-1], strict=True))
