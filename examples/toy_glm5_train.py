@@ -600,7 +600,7 @@ def handed_in(engine, model, tokens, tie_share: float | None = None):
     picks, seq = engine_picks(engine, model, tokens), tokens.shape[1]
     if tie_share is None:
         return dsap.engine_topk(picks, seq_len=seq)
-    return dsap.engine_topk(tie_rows(picks, tokens.shape[0], seq, tie_share))
+    return dsap.engine_topk(tie_rows(picks, [seq] * tokens.shape[0], tie_share, seq_len=seq))
 
 
 def tie_share(args, name: str) -> float | None:
@@ -609,21 +609,28 @@ def tie_share(args, name: str) -> float | None:
     return args.tie_share if ties else None
 
 
-def tie_rows(picks: dict[int, torch.Tensor], batch: int, seq: int, share: float):
-    """``picks`` (layer -> ``(batch * seq, k)``) as the tie replay's payload: per sequence, every
-    row's digest and the picks of every ``round(1 / share)``-th row (none for ``share`` 0)."""
+def tie_rows(
+    picks: dict[int, torch.Tensor],
+    lengths: list[int],
+    share: float,
+    seq_len: int | None = None,
+):
+    """``picks`` (layer -> ``(T, k)``, the sequences of ``lengths`` one after the other) as the
+    tie replay's payload: per sequence, every row's digest and the picks of every
+    ``round(1 / share)``-th row (none for ``share`` 0); ``seq_len`` for a BSHD micro-batch."""
     from dsa_precision.capture import TieRows, digest_rows, pack_tie_rows
 
-    stride = round(1 / share) if share > 0 else seq + 1
-    frames = []
-    for b in range(batch):
+    frames, start = [], 0
+    for n_rows in lengths:
+        stride = round(1 / share) if share > 0 else n_rows + 1
         frame = {}
         for n, idx in picks.items():
-            rows = idx[b * seq : (b + 1) * seq]
-            sent = torch.arange(stride - 1, seq, stride, device=rows.device)
+            rows = idx[start : start + n_rows]
+            sent = torch.arange(stride - 1, n_rows, stride, device=rows.device)
             frame[n] = TieRows(digest_rows(rows), sent, rows[sent].to(torch.int32))
         frames.append(frame)
-    return pack_tie_rows(frames, [seq] * batch, seq_len=seq)
+        start += n_rows
+    return pack_tie_rows(frames, lengths, seq_len=seq_len)
 
 
 def engine_picks(engine, model, tokens) -> dict[int, torch.Tensor]:

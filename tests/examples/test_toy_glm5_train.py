@@ -64,11 +64,11 @@ def test_tie_rows_sends_every_digest_and_the_shares_rows():
 
     seq, k = 20, 4
     picks = {1: torch.arange(2 * seq * k, dtype=torch.int64).reshape(2 * seq, k) % seq}
-    payload = toy.tie_rows(picks, 2, seq, 0.1)  # every 10th row of each sequence
+    payload = toy.tie_rows(picks, [seq, seq], 0.1, seq_len=seq)  # every 10th row of each sequence
     assert torch.equal(payload.digests[1], digest_rows(picks[1]))
     assert payload.sent[1].tolist() == [9, 19, 29, 39]
     assert torch.equal(payload.indices[1], picks[1][[9, 19, 29, 39]].to(torch.int32))
-    assert toy.tie_rows(picks, 2, seq, 0.0).sent[1].numel() == 0
+    assert toy.tie_rows(picks, [seq, seq], 0.0, seq_len=seq).sent[1].numel() == 0
 
 
 def test_manual_gc_collects_only_at_its_interval(monkeypatch):

@@ -33,7 +33,7 @@ import os
 import pytest
 import torch
 
-from ..support.helpers import free_port
+from ..support.helpers import free_port, import_example
 
 SEQ, WORLD = 16, 2
 CASES = {  # name: (tp, cp, packed cu_seqlens or None)
@@ -180,21 +180,6 @@ def _case(name: str, rank: int, device: str) -> dict:
     return result
 
 
-def _tie_payload(engine: torch.Tensor, cu: list[int] | None):
-    """``engine``'s picks as the tie replay ships them: every row's digest, the picks of every
-    third row of each sequence."""
-    from dsa_precision.capture import TieRows, digest_rows, pack_tie_rows
-
-    lengths = [b - a for a, b in itertools.pairwise(cu)] if cu else [SEQ] * (engine.shape[0] // SEQ)
-    frames, start = [], 0
-    for n in lengths:
-        rows = engine[start : start + n]
-        sent = torch.arange(2, n, 3)
-        frames.append({1: TieRows(digest_rows(rows), sent, rows[sent].to(torch.int32))})
-        start += n
-    return pack_tie_rows(frames, lengths, seq_len=None if cu else SEQ)
-
-
 def _ties(inputs: dict, engine: torch.Tensor, cu, tp: int, cp: int, rank: int, device: str):
     """replay_ties (FP8) under the parallel layout against one process: the picks each row
     attends to (recorded, by global token) and the layer's metrics (summed over the CP group)."""
@@ -204,7 +189,11 @@ def _ties(inputs: dict, engine: torch.Tensor, cu, tp: int, cp: int, rank: int, d
 
     from ..support.megatron import run_attention
 
-    payload = _tie_payload(engine, cu)
+    # Every row's digest, the picks of every third row of each sequence (the toy's payload).
+    lengths = [b - a for a, b in itertools.pairwise(cu)] if cu else [SEQ] * (engine.shape[0] // SEQ)
+    payload = import_example("toy_glm5_train").tie_rows(
+        {1: engine}, lengths, 1 / 3, seq_len=None if cu else SEQ
+    )
     kw = _packed_kw(cu, device)
     runs = []
     for layout_tp, layout_cp in ((1, 1), (tp, cp)):
