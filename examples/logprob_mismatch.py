@@ -59,6 +59,7 @@ import torch
 from dsa_precision import ENGINE_PROFILES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flag_checks as fc
 import toy_glm5_train as toy
 
 COMPARED = ("baseline", "rope_fp32", "fp8", "rope_fp32+fp8", "rope_fp32+fp8+graph",
@@ -184,22 +185,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.prompt = args.seq // 2
     elif not 0 <= args.prompt <= args.seq:
         p.error(f"--prompt {args.prompt}: give a count of tokens in [0, --seq {args.seq}]")
-    for flag, low in (("first_tokens", 0), ("steps", 0), ("batch", 1), ("seq", 2), ("topk", 1),
-                      ("attention_heads", 1)):  # fmt: skip
-        if getattr(args, flag) < low:
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= {low}")
-    if not (0 < args.lr < float("inf")):
-        p.error(f"--lr {args.lr}: give a positive finite learning rate")
-    if args.engine not in ENGINE_PROFILES:
-        p.error(f"--engine {args.engine!r}: choose one of {', '.join(sorted(ENGINE_PROFILES))}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device {args.device!r}: give cpu or cuda (cuda:N)")
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device!r}: give cpu or cuda (cuda:N)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: no CUDA device here; run with --device cpu")
+    fc.check_counts(p, args, dict(
+        first_tokens=0, steps=0, batch=1, seq=2, topk=1, attention_heads=1,
+    ))  # fmt: skip
+    fc.check_lr(p, args.lr)
+    fc.check_engine(p, args.engine)
+    args.device = fc.check_device(p, args.device)
     _check_files(p, args)
     return args
 
@@ -216,9 +207,7 @@ def _check_files(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             except ValueError as exc:
                 p.error(f"--{flag.replace('_', '-')}: {exc}")
     for flag in ("out", "plot"):
-        path = getattr(args, flag)
-        if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
-            p.error(f"--{flag} {path}: give a file path in an existing folder")
+        fc.check_output(p, flag, getattr(args, flag))
     if args.save is not None:
         save_dir = Path(args.save)
         if save_dir.exists() and not save_dir.is_dir():
