@@ -8,7 +8,7 @@ The Megatron integration lives in ``dsa_precision.megatron``; the commands in
 # ruff: noqa: I001  (sections follow the dataflow, not the alphabet)
 
 # Configuration: the switches and the inference engine's rules
-from .engines import ENGINE_PROFILES, EngineProfile, vllm_legacy_profile
+from .engines import ENGINE_PROFILES, EngineProfile, Fp8Rule, vllm_legacy_profile
 from .config import IndexerPrecisionConfig, ScoringPrecision
 
 # Quantization (E4M3 values, one FP32 descale per 128-vector)
@@ -37,15 +37,23 @@ from .agreement import TopkAgreement, topk_agreement
 from .ties import RowCauses, classify_rows
 
 # Accounting of the precision each scoring call used
-from .audit import reset_scoring_calls, scoring_calls, scoring_site
+from .audit import (
+    PrecisionMismatchError,
+    reset_scoring_calls,
+    scoring_calls,
+    scoring_site,
+    strict_precision,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
     "ENGINE_PROFILES",
     "EngineProfile",
+    "Fp8Rule",
     "IndexerPrecisionConfig",
     "IndexerPreprocess",
+    "PrecisionMismatchError",
     "RowCauses",
     "ScoringOperands",
     "ScoringPrecision",
@@ -67,6 +75,7 @@ __all__ = [
     "reset_scoring_calls",
     "scoring_calls",
     "scoring_site",
+    "strict_precision",
     "topk_agreement",
     "ue8m0_descale",
     "vllm_legacy_profile",

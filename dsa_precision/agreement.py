@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from .checks import check_bool, check_tensor
-from .picks import repeated_keys, sorted_keys
+from .checks import _check_bool, _check_tensor
+from .picks import _repeated_keys, _sorted_keys
 from .ties import INVALID, PRECISION, TIE, classify_rows
 
 __all__ = ["TopkAgreement", "topk_agreement"]
@@ -95,10 +95,10 @@ def topk_agreement(
         ``member_agreement``, ``rows_identical`` and ``flipped_mean`` are NaN (nothing compared
         never reads as a match, as ``topk_metrics`` and ``dsa-precision agree`` treat it).
     """
-    if check_bool("validate", validate):
+    if _check_bool("validate", validate):
         for name, idx in (("train_idx", train_idx), ("infer_idx", infer_idx)):
-            validate_index_rows(name, idx)
-    agreement = agreement_and_identical_rows(train_idx, infer_idx)[0]
+            _validate_index_rows(name, idx)
+    agreement = _agreement_and_identical_rows(train_idx, infer_idx)[0]
     if scores is None:
         if lengths is not None:
             raise ValueError("topk_agreement(lengths=...) qualifies scores=; pass both or neither.")
@@ -113,7 +113,7 @@ def topk_agreement(
 
 def _check_index_tensor(name: str, idx: object) -> torch.Tensor:
     """Host-side facts of one ``[..., k]`` selection; returns it as ``int64 [rows, k]``."""
-    idx = check_tensor(name, idx)
+    idx = _check_tensor(name, idx)
     if idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{name} has dtype {idx.dtype}; top-k indices are int16/int32/int64.")
     if idx.ndim < 1:
@@ -129,11 +129,11 @@ def _check_index_tensor(name: str, idx: object) -> torch.Tensor:
 
 def _broken_rows(rows: torch.Tensor, ordered: torch.Tensor) -> torch.Tensor:
     """bool ``[rows]``: the row breaks the index rule (a negative other than -1, or a key twice);
-    ``ordered`` is :func:`~dsa_precision.picks.sorted_keys` of ``rows``."""
-    return (rows < -1).any(-1) | repeated_keys(ordered)
+    ``ordered`` is :func:`~dsa_precision.picks._sorted_keys` of ``rows``."""
+    return (rows < -1).any(-1) | _repeated_keys(ordered)
 
 
-def validate_index_rows(name: str, idx: torch.Tensor) -> None:
+def _validate_index_rows(name: str, idx: torch.Tensor) -> None:
     """Check the index rule (module docstring) on the data of ``idx`` ``[..., k]``.
 
     Raises:
@@ -142,7 +142,7 @@ def validate_index_rows(name: str, idx: torch.Tensor) -> None:
             values. One host synchronisation.
     """
     rows = _check_index_tensor(name, idx)
-    broken = _broken_rows(rows, sorted_keys(rows))
+    broken = _broken_rows(rows, _sorted_keys(rows))
     if not bool(broken.any()):  # the one synchronisation
         return
     row = int(broken.nonzero()[0])
@@ -158,7 +158,7 @@ def validate_index_rows(name: str, idx: torch.Tensor) -> None:
     )
 
 
-def agreement_and_identical_rows(
+def _agreement_and_identical_rows(
     train_idx: torch.Tensor, infer_idx: torch.Tensor
 ) -> tuple[TopkAgreement, torch.Tensor]:
     """:func:`topk_agreement`, and a bool ``[...]`` tensor: whether each row's two sets are equal
@@ -175,7 +175,7 @@ def agreement_and_identical_rows(
     k = t.shape[-1]
     # Membership of each inference pick in the training row: binary search in the sorted row.
     # O(rows * k log k), no host sync.
-    t_sorted, i_sorted = sorted_keys(t), sorted_keys(i)
+    t_sorted, i_sorted = _sorted_keys(t), _sorted_keys(i)
     broken_rows = _broken_rows(t, t_sorted) | _broken_rows(i, i_sorted)
     broken = broken_rows.any()
     pos = torch.searchsorted(t_sorted, i).clamp_max(k - 1)
@@ -208,7 +208,7 @@ def agreement_and_identical_rows(
     return agreement, same.reshape(train_idx.shape[:-1])
 
 
-def row_scale(reference: torch.Tensor) -> torch.Tensor:
+def _row_scale(reference: torch.Tensor) -> torch.Tensor:
     """``sigma_r``: float64 ``[rows]`` standard deviation of each row's finite entries of
     ``reference`` ``[rows, S_k]`` (``-inf`` = masked); NaN where a row is constant."""
     finite = torch.isfinite(reference)
@@ -219,15 +219,15 @@ def row_scale(reference: torch.Tensor) -> torch.Tensor:
     return torch.where(sigma > 0, sigma, torch.nan)
 
 
-def boundary_margin(scores: torch.Tensor, scale: torch.Tensor, topk: int) -> float:
+def _boundary_margin(scores: torch.Tensor, scale: torch.Tensor, topk: int) -> float:
     """``median_r (y_(k) - y_(k+1)) / sigma_r``, with ``y_(j)`` the ``j``-th largest score of row
     ``r`` of ``scores`` ``[rows, S_k]`` (more than ``topk`` finite entries per row) and ``scale``
-    from :func:`row_scale`: how far from a tie the top-k boundary typically is."""
+    from :func:`_row_scale`: how far from a tie the top-k boundary typically is."""
     top = scores.topk(topk + 1, dim=-1).values.double()
     return float(((top[:, topk - 1] - top[:, topk]) / scale).nanmedian())
 
 
-def score_error(scores: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor) -> float:
+def _score_error(scores: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor) -> float:
     """``median_r max_t |scores[r, t] - reference[r, t]| / sigma_r`` over the finite entries
     (both ``[rows, S_k]`` with the same ``-inf`` pattern)."""
     finite = torch.isfinite(reference)

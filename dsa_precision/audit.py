@@ -22,9 +22,15 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["reset_scoring_calls", "scoring_calls", "scoring_site"]
+__all__ = [
+    "PrecisionMismatchError",
+    "reset_scoring_calls",
+    "scoring_calls",
+    "scoring_site",
+    "strict_precision",
+]
 
-STRICT_ENV = "DSA_PRECISION_STRICT"
+_STRICT_ENV = "DSA_PRECISION_STRICT"
 
 _lock = threading.Lock()
 _calls: Counter[tuple[str, str, str]] = Counter()
@@ -41,9 +47,9 @@ class PrecisionMismatchError(RuntimeError):
     """A scoring call ran in a precision other than the configured one (strict mode)."""
 
 
-def strict_enabled() -> bool:
+def _strict_enabled() -> bool:
     """Whether ``DSA_PRECISION_STRICT`` asks for strict mode (``1``/``true``/``yes``/``on``)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return os.environ.get(_STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 class _Setting:
@@ -73,10 +79,10 @@ def scoring_site(name: str) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def captured_calls() -> Iterator[Counter[tuple[str, str]]]:
+def _captured_calls() -> Iterator[Counter[tuple[str, str]]]:
     """The ``(precision, backend)`` scoring calls made inside the block, counted here instead of
     in :func:`scoring_calls`: a CUDA graph's capture, which launches nothing; each replay
-    launches them, and records them with :func:`record_scoring_calls`."""
+    launches them, and records them with :func:`_record_scoring_calls`."""
     calls: Counter[tuple[str, str]] = Counter()
     token = _recording.set(calls)
     try:
@@ -85,7 +91,7 @@ def captured_calls() -> Iterator[Counter[tuple[str, str]]]:
         _recording.reset(token)
 
 
-def record_scoring_call(precision: str, backend: str) -> None:
+def _record_scoring_call(precision: str, backend: str) -> None:
     site = _site.get()
     recording = _recording.get()
     if recording is not None:
@@ -97,15 +103,15 @@ def record_scoring_call(precision: str, backend: str) -> None:
     if expected is not None and precision != expected:
         raise PrecisionMismatchError(
             f"a {site} indexer scoring call ran in {precision} ({backend}) but {expected} is "
-            f"configured (strict mode, {STRICT_ENV})."
+            f"configured (strict mode, {_STRICT_ENV})."
         )
 
 
-def record_scoring_calls(calls: Counter[tuple[str, str]]) -> None:
-    """Record the calls :func:`captured_calls` counted (strict mode checks each)."""
+def _record_scoring_calls(calls: Counter[tuple[str, str]]) -> None:
+    """Record the calls :func:`_captured_calls` counted (strict mode checks each)."""
     for (precision, backend), n in calls.items():
         for _ in range(n):
-            record_scoring_call(precision, backend)
+            _record_scoring_call(precision, backend)
 
 
 def scoring_calls(

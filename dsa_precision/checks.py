@@ -18,10 +18,10 @@ import torch
 
 _INT_DTYPES = (torch.int32, torch.int64)
 # Largest value of the int32 index and length tensors the kernels take (cuDNN, DeepGEMM, Triton).
-INT32_MAX = 2**31 - 1
+_INT32_MAX = 2**31 - 1
 
 
-def describe(value: object) -> str:
+def _describe(value: object) -> str:
     """What an error message says was passed: ``"torch.int64 (16, 4)"`` for a tensor (its dtype and
     shape), the type's name otherwise."""
     if isinstance(value, torch.Tensor):
@@ -29,19 +29,19 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
-def check_tensor(name: str, value: object) -> torch.Tensor:
+def _check_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
     return value
 
 
-def check_float_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+def _check_float_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {names}.")
 
 
-def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+def _check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {v.device for v in present.values()}
     if len(devices) > 1:
@@ -50,15 +50,15 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return next(iter(devices))
 
 
-def check_int_tensor(name: str, t: torch.Tensor, *, ndim: int) -> None:
-    check_tensor(name, t)
+def _check_int_tensor(name: str, t: torch.Tensor, *, ndim: int) -> None:
+    _check_tensor(name, t)
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; expected int32 or int64.")
     if t.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}.")
 
 
-def check_bool(name: str, value: object) -> bool:
+def _check_bool(name: str, value: object) -> bool:
     """``value`` if it is a ``bool`` (``1``, ``"yes"`` or a one-element tensor are refused)."""
     if not isinstance(value, bool):
         raise TypeError(
@@ -67,17 +67,17 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_positive_int(name: str, value: object, *, high: int | None = None) -> int:
+def _check_positive_int(name: str, value: object, *, high: int | None = None) -> int:
     """``value`` as a Python int in ``[1, high]`` (bools and floats such as ``2.0`` refused)."""
     if type(value) is int and 0 < value and (high is None or value <= high):
         return value  # the common case, without the ABC checks below (host time per call)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer.")
-    return check_int_fits(name, value, low=1, high=high)
+    return _check_int_fits(name, value, low=1, high=high)
 
 
-def check_int_fits(
-    name: str, value: object, *, low: int = 0, high: int | None = INT32_MAX, fix: str = ""
+def _check_int_fits(
+    name: str, value: object, *, low: int = 0, high: int | None = _INT32_MAX, fix: str = ""
 ) -> int:
     """``value`` as a Python int in ``[low, high]`` (``high=None``: no upper bound).
 
@@ -95,14 +95,14 @@ def check_int_fits(
     return value
 
 
-def as_int32_tensor(
+def _as_int32_tensor(
     name: str,
     t: torch.Tensor,
     *,
     device: torch.device,
     validate: bool,
     low: int = 0,
-    high: int = INT32_MAX,
+    high: int = _INT32_MAX,
     fix: str = "",
 ) -> torch.Tensor:
     """An int32 or int64 tensor (checked as such by the caller) as int32 on ``device``.
@@ -123,10 +123,10 @@ def as_int32_tensor(
     return t.to(device=device, dtype=torch.int32)
 
 
-def check_freqs_cover(name: str, freqs: object, tokens: int) -> torch.Tensor:
+def _check_freqs_cover(name: str, freqs: object, tokens: int) -> torch.Tensor:
     """RoPE angles ``freqs`` ``[s', ...]`` with a row for each of ``tokens`` positions: a single
     row is never broadcast to every token (the reference and the fused kernel alike)."""
-    freqs = check_tensor(name, freqs)
+    freqs = _check_tensor(name, freqs)
     if freqs.ndim == 0 or freqs.shape[0] < tokens:
         rows = freqs.shape[0] if freqs.ndim else 0
         raise ValueError(
@@ -136,7 +136,7 @@ def check_freqs_cover(name: str, freqs: object, tokens: int) -> torch.Tensor:
     return freqs
 
 
-def check_real(
+def _check_real(
     name: str, value: object, *, positive: bool = False, nonnegative: bool = False
 ) -> float:
     """A finite Python real number (``float``, ``int``, NumPy scalars) as ``float``.
@@ -169,7 +169,7 @@ def check_real(
 _LOOSE_PRECISION = ("scoring_precision", "engine", "rope_fp32")
 
 
-def takes_precision_config[F: Callable[..., Any]](fn: F) -> F:
+def _takes_precision_config[F: Callable[..., Any]](fn: F) -> F:
     """Give the removed ``scoring_precision=`` / ``engine=`` / ``rope_fp32=`` keywords of ``fn`` a
     ``TypeError`` saying what to pass now (``config=IndexerPrecisionConfig(...)``)."""
 

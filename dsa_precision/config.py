@@ -15,26 +15,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks import check_bool, check_positive_int
-from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
+from .checks import _check_bool, _check_positive_int
+from .engines import DEFAULT_ENGINE, EngineProfile, _engine_profile
 
 __all__ = ["IndexerPrecisionConfig", "ScoringPrecision"]
 
 # One FP8 descale per this many contiguous values: the indexer's head dim, and DeepGEMM's
 # per-token cast granularity on Hopper.
-QUANT_BLOCK = 128
+_QUANT_BLOCK = 128
 # The SM90 FP8 indexer kernels (cuDNN's, DeepGEMM's) pack 32 or 64 query heads of width 128
 # against one key head.
-FP8_N_HEADS = (32, 64)
-FP8_HEAD_DIM = QUANT_BLOCK
-FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
+_FP8_N_HEADS = (32, 64)
+_FP8_HEAD_DIM = _QUANT_BLOCK
+_FP8_MIN_COMPUTE_CAPABILITY = (9, 0)
 # Scoring backends: cuDNN's SM90 indexer kernel, DeepGEMM's MQA logits (the inference
 # engines' kernel; FP8 only; "auto"'s first choice where installed), the exact torch reference.
-SCORING_BACKENDS = ("auto", "cudnn", "deepgemm", "torch")
-TOPK_BACKENDS = ("auto", "cudnn", "torch")
+_SCORING_BACKENDS = ("auto", "cudnn", "deepgemm", "torch")
+_TOPK_BACKENDS = ("auto", "cudnn", "torch")
 
 
-def fp8_indexer_loss_error(field_name: str, value: object) -> str:
+def _fp8_indexer_loss_error(field_name: str, value: object) -> str:
     """The one message for "FP8 scoring has no indexer loss" (scores carry no gradient)."""
     return (
         f"{field_name}={value!r}: the indexer KL loss needs differentiable BF16 scores; FP8 scores "
@@ -85,7 +85,7 @@ class IndexerPrecisionConfig:
             ``rope_fp32``), quantization and head-weight folding (with ``"fp8"``) training
             reproduces. Default ``"vllm"``, vLLM's default compiled run on Hopper (``"vllm-exact"``
             is the literal all-FP32 contract of earlier releases).
-        scoring_backend: the kernel whose logits the scoring returns (:data:`SCORING_BACKENDS`):
+        scoring_backend: the kernel whose logits the scoring returns (:data:`_SCORING_BACKENDS`):
             ``"auto"`` (default) the fastest exact one that serves the call (DeepGEMM's MQA
             logits for FP8 where installed, else cuDNN's SM90 kernel, else the torch reference),
             or one pinned: ``"deepgemm"`` (FP8 only; the engines' kernel), ``"cudnn"``,
@@ -114,13 +114,13 @@ class IndexerPrecisionConfig:
         ) -> None: ...
 
     def __post_init__(self) -> None:
-        check_bool("rope_fp32", self.rope_fp32)
+        _check_bool("rope_fp32", self.rope_fp32)
         # Frozen dataclass: normalise the string forms through object.__setattr__.
         object.__setattr__(
             self, "scoring_precision", ScoringPrecision.parse(self.scoring_precision)
         )
-        object.__setattr__(self, "engine", engine_profile(self.engine))
-        check_scoring_backend(self.scoring_backend, self.scoring_precision)
+        object.__setattr__(self, "engine", _engine_profile(self.engine))
+        _check_scoring_backend(self.scoring_backend, self.scoring_precision)
 
     @property
     def fp8(self) -> bool:
@@ -214,7 +214,7 @@ class IndexerPrecisionConfig:
         problems = []
         for name, value in (("dsa_indexer_n_heads", n_heads), ("dsa_indexer_head_dim", head_dim)):
             try:
-                check_positive_int(name, value)
+                _check_positive_int(name, value)
             except ValueError as exc:
                 problems.append(f"{str(exc).removesuffix('.')}: zero heads or width score nothing")
         if self.rope_fp32 or self.fp8:
@@ -229,20 +229,20 @@ class IndexerPrecisionConfig:
         if self.fp8:
             if indexer_loss_coeff not in (None, 0, 0.0):
                 problems.append(
-                    fp8_indexer_loss_error("dsa_indexer_loss_coeff", indexer_loss_coeff)
+                    _fp8_indexer_loss_error("dsa_indexer_loss_coeff", indexer_loss_coeff)
                 )
-            if n_heads not in FP8_N_HEADS:
+            if n_heads not in _FP8_N_HEADS:
                 problems.append(
-                    f"dsa_indexer_n_heads={n_heads!r}: the FP8 kernels pack {FP8_N_HEADS[0]} or "
-                    f"{FP8_N_HEADS[1]} heads; use one of {FP8_N_HEADS} or scoring_precision='bf16'"
+                    f"dsa_indexer_n_heads={n_heads!r}: the FP8 kernels pack {_FP8_N_HEADS[0]} or "
+                    f"{_FP8_N_HEADS[1]} heads; use one of {_FP8_N_HEADS} or scoring_precision='bf16'"
                 )
-            if head_dim != FP8_HEAD_DIM:
+            if head_dim != _FP8_HEAD_DIM:
                 problems.append(
-                    f"dsa_indexer_head_dim={head_dim!r}: FP8 scoring quantizes {QUANT_BLOCK}-wide "
-                    f"vectors; set it to {FP8_HEAD_DIM} or use scoring_precision='bf16'"
+                    f"dsa_indexer_head_dim={head_dim!r}: FP8 scoring quantizes {_QUANT_BLOCK}-wide "
+                    f"vectors; set it to {_FP8_HEAD_DIM} or use scoring_precision='bf16'"
                 )
             capability = _device_capability(device)
-            if capability is not None and capability[0] != FP8_MIN_COMPUTE_CAPABILITY[0]:
+            if capability is not None and capability[0] != _FP8_MIN_COMPUTE_CAPABILITY[0]:
                 major, minor = capability
                 problems.append(
                     f"device compute capability {major}.{minor}: the per-128-vector FP8 indexer "
@@ -264,12 +264,12 @@ class IndexerPrecisionConfig:
         )
 
 
-def check_scoring_backend(backend: object, precision: ScoringPrecision) -> str:
-    """``backend`` if it is one of :data:`SCORING_BACKENDS` that can score ``precision``
+def _check_scoring_backend(backend: object, precision: ScoringPrecision) -> str:
+    """``backend`` if it is one of :data:`_SCORING_BACKENDS` that can score ``precision``
     (``"deepgemm"`` scores FP8 only); ``ValueError`` naming the value and the fix otherwise."""
-    if not isinstance(backend, str) or backend not in SCORING_BACKENDS:
+    if not isinstance(backend, str) or backend not in _SCORING_BACKENDS:
         raise ValueError(
-            f"scoring_backend={backend!r} is not a scoring backend; use one of {SCORING_BACKENDS}."
+            f"scoring_backend={backend!r} is not a scoring backend; use one of {_SCORING_BACKENDS}."
         )
     if backend == "deepgemm" and precision is not ScoringPrecision.FP8:
         raise ValueError(
@@ -279,7 +279,7 @@ def check_scoring_backend(backend: object, precision: ScoringPrecision) -> str:
     return backend
 
 
-def check_precision_config(value: object, name: str = "config") -> IndexerPrecisionConfig:
+def _check_precision_config(value: object, name: str = "config") -> IndexerPrecisionConfig:
     """``value`` if it is an :class:`IndexerPrecisionConfig`: the one precision object every
     entry point that quantizes takes (strings and loose fields raise ``TypeError``)."""
     if not isinstance(value, IndexerPrecisionConfig):

@@ -4,19 +4,19 @@ measurable share of a kernel launch's host time.
 
 Two kinds of cache, both for tensors the package only reads:
 
-- by value (:func:`device_constant`, :func:`shared_device_tensor`): the tensor is a function of
+- by value (:func:`_device_constant`, :func:`_shared_device_tensor`): the tensor is a function of
   Python values and a device, built once per argument tuple (LRU, 256 entries each);
-- by source tensor (:class:`DerivedCache`): a tensor derived from another tensor, remembered for
+- by source tensor (:class:`_DerivedCache`): a tensor derived from another tensor, remembered for
   that tensor object and its version counter (``Tensor._version``, bumped by every in-place
   operation), never by its address (the caching allocator reuses addresses with other contents).
 
 Every cached tensor is built outside inference mode (so it can be saved for backward later).
-While the current CUDA stream is being captured into a graph, :func:`shared_device_tensor` and
-:class:`DerivedCache` build nothing into their caches (a capture records a build instead of
+While the current CUDA stream is being captured into a graph, :func:`_shared_device_tensor` and
+:class:`_DerivedCache` build nothing into their caches (a capture records a build instead of
 running it) and serve nothing from them either: each call builds its own tensor, inside the
 graph, as before these caches, since a replay must not read an entry evicted since.
 
-:func:`to_device` is the hot path's one way to move a tensor it is handed (packed lengths,
+:func:`_to_device` is the hot path's one way to move a tensor it is handed (packed lengths,
 engine picks) onto the device: without the stream synchronisation of a blocking copy.
 """
 
@@ -33,7 +33,7 @@ import torch
 __all__ = ["f32"]
 
 
-def to_device(
+def _to_device(
     t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """``t`` on ``device`` (as ``dtype``, default its own), queued without a host
@@ -50,7 +50,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 @functools.cache
-def device_constant(
+def _device_constant(
     value: float | tuple[float, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``torch.tensor(value, dtype=dtype, device=device)``, built once per argument triple and
@@ -62,7 +62,7 @@ def device_constant(
         return torch.tensor(value, dtype=dtype, device=device)
 
 
-class Lru:
+class _Lru:
     """A small LRU map whose lookups do not build (what a graph capture may read)."""
 
     def __init__(self, size: int) -> None:
@@ -91,12 +91,12 @@ class Lru:
         self.entries.clear()
 
 
-def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
+def _shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
     """Decorate ``build(*hashable_args, device)`` (device last, positional) so that its tensor is
     built once per argument tuple and shared read-only (see the module docstring): for small
     index tensors of the hot path that depend only on Python values (causal offsets, key counts,
     lane orders), whose build is a few device launches per call otherwise."""
-    cache = Lru(256)
+    cache = _Lru(256)
 
     @functools.wraps(build)
     def wrapper(*args: Hashable) -> torch.Tensor:
@@ -113,7 +113,7 @@ def shared_device_tensor[F: Callable[..., torch.Tensor]](build: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class DerivedCache:
+class _DerivedCache:
     """Values derived from a source tensor, remembered for the source object and its version.
 
     ``get(source, key, build)`` returns ``build()``'s value from an earlier call with the same
@@ -128,7 +128,7 @@ class DerivedCache:
     """
 
     def __init__(self, size: int = 16) -> None:
-        self._cache = Lru(size)
+        self._cache = _Lru(size)
         # keys whose source was freed (dropped at the next call)
         self._dead: list[tuple[int, int, Hashable]] = []
 

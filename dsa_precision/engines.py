@@ -17,7 +17,25 @@ from typing import Literal, TypedDict, get_args
 
 import torch
 
-__all__ = ["DEFAULT_ENGINE", "ENGINE_PROFILES", "EngineProfile", "vllm_legacy_profile"]
+__all__ = [
+    "DEFAULT_ENGINE",
+    "ENGINE_PROFILES",
+    "EngineProfile",
+    "FoldStep",
+    "Fp8Rule",
+    "HadamardScale",
+    "InvFreqDevice",
+    "LayerNormArith",
+    "RopeFma",
+    "RopeType",
+    "ScaleApply",
+    "ScaleFormat",
+    "ScaleRatio",
+    "Ue8m0Ceil",
+    "WeightsDtype",
+    "YarnMscale",
+    "vllm_legacy_profile",
+]
 
 # One descale per 128-vector: a power of two (UE8M0) or the float32 ratio itself.
 ScaleFormat = Literal["ue8m0", "fp32"]
@@ -525,7 +543,7 @@ ENGINE_PROFILES: dict[str, EngineProfile] = _registry(
 DEFAULT_ENGINE = ENGINE_PROFILES["vllm"]
 
 
-def engine_profile(engine: EngineProfile | str, *, name: str = "engine") -> EngineProfile:
+def _engine_profile(engine: EngineProfile | str, *, name: str = "engine") -> EngineProfile:
     """The profile for ``engine`` (a profile, or a name in :data:`ENGINE_PROFILES`)."""
     if isinstance(engine, EngineProfile):
         return engine

@@ -3,9 +3,9 @@
 Each function fixes an order or a rounding that ``torch``'s own kernels leave to the device, so
 that the torch reference, the fused Triton kernel and an engine's kernel agree bit for bit on
 every device: a fused multiply-add rounded once (:func:`fma_fp32`), sums in a fixed tree
-(:func:`pairwise_sum`, :func:`triton_block_sum`), and the key LayerNorm evaluated in float64
+(:func:`_pairwise_sum`, :func:`_triton_block_sum`), and the key LayerNorm evaluated in float64
 rounded once (:func:`layer_norm_fp32`) or float32 operation by operation as the engines' Triton
-kernels do (:func:`layer_norm_fp32_ops`), SGLang's CUDA kernel does (:func:`layer_norm_fp32_warp`)
+kernels do (:func:`layer_norm_fp32_ops`), SGLang's CUDA kernel does (:func:`_layer_norm_fp32_warp`)
 or Inductor's Welford kernel does (:func:`layer_norm_fp32_welford`; its persistent kernel:
 :func:`layer_norm_fp32_ops` with :func:`inductor_block_sum`). Why each order is the
 engine's: docs/numerics.md,
@@ -19,9 +19,10 @@ from typing import Any, Literal
 
 import torch
 
-from .devices import device_constant
+from .devices import _device_constant
 
 __all__ = [
+    "InductorBlock",
     "fma_fp32",
     "inductor_block_sum",
     "layer_norm_fp32",
@@ -68,7 +69,7 @@ def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return _Fma32.apply(a, b, c)
 
 
-def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dimension in a fixed order, keeping it (size 1).
 
     For a power-of-two width the order is a tree of adjacent pairs: ``x[2i] + x[2i+1]``, then
@@ -91,16 +92,16 @@ def layer_norm_fp32(
 
     Statistics and the affine map are evaluated in float64 from the exact values of ``x``,
     ``weight`` and ``bias`` and rounded to float32 once. The sums of the mean and the variance
-    run in the fixed order of :func:`pairwise_sum` (the sum of squares is not exact in float64,
+    run in the fixed order of :func:`_pairwise_sum` (the sum of squares is not exact in float64,
     so a device-chosen reduction order would leak into the last float32 bit once in ~2**29
     values): the result is the same on every device, and a fused kernel reproduces it bit for bit.
     Differentiable.
     """
     d = x.shape[-1]
     x64 = x.to(torch.float64)
-    mean = pairwise_sum(x64) / d
+    mean = _pairwise_sum(x64) / d
     centered = x64 - mean
-    var = pairwise_sum(centered * centered) / d
+    var = _pairwise_sum(centered * centered) / d
     y = centered / torch.sqrt(var + eps)
     if weight is not None:
         y = y * weight.to(torch.float64)
@@ -113,7 +114,7 @@ def layer_norm_fp32(
 # fused_norm_rope and LMDeploy's k-cache kernel, num_warps=4): a butterfly over the lanes
 # (shfl.bfly 16, 8, 4, 2, 1: element distances 16 ... 1), then over the 4 warp partials read back
 # from shared memory (xor 2, 1: distances 64, 32). Each step adds elements this far apart.
-TRITON_SUM_DISTANCES_128 = (16, 8, 4, 2, 1, 64, 32)
+_TRITON_SUM_DISTANCES_128 = (16, 8, 4, 2, 1, 64, 32)
 
 
 def _pair_step(x: torch.Tensor, distance: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,22 +152,22 @@ def _check_width(x: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller} takes 128-wide vectors, got shape {tuple(x.shape)}.")
 
 
-def triton_block_sum(
+def _triton_block_sum(
     x: torch.Tensor,
     *,
     squares_of: torch.Tensor | None = None,
     fma: bool = False,
-    distances: tuple[int, ...] = TRITON_SUM_DISTANCES_128,
+    distances: tuple[int, ...] = _TRITON_SUM_DISTANCES_128,
 ) -> torch.Tensor:
     """float32 sum over the last dimension (128) in the order of ``distances`` (a tree: each
-    step adds the elements that far apart; default :data:`TRITON_SUM_DISTANCES_128`).
+    step adds the elements that far apart; default :data:`_TRITON_SUM_DISTANCES_128`).
 
     ``squares_of=d``: the sum of ``d * d`` (``x`` unused); with ``fma`` its first step is what a
     contracting compiler emits, ``fma(d_i, d_i, fl(d_j * d_j))`` for the lower element ``i`` of
     each pair ``(i, j)``. Returns ``[..., 1]``.
     """
     src = x if squares_of is None else squares_of
-    _check_width(src, "triton_block_sum")
+    _check_width(src, "_triton_block_sum")
     if sorted(distances) != [1 << i for i in range(7)]:
         raise ValueError(
             f"distances={distances!r} must order the powers of two 1 ... 64, each once."
@@ -184,7 +185,7 @@ def triton_block_sum(
 # loads vectorised): with XBLOCK 1 each thread holds two adjacent
 # elements (sizePerThread [1, 2] on 32 x 2 threads): their pair, then the lanes 32 ... 2 elements
 # apart, then the two warps 64 apart.
-INDUCTOR_SUM_DISTANCES_X1 = (1, 32, 16, 8, 4, 2, 64)
+_INDUCTOR_SUM_DISTANCES_X1 = (1, 32, 16, 8, 4, 2, 64)
 # With XBLOCK 8 or 32 (sizePerThread [1, 8], 16 lanes a row): a thread's eight consecutive
 # elements in turn, then the 16 lanes' partials 64, 32, 16, 8 elements apart.
 _INDUCTOR_X8_LANE_DISTANCES = (8, 4, 2, 1)
@@ -204,15 +205,15 @@ def inductor_block_sum(
     """float32 sum over the last dimension (128) as Inductor's persistent reduction adds it
     (``tl.sum`` of a ``[XBLOCK, 128]`` block on 2 warps; ``xblock=8`` stands for 8 and 32).
 
-    ``xblock=1``: :func:`triton_block_sum` in the order of :data:`INDUCTOR_SUM_DISTANCES_X1`.
+    ``xblock=1``: :func:`_triton_block_sum` in the order of :data:`_INDUCTOR_SUM_DISTANCES_X1`.
     ``xblock=8``: each thread's eight consecutive elements in turn, ``((x0 + x1) + x2) + ...``,
     then the 16 partials 8, 4, 2, 1 apart. ``squares_of=d``: the sum of ``d * d`` (``x`` unused);
     under ``fma`` as the PTX contracts it: ``fma(d0, d0, fl(d1 * d1))``, then ``fma(di, di, acc)``
     (``xblock=1``: the pair's ``fma(d0, d0, fl(d1 * d1))``). Returns ``[..., 1]``.
     """
     if xblock == 1:
-        return triton_block_sum(
-            x, squares_of=squares_of, fma=fma, distances=INDUCTOR_SUM_DISTANCES_X1
+        return _triton_block_sum(
+            x, squares_of=squares_of, fma=fma, distances=_INDUCTOR_SUM_DISTANCES_X1
         )
     if xblock != 8:
         raise ValueError(f"xblock={xblock!r} must be 1 or 8 (8 stands for 8 and 32).")
@@ -276,20 +277,20 @@ def layer_norm_fp32_ops(
         var = fl(tree_sum(d * d) / 128);  rstd = rsqrt(fl(var + fl32(eps)))
         y = fl(fl(fl(d * rstd) * w) + b)      (fma: fma(fl(d * rstd), w, b))
 
-    ``tree_sum`` is :func:`triton_block_sum` (the first step of the variance contracted under
+    ``tree_sum`` is :func:`_triton_block_sum` (the first step of the variance contracted under
     ``fma``), or with ``inductor_xblock`` :func:`inductor_block_sum` (Inductor's persistent
     reduction of ``F.layer_norm``, the same operations: vLLM 0.26-0.28's compiled key at small
     compile sizes); ``rsqrt`` as :func:`rsqrt_fp32`. Differentiable.
     """
     x = x.to(torch.float32)
     if inductor_xblock is None:
-        block_sum = triton_block_sum
+        block_sum = _triton_block_sum
     else:
         block_sum = functools.partial(inductor_block_sum, xblock=inductor_xblock)
     mean = block_sum(x) / 128.0
     d = x - mean
     var = block_sum(d, squares_of=d, fma=fma) / 128.0
-    eps32 = device_constant(float(eps), torch.float32, x.device)
+    eps32 = _device_constant(float(eps), torch.float32, x.device)
     return _affine_fp32(d * rsqrt_fp32(var + eps32), weight, bias, fma)
 
 
@@ -297,7 +298,7 @@ def layer_norm_fp32_ops(
 _WARP_LANE_DISTANCES = (16, 8, 4, 2, 1)
 
 
-def warp_block_sum(
+def _warp_block_sum(
     x: torch.Tensor,
     *,
     squares_of: torch.Tensor | None = None,
@@ -315,7 +316,7 @@ def warp_block_sum(
     compiler emits. Returns ``[..., 1]``.
     """
     src = x if squares_of is None else squares_of
-    _check_width(src, "warp_block_sum")
+    _check_width(src, "_warp_block_sum")
     lanes = src.to(torch.float32).reshape(*src.shape[:-1], 32, 4)
     e = [lanes[..., i] for i in range(4)]
     if squares_of is None:
@@ -328,7 +329,7 @@ def warp_block_sum(
     return _tree_add(v, _tree_distances(distances))
 
 
-def layer_norm_fp32_warp(
+def _layer_norm_fp32_warp(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -346,15 +347,15 @@ def layer_norm_fp32_warp(
         rstd = rsqrt(fma(warp_sum(d * d), 2**-7, fl32(eps)))    (no fma: fl(fl(. * 2**-7) + eps))
         y = fma(fl(d * rstd), w, b)                              (no fma: fl(fl(fl(d * rstd) * w) + b))
 
-    ``warp_sum`` is :func:`warp_block_sum` (its squares a chain of fused multiply-adds under
+    ``warp_sum`` is :func:`_warp_block_sum` (its squares a chain of fused multiply-adds under
     ``fma``); ``rsqrt`` as :func:`rsqrt_fp32` (``rsqrtf`` is the hardware's ``MUFU.RSQ``, as
     ``rsqrt.approx``). Differentiable.
     """
     x = x.to(torch.float32)
-    mean = warp_block_sum(x, butterfly_up=butterfly_up) * 2.0**-7  # exact: one rounding in d
+    mean = _warp_block_sum(x, butterfly_up=butterfly_up) * 2.0**-7  # exact: one rounding in d
     d = x - mean
-    squares = warp_block_sum(d, squares_of=d, fma=fma, butterfly_up=butterfly_up)
-    eps32 = device_constant(float(eps), torch.float32, x.device)
+    squares = _warp_block_sum(d, squares_of=d, fma=fma, butterfly_up=butterfly_up)
+    eps32 = _device_constant(float(eps), torch.float32, x.device)
     var_eps = (
         fma_fp32(squares, torch.full_like(squares, 2.0**-7), eps32)
         if fma
@@ -365,7 +366,7 @@ def layer_norm_fp32_warp(
 
 # Triton's div.full.f32 of 1 by 3, the one inexact weight ratio of Inductor's Welford LayerNorm
 # (the others are powers of two); measured on the H100 (docs/numerics.md, section 8.4).
-DIV_FULL_ONE_THIRD = 0.3333333432674408
+_DIV_FULL_ONE_THIRD = 0.3333333432674408
 
 
 def _welford_step(
@@ -394,7 +395,7 @@ def layer_norm_fp32_welford(
     eps: float,
     *,
     fma: bool,
-    one_third: float = DIV_FULL_ONE_THIRD,
+    one_third: float = _DIV_FULL_ONE_THIRD,
 ) -> torch.Tensor:
     """The key LayerNorm as Inductor compiles ``F.layer_norm`` of a float32 ``[N, 128]`` tensor
     for Triton (torch 2.11, Triton 3.6, Hopper: vLLM 0.26-0.28's compiled indexer key): a Welford
@@ -417,9 +418,9 @@ def layer_norm_fp32_welford(
     zero = torch.zeros_like(lanes[..., 0])
     state = (lanes[..., 0], zero)
     for i, ratio in enumerate((0.5, one_third, 0.25), start=1):
-        r = device_constant(ratio, torch.float32, x.device)
+        r = _device_constant(ratio, torch.float32, x.device)
         state = _welford_step(state, (lanes[..., i], zero), float(i), r, fma)
-    half = device_constant(0.5, torch.float32, x.device)
+    half = _device_constant(0.5, torch.float32, x.device)
     index = torch.arange(32, device=x.device)
     count = 4.0
     for s in (16, 8, 4, 2, 1):
@@ -429,7 +430,7 @@ def layer_norm_fp32_welford(
         )
         count *= 2
     mean, m2 = state
-    eps32 = device_constant(float(eps), torch.float32, x.device)
+    eps32 = _device_constant(float(eps), torch.float32, x.device)
     rstd = rsqrt_fp32(m2 * 2.0**-7 + eps32)  # m2 / 128: exact
     d = x - mean.repeat_interleave(4, dim=-1)
     return _affine_fp32(d * rstd.repeat_interleave(4, dim=-1), weight, bias, fma)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .devices import device_constant
+from .devices import _device_constant
 
 __all__ = ["hadamard_transform", "rotate_activation"]
 
@@ -48,7 +48,7 @@ def hadamard_transform(
         h *= 2
     y = y.reshape(*lead, n)
     if scale_fp32:
-        scale = device_constant(n**-0.5, torch.float32, y.device)
+        scale = _device_constant(n**-0.5, torch.float32, y.device)
         return (y.to(torch.float32) * scale).to(out_dtype)
     return (y * (n**-0.5)).to(out_dtype)
 

@@ -1,7 +1,7 @@
 """How far training's log-probs are from the rollout's, per token, in the terms RL reads them.
 
 With ``delta = log p_train - log p_rollout`` per token (the log-softmax of each side's logits at
-the next token, :func:`token_logprobs`) over the tokens of a mask::
+the next token, :func:`_token_logprobs`) over the tokens of a mask::
 
     |delta| mean, p99, max     over the tokens
     mean delta                 per sequence, then over sequences (-mean delta is the k1
@@ -12,7 +12,7 @@ the next token, :func:`token_logprobs`) over the tokens of a mask::
                                [1 - lo, 1 + hi]: PPO's clip range, eps = 0.2 and 0.1, and the
                                asymmetric GRPO / DAPO range [1 - 0.2, 1 + 0.28] (CLIP_RANGES)
 
-Pure torch, no Megatron: :func:`logprob_mismatch_stats` takes the two sides' log-probs of the
+Pure torch, no Megatron: :func:`_logprob_mismatch_stats` takes the two sides' log-probs of the
 same tokens (``dsa_precision.megatron.logprobs`` runs a Megatron model twice to get them). The
 statistics are computed in float64 from the float32 log-probs, read with one host
 synchronisation; when the two sides are equal token for token every figure is exactly 0. A
@@ -30,12 +30,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .checks import check_positive_int, check_real, check_tensor
+from .checks import _check_positive_int, _check_real, _check_tensor
 
-__all__ = []
+__all__ = ["LogprobMismatch"]
 
 # name -> (low, high): a token is clipped when exp(delta) < 1 - low or exp(delta) > 1 + high.
-CLIP_RANGES: Mapping[str, tuple[float, float]] = {
+_CLIP_RANGES: Mapping[str, tuple[float, float]] = {
     "ppo_0.2": (0.2, 0.2),
     "ppo_0.1": (0.1, 0.1),
     "dapo_0.2_0.28": (0.2, 0.28),
@@ -45,11 +45,11 @@ _CHUNK_BYTES = 1 << 30
 _TOKEN_DTYPES = (torch.int32, torch.int64)
 
 
-def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
+def _check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
     """int64 ``cu_seqlens`` on ``device``, checked in its own dtype: a 1-D int32 / int64 tensor
     of ``n + 1 >= 2`` cumulative lengths that starts at 0, never decreases and ends at ``total``
     (the packed tokens). Reads the values (on a device tensor one host synchronisation)."""
-    cu = check_tensor("cu_seqlens", cu_seqlens)
+    cu = _check_tensor("cu_seqlens", cu_seqlens)
     if cu.dtype not in _TOKEN_DTYPES or cu.ndim != 1 or cu.numel() < 2:
         raise ValueError(
             f"cu_seqlens is a {cu.dtype} tensor of shape {tuple(cu.shape)}; pass the (n + 1,) "
@@ -68,7 +68,7 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device) -> to
     return cu.to(device)
 
 
-def token_logprobs(
+def _token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, chunk_bytes: int = _CHUNK_BYTES
 ) -> torch.Tensor:
     """float32 ``[...]``: ``log_softmax(logits)[..., label]`` per token.
@@ -80,7 +80,7 @@ def token_logprobs(
             (e.g. ``-100`` of an ignored position) give 0, to be masked by the caller.
         chunk_bytes: the float32 logits upcast at once (rows of ``V`` values), 1 GiB by default.
     """
-    logits, labels = check_tensor("logits", logits), check_tensor("labels", labels)
+    logits, labels = _check_tensor("logits", logits), _check_tensor("labels", labels)
     if not logits.is_floating_point():
         raise TypeError(f"logits has dtype {logits.dtype}; pass the model's float logits.")
     if labels.dtype not in _TOKEN_DTYPES:
@@ -98,7 +98,7 @@ def token_logprobs(
             f"logits has shape {tuple(logits.shape)}: an empty vocabulary (V = 0) has no "
             "log-probs; pass the logits over the whole vocabulary, [..., V] with V >= 1."
         )
-    chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    chunk_bytes = _check_positive_int("chunk_bytes", chunk_bytes)
     flat = logits.reshape(-1, vocab)
     ids = labels.reshape(-1).to(torch.int64)
     valid = (ids >= 0) & (ids < vocab)
@@ -114,7 +114,7 @@ def token_logprobs(
     return torch.where(valid, lp, 0.0).to(torch.float32).reshape(labels.shape)
 
 
-def shifted_labels(
+def _shifted_labels(
     tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, mask)`` of next-token prediction: ``labels[..., t] = tokens[..., t + 1]``,
@@ -125,7 +125,7 @@ def shifted_labels(
             ``[1, T]`` packed sequences, integer token ids.
         cu_seqlens: ``(n + 1,)`` cumulative lengths of the packed sequences (THD).
     """
-    tokens = check_tensor("tokens", tokens)
+    tokens = _check_tensor("tokens", tokens)
     if tokens.dtype not in _TOKEN_DTYPES or tokens.ndim not in (1, 2):
         raise ValueError(
             f"tokens is a {tokens.dtype} tensor of shape {tuple(tokens.shape)}; pass [b, s] "
@@ -142,7 +142,7 @@ def shifted_labels(
         if tokens.shape[-1]:  # no token, no label to leave out
             mask[..., -1] = False
         return labels, mask
-    ends = check_cu_seqlens(cu_seqlens, tokens.numel(), tokens.device)[1:] - 1
+    ends = _check_cu_seqlens(cu_seqlens, tokens.numel(), tokens.device)[1:] - 1
     flat = mask.reshape(-1)
     flat[ends[ends >= 0]] = False  # empty sequences end before they start: nothing to mask
     return labels, mask
@@ -150,7 +150,7 @@ def shifted_labels(
 
 @dataclasses.dataclass(frozen=True)
 class LogprobMismatch:
-    """:func:`logprob_mismatch_stats` of one pair of runs, as Python numbers (module docstring)."""
+    """:func:`_logprob_mismatch_stats` of one pair of runs, as Python numbers (module docstring)."""
 
     tokens: int  # tokens compared (the mask's); 0: every float figure below is NaN
     tokens_differing: int  # of which delta != 0
@@ -189,10 +189,10 @@ def _quantile(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
 
 
-def check_clip_ranges(clip_ranges: object) -> dict[str, tuple[float, float]]:
+def _check_clip_ranges(clip_ranges: object) -> dict[str, tuple[float, float]]:
     """``clip_ranges`` as ``{name: (low, high)}`` of Python floats, checked: a mapping of string
     names to pairs of finite reals with ``0 <= low < 1`` and ``high >= 0``; a name of
-    :data:`CLIP_RANGES` keeps its bounds (the tables' columns are named by them)."""
+    :data:`_CLIP_RANGES` keeps its bounds (the tables' columns are named by them)."""
     if not isinstance(clip_ranges, Mapping):
         raise TypeError(
             f"clip_ranges is a {type(clip_ranges).__name__}; pass a mapping name -> (low, high), "
@@ -211,40 +211,40 @@ def check_clip_ranges(clip_ranges: object) -> dict[str, tuple[float, float]]:
                 f"{where} = {bounds!r}; a range is a pair (low, high) of numbers, the ratio's "
                 "bounds being 1 - low and 1 + high."
             )
-        low, high = check_real(f"{where} low", bounds[0]), check_real(f"{where} high", bounds[1])
+        low, high = _check_real(f"{where} low", bounds[0]), _check_real(f"{where} high", bounds[1])
         if not (0.0 <= low < 1.0 and high >= 0.0):
             raise ValueError(
                 f"{where} = ({low}, {high}); a range is (low, high) with 0 <= low < 1 and "
                 "high >= 0, the ratio's bounds being 1 - low and 1 + high."
             )
-        if name in CLIP_RANGES and (low, high) != CLIP_RANGES[name]:
+        if name in _CLIP_RANGES and (low, high) != _CLIP_RANGES[name]:
             raise ValueError(
-                f"{where} = ({low}, {high}), but {name!r} is CLIP_RANGES' {CLIP_RANGES[name]} "
+                f"{where} = ({low}, {high}), but {name!r} is CLIP_RANGES' {_CLIP_RANGES[name]} "
                 "(the tables name its column by those bounds); give your range another name."
             )
         out[name] = (low, high)
     return out
 
 
-def logprob_mismatch_stats(
+def _logprob_mismatch_stats(
     train_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     *,
     mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    clip_ranges: Mapping[str, tuple[float, float]] = CLIP_RANGES,
+    clip_ranges: Mapping[str, tuple[float, float]] = _CLIP_RANGES,
 ) -> LogprobMismatch:
     """The mismatch statistics (module docstring) of ``delta = train - rollout``.
 
     Args:
         train_logprobs, rollout_logprobs: float ``[..., s]`` log-probs of the same tokens (e.g.
-            :func:`token_logprobs`); BSHD: each row of the last dimension is a sequence.
+            :func:`_token_logprobs`); BSHD: each row of the last dimension is a sequence.
         mask: bool, their shape: the tokens to compare (``None``: all). A mask, never row
             indices: an integer or float tensor is refused (``mask.bool()`` of a 0/1 mask).
         cu_seqlens: ``(n + 1,)`` int32 / int64 cumulative lengths when the tokens are packed
             sequences (THD), over the flattened tokens: from 0, never decreasing, to their count.
         clip_ranges: name -> ``(low, high)``: a token is clipped when its ratio ``exp(delta)`` is
-            below ``1 - low`` or above ``1 + high`` (default :data:`CLIP_RANGES`).
+            below ``1 - low`` or above ``1 + high`` (default :data:`_CLIP_RANGES`).
 
     Returns:
         :class:`LogprobMismatch`; with no compared token (``tokens == 0``) its float figures
@@ -255,8 +255,8 @@ def logprob_mismatch_stats(
             log-prob (named with its first token) or a clip range that is not a pair with
             ``0 <= low < 1``, ``high >= 0``.
     """
-    train = check_tensor("train_logprobs", train_logprobs)
-    rollout = check_tensor("rollout_logprobs", rollout_logprobs)
+    train = _check_tensor("train_logprobs", train_logprobs)
+    rollout = _check_tensor("rollout_logprobs", rollout_logprobs)
     for name, t in (("train_logprobs", train), ("rollout_logprobs", rollout)):
         if not t.is_floating_point():
             raise TypeError(f"{name} has dtype {t.dtype}; pass float log-probs.")
@@ -271,15 +271,15 @@ def logprob_mismatch_stats(
         )
     if mask is None:
         mask = torch.ones_like(train, dtype=torch.bool)
-    mask = check_tensor("mask", mask)
+    mask = _check_tensor("mask", mask)
     if mask.dtype != torch.bool or mask.shape != train.shape:
         raise ValueError(
             f"mask is a {mask.dtype} tensor of shape {tuple(mask.shape)}; pass a bool mask of "
             f"the log-probs' shape {tuple(train.shape)} (True: compare the token; a 0/1 mask as "
             "mask.bool(); not token indices)."
         )
-    clip_ranges = check_clip_ranges(clip_ranges)
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, train.numel(), train.device)
+    clip_ranges = _check_clip_ranges(clip_ranges)
+    cu = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, train.numel(), train.device)
     mask = mask.to(train.device)
     delta = train.double() - rollout.double()
     bad = mask & ~torch.isfinite(delta)
@@ -343,9 +343,9 @@ def logprob_mismatch_stats(
 
 
 # Columns of a log-prob mismatch table, from a LogprobMismatch (the default clip ranges).
-LOGPROB_HEADERS = ("|dlogp| mean", "p99", "max", "mean dlogp", "k3 KL", "clip 0.2",
+_LOGPROB_HEADERS = ("|dlogp| mean", "p99", "max", "mean dlogp", "k3 KL", "clip 0.2",
                    "clip 0.1", "clip .2/.28", "tokens dlogp!=0")  # fmt: skip
-LOGPROB_LEGEND = (
+_LOGPROB_LEGEND = (
     "dlogp = log p_train - log p_rollout per token (log-softmax at the next token); "
     "|dlogp| mean, p99, max over the tokens;",
     "mean dlogp, k3 KL: per sequence, mean of dlogp and of exp(dlogp) - 1 - dlogp, then over "
@@ -356,22 +356,22 @@ LOGPROB_LEGEND = (
 )
 
 
-_CLIP_HEADERS = dict(zip(CLIP_RANGES, LOGPROB_HEADERS[5:8], strict=True))
+_CLIP_HEADERS = dict(zip(_CLIP_RANGES, _LOGPROB_HEADERS[5:8], strict=True))
 
 
-def logprob_headers(names: Sequence[str] = tuple(CLIP_RANGES)) -> tuple[str, ...]:
+def _logprob_headers(names: Sequence[str] = tuple(_CLIP_RANGES)) -> tuple[str, ...]:
     """The columns of a log-prob mismatch table whose clip ranges are ``names`` (those of
-    :data:`CLIP_RANGES`: :data:`LOGPROB_HEADERS`; another: ``clip <name>``)."""
+    :data:`_CLIP_RANGES`: :data:`_LOGPROB_HEADERS`; another: ``clip <name>``)."""
     clips = (_CLIP_HEADERS.get(n, f"clip {n}") for n in names)
-    return (*LOGPROB_HEADERS[:5], *clips, LOGPROB_HEADERS[-1])
+    return (*_LOGPROB_HEADERS[:5], *clips, _LOGPROB_HEADERS[-1])
 
 
 def _number(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
-def logprob_cells(m: LogprobMismatch, names: Sequence[str] | None = None) -> list[str]:
-    """The :func:`logprob_headers` cells of one :class:`LogprobMismatch`; ``names``: its clip
+def _logprob_cells(m: LogprobMismatch, names: Sequence[str] | None = None) -> list[str]:
+    """The :func:`_logprob_headers` cells of one :class:`LogprobMismatch`; ``names``: its clip
     ranges, in the headers' order (default: all of them, in its order)."""
     names = tuple(m.clipped) if names is None else tuple(names)
     missing = [n for n in names if n not in m.clipped]

@@ -19,12 +19,12 @@ import dataclasses
 
 import torch
 
-from .checks import check_real, check_same_device, check_tensor
-from .config import ScoringPrecision, check_scoring_backend
+from .checks import _check_real, _check_same_device, _check_tensor
+from .config import ScoringPrecision, _check_scoring_backend
 
 __all__ = ["ScoringOperands"]
 
-WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ScoringOperands:
     def __post_init__(self) -> None:
         q, k, w = self.q, self.k, self.weights
         for name, t in (("q", q), ("k", k), ("weights", w)):
-            check_tensor(name, t)
+            _check_tensor(name, t)
         fp8 = q.dtype == torch.float8_e4m3fn
         want = torch.float8_e4m3fn if fp8 else torch.bfloat16
         if q.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or k.dtype != want:
@@ -92,13 +92,13 @@ class ScoringOperands:
             if self.sm_scale != 1.0:
                 raise ValueError("fp8 operands fold sm_scale into the weights; pass sm_scale=1.0.")
         else:
-            if w.dtype not in WEIGHT_DTYPES:
+            if w.dtype not in _WEIGHT_DTYPES:
                 raise TypeError(f"bf16 operands take bf16 or float32 weights, got {w.dtype}.")
             if self.q_descale is not None or self.k_descale is not None:
                 raise ValueError("bf16 operands carry no descales.")
-        check_real("sm_scale", self.sm_scale)
-        check_scoring_backend(self.backend, self.precision)
-        check_same_device(q=q, k=k, weights=w, q_descale=self.q_descale, k_descale=self.k_descale)
+        _check_real("sm_scale", self.sm_scale)
+        _check_scoring_backend(self.backend, self.precision)
+        _check_same_device(q=q, k=k, weights=w, q_descale=self.q_descale, k_descale=self.k_descale)
 
     @property
     def precision(self) -> ScoringPrecision:

@@ -33,14 +33,14 @@ import torch
 __all__ = ["TokenLayout", "TopkPicks"]
 
 # Integer dtypes accepted for top-k picks (int16 only where every position fits).
-INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 # Padding sorts last, as a value no key takes.
-PAD = torch.iinfo(torch.int64).max
+_PAD = torch.iinfo(torch.int64).max
 # Keys are int32 where the kernels read them: every pick is -1 or in [0, KEY_LIMIT).
-KEY_LIMIT = 2**31
+_KEY_LIMIT = 2**31
 
 
-def check_key_range(
+def _check_key_range(
     name: str,
     idx: torch.Tensor,
     *,
@@ -55,9 +55,9 @@ def check_key_range(
     if not idx.numel():
         return
     low, high = (int(v) for v in torch.aminmax(idx))  # one pass; the row is found only on failure
-    if low >= -1 and high < KEY_LIMIT:
+    if low >= -1 and high < _KEY_LIMIT:
         return
-    bad = (idx < -1) | (idx >= KEY_LIMIT)
+    bad = (idx < -1) | (idx >= _KEY_LIMIT)
     flat = bad.reshape(idx.shape[0], -1).any(-1) if idx.ndim > 1 else bad
     if not bool(flat.any()):
         return
@@ -132,7 +132,7 @@ class TokenLayout:
         ``T`` a whole number of sequences. No device work. Returns ``idx``."""
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"{name}: expected a (T, k) integer tensor, got {type(idx).__name__}.")
-        if idx.dtype not in INDEX_DTYPES or idx.ndim != 2:
+        if idx.dtype not in _INDEX_DTYPES or idx.ndim != 2:
             raise TypeError(
                 f"{name}: expected a (T, k) int16/int32/int64 tensor, got {_describe(idx)}."
             )
@@ -271,7 +271,7 @@ class TokenLayout:
                 )
         position = self.positions(total, idx.device)
         bad = ((idx < -1) | (idx > position[:, None])).any(-1)
-        repeated = repeated_keys(sorted_keys(idx.to(torch.int64)))
+        repeated = _repeated_keys(_sorted_keys(idx.to(torch.int64)))
         flags = torch.stack((bad.any(), repeated.any())).tolist()  # the one synchronisation
         if flags[0]:
             row = int(bad.nonzero()[0])
@@ -290,15 +290,15 @@ class TokenLayout:
             )
 
 
-def sorted_keys(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``int64 [rows, k]`` sorted, negatives (padding) last as :data:`PAD`."""
-    return torch.where(rows < 0, PAD, rows).sort(dim=-1).values
+def _sorted_keys(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``int64 [rows, k]`` sorted, negatives (padding) last as :data:`_PAD`."""
+    return torch.where(rows < 0, _PAD, rows).sort(dim=-1).values
 
 
-def repeated_keys(ordered: torch.Tensor) -> torch.Tensor:
-    """bool ``[rows]``: the row holds a key twice; ``ordered`` is :func:`sorted_keys` of the
+def _repeated_keys(ordered: torch.Tensor) -> torch.Tensor:
+    """bool ``[rows]``: the row holds a key twice; ``ordered`` is :func:`_sorted_keys` of the
     rows (padding never counts). The duplicate rule of every index check of the package."""
-    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != PAD)).any(-1)
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != _PAD)).any(-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ indexer's projections, in one precision, decided once.
   and head weights: BF16 rounding, or FP8 quantization under the engine profile's rules.
 - :func:`prepare_indexer_operands` builds them from the indexer's projections: preprocessing
   (key LayerNorm -> RoPE -> Hadamard) and quantization.
-- :func:`as_scoring_operands`: operands as they are, or carriers prepared (what every scoring
+- :func:`_as_scoring_operands`: operands as they are, or carriers prepared (what every scoring
   entry point takes).
 
 On CUDA both run the fused Triton kernel (:mod:`dsa_precision.kernels.preprocess_quantize`) for
@@ -24,29 +24,29 @@ from typing import cast
 import torch
 
 from .checks import (
-    check_float_dtype,
-    check_freqs_cover,
-    check_real,
-    check_same_device,
-    check_tensor,
-    takes_precision_config,
+    _check_float_dtype,
+    _check_freqs_cover,
+    _check_real,
+    _check_same_device,
+    _check_tensor,
+    _takes_precision_config,
 )
-from .config import QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, check_precision_config
-from .devices import DerivedCache, f32, shared_device_tensor
+from .config import _QUANT_BLOCK, IndexerPrecisionConfig, ScoringPrecision, _check_precision_config
+from .devices import _DerivedCache, _shared_device_tensor, f32
 from .engines import EngineProfile
-from .kernels.rules import PreprocessRules, engine_lanes_differ
-from .operands import WEIGHT_DTYPES, ScoringOperands
-from .preprocess import IndexerPreprocess, indexer_head_weights, layer_norm_params
+from .kernels.rules import PreprocessRules, _engine_lanes_differ
+from .operands import _WEIGHT_DTYPES, ScoringOperands
+from .preprocess import IndexerPreprocess, _indexer_head_weights, layer_norm_params
 from .preprocess_kernel import (
-    MAX_KERNEL_FOLD_SCALES,
+    _MAX_KERNEL_FOLD_SCALES,
     Impl,
-    check_impl,
-    fused_unsupported_reason,
-    quantize_kernel_reason,
-    use_kernel,
+    _check_impl,
+    _fused_unsupported_reason,
+    _quantize_kernel_reason,
+    _use_kernel,
 )
 from .quantize import quantize_fp8
-from .rope import RopePositions, rope_tables, thd_token_freqs
+from .rope import RopePositions, _thd_token_freqs, rope_tables
 
 __all__ = ["prepare_indexer_operands", "prepare_scoring_operands"]
 
@@ -59,11 +59,11 @@ _CARRIER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _carriers(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, weights = check_tensor("q", q), check_tensor("k", k), check_tensor("weights", weights)
-    check_float_dtype("q", q, _CARRIER_DTYPES)
-    check_float_dtype("k", k, _CARRIER_DTYPES)
-    check_float_dtype("weights", weights, _CARRIER_DTYPES)
-    check_same_device(q=q, k=k, weights=weights)
+    q, k, weights = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("weights", weights)
+    _check_float_dtype("q", q, _CARRIER_DTYPES)
+    _check_float_dtype("k", k, _CARRIER_DTYPES)
+    _check_float_dtype("weights", weights, _CARRIER_DTYPES)
+    _check_same_device(q=q, k=k, weights=weights)
     if k.ndim == 4:
         if k.shape[2] != 1:
             raise ValueError(
@@ -93,7 +93,7 @@ def _round_bf16(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, sm_scale: float
 ) -> ScoringOperands:
     """BF16 operands: FP32 carriers rounded to BF16 (what BF16 scoring means here)."""
-    w = weights if weights.dtype in WEIGHT_DTYPES else weights.to(torch.float32)
+    w = weights if weights.dtype in _WEIGHT_DTYPES else weights.to(torch.float32)
     # A non-finite query row gets NaN weights, so its scores are NaN on every backend (cuDNN's
     # ReLU is fmax, which would turn a NaN dot product into 0). Reads q once; no host sync.
     bad_rows = ~torch.isfinite(q).all(dim=-1)
@@ -109,7 +109,7 @@ def _round_bf16(
 _CARRIER_FOLD: tuple[str, ...] = ("qs",)
 
 
-def fold_head_weights(
+def _fold_head_weights(
     weights: torch.Tensor,
     q_descale: torch.Tensor | None,
     steps: tuple[str, ...],
@@ -155,13 +155,13 @@ def _quantize_reference(
     q8, q_descale = quantize_fp8(q, engine.q_quant)
     k8, k_descale = quantize_fp8(k, engine.k_quant)
     h, d = q.shape[-2], q.shape[-1]
-    w = fold_head_weights(weights, q_descale, fold, n_heads=h, head_dim=d, sm_scale=sm_scale)
+    w = _fold_head_weights(weights, q_descale, fold, n_heads=h, head_dim=d, sm_scale=sm_scale)
     return ScoringOperands(
         q8.contiguous(), k8.contiguous(), w.contiguous(), q_descale.contiguous(), k_descale
     )
 
 
-@takes_precision_config
+@_takes_precision_config
 def prepare_scoring_operands(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,20 +191,20 @@ def prepare_scoring_operands(
     Returns:
         :class:`ScoringOperands`; the same bytes whichever implementation built them.
     """
-    config = check_precision_config(config)
+    config = _check_precision_config(config)
     precision, engine = config.scoring_precision, config.engine
     q, k, weights = _carriers(q, k, weights)
-    sm_scale = check_real("sm_scale", sm_scale)
+    sm_scale = _check_real("sm_scale", sm_scale)
     if precision is ScoringPrecision.BF16:
-        check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
+        _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
         return _with_backend(_round_bf16(q, k, weights, sm_scale), config)
-    if q.shape[-1] != QUANT_BLOCK:
+    if q.shape[-1] != _QUANT_BLOCK:
         raise ValueError(
-            f"q and k have head dim {q.shape[-1]}; FP8 scoring quantizes {QUANT_BLOCK}-wide "
+            f"q and k have head dim {q.shape[-1]}; FP8 scoring quantizes {_QUANT_BLOCK}-wide "
             "vectors. Use scoring_precision='bf16'."
         )
-    reason = quantize_kernel_reason(q, k, weights, engine)
-    if use_kernel(impl, reason):
+    reason = _quantize_kernel_reason(q, k, weights, engine)
+    if _use_kernel(impl, reason):
         return _with_backend(_quantize_triton(q, k, weights, sm_scale, engine), config)
     ops = _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
     return _with_backend(ops, config)
@@ -233,7 +233,7 @@ def _quantize_triton(
     return ScoringOperands.trusted(q8, k8[:, :, 0], w, q_descale, k_descale[:, :, 0])
 
 
-def as_scoring_operands(
+def _as_scoring_operands(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
@@ -248,7 +248,7 @@ def as_scoring_operands(
     ``entry``: the public function called with carriers, named in its ``DeprecationWarning``
     (scoring and selection take prepared operands; the carrier form goes in the next release)."""
     if config is not None:
-        config = check_precision_config(config)
+        config = _check_precision_config(config)
     if isinstance(q, ScoringOperands):
         if k is not None or weights is not None:
             raise ValueError("pass either ScoringOperands or q, k, weights carriers, not both.")
@@ -258,7 +258,7 @@ def as_scoring_operands(
                 f"scoring_precision='{config.scoring_precision.value}'; prepare them in the "
                 "requested precision."
             )
-        if check_real("sm_scale", sm_scale) != 1.0:
+        if _check_real("sm_scale", sm_scale) != 1.0:
             raise ValueError("sm_scale is part of ScoringOperands; prepare them with it.")
         return q
     if k is None or weights is None or config is None:
@@ -311,7 +311,7 @@ def prepare_indexer_operands(
         sm_scale: score scale folded into the FP8 weights (BF16: applied by the kernel).
         mscale: YaRN magnitude scale of the RoPE tables.
         cu_seqlens: ``[n + 1]`` cumulative lengths for packed THD input (``b == 1``); checked
-            when on the CPU, never read on the host when on a device (:func:`thd_token_freqs`).
+            when on the CPU, never read on the host when on a device (:func:`_thd_token_freqs`).
         token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, when the caller knows them
             (context-parallel THD chunks); by default gathered from ``freqs`` by ``cu_seqlens``.
         positions: every row's RoPE position, for a ``preprocess`` with the engine's own tables
@@ -324,7 +324,7 @@ def prepare_indexer_operands(
         :class:`ScoringOperands` in BSHD (packed input: batch 1), the same bytes whichever path
         built them.
     """
-    config = check_precision_config(config)
+    config = _check_precision_config(config)
     if preprocess.rope_fp32 != config.rope_fp32 or (
         preprocess.engine is not config.engine and preprocess.engine != config.engine
     ):
@@ -333,35 +333,35 @@ def prepare_indexer_operands(
             f"does not match config (rope_fp32={config.rope_fp32}, engine="
             f"{config.engine.name!r}); build the IndexerPreprocess from the same config."
         )
-    sm_scale, mscale = check_real("sm_scale", sm_scale), check_real("mscale", mscale)
+    sm_scale, mscale = _check_real("sm_scale", sm_scale), _check_real("mscale", mscale)
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
     n_heads, head_dim = q_proj.shape[-2], q_proj.shape[-1]
     with torch.no_grad():
         if not config.fp8:
-            check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
+            _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
             q, k = preprocess(
                 q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
                 token_freqs=token_freqs, positions=positions,
             )  # fmt: skip
-            w = indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
+            w = _indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
             ops = _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
             return _with_backend(ops, config)
         engine = config.engine
         pre, post = _split_fold(engine.weights_fold, sm_scale, n_heads, head_dim)
-        reason = fused_unsupported_reason(preprocess, q_proj, k_proj, w_proj, config=config)
-        if reason is None and len(post) > MAX_KERNEL_FOLD_SCALES:
+        reason = _fused_unsupported_reason(preprocess, q_proj, k_proj, w_proj, config=config)
+        if reason is None and len(post) > _MAX_KERNEL_FOLD_SCALES:
             reason = (
                 f"the head weights take {len(post)} scalings after the q descale; the fused "
-                f"kernel takes at most {MAX_KERNEL_FOLD_SCALES}"
+                f"kernel takes at most {_MAX_KERNEL_FOLD_SCALES}"
             )
-        if use_kernel(impl, reason):
+        if _use_kernel(impl, reason):
             # With no step before the q descale the kernel reads the projection's weights as
             # they are (BF16 widened exactly): no float32 copy per call.
             w_pre = (
                 w_proj
                 if not pre
-                else fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
+                else _fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
             )
             # The kernel writes the engine's lane order itself (no reordering copy).
             rules = PreprocessRules.indexer(preprocess, engine, q_proj.dtype)
@@ -374,14 +374,14 @@ def prepare_indexer_operands(
             else:
                 if token_freqs is None:  # the kernel reads every row's angles
                     token_freqs = (
-                        freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, rows)
+                        freqs if cu_seqlens is None else _thd_token_freqs(freqs, cu_seqlens, rows)
                     )
                 if token_freqs.shape[-1] != preprocess.rope_dim:
                     raise ValueError(
                         f"freqs has rope width {token_freqs.shape[-1]}, expected rope_dim="
                         f"{preprocess.rope_dim}."
                     )
-                check_freqs_cover("freqs", token_freqs, rows)
+                _check_freqs_cover("freqs", token_freqs, rows)
                 cos, sin = _kernel_rope_tables(
                     token_freqs, rows, mscale, rules.table_dtype, rules.math_dtype
                 )
@@ -409,7 +409,7 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
     step with about 13 bits (docs/numerics.md, section 7): the engine's order gives the engine's
     logits. With the Hadamard rotation on, lanes are mixed after RoPE and Megatron's order stays.
     """
-    if not engine_lanes_differ(preprocess):
+    if not _engine_lanes_differ(preprocess):
         return ops
     order = _engine_lanes(preprocess.rope_dim // 2, ops.q.shape[-1], ops.device)
 
@@ -420,7 +420,7 @@ def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> S
     return ops.replace_trusted(q=reorder(ops.q), k=reorder(ops.k))
 
 
-@shared_device_tensor
+@_shared_device_tensor
 def _engine_lanes(half: int, d: int, device: torch.device) -> torch.Tensor:
     """int64 ``(d,)``: the interleaved RoPE pairs ``(j, half + j)`` of the first ``2 * half``
     lanes, then the rest in order (built on the device, once: shared read-only)."""
@@ -486,7 +486,7 @@ def _fused(
 # (lru-cached) angles tensor for a length while its class-wide cache (32 entries over every
 # layer's instance) holds it; each layer's indexer has its own instance, so past ~16 layers the
 # angles, and these tables, are rebuilt per forward (a miss costs what the tables cost uncached).
-_ROPE_TABLES = DerivedCache(size=16)
+_ROPE_TABLES = _DerivedCache(size=16)
 
 
 def _kernel_rope_tables(
@@ -494,7 +494,7 @@ def _kernel_rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[s, rope_dim]`` contiguous in ``math_dtype``: :func:`rope_tables` of the
     first ``s`` rows of ``freqs`` rounded to ``table_dtype``, remembered for this ``freqs``
-    object and version (:class:`~dsa_precision.devices.DerivedCache`; shared: read only)."""
+    object and version (:class:`~dsa_precision.devices._DerivedCache`; shared: read only)."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_tables(freqs[:s], mscale, table_dtype)

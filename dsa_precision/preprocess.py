@@ -40,25 +40,25 @@ from typing import cast
 import torch
 from torch import nn
 
-from .checks import check_bool, check_freqs_cover, check_positive_int, check_real, check_tensor
-from .engines import DEFAULT_ENGINE, EngineProfile, engine_profile
+from .checks import _check_bool, _check_freqs_cover, _check_positive_int, _check_real, _check_tensor
+from .engines import DEFAULT_ENGINE, EngineProfile, _engine_profile
 from .exact_math import (
+    _layer_norm_fp32_warp,
     layer_norm_fp32,
     layer_norm_fp32_ops,
-    layer_norm_fp32_warp,
     layer_norm_fp32_welford,
 )
 from .hadamard import rotate_activation
 from .rope import (
     EngineRopeTables,
     RopePositions,
+    _apply_rope_tables,
+    _thd_token_freqs,
     apply_rope,
-    apply_rope_tables,
     rope_tables,
-    thd_token_freqs,
 )
 
-__all__ = ["IndexerPreprocess", "layer_norm_params"]
+__all__ = ["IndexerPreprocess", "RopeFn", "layer_norm_params"]
 
 # (x [s, b, *, d], freqs, mscale, cu_seqlens) -> x rotated: a model's own RoPE (e.g. Megatron's
 # DSAIndexer._apply_rope, which knows about context parallelism and fused TE RoPE).
@@ -71,14 +71,14 @@ def layer_norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tenso
     Supports ``torch.nn.LayerNorm`` (Megatron's local ``WrappedTorchNorm``) and Transformer
     Engine / Apex LayerNorms (``weight``, ``bias``, ``eps``, optional ``zero_centered_gamma``).
     """
-    eps = check_layer_norm(norm)
+    eps = _check_layer_norm(norm)
     weight = getattr(norm, "weight", None)
     if weight is not None and getattr(norm, "zero_centered_gamma", False):
         weight = weight + 1
     return weight, getattr(norm, "bias", None), eps
 
 
-def check_layer_norm(norm: nn.Module) -> float:
+def _check_layer_norm(norm: nn.Module) -> float:
     """``TypeError`` unless ``norm`` is a LayerNorm with an ``eps`` (its float); reads no weight
     (:func:`layer_norm_params`' checks, without building the zero-centred weight)."""
     if "RMSNorm" in type(norm).__name__:
@@ -95,7 +95,7 @@ def check_layer_norm(norm: nn.Module) -> float:
     return float(eps)
 
 
-def indexer_head_weights(
+def _indexer_head_weights(
     w_proj: torch.Tensor, *, n_heads: int, head_dim: int, fp32: bool
 ) -> torch.Tensor:
     """Per-head indexer weights ``w * H**-0.5 * D**-0.5`` from the ``linear_weights_proj`` output.
@@ -111,7 +111,7 @@ def indexer_head_weights(
     return w_proj * (n_heads**-0.5) * head_dim**-0.5
 
 
-def weights_gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _weights_gemm_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The head-weight projection ``x @ weight.T`` with a float32 output: ``x`` ``[..., hidden]``,
     ``weight`` ``[H, hidden]`` -> ``[..., H]`` float32.
 
@@ -179,15 +179,15 @@ class IndexerPreprocess(nn.Module):
     ) -> None:
         super().__init__()
         head_dim, rope_dim = (
-            check_positive_int("head_dim", head_dim),
-            check_positive_int("rope_dim", rope_dim),
+            _check_positive_int("head_dim", head_dim),
+            _check_positive_int("rope_dim", rope_dim),
         )
         if not 0 < rope_dim <= head_dim or rope_dim % 2:
             raise ValueError(
                 f"rope_dim={rope_dim} must be even and in (0, head_dim={head_dim}]; it is "
                 "Megatron's qk_pos_emb_head_dim."
             )
-        check_bool("rope_fp32", rope_fp32)
+        _check_bool("rope_fp32", rope_fp32)
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         if k_norm is None:
@@ -201,7 +201,7 @@ class IndexerPreprocess(nn.Module):
         self.rotate_activation = rotate_activation
         self.k_norm_fp32 = k_norm_fp32
         self.rope_fp32 = rope_fp32
-        self.engine = engine_profile(engine)
+        self.engine = _engine_profile(engine)
         self.exact_bf16_rope = exact_bf16_rope
         if rope_tables is not None:
             if not isinstance(rope_tables, EngineRopeTables):
@@ -262,7 +262,7 @@ class IndexerPreprocess(nn.Module):
             mscale: YaRN magnitude scale (1.0 for plain RoPE).
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``);
                 checked against ``q`` and ``freqs`` when on the CPU, never read on the host when
-                on a device (:func:`thd_token_freqs`).
+                on a device (:func:`_thd_token_freqs`).
             token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, used instead of gathering
                 ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD chunks); ``rope_fn`` still
                 receives ``freqs`` and ``cu_seqlens``.
@@ -280,12 +280,12 @@ class IndexerPreprocess(nn.Module):
             )
         # Host checks, the fused kernel's too: numbers are numbers, and the angles cover every
         # token (a single row is never broadcast; packed tables are checked by thd_token_freqs).
-        mscale = check_real("mscale", mscale)
-        check_tensor("freqs", freqs)
+        mscale = _check_real("mscale", mscale)
+        _check_tensor("freqs", freqs)
         if token_freqs is not None:
-            check_freqs_cover("token_freqs", token_freqs, q.shape[0])
+            _check_freqs_cover("token_freqs", token_freqs, q.shape[0])
         elif cu_seqlens is None:
-            check_freqs_cover("freqs", freqs, q.shape[0])
+            _check_freqs_cover("freqs", freqs, q.shape[0])
         s, b, _, d = q.shape
         if k.shape != (s, b, d) or d != self.head_dim:
             raise ValueError(
@@ -302,7 +302,7 @@ class IndexerPreprocess(nn.Module):
             cos, sin = self.engine_rope_rows(positions, s, q.device, freqs, cu_seqlens)
             return self._engine_path(q, k, cos[:, None, None, :], sin[:, None, None, :])
         if token_freqs is None and (self.rope_fp32 or self.rope_fn is None):  # used below
-            token_freqs = freqs if cu_seqlens is None else thd_token_freqs(freqs, cu_seqlens, s)
+            token_freqs = freqs if cu_seqlens is None else _thd_token_freqs(freqs, cu_seqlens, s)
         if self.rope_fp32:
             assert token_freqs is not None  # set above
             e = self.engine
@@ -367,7 +367,7 @@ class IndexerPreprocess(nn.Module):
         (``[s, 1, 1, rope_dim]``, the engine's cache values); float32 out."""
         e = self.engine
         rope = functools.partial(
-            apply_rope_tables,
+            _apply_rope_tables,
             cos=cos,
             sin=sin,
             rope_interleaved=self.rope_interleaved,
@@ -386,7 +386,9 @@ class IndexerPreprocess(nn.Module):
             )  # fmt: skip
         elif e.layernorm in ("fp32-warp", "fp32-warp-up"):
             up = e.layernorm == "fp32-warp-up"
-            k = layer_norm_fp32_warp(k, *layer_norm_params(self.k_norm), fma=e.fma, butterfly_up=up)
+            k = _layer_norm_fp32_warp(
+                k, *layer_norm_params(self.k_norm), fma=e.fma, butterfly_up=up
+            )
         elif e.layernorm == "fp32-welford":
             k = layer_norm_fp32_welford(k, *layer_norm_params(self.k_norm), fma=e.fma)
         else:

@@ -12,23 +12,23 @@ from typing import Literal
 
 import torch
 
-from .config import QUANT_BLOCK, IndexerPrecisionConfig
+from .config import _QUANT_BLOCK, IndexerPrecisionConfig
 from .devices import f32
 from .engines import EngineProfile
 from .hadamard import HAVE_FAST_HADAMARD
 from .kernels import interpreting, triton_unavailable_reason
-from .operands import WEIGHT_DTYPES
-from .preprocess import IndexerPreprocess, check_layer_norm
+from .operands import _WEIGHT_DTYPES
+from .preprocess import IndexerPreprocess, _check_layer_norm
 
 __all__ = ["Impl"]
 
 Impl = Literal["auto", "triton", "torch"]
-IMPLS = ("auto", "triton", "torch")
+_IMPLS = ("auto", "triton", "torch")
 # Smallest float32 amax floor of the kernel (kernels.preprocess_quantize.MIN_AMAX_FLOOR; repeated
 # here so that deciding does not import Triton).
-MIN_AMAX_FLOOR = 2.0**-100
+_MIN_AMAX_FLOOR = 2.0**-100
 # The fused kernel multiplies the folded weight by at most this many scalars after the descale.
-MAX_KERNEL_FOLD_SCALES = 3
+_MAX_KERNEL_FOLD_SCALES = 3
 
 
 def _device_reason(t: torch.Tensor) -> str | None:
@@ -44,28 +44,28 @@ def _device_reason(t: torch.Tensor) -> str | None:
 def _rule_reason(engine: EngineProfile) -> str | None:
     for name, rule in (("q_quant", engine.q_quant), ("k_quant", engine.k_quant)):
         floor32 = f32(rule.amax_floor)
-        if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
+        if not _MIN_AMAX_FLOOR <= floor32 < float("inf"):
             return f"{name}.amax_floor={rule.amax_floor!r} is below the fused kernel's 2**-100"
     return None
 
 
-def quantize_kernel_reason(
+def _quantize_kernel_reason(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, engine: EngineProfile
 ) -> str | None:
     """Why the fused kernel cannot quantize these carriers bit-identically, or ``None``."""
     reason = _device_reason(q) or _rule_reason(engine)
     if reason:
         return reason
-    if q.shape[-1] != QUANT_BLOCK:
-        return f"head_dim={q.shape[-1]}; the fused kernel quantizes {QUANT_BLOCK}-wide vectors"
-    if q.dtype not in WEIGHT_DTYPES or k.dtype not in WEIGHT_DTYPES:
+    if q.shape[-1] != _QUANT_BLOCK:
+        return f"head_dim={q.shape[-1]}; the fused kernel quantizes {_QUANT_BLOCK}-wide vectors"
+    if q.dtype not in _WEIGHT_DTYPES or k.dtype not in _WEIGHT_DTYPES:
         return f"carriers are {q.dtype}/{k.dtype}; the fused kernel takes BF16 or float32"
-    if weights.dtype not in WEIGHT_DTYPES:
+    if weights.dtype not in _WEIGHT_DTYPES:
         return f"weights are {weights.dtype}; the fused kernel takes BF16 or float32"
     return triton_unavailable_reason()
 
 
-def fused_unsupported_reason(
+def _fused_unsupported_reason(
     preprocess: IndexerPreprocess,
     q_proj: torch.Tensor,
     k_proj: torch.Tensor,
@@ -81,14 +81,14 @@ def fused_unsupported_reason(
         return reason
     if q_proj.ndim != 4 or k_proj.ndim != 3 or weights.ndim != 3:
         return "the fused kernel takes q [s, b, h, 128], k [s, b, 128] and weights [s, b, h]"
-    if preprocess.head_dim != QUANT_BLOCK or q_proj.shape[-1] != QUANT_BLOCK:
+    if preprocess.head_dim != _QUANT_BLOCK or q_proj.shape[-1] != _QUANT_BLOCK:
         return f"head_dim={preprocess.head_dim}; the fused kernel quantizes 128-wide vectors"
-    if q_proj.dtype not in WEIGHT_DTYPES or k_proj.dtype != q_proj.dtype:
+    if q_proj.dtype not in _WEIGHT_DTYPES or k_proj.dtype != q_proj.dtype:
         return (
             f"projections are {q_proj.dtype}/{k_proj.dtype}; the fused kernel takes BF16 or "
             "float32, the same for q and k"
         )
-    if weights.dtype not in WEIGHT_DTYPES:
+    if weights.dtype not in _WEIGHT_DTYPES:
         return f"weights are {weights.dtype}; the fused kernel takes BF16 or float32"
     if not preprocess.rope_fp32 and not preprocess.exact_bf16_rope:
         return (
@@ -102,15 +102,15 @@ def fused_unsupported_reason(
         )
     if preprocess.rope_fp32:
         try:
-            check_layer_norm(preprocess.k_norm)
+            _check_layer_norm(preprocess.k_norm)
         except TypeError as exc:
             return str(exc)
     return triton_unavailable_reason()
 
 
-def check_impl(impl: str, bf16_reason: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not an implementation; use one of {IMPLS}.")
+def _check_impl(impl: str, bf16_reason: str) -> None:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r} is not an implementation; use one of {_IMPLS}.")
     if impl == "triton":
         raise RuntimeError(
             f"impl='triton' cannot build these operands: {bf16_reason}. Use impl='torch' or "
@@ -118,10 +118,10 @@ def check_impl(impl: str, bf16_reason: str) -> None:
         )
 
 
-def use_kernel(impl: str, reason: str | None) -> bool:
+def _use_kernel(impl: str, reason: str | None) -> bool:
     """Whether to run the fused kernel; an explicit ``impl="triton"`` that cannot run raises."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not an implementation; use one of {IMPLS}.")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r} is not an implementation; use one of {_IMPLS}.")
     if impl == "torch":
         return False
     if reason is not None and impl == "triton":

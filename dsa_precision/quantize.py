@@ -13,7 +13,7 @@ float32 descale, ``x ~= x_fp8 * descale``, but they form the descale differently
   LMDeploy's bit trick), ``"log2"`` is ``exp2(ceil(log2(r)))`` with a correctly rounded float32
   ``log2`` (vLLM on Hopper, SGLang's queries): for ``r = 2**e * (1 + m * 2**-23)`` the float32
   ``log2`` rounds ``e + log2(1 + m * 2**-23)`` back to ``e`` while ``m`` is below a few units
-  (:data:`LOG2_CEIL_BAND`), so such an ``r`` gets ``2**e`` and the largest element saturates at
+  (:data:`_LOG2_CEIL_BAND`), so such an ``r`` gets ``2**e`` and the largest element saturates at
   448. It is computed here from the bits, so every device gives the same answer; an engine whose
   ``log2`` is not correctly rounded can differ for ``m`` at the edge of that band (about one
   vector in ten million).
@@ -28,23 +28,23 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_tensor
-from .config import QUANT_BLOCK
-from .devices import device_constant
+from .checks import _check_tensor
+from .config import _QUANT_BLOCK
+from .devices import _device_constant
 from .engines import DEFAULT_ENGINE, Fp8Rule
 
 __all__ = ["dequantize_fp8", "quantize_e4m3_ue8m0", "quantize_fp8", "ue8m0_descale"]
 
 # Largest finite float8_e4m3fn value (torch.finfo(torch.float8_e4m3fn).max).
-E4M3_MAX = 448.0
-DEFAULT_AMAX_FLOOR = 1e-4
+_E4M3_MAX = 448.0
+_DEFAULT_AMAX_FLOOR = 1e-4
 # The smallest floor of the float32-ratio rules: r stays a normal float32 number.
-MIN_RATIO_FLOOR = 2.0**-100
+_MIN_RATIO_FLOOR = 2.0**-100
 # For r = 2**e * (1 + m * 2**-23), m > 0: the float32 log2 of r rounds to e exactly while
 # m <= LOG2_CEIL_BAND[b], b = floor(log2(|e| - (e < 0))) (the binade of the float32 result near
 # e); b <= 1 and e in {0, -1} have no band. Derived from m < (2**(2**(b - 24)) - 1) * 2**23: the
 # result's half ulp (no tie is possible: log2 of such an r is irrational).
-LOG2_CEIL_BAND = (0, 0, 1, 2, 5, 11, 22)
+_LOG2_CEIL_BAND = (0, 0, 1, 2, 5, 11, 22)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -68,20 +68,20 @@ def _pow2_from_ratio(r: torch.Tensor, ceil: str) -> torch.Tensor:
         up = m != 0
     else:
         k = e.abs() - (e < 0).to(e.dtype)  # |e| for e > 0, |e| - 1 for e < 0
-        band = device_constant(LOG2_CEIL_BAND, e.dtype, r.device)
+        band = _device_constant(_LOG2_CEIL_BAND, e.dtype, r.device)
         binade = torch.where(k > 0, torch.log2(k.clamp(min=1).float()).floor().int(), 0)
-        up = m > band[binade.clamp(0, len(LOG2_CEIL_BAND) - 1)]
+        up = m > band[binade.clamp(0, len(_LOG2_CEIL_BAND) - 1)]
     return ((e + up.to(e.dtype) + 127) << 23).view(torch.float32)
 
 
 @torch.no_grad()
-def fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> torch.Tensor:
+def _fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> torch.Tensor:
     """The float32 descale of vectors with per-vector maxima ``amax`` (any shape, >= 0).
 
     Non-finite ``amax`` (Inf or NaN) gives a NaN descale: such a vector has no finite scale.
     See the module docstring for the rules.
     """
-    check_tensor("amax", amax)
+    _check_tensor("amax", amax)
     a = amax.to(torch.float32).clamp_min(rule.amax_floor)  # the floor is rounded to float32
     if rule.scale_ratio == "exact":
         descale = _next_pow2_exact(a)
@@ -91,28 +91,28 @@ def fp8_descale(amax: torch.Tensor, rule: Fp8Rule = DEFAULT_ENGINE.q_quant) -> t
             # A tensor divisor: torch's CUDA division by a Python scalar multiplies by the
             # scalar's reciprocal instead of dividing (BinaryDivTrueKernel.cu), which is the
             # "reciprocal" ratio, not this one.
-            r = finite / torch.full_like(finite, E4M3_MAX)
+            r = finite / torch.full_like(finite, _E4M3_MAX)
         else:
-            r = finite * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+            r = finite * torch.tensor(1.0 / _E4M3_MAX, dtype=torch.float32)
         descale = _pow2_from_ratio(r, rule.ue8m0_ceil) if rule.scale_format == "ue8m0" else r
     return torch.where(torch.isfinite(a), descale, torch.full_like(a, float("nan")))
 
 
-def ue8m0_descale(amax: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR) -> torch.Tensor:
+def ue8m0_descale(amax: torch.Tensor, amax_floor: float = _DEFAULT_AMAX_FLOOR) -> torch.Tensor:
     """Smallest power of two ``s`` with ``max(amax, amax_floor) / s <= 448``, exactly."""
-    return fp8_descale(amax, Fp8Rule(amax_floor=amax_floor))
+    return _fp8_descale(amax, Fp8Rule(amax_floor=amax_floor))
 
 
 def _check_vectors(x: object) -> None:
-    x = check_tensor("x", x)
+    x = _check_tensor("x", x)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 vectors "
             "(cast integer or float64 data first)."
         )
-    if x.ndim == 0 or x.shape[-1] != QUANT_BLOCK:
+    if x.ndim == 0 or x.shape[-1] != _QUANT_BLOCK:
         raise ValueError(
-            f"x has shape {tuple(x.shape)}; the last dimension must be {QUANT_BLOCK} "
+            f"x has shape {tuple(x.shape)}; the last dimension must be {_QUANT_BLOCK} "
             "(one descale per 128-vector)."
         )
 
@@ -142,24 +142,24 @@ def quantize_fp8(
             "EngineProfile.q_quant / k_quant or Fp8Rule(...)."
         )
     _check_vectors(x)
-    if rule.scale_ratio != "exact" and rule.amax_floor < MIN_RATIO_FLOOR:
+    if rule.scale_ratio != "exact" and rule.amax_floor < _MIN_RATIO_FLOOR:
         raise ValueError(
             f"amax_floor={rule.amax_floor!r} is below 2**-100: the float32 ratio rules need a "
             "normal float32 ratio."
         )
     x32 = x.to(torch.float32)  # exact for every input dtype
-    descale = fp8_descale(x32.abs().amax(dim=-1), rule)
+    descale = _fp8_descale(x32.abs().amax(dim=-1), rule)
     s = descale.unsqueeze(-1)
     scaled = x32 / s if rule.scale_apply == "divide" else x32 * torch.reciprocal(s)
     # torch's E4M3 cast saturates out-of-range values (even Inf) to +-448; a non-finite vector
     # must stay non-finite, so poison it explicitly.
     scaled = torch.where(torch.isfinite(s), scaled, torch.full_like(scaled, float("nan")))
-    x_fp8 = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    x_fp8 = scaled.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return x_fp8, descale
 
 
 def quantize_e4m3_ue8m0(
-    x: torch.Tensor, amax_floor: float = DEFAULT_AMAX_FLOOR
+    x: torch.Tensor, amax_floor: float = _DEFAULT_AMAX_FLOOR
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_fp8` with exact power-of-two (UE8M0) descales: the package's original
     contract (DeepGEMM ``per_token_cast_to_fp8(..., use_ue8m0=True)`` decided exactly)."""
@@ -168,8 +168,8 @@ def quantize_e4m3_ue8m0(
 
 def dequantize_fp8(x_fp8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """``x_fp8.float() * descale[..., None]`` as float32 (exact for power-of-two descales)."""
-    check_tensor("x_fp8", x_fp8)
-    if check_tensor("descale", descale).shape != x_fp8.shape[:-1]:
+    _check_tensor("x_fp8", x_fp8)
+    if _check_tensor("descale", descale).shape != x_fp8.shape[:-1]:
         raise ValueError(
             f"descale has shape {tuple(descale.shape)}; expected one descale per vector of x_fp8 "
             f"{tuple(x_fp8.shape)}, {tuple(x_fp8.shape[:-1])}."

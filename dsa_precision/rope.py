@@ -9,7 +9,7 @@ Two sources of cos/sin tables:
 - :func:`rope_tables` of angles the caller hands in (Megatron's ``RotaryEmbedding`` output: its
   bits depend on where Megatron computed ``inv_freq``);
 - :class:`EngineRopeTables`: the engine's own tables, rebuilt from the token positions
-  (:class:`RopePositions`) by the engine's recipe (:func:`engine_rope_cache`: the model's formula,
+  (:class:`RopePositions`) by the engine's recipe (:func:`_engine_rope_cache`: the model's formula,
   :class:`RopeSpec`, in float32 on the device the engine builds it on), whatever Megatron's
   angles are. What ``rope_fp32`` uses in the Megatron integration.
 """
@@ -25,12 +25,19 @@ from typing import get_args
 
 import torch
 
-from .checks import check_bool, check_positive_int, check_real
-from .devices import to_device
+from .checks import _check_bool, _check_positive_int, _check_real
+from .devices import _to_device
 from .engines import EngineProfile, RopeFma, YarnMscale
 from .exact_math import fma_fp32
 
-__all__ = ["RopePositions", "RopeSpec", "apply_rope", "rope_tables"]
+__all__ = [
+    "EngineRopeTables",
+    "RopePositions",
+    "RopeSpec",
+    "YarnScaling",
+    "apply_rope",
+    "rope_tables",
+]
 
 # A bound on the positions of a RoPE table (exact in float64: YaRN's range reads it as one).
 _MAX_POSITIONS = 2**53
@@ -75,7 +82,7 @@ def _rotate(
     return torch.cat((first, second), dim=-1)
 
 
-def apply_rope_tables(
+def _apply_rope_tables(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -127,12 +134,12 @@ def apply_rope(
         ``x``'s shape and dtype.
     """
     cos, sin = rope_tables(freqs, mscale, table_dtype or x.dtype)
-    return apply_rope_tables(
+    return _apply_rope_tables(
         x, cos, sin, rope_interleaved=rope_interleaved, fma=fma, rope_fma=rope_fma
     )
 
 
-def thd_token_freqs(
+def _thd_token_freqs(
     freqs: torch.Tensor,
     cu_seqlens: torch.Tensor,
     total: int | None = None,
@@ -156,11 +163,11 @@ def thd_token_freqs(
             least ``total`` tokens, no sequence longer than ``freqs``. Unchecked, a sequence
             longer than ``freqs`` fails the device's index bounds check.
     """
-    validate = check_bool("validate", validate)
+    validate = _check_bool("validate", validate)
     if total is None:
         total = int(cu_seqlens[-1])
         validate = True  # read on the host already: check the lengths too
-    total = check_positive_int("total", total) if total else 0
+    total = _check_positive_int("total", total) if total else 0
     if freqs.shape[0] == total:
         return freqs  # one row per packed token: cu_seqlens is not needed
     if total == 0:
@@ -173,7 +180,7 @@ def thd_token_freqs(
 def _packed_positions(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
     """int64 ``[total]`` on ``device``: each packed row's position inside its sequence (no host
     synchronisation; rows past ``cu_seqlens[-1]`` count on in the last sequence)."""
-    cu = to_device(cu_seqlens, device, torch.int64)
+    cu = _to_device(cu_seqlens, device, torch.int64)
     rows = torch.arange(total, device=device)
     # Each row's sequence (rows past cu_seqlens[-1] would map to the last one).
     sequence = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
@@ -223,16 +230,20 @@ class YarnScaling:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "scaling_factor", check_real("scaling_factor", self.scaling_factor, positive=True)
+            self,
+            "scaling_factor",
+            _check_real("scaling_factor", self.scaling_factor, positive=True),
         )
-        check_positive_int(
+        _check_positive_int(
             "original_max_position_embeddings",
             self.original_max_position_embeddings,
             high=_MAX_POSITIONS,
         )
         for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             positive = name.startswith("beta")  # log(positions / (2 pi beta)) of the range
-            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=positive))
+            object.__setattr__(
+                self, name, _check_real(name, getattr(self, name), positive=positive)
+            )
         for rule in get_args(YarnMscale):
             try:
                 scale = self.magnitude(rule)
@@ -279,10 +290,10 @@ class RopeSpec:
     yarn: YarnScaling | None = None
 
     def __post_init__(self) -> None:
-        rope_dim = check_positive_int("rope_dim", self.rope_dim)
+        rope_dim = _check_positive_int("rope_dim", self.rope_dim)
         if rope_dim % 2:
             raise ValueError(f"rope_dim={rope_dim} must be even: RoPE rotates pairs of lanes.")
-        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
+        object.__setattr__(self, "base", _check_real("base", self.base, positive=True))
         if self.yarn is not None and not isinstance(self.yarn, YarnScaling):
             raise TypeError(f"yarn={self.yarn!r} must be a YarnScaling or None.")
         if self.yarn is not None:
@@ -298,7 +309,7 @@ class RopeSpec:
                     "log(base) and takes log(original_max_position_embeddings / (2 pi beta)); "
                     "pass a base other than 1 and finite betas (DeepSeek-V3.2: 10000, 32, 1)."
                 ) from None
-        inv_freq = rope_inv_freq(self, "cpu")
+        inv_freq = _rope_inv_freq(self, "cpu")
         if not bool((torch.isfinite(inv_freq) & (inv_freq > 0)).all()):
             raise ValueError(
                 f"base={self.base!r} (rotary_base)"
@@ -328,7 +339,7 @@ def _correction_range(spec: RopeSpec) -> tuple[int, float]:
     return low, high
 
 
-def rope_inv_freq(spec: RopeSpec, device: torch.device | str) -> torch.Tensor:
+def _rope_inv_freq(spec: RopeSpec, device: torch.device | str) -> torch.Tensor:
     """float32 ``[rope_dim / 2]`` inverse frequencies, computed on ``device`` with the engines'
     float32 operations, in their order (vLLM 0.33 ``rotary_embedding/base.py`` and
     ``deepseek_scaling_rope.py`` ``_compute_inv_freq``; the same expressions in SGLang 0.5.23,
@@ -353,7 +364,7 @@ def rope_inv_freq(spec: RopeSpec, device: torch.device | str) -> torch.Tensor:
     return interpolation * (1 - mask) + extrapolation * mask
 
 
-def engine_rope_cache(
+def _engine_rope_cache(
     spec: RopeSpec,
     n_positions: int,
     *,
@@ -363,7 +374,7 @@ def engine_rope_cache(
     """float32 ``(cos, sin)`` ``[n_positions, rope_dim / 2]`` of positions ``0 .. n - 1`` as
     ``engine`` computes them before rounding to its cache dtype (``engine.cos_sin_dtype``).
 
-    The recipe (docs/numerics.md, "RoPE tables"): :func:`rope_inv_freq` on ``device`` (or on the
+    The recipe (docs/numerics.md, "RoPE tables"): :func:`_rope_inv_freq` on ``device`` (or on the
     CPU and then copied, ``engine.inv_freq_device="cpu"``: LMDeploy), the angles
     ``fl32(fl32(position) * inv_freq)`` and their ``cos`` / ``sin`` on ``device``, YaRN's
     magnitude scale multiplied in float32 (``engine.yarn_mscale``). On CUDA these are CUDA's
@@ -371,12 +382,12 @@ def engine_rope_cache(
     ``with torch.device("cuda")``; on the CPU the CPU's, so a CPU run reproduces an engine cache
     built on the CPU (each entry depends only on its position, not on ``n_positions``).
     """
-    n = check_positive_int("n_positions", n_positions)
+    n = _check_positive_int("n_positions", n_positions)
     device = torch.device(device)
     if engine.inv_freq_device == "cpu":
-        inv_freq = rope_inv_freq(spec, "cpu").to(device)
+        inv_freq = _rope_inv_freq(spec, "cpu").to(device)
     else:
-        inv_freq = rope_inv_freq(spec, device)
+        inv_freq = _rope_inv_freq(spec, device)
     t = torch.arange(n, dtype=torch.float32, device=device)
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
     cos, sin = freqs.cos(), freqs.sin()
@@ -405,7 +416,7 @@ class RopePositions:
         rows = self.rows
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 0:
             raise ValueError(f"rows={rows!r} must be a non-negative integer.")
-        check_positive_int("length", self.length)
+        _check_positive_int("length", self.length)
         if self.index is None:
             if rows > self.length:
                 raise ValueError(
@@ -438,14 +449,14 @@ class RopePositions:
         device: torch.device | str,
         validate: bool = False,
     ) -> RopePositions:
-        """Packed (THD) rows as :func:`thd_token_freqs` reads angles of ``length`` positions:
+        """Packed (THD) rows as :func:`_thd_token_freqs` reads angles of ``length`` positions:
         each row's position inside its sequence, or the row number itself when ``length ==
         rows`` (one position per packed token). On the CPU, or with ``validate``, the lengths
         are checked on the host (every sequence at most ``length`` tokens); on a device they
         are not read."""
         if rows == 0 or length == rows:
             return cls(rows, max(length, 1))
-        if check_bool("validate", validate) or cu_seqlens.device.type == "cpu":
+        if _check_bool("validate", validate) or cu_seqlens.device.type == "cpu":
             _check_packed_lengths(cu_seqlens, rows, length)
         return cls(rows, length, _packed_positions(cu_seqlens, rows, torch.device(device)))
 
@@ -473,7 +484,7 @@ class EngineRopeTables:
         engine: the profile whose recipe builds them (``inv_freq_device``, ``yarn_mscale``) and
             whose cache dtype (``cos_sin_dtype``) they are rounded to.
 
-    :meth:`rows` gathers the rows of the positions from :func:`engine_rope_cache` of at least
+    :meth:`rows` gathers the rows of the positions from :func:`_engine_rope_cache` of at least
     ``positions.length`` positions (built once per device, dtype and power-of-two length, shared
     by every layer and never evicted; a gather per call, no host synchronisation).
     """
@@ -510,7 +521,7 @@ class EngineRopeTables:
         table = _ENGINE_TABLES.get(key)
         if table is None:
             with torch.no_grad(), torch.inference_mode(False):
-                cos, sin = engine_rope_cache(self.spec, n, device=device, engine=e)
+                cos, sin = _engine_rope_cache(self.spec, n, device=device, engine=e)
                 cos, sin = cos.to(e.cos_sin_dtype).to(dtype), sin.to(e.cos_sin_dtype).to(dtype)
                 table = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
             # A build recorded by a CUDA graph capture is not cached (it runs at every replay).

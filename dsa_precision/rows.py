@@ -15,8 +15,8 @@ from typing import NamedTuple, cast
 
 import torch
 
-from .checks import INT32_MAX, as_int32_tensor, check_int_fits, check_int_tensor
-from .devices import shared_device_tensor
+from .checks import _INT32_MAX, _as_int32_tensor, _check_int_fits, _check_int_tensor
+from .devices import _shared_device_tensor
 
 __all__ = ["WindowScores", "causal_key_counts"]
 
@@ -33,31 +33,31 @@ def causal_key_counts(
     return counts.clamp_(0, sk).to(torch.int32)
 
 
-@shared_device_tensor
-def constant_offsets(value: int, n: int, device: torch.device) -> torch.Tensor:
+@_shared_device_tensor
+def _constant_offsets(value: int, n: int, device: torch.device) -> torch.Tensor:
     """``(n,)`` int32 ``value`` on ``device``, shared read-only (a Python int offset's tensor)."""
     return torch.full((n,), value, dtype=torch.int32, device=device)
 
 
-@shared_device_tensor
-def constant_key_counts(
+@_shared_device_tensor
+def _constant_key_counts(
     offset: int, batch: int, row_start: int, rows: int, ratio: int, sk: int, device: torch.device
 ) -> torch.Tensor:
     """``(batch * rows,)`` int32 :func:`causal_key_counts` of ``batch`` rows that all start at the
     Python int ``offset``, flattened; built once per arguments and shared: read it, never write
     into it."""
-    offsets = constant_offsets(offset, batch, device)
+    offsets = _constant_offsets(offset, batch, device)
     return causal_key_counts(offsets, row_start, rows, ratio, sk).view(-1)
 
 
-def packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _packed_sequence_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """int64 index of the packed sequence that holds each of ``rows`` (packed row numbers, on
     ``cu_seqlens``' device); rows at or past ``cu_seqlens[-1]`` map to the last sequence."""
     cu = cu_seqlens.to(torch.int64)
     return torch.searchsorted(cu[1:], rows, right=True).clamp_(max=cu.numel() - 2)
 
 
-class VarlenWindows(NamedTuple):
+class _VarlenWindows(NamedTuple):
     """Each packed query row's key window ``[start, end)`` in the packed keys: DeepGEMM's
     ``cu_seq_len_k_start`` / ``cu_seq_len_k_end``, and ``counts = end - start`` (the top-k's
     ``seq_lens``). Each ``(T_q,)`` int32, contiguous."""
@@ -124,9 +124,9 @@ class WindowScores:
             from .kernels import triton_unavailable_reason
 
             if triton_unavailable_reason() is None:
-                from .kernels.mask_tails import mask_tails
+                from .kernels.mask_tails import _mask_tails
 
-                mask_tails(flat, counts)
+                _mask_tails(flat, counts)
                 return self.scores
         cols = torch.arange(flat.shape[1], device=flat.device)
         flat.masked_fill_(cols >= counts.unsqueeze(1), float("-inf"))
@@ -174,7 +174,7 @@ def _describe(x: object) -> str:
 
 
 def _fused_windows(device: torch.device) -> bool:
-    """Whether :func:`varlen_windows` runs as one Triton launch on ``device``."""
+    """Whether :func:`_varlen_windows` runs as one Triton launch on ``device``."""
     if device.type != "cuda":
         return False
     from .kernels import triton_unavailable_reason
@@ -182,13 +182,13 @@ def _fused_windows(device: torch.device) -> bool:
     return triton_unavailable_reason() is None
 
 
-def varlen_windows(
+def _varlen_windows(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     q_causal_offsets: torch.Tensor,
     ratio: int,
     total_q: int,
-) -> VarlenWindows:
+) -> _VarlenWindows:
     """Every packed query row's key window (its sequence's keys up to its causal limit).
 
     Arguments: ``(n + 1,)`` int32 / int64 cumulative lengths and ``(n,)`` offsets on one device
@@ -196,22 +196,22 @@ def varlen_windows(
     Triton launch (:mod:`dsa_precision.kernels.varlen_windows`), elsewhere the torch expression
     below; both give the same integers."""
     if _fused_windows(cu_seqlens_q.device):
-        from .kernels.varlen_windows import varlen_windows as fused
+        from .kernels.varlen_windows import _varlen_windows as fused
 
-        return VarlenWindows(*fused(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q))
+        return _VarlenWindows(*fused(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q))
     rows = torch.arange(total_q, device=cu_seqlens_q.device)
     cu_q = cu_seqlens_q.to(torch.int64)
-    seq = packed_sequence_of(cu_q, rows)
+    seq = _packed_sequence_of(cu_q, rows)
     local = rows - cu_q[seq]
     len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)[seq]
     off = q_causal_offsets.to(torch.int64)[seq]
     counts = torch.div(off + local + 1, ratio, rounding_mode="floor")
     counts = torch.minimum(counts.clamp_(min=0), len_k).to(torch.int32)
     start = cu_seqlens_k.to(torch.int32)[seq]
-    return VarlenWindows(start, start + counts, counts)
+    return _VarlenWindows(start, start + counts, counts)
 
 
-def varlen_key_counts(
+def _varlen_key_counts(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     q_causal_offsets: torch.Tensor,
@@ -219,11 +219,11 @@ def varlen_key_counts(
     total_q: int,
 ) -> torch.Tensor:
     """``(T_q,)`` int32 visible keys of every packed query row (its sequence's causal limit):
-    the ``counts`` of :func:`varlen_windows`."""
-    return varlen_windows(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q).counts
+    the ``counts`` of :func:`_varlen_windows`."""
+    return _varlen_windows(cu_seqlens_q, cu_seqlens_k, q_causal_offsets, ratio, total_q).counts
 
 
-def varlen_row_slice(
+def _varlen_row_slice(
     cu_seqlens_q: torch.Tensor, q_causal_offsets: torch.Tensor, start: int, stop: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens_q, q_causal_offsets)`` of packed rows ``[start, stop)``, on the device.
@@ -238,7 +238,7 @@ def varlen_row_slice(
     return sliced, offsets
 
 
-def causal_offsets(
+def _causal_offsets(
     q_causal_offsets: torch.Tensor | int | None,
     n: int,
     device: torch.device,
@@ -250,39 +250,41 @@ def causal_offsets(
     """``(n,)`` int32 offsets on ``device``. Each offset plus the ``rows`` query rows after it
     must fit int32: always checked for a Python int, with ``validate=True`` for a tensor (before
     its cast to int32, one host sync). For an int or ``None`` the tensor is shared read-only
-    (built once per value, batch and device); a tensor comes back as :func:`as_int32_tensor`
+    (built once per value, batch and device); a tensor comes back as :func:`_as_int32_tensor`
     gives it."""
     if q_causal_offsets is None:
-        return constant_offsets(0, n, device)
+        return _constant_offsets(0, n, device)
     fix = (
         f"pass the global index of each {what}'s first query row: non-negative, and with its "
         f"{rows} rows added still within int32"
     )
     if isinstance(q_causal_offsets, numbers.Integral) and not isinstance(q_causal_offsets, bool):
-        value = check_int_fits("q_causal_offsets", q_causal_offsets, high=INT32_MAX - rows, fix=fix)
-        return constant_offsets(value, n, device)
+        value = _check_int_fits(
+            "q_causal_offsets", q_causal_offsets, high=_INT32_MAX - rows, fix=fix
+        )
+        return _constant_offsets(value, n, device)
     # An int was handled above; check_int_tensor refuses anything else that is not a tensor.
     q_causal_offsets = cast(torch.Tensor, q_causal_offsets)
-    check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
+    _check_int_tensor("q_causal_offsets", q_causal_offsets, ndim=1)
     if q_causal_offsets.shape[0] != n:
         raise ValueError(
             f"q_causal_offsets has {q_causal_offsets.shape[0]} entries; expected one per {what} "
             f"({n})."
         )
-    return as_int32_tensor(
+    return _as_int32_tensor(
         "q_causal_offsets",
         q_causal_offsets,
         device=device,
         validate=validate,
-        high=INT32_MAX - rows,
+        high=_INT32_MAX - rows,
         fix=fix,
     )
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor:
+def _check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor:
     """Host checks of cumulative lengths: a 1-D integer tensor of at least ``[0, total]``, with
     ``n`` entries when given (the same sequences as ``cu_seqlens_q``)."""
-    check_int_tensor(name, cu, ndim=1)
+    _check_int_tensor(name, cu, ndim=1)
     if cu.numel() < 2:
         raise ValueError(f"{name} must hold at least [0, total]; got {cu.numel()} entries.")
     if n is not None and cu.numel() != n:
@@ -293,7 +295,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, n: int | None) -> torch.Tensor
     return cu
 
 
-def validate_cu_seqlens(
+def _validate_cu_seqlens(
     name: str, cu: torch.Tensor, total: int, max_len: int, *, padding: bool = False
 ) -> None:
     """``cu`` starts at 0, does not decrease, ends at ``total`` (with ``padding``: at most
@@ -314,7 +316,7 @@ def validate_cu_seqlens(
         )
 
 
-def check_varlen_args(
+def _check_varlen_args(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
@@ -330,10 +332,10 @@ def check_varlen_args(
     (on the CPU: free of any device work) or with ``validate`` (one host synchronisation):
     starting at 0, non-decreasing, ending at the packed lengths ``total_q`` / ``total_k``, no
     sequence longer than ``max_seqlen_q`` / ``max_seqlen_k``."""
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.numel())
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32_MAX:
             raise ValueError(f"{name}={value!r} must be a non-negative Python int within int32.")
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
@@ -345,4 +347,4 @@ def check_varlen_args(
                 "CPU or on the operands' device."
             )
         if validate or cu.device.type == "cpu":  # keys past cu_seqlens_k[-1] are padding
-            validate_cu_seqlens(name, cu, total, longest, padding=name == "cu_seqlens_k")
+            _validate_cu_seqlens(name, cu, total, longest, padding=name == "cu_seqlens_k")

@@ -31,37 +31,39 @@ from typing import Literal, TypedDict, Unpack, cast, overload
 
 import torch
 
-from .audit import record_scoring_call
+from .audit import _record_scoring_call
 from .backends import cudnn, deepgemm
 from .checks import (
-    INT32_MAX,
-    check_bool,
-    check_positive_int,
-    check_tensor,
-    takes_precision_config,
+    _INT32_MAX,
+    _check_bool,
+    _check_positive_int,
+    _check_tensor,
+    _takes_precision_config,
 )
 from .config import (
-    FP8_HEAD_DIM,
-    FP8_N_HEADS,
-    SCORING_BACKENDS,
+    _FP8_HEAD_DIM,
+    _FP8_N_HEADS,
+    _SCORING_BACKENDS,
     IndexerPrecisionConfig,
     ScoringPrecision,
 )
-from .devices import to_device
+from .devices import _to_device
 from .operands import ScoringOperands
-from .prepare import as_scoring_operands
+from .prepare import _as_scoring_operands
 from .rows import (
-    VarlenWindows,
     WindowScores,
+    _causal_offsets,
+    _check_varlen_args,
+    _constant_offsets,
+    _varlen_key_counts,
+    _varlen_windows,
+    _VarlenWindows,
     causal_key_counts,
-    causal_offsets,
-    check_varlen_args,
-    constant_offsets,
-    varlen_key_counts,
-    varlen_windows,
 )
 
 __all__ = [
+    "Backend",
+    "ResolvedBackend",
     "indexer_scores",
     "indexer_scores_varlen",
     "indexer_window_scores",
@@ -102,7 +104,7 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.d
     """``out`` must be a contiguous float32 tensor of ``shape`` on the operands' device."""
     if out is None:
         return
-    check_tensor("out", out)
+    _check_tensor("out", out)
     if (
         tuple(out.shape) != shape
         or out.dtype != torch.float32
@@ -125,7 +127,7 @@ def _empty_scores(
     return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
 
-def resolve_scoring_backend(
+def _resolve_scoring_backend(
     backend: str, ops: ScoringOperands, *, writes_out: bool = False
 ) -> ResolvedBackend:
     """``"cudnn"``, ``"deepgemm"`` or ``"torch"`` for ``ops``; an explicit kernel backend that
@@ -138,29 +140,29 @@ def resolve_scoring_backend(
     same (their FP8 accumulation orders differ; docs/numerics.md, section 7): the audit records
     which one ran (:func:`dsa_precision.scoring_calls`), and a pinned ``backend`` gives the same
     bits whatever else is installed."""
-    if backend not in SCORING_BACKENDS:
+    if backend not in _SCORING_BACKENDS:
         raise ValueError(
-            f"backend={backend!r} is not a scoring backend; use one of {SCORING_BACKENDS}."
+            f"backend={backend!r} is not a scoring backend; use one of {_SCORING_BACKENDS}."
         )
     _, _, h, d = ops.q.shape
-    if ops.precision is ScoringPrecision.FP8 and (d != FP8_HEAD_DIM or h not in FP8_N_HEADS):
+    if ops.precision is ScoringPrecision.FP8 and (d != _FP8_HEAD_DIM or h not in _FP8_N_HEADS):
         raise ValueError(
-            f"FP8 operands have {h} heads of width {d}; FP8 scoring takes {FP8_N_HEADS[0]} or "
-            f"{FP8_N_HEADS[1]} heads of width {FP8_HEAD_DIM}. Use scoring_precision='bf16'."
+            f"FP8 operands have {h} heads of width {d}; FP8 scoring takes {_FP8_N_HEADS[0]} or "
+            f"{_FP8_N_HEADS[1]} heads of width {_FP8_HEAD_DIM}. Use scoring_precision='bf16'."
         )
     if backend == "torch":
         return "torch"
     if backend == "deepgemm" or (
         backend == "auto" and ops.precision is ScoringPrecision.FP8 and not writes_out
     ):
-        reason = deepgemm.mqa_logits_unsupported_reason(
+        reason = deepgemm._mqa_logits_unsupported_reason(
             device=ops.device, precision=ops.precision, n_heads=h, head_dim=d
         )
         if reason is None:
             return "deepgemm"
         if backend == "deepgemm":
             raise RuntimeError(f"backend='deepgemm' cannot score this call: {reason}.")
-    reason = cudnn.scoring_reason(ops.device, ops.precision, h, d, 1)
+    reason = cudnn._scoring_reason(ops.device, ops.precision, h, d, 1)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -197,7 +199,7 @@ def _cudnn_scores(
     if thd:
         q, k, w = q[0], k[0], w[0]
         qs, ks = (None, None) if qs is None or ks is None else (qs[0], ks[0])
-    with cudnn.device_scope(q.device):
+    with cudnn._device_scope(q.device):
         return cudnn.dsa().indexer_forward_wrapper(
             _aligned(q),
             _aligned(k),
@@ -232,8 +234,8 @@ def _deepgemm_scores(
     w = _aligned(ops.weights.reshape(b * sq, h))
     start = key_start.to(torch.int32).contiguous()
     end = key_end.to(torch.int32).contiguous()
-    with cudnn.device_scope(ops.device):
-        return deepgemm.window_logits(q, kv, w, start, end, columns, counts)
+    with cudnn._device_scope(ops.device):
+        return deepgemm._window_logits(q, kv, w, start, end, columns, counts)
 
 
 def _deepgemm_causal_windows(
@@ -248,7 +250,7 @@ def _deepgemm_causal_windows(
     if counts is None:
         counts = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
     if b == 1:  # windows [0, count): the shared zeros, and the counts themselves as their ends
-        return _deepgemm_scores(ops, constant_offsets(0, sq, ops.device), counts, sk, counts)
+        return _deepgemm_scores(ops, _constant_offsets(0, sq, ops.device), counts, sk, counts)
     start = torch.arange(b * sq, device=ops.device).div_(sq, rounding_mode="floor").mul_(sk)
     return _deepgemm_scores(ops, start, start + counts, sk, counts)
 
@@ -260,13 +262,13 @@ def _deepgemm_varlen_windows(
     offsets: torch.Tensor,
     ratio: int,
     max_seqlen_k: int,
-    windows: VarlenWindows | None = None,
+    windows: _VarlenWindows | None = None,
 ) -> WindowScores:
     """THD: each packed row against its sequence's keys up to its causal limit, sequence-local
-    columns. ``windows``: the rows' :func:`~dsa_precision.rows.varlen_windows`, when the caller
+    columns. ``windows``: the rows' :func:`~dsa_precision.rows._varlen_windows`, when the caller
     has them (else built here: one launch on CUDA)."""
     if windows is None:
-        windows = varlen_windows(cu_q, cu_k, offsets, ratio, ops.q.shape[1])
+        windows = _varlen_windows(cu_q, cu_k, offsets, ratio, ops.q.shape[1])
     return _deepgemm_scores(ops, windows.start, windows.end, max_seqlen_k, windows.counts)
 
 
@@ -277,15 +279,15 @@ def _deepgemm_select_input(
     *,
     varlen: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
-    windows: VarlenWindows | None = None,
+    windows: _VarlenWindows | None = None,
 ) -> WindowScores:
     """The top-k's input on ``backend="deepgemm"`` (for :mod:`dsa_precision.select`, which has
     checked the arguments and, with ``validate``, the operands): DeepGEMM's uncleaned logits of
     ``ops`` and each row's length, BSHD or, with ``varlen = (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_k)``, packed. The caller has resolved the backend to DeepGEMM. ``counts`` (BSHD):
     the rows' causal key counts if the caller has them (read only; BSHD then reads no offsets);
-    ``windows`` (THD): the rows' :func:`~dsa_precision.rows.varlen_windows` likewise."""
-    record_scoring_call(ops.precision.value, "deepgemm")
+    ``windows`` (THD): the rows' :func:`~dsa_precision.rows._varlen_windows` likewise."""
+    _record_scoring_call(ops.precision.value, "deepgemm")
     if varlen is None:
         return _deepgemm_causal_windows(ops, offsets, ratio, counts)
     cu_q, cu_k, max_seqlen_k = varlen
@@ -402,7 +404,7 @@ def indexer_scores(
     validate: bool = False,
     clean: bool = True,
 ) -> torch.Tensor | WindowScores: ...
-@takes_precision_config
+@_takes_precision_config
 def indexer_scores(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -437,7 +439,7 @@ def indexer_scores(
             ``scoring_backend``; else, for this call, ``"cudnn"`` (SM90 kernel), ``"deepgemm"``
             (DeepGEMM's MQA logits, FP8 only), ``"torch"`` (exact reference, any device) or
             ``"auto"`` (the fastest that can serve the call: DeepGEMM for FP8 when installed and
-            ``out`` is not given, else cuDNN, else torch; :func:`resolve_scoring_backend`). An
+            ``out`` is not given, else cuDNN, else torch; :func:`_resolve_scoring_backend`). An
             explicit kernel backend that cannot run raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
         validate: check the data too (offsets in range before their int32 cast, finite
@@ -455,8 +457,8 @@ def indexer_scores(
         at ``B = 1`` and by one mask of the unwritten tails otherwise). With ``clean=False``, a
         :class:`~dsa_precision.rows.WindowScores` of those scores.
     """
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_BSHD)
-    if not check_bool("clean", clean):  # a truthy "False" would return the other type
+    ops = _as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_BSHD)
+    if not _check_bool("clean", clean):  # a truthy "False" would return the other type
         _warn_clean(_BSHD, "indexer_window_scores")
     return _bshd_call(ops, ratio, q_causal_offsets, backend, out, validate, clean)
 
@@ -494,24 +496,24 @@ def _bshd_call(
     clean: bool,
 ) -> torch.Tensor | WindowScores:
     """The body of :func:`indexer_scores` and :func:`indexer_window_scores`."""
-    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    validate = check_bool("validate", validate)  # a truthy "no" would read the data
+    ratio = _check_positive_int("ratio", ratio, high=_INT32_MAX)
+    validate = _check_bool("validate", validate)  # a truthy "no" would read the data
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    offsets = causal_offsets(
+    offsets = _causal_offsets(
         q_causal_offsets, b, ops.device, "batch row", rows=sq, validate=validate
     )
     if validate:
         ops.check_finite()
     _check_out(out, (b, sq, sk), ops.device)
     requested = ops.backend if backend is None else backend
-    backend = resolve_scoring_backend(requested, ops, writes_out=out is not None)
+    backend = _resolve_scoring_backend(requested, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns DeepGEMM's own buffer; pass out=None.")
     if clean:
         return _bshd_scores(ops, offsets, ratio, backend, out)
     if backend == "deepgemm" and sq and sk:
-        record_scoring_call(ops.precision.value, backend)
+        _record_scoring_call(ops.precision.value, backend)
         window = _deepgemm_causal_windows(ops, offsets, ratio)
         return WindowScores(window.scores.view(b, sq, sk), window.lengths.view(b, sq))
     scores = _bshd_scores(ops, offsets, ratio, backend, out)
@@ -528,10 +530,10 @@ def _bshd_scores(
     """:func:`indexer_scores` once its arguments are checked (for :mod:`dsa_precision.select`,
     which checks them once per call, not once per chunk): ``offsets`` int32 ``(B,)`` on the
     operands' device and in range, ``ratio`` a positive int, ``backend`` resolved for ``ops``
-    (:func:`resolve_scoring_backend`), ``out`` ``None`` or checked (and ``None`` for DeepGEMM)."""
+    (:func:`_resolve_scoring_backend`), ``out`` ``None`` or checked (and ``None`` for DeepGEMM)."""
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
-    record_scoring_call(ops.precision.value, backend)
+    _record_scoring_call(ops.precision.value, backend)
     if sq == 0 or sk == 0:
         return _empty_scores(out, (b, sq, sk), ops.device)
     if backend == "cudnn":
@@ -541,8 +543,8 @@ def _bshd_scores(
         if b == 1:  # windows from key 0: DeepGEMM's own cleaning, one launch each
             ends = causal_key_counts(offsets, 0, sq, ratio, sk).view(-1)
             kv = (_aligned(ops.k[0]), _aligned(ops.k_descale[0]))
-            with cudnn.device_scope(ops.device):
-                logits = deepgemm.causal_logits(
+            with cudnn._device_scope(ops.device):
+                logits = deepgemm._causal_logits(
                     _aligned(ops.q[0]), kv, _aligned(ops.weights[0]), ends
                 )
             return logits.unsqueeze(0)
@@ -612,7 +614,7 @@ def indexer_scores_varlen(
     validate: bool = False,
     clean: bool = True,
 ) -> torch.Tensor | WindowScores: ...
-@takes_precision_config
+@_takes_precision_config
 def indexer_scores_varlen(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -661,8 +663,8 @@ def indexer_scores_varlen(
             )
         q, weights = q.unsqueeze(0), weights.unsqueeze(0)
         k = k.reshape(1, k.shape[0], k.shape[-1])  # (T_k, D) or (T_k, 1, D); T_k may be 0
-    ops = as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_THD)
-    if not check_bool("clean", clean):  # a truthy "False" would return the other type
+    ops = _as_scoring_operands(q, k, weights, config=config, sm_scale=sm_scale, entry=_THD)
+    if not _check_bool("clean", clean):  # a truthy "False" would return the other type
         _warn_clean(_THD, "indexer_window_scores_varlen")
     return _thd_call(
         ops, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ratio, q_causal_offsets,
@@ -713,35 +715,35 @@ def _thd_call(
     """The body of :func:`indexer_scores_varlen` and :func:`indexer_window_scores_varlen`."""
     if ops.q.shape[0] != 1:
         raise ValueError(f"packed operands have batch 1, got q {tuple(ops.q.shape)}.")
-    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
-    validate = check_bool("validate", validate)  # a truthy "no" would read the data
+    ratio = _check_positive_int("ratio", ratio, high=_INT32_MAX)
+    validate = _check_bool("validate", validate)  # a truthy "no" would read the data
     n_seq = cu_seqlens_q.numel() - 1
     tq, tk = ops.q.shape[1], ops.k.shape[1]
-    check_varlen_args(
+    _check_varlen_args(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device=ops.device, total_q=tq,
         total_k=tk, validate=validate,
     )  # fmt: skip
-    offsets = causal_offsets(
+    offsets = _causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     )
     if validate:
         ops.check_finite()
     _check_out(out, (tq, max_seqlen_k), ops.device)
     requested = ops.backend if backend is None else backend
-    backend = resolve_scoring_backend(requested, ops, writes_out=out is not None)
+    backend = _resolve_scoring_backend(requested, ops, writes_out=out is not None)
     if backend == "deepgemm" and out is not None:
         raise ValueError("backend='deepgemm' returns its own (gathered) scores; pass out=None.")
-    cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
-    cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
+    cu_q = _to_device(cu_seqlens_q, ops.device, torch.int32)
+    cu_k = _to_device(cu_seqlens_k, ops.device, torch.int32)
     if clean:
         return _thd_scores(
             ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out
         )
     if backend == "deepgemm" and tq and max_seqlen_k:
-        record_scoring_call(ops.precision.value, backend)
+        _record_scoring_call(ops.precision.value, backend)
         return _deepgemm_varlen_windows(ops, cu_q, cu_k, offsets, ratio, max_seqlen_k)
     scores = _thd_scores(ops, cu_q, cu_k, max_seqlen_q, max_seqlen_k, offsets, ratio, backend, out)
-    return WindowScores(scores, varlen_key_counts(cu_q, cu_k, offsets, ratio, tq))
+    return WindowScores(scores, _varlen_key_counts(cu_q, cu_k, offsets, ratio, tq))
 
 
 def _thd_scores(
@@ -761,7 +763,7 @@ def _thd_scores(
     resolved, ``out`` ``None`` or checked (``None`` for DeepGEMM)."""
     tq = ops.q.shape[1]
     n_seq = cu_q.numel() - 1
-    record_scoring_call(ops.precision.value, backend)
+    _record_scoring_call(ops.precision.value, backend)
     if tq == 0 or max_seqlen_k == 0:
         return _empty_scores(out, (tq, max_seqlen_k), ops.device)
     if backend == "cudnn":

@@ -3,7 +3,7 @@
 Query rows are scored in chunks and each chunk is reduced to its top-k right away, so at most one
 chunk of scores exists; ``chunk_bytes`` bounds a chunk's working set (its float32 scores and the
 radix top-k scratch, 12 bytes per score). By default (``chunk_bytes=None``) the budget is
-:data:`DEFAULT_CHUNK_BYTES` (4 GiB): a call whose whole working set fits (S = 16384 at B = 1)
+:data:`_DEFAULT_CHUNK_BYTES` (4 GiB): a call whose whole working set fits (S = 16384 at B = 1)
 runs as one launch of each kernel, a larger one in 4 GiB chunks. Fewer, larger chunks are faster
 on the H200: every extra chunk costs about 0.1 ms at S = 16384, and at S = 32768-131072 the FP8
 path runs 1.1-1.5x faster end to end with 4 GiB chunks than with 1 GiB ones
@@ -31,47 +31,47 @@ from collections.abc import Callable
 
 import torch
 
-from .checks import INT32_MAX, check_bool, check_positive_int, takes_precision_config
+from .checks import _INT32_MAX, _check_bool, _check_positive_int, _takes_precision_config
 from .config import IndexerPrecisionConfig
-from .devices import to_device
+from .devices import _to_device
 from .operands import ScoringOperands
-from .prepare import as_scoring_operands
+from .prepare import _as_scoring_operands
 from .rows import (
+    _causal_offsets,
+    _check_varlen_args,
+    _constant_key_counts,
+    _constant_offsets,
+    _varlen_row_slice,
+    _varlen_windows,
     causal_key_counts,
-    causal_offsets,
-    check_varlen_args,
-    constant_key_counts,
-    constant_offsets,
-    varlen_row_slice,
-    varlen_windows,
 )
 from .scoring import (
     Backend,
     _bshd_scores,
     _deepgemm_select_input,
+    _resolve_scoring_backend,
     _thd_scores,
-    resolve_scoring_backend,
 )
 from .ties import selection_margins
-from .topk import _select_rows, resolve_topk_backend
+from .topk import _resolve_topk_backend, _select_rows
 
 __all__ = ["indexer_select", "indexer_select_varlen"]
 
 # Working-set budget of one chunk by default: the extra memory of a call is at most this plus
 # the chunk's picks (docs/benchmarks.md, "Peak extra memory").
-DEFAULT_CHUNK_BYTES = 4 << 30
+_DEFAULT_CHUNK_BYTES = 4 << 30
 # Bytes per score while a chunk is selected: the float32 score plus cuDNN's radix top-k scratch.
-SELECT_BYTES_PER_SCORE = 4 + 8
+_SELECT_BYTES_PER_SCORE = 4 + 8
 # Chunks start on multiples of this many rows when the budget allows, and of the kernel's query
 # tile otherwise.
 _CHUNK_ROW_ALIGNMENT = 512
 _CHUNK_ROW_MIN_ALIGNMENT = 8
 
 
-def chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
+def _chunk_rows(budget: int | None, rows: int, bytes_per_row: int) -> int:
     """Query rows per chunk: the whole call when it fits in ``budget`` (``None``:
-    :data:`DEFAULT_CHUNK_BYTES`), else as many as fit, aligned to whole kernel tiles."""
-    budget = DEFAULT_CHUNK_BYTES if budget is None else budget
+    :data:`_DEFAULT_CHUNK_BYTES`), else as many as fit, aligned to whole kernel tiles."""
+    budget = _DEFAULT_CHUNK_BYTES if budget is None else budget
     if rows * bytes_per_row <= budget:
         return max(rows, 1)
     n = budget // max(bytes_per_row, 1)
@@ -98,7 +98,7 @@ def _window_topk_backend(scores: torch.Tensor, topk: int) -> str:
     """The top-k backend of DeepGEMM's logits ``(rows, padded width)``: cuDNN's where it can
     select them, else torch (what ``indexer_topk(backend="auto")`` decides)."""
     k = min(topk, max(scores.shape[-1], 1))
-    return resolve_topk_backend("auto", device=scores.device, k=k, dtype=scores.dtype)
+    return _resolve_topk_backend("auto", device=scores.device, k=k, dtype=scores.dtype)
 
 
 def _picks(shape: tuple[int, ...], chunked: bool, device: torch.device) -> torch.Tensor | None:
@@ -176,7 +176,7 @@ def _select_chunks(
     return _with_margins(out, out_margins)
 
 
-@takes_precision_config
+@_takes_precision_config
 def indexer_select(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -196,13 +196,13 @@ def indexer_select(
     """Top-``topk`` keys of every query row, scored and selected chunk by chunk.
 
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
-    ``config``), plus ``topk``, ``chunk_bytes`` (``None``: :data:`DEFAULT_CHUNK_BYTES`, 4 GiB;
+    ``config``), plus ``topk``, ``chunk_bytes`` (``None``: :data:`_DEFAULT_CHUNK_BYTES`, 4 GiB;
     see the module docstring) and
     ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` (``None``: the
     operands', their config's ``scoring_backend``) chooses both kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
     can, reading DeepGEMM's logits in place; ``"auto"`` scores as
-    :func:`dsa_precision.scoring.resolve_scoring_backend` decides (DeepGEMM first for FP8
+    :func:`dsa_precision.scoring._resolve_scoring_backend` decides (DeepGEMM first for FP8
     operands where it is installed and serves the call, else cuDNN, else the torch reference)
     and selects with cuDNN's top-k where it can, else torch's.
     ``margins``: also return each row's margin (see the module docstring).
@@ -211,22 +211,22 @@ def indexer_select(
         int32 ``(B, S_q, topk)``: each row's keys ascending, ``-1`` in unused slots; with
         ``margins``, ``(picks, margins)``, margins float32 ``(B, S_q)``.
     """
-    topk = check_positive_int("topk", topk, high=INT32_MAX)
-    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
+    topk = _check_positive_int("topk", topk, high=_INT32_MAX)
+    ratio = _check_positive_int("ratio", ratio, high=_INT32_MAX)
     if chunk_bytes is not None:
-        chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
-    deterministic = check_bool("deterministic", deterministic)
-    validate = check_bool("validate", validate)
-    ops = as_scoring_operands(
+        chunk_bytes = _check_positive_int("chunk_bytes", chunk_bytes)
+    deterministic = _check_bool("deterministic", deterministic)
+    validate = _check_bool("validate", validate)
+    ops = _as_scoring_operands(
         q, k, weights, config=config, sm_scale=sm_scale, entry="indexer_select"
     )
     b, sq, _, _ = ops.q.shape
     sk = ops.k.shape[1]
     device = ops.device
-    offsets = causal_offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
+    offsets = _causal_offsets(q_causal_offsets, b, device, "batch row", rows=sq, validate=validate)
     requested = ops.backend if backend is None else backend
-    backend = resolve_scoring_backend(requested, ops)
-    margins = check_bool("margins", margins)
+    backend = _resolve_scoring_backend(requested, ops)
+    margins = _check_bool("margins", margins)
     if sq == 0 or sk == 0:
         empty = torch.full((b, sq, topk), -1, dtype=torch.int32, device=device)
         return _with_margins(empty, _nan_margins((b, sq), device) if margins else None)
@@ -235,11 +235,11 @@ def indexer_select(
     if validate:
         ops.check_finite()
     if backend != "deepgemm":
-        topk_backend = resolve_topk_backend(
+        topk_backend = _resolve_topk_backend(
             _topk_backend(requested), device=device, k=min(topk, sk), dtype=torch.float32
         )
     start = _int_offset(q_causal_offsets)  # a Python int offset: shared constant tensors
-    step = chunk_rows(chunk_bytes, sq, b * sk * SELECT_BYTES_PER_SCORE)
+    step = _chunk_rows(chunk_bytes, sq, b * sk * _SELECT_BYTES_PER_SCORE)
     buf = _buffer(b * min(step, sq) * sk, backend, device)
 
     def chunk_scores(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -248,7 +248,7 @@ def indexer_select(
         if start is None:
             lens = causal_key_counts(offsets, r0, r1 - r0, ratio, sk).view(-1)
         else:
-            lens = constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
+            lens = _constant_key_counts(start, b, r0, r1 - r0, ratio, sk, device)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             # The buffer's rows (the window itself is not kept: its logits go with the scores).
             scores = _deepgemm_select_input(part, offsets, ratio, counts=lens).rows_in_place()
@@ -258,7 +258,7 @@ def indexer_select(
         elif start is None:
             part_offsets = offsets + r0
         else:
-            part_offsets = constant_offsets(start + r0, b, device)
+            part_offsets = _constant_offsets(start + r0, b, device)
         assert buf is not None  # allocated for every backend but DeepGEMM
         part_out = buf[: b * (r1 - r0) * sk].view(b, r1 - r0, sk)
         scores = _bshd_scores(part, part_offsets, ratio, backend, part_out)
@@ -267,7 +267,7 @@ def indexer_select(
     return _select_chunks(chunk_scores, (b,), sq, step, topk, deterministic, margins, device)
 
 
-@takes_precision_config
+@_takes_precision_config
 def indexer_select_varlen(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -299,34 +299,34 @@ def indexer_select_varlen(
         int32 ``(T_q, topk)``: sequence-local key indices (the engines' layout), ascending,
         ``-1`` in unused slots; with ``margins``, ``(picks, margins)``, margins float32 ``(T_q,)``.
     """
-    topk = check_positive_int("topk", topk, high=INT32_MAX)
-    ratio = check_positive_int("ratio", ratio, high=INT32_MAX)
+    topk = _check_positive_int("topk", topk, high=_INT32_MAX)
+    ratio = _check_positive_int("ratio", ratio, high=_INT32_MAX)
     if chunk_bytes is not None:
-        chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
-    deterministic = check_bool("deterministic", deterministic)
-    validate = check_bool("validate", validate)
+        chunk_bytes = _check_positive_int("chunk_bytes", chunk_bytes)
+    deterministic = _check_bool("deterministic", deterministic)
+    validate = _check_bool("validate", validate)
     if not isinstance(q, ScoringOperands) and isinstance(q, torch.Tensor) and q.ndim == 3:
         q = q.unsqueeze(0)
         k = None if k is None else k.reshape(1, k.shape[0], k.shape[-1])
         weights = None if weights is None else weights.unsqueeze(0)
-    ops = as_scoring_operands(
+    ops = _as_scoring_operands(
         q, k, weights, config=config, sm_scale=sm_scale, entry="indexer_select_varlen"
     )
     tq, tk = ops.q.shape[1], ops.k.shape[1]
     # The caller's lengths (each chunk's are derived from them).
-    check_varlen_args(
+    _check_varlen_args(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device=ops.device, total_q=tq,
         total_k=tk, validate=validate,
     )  # fmt: skip
     n_seq = cu_seqlens_q.numel() - 1
-    offsets = causal_offsets(
+    offsets = _causal_offsets(
         q_causal_offsets, n_seq, ops.device, "packed sequence", rows=max_seqlen_q, validate=validate
     )
-    cu_q = to_device(cu_seqlens_q, ops.device, torch.int32)
-    cu_k = to_device(cu_seqlens_k, ops.device, torch.int32)
+    cu_q = _to_device(cu_seqlens_q, ops.device, torch.int32)
+    cu_k = _to_device(cu_seqlens_k, ops.device, torch.int32)
     requested = ops.backend if backend is None else backend
-    backend = resolve_scoring_backend(requested, ops)
-    margins = check_bool("margins", margins)
+    backend = _resolve_scoring_backend(requested, ops)
+    margins = _check_bool("margins", margins)
     if tq == 0 or max_seqlen_k == 0:
         empty = torch.full((tq, topk), -1, dtype=torch.int32, device=ops.device)
         return _with_margins(empty, _nan_margins((tq,), ops.device) if margins else None)
@@ -335,11 +335,11 @@ def indexer_select_varlen(
     if validate:
         ops.check_finite()
     if backend != "deepgemm":
-        topk_backend = resolve_topk_backend(
+        topk_backend = _resolve_topk_backend(
             _topk_backend(requested), device=ops.device, k=min(topk, max_seqlen_k),
             dtype=torch.float32,
         )  # fmt: skip
-    step = chunk_rows(chunk_bytes, tq, max_seqlen_k * SELECT_BYTES_PER_SCORE)
+    step = _chunk_rows(chunk_bytes, tq, max_seqlen_k * _SELECT_BYTES_PER_SCORE)
     buf = _buffer(min(step, tq) * max_seqlen_k, backend, ops.device)
 
     def chunk_scores(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -347,10 +347,10 @@ def indexer_select_varlen(
         if step >= tq:  # one chunk: the caller's lengths and offsets as they are (no slice)
             cu_chunk, off_chunk = cu_q, offsets
         else:  # int32 offsets: within int32, as the caller's offsets were checked to be
-            cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
+            cu_chunk, off_chunk = _varlen_row_slice(cu_q, offsets, r0, r1)
             off_chunk = off_chunk.to(torch.int32)
         # Each row's key window: DeepGEMM's ks / ke, and the top-k's lengths (one launch on CUDA).
-        windows = varlen_windows(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
+        windows = _varlen_windows(cu_chunk, cu_k, off_chunk, ratio, r1 - r0)
         if backend == "deepgemm":  # DeepGEMM's logits in place, each row bounded by its length
             varlen = (cu_chunk, cu_k, max_seqlen_k)
             window = _deepgemm_select_input(part, off_chunk, ratio, varlen=varlen, windows=windows)

@@ -31,13 +31,22 @@ from collections.abc import Callable
 
 import torch
 
-from .checks import check_tensor
-from .picks import repeated_keys, sorted_keys
+from .checks import _check_tensor
+from .picks import _repeated_keys, _sorted_keys
 
-__all__ = ["INVALID", "PRECISION", "TIE", "RowCauses", "classify_rows", "selection_margins"]
+__all__ = [
+    "INVALID",
+    "PRECISION",
+    "SAME",
+    "TIE",
+    "RowCauses",
+    "ScoreRows",
+    "classify_rows",
+    "selection_margins",
+]
 
 SAME, TIE, PRECISION, INVALID = 0, 1, 2, 3
-CAUSES = ("same", "tie", "precision", "invalid")
+_CAUSES = ("same", "tie", "precision", "invalid")
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 _SCORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ScoreRows = Callable[[torch.Tensor], torch.Tensor]
@@ -99,7 +108,7 @@ def _causes(
     valid = _valid_columns(scores.float(), lengths)
     inside = (p >= 0) & (p < sk)
     picked_valid = valid.gather(-1, p.clamp(0, max(sk - 1, 0))) & inside
-    bad = ((p < -1) | ((p >= 0) & ~picked_valid)).any(-1) | repeated_keys(sorted_keys(p))
+    bad = ((p < -1) | ((p >= 0) & ~picked_valid)).any(-1) | _repeated_keys(_sorted_keys(p))
     p = torch.where(bad[:, None], -1, p)  # the margin reads only rows that keep the rule
     margin = selection_margins(scores, p, lengths)
     n_picked = (p >= 0).sum(-1)
@@ -125,8 +134,8 @@ class RowCauses:
     def counts(self) -> dict[str, int]:
         """``{"same": n, "tie": n, "precision": n, "invalid": n}`` (one host synchronisation)."""
         flat = self.cause.reshape(-1).long()
-        values = torch.bincount(flat, minlength=len(CAUSES)).tolist()
-        return dict(zip(CAUSES, values, strict=True))
+        values = torch.bincount(flat, minlength=len(_CAUSES)).tolist()
+        return dict(zip(_CAUSES, values, strict=True))
 
     def rows(self, cause: int) -> torch.Tensor:
         """int64 ``(n,)``: the flattened rows of one cause (one host synchronisation)."""
@@ -134,7 +143,7 @@ class RowCauses:
 
 
 def _check_index(name: str, idx: object) -> torch.Tensor:
-    idx = check_tensor(name, idx)
+    idx = _check_tensor(name, idx)
     if idx.dtype not in _INDEX_DTYPES or idx.ndim < 1 or idx.shape[-1] == 0:
         raise TypeError(
             f"{name}: expected [..., k] int16/int32/int64 picks with k >= 1, got "
@@ -178,7 +187,7 @@ def classify_rows(
     tf, inf_ = t.reshape(-1, k).long(), i.reshape(-1, k).long()
     n_rows = tf.shape[0]
     if lengths is not None:
-        lengths = check_tensor("lengths", lengths)
+        lengths = _check_tensor("lengths", lengths)
         if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise TypeError(f"lengths: expected an integer tensor, got {lengths.dtype}.")
         if tuple(lengths.shape) != tuple(lead):
@@ -187,14 +196,14 @@ def classify_rows(
                 f"{tuple(lead)} (the picks' leading shape)."
             )
         lengths = lengths.reshape(-1).to(device=t.device, dtype=torch.int64)
-    ordered = sorted_keys(inf_)
-    broken = (inf_ < -1).any(-1) | repeated_keys(ordered)  # never read as padding or equal
-    same = (sorted_keys(tf) == ordered).all(-1) & ~broken
+    ordered = _sorted_keys(inf_)
+    broken = (inf_ < -1).any(-1) | _repeated_keys(ordered)  # never read as padding or equal
+    same = (_sorted_keys(tf) == ordered).all(-1) & ~broken
     cause = torch.full((n_rows,), SAME, dtype=torch.int8, device=t.device)
     if callable(scores) and not isinstance(scores, torch.Tensor):
         rows = (~same).nonzero().view(-1)  # the one host synchronisation
         if rows.numel():
-            got = check_tensor("scores(rows)", scores(rows))
+            got = _check_tensor("scores(rows)", scores(rows))
             if got.ndim != 2 or got.shape[0] != rows.numel() or got.dtype not in _SCORE_DTYPES:
                 raise ValueError(
                     f"scores(rows) returned {str(got.dtype).removeprefix('torch.')} "
@@ -205,7 +214,7 @@ def classify_rows(
             cause[rows] = _causes(got.to(t.device), inf_[rows], sub, k)
         scored = torch.tensor(rows.numel(), dtype=torch.int64, device=t.device)
         return RowCauses(cause.view(lead), scored)
-    s = check_tensor("scores", scores)
+    s = _check_tensor("scores", scores)
     if s.dtype not in _SCORE_DTYPES or tuple(s.shape[:-1]) != tuple(lead) or s.device != t.device:
         raise ValueError(
             f"scores is {str(s.dtype).removeprefix('torch.')} {tuple(s.shape)} on {s.device}; "

@@ -22,15 +22,15 @@ import torch
 
 from .backends import cudnn
 from .checks import (
-    INT32_MAX,
-    as_int32_tensor,
-    check_bool,
-    check_float_dtype,
-    check_int_tensor,
-    check_positive_int,
-    check_tensor,
+    _INT32_MAX,
+    _as_int32_tensor,
+    _check_bool,
+    _check_float_dtype,
+    _check_int_tensor,
+    _check_positive_int,
+    _check_tensor,
 )
-from .config import TOPK_BACKENDS
+from .config import _TOPK_BACKENDS
 from .kernels import triton_unavailable_reason
 from .rows import WindowScores
 
@@ -73,7 +73,7 @@ def _cudnn_topk(
 ) -> torch.Tensor:
     """cuDNN's radix top-k (the only call of that kernel): ``(rows, min(k, S_k))`` int32.
 
-    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision.backends.cudnn.topk_plan`) into
+    Run through cuDNN's ``IndexerTopK`` plan (:func:`dsa_precision.backends.cudnn._topk_plan`) into
     buffers allocated here, as ``indexer_top_k_wrapper`` would run it, without the wrapper's
     per-call staging and cache key: ``scores`` are bound contiguous and 32-byte aligned (a copy
     otherwise, as the wrapper makes), ``seq_lens`` contiguous. Deterministic mode returns each
@@ -83,12 +83,12 @@ def _cudnn_topk(
     """
     rows, sk = scores.shape
     top_k = min(k, sk)
-    if not scores.is_contiguous() or scores.data_ptr() % cudnn.TOPK_INPUT_ALIGN:
+    if not scores.is_contiguous() or scores.data_ptr() % cudnn._TOPK_INPUT_ALIGN:
         scores = scores.clone(memory_format=torch.contiguous_format)
     seq_lens = seq_lens.contiguous()
     device = scores.device
-    with cudnn.device_scope(device):
-        plan = cudnn.topk_plan(scores, seq_lens, top_k, deterministic)
+    with cudnn._device_scope(device):
+        plan = cudnn._topk_plan(scores, seq_lens, top_k, deterministic)
         indices = torch.empty((rows, top_k), dtype=torch.int32, device=device)
         values = torch.empty((rows, top_k), dtype=scores.dtype, device=device)
         workspace = torch.empty(plan.scratch_workspace_bytes(), dtype=torch.uint8, device=device)
@@ -100,15 +100,17 @@ def _cudnn_topk(
     return indices.masked_fill_(~(values > float("-inf")), -1)  # (the kernel reads float32)
 
 
-def resolve_topk_backend(
+def _resolve_topk_backend(
     backend: str, *, device: torch.device, k: int, dtype: torch.dtype
 ) -> Literal["cudnn", "torch"]:
     """``"cudnn"`` or ``"torch"``; an explicit ``"cudnn"`` that cannot run raises."""
-    if backend not in TOPK_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not a top-k backend; use one of {TOPK_BACKENDS}.")
+    if backend not in _TOPK_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is not a top-k backend; use one of {_TOPK_BACKENDS}."
+        )
     if backend == "torch":
         return "torch"
-    reason = cudnn.topk_reason(device, k, dtype)
+    reason = cudnn._topk_reason(device, k, dtype)
     if reason is None:
         return "cudnn"
     if backend == "cudnn":
@@ -149,8 +151,8 @@ def indexer_topk(
         int32 ``(..., k)``: each row's selected key indices in ascending order, ``-1`` in the
         slots that select nothing.
     """
-    deterministic = check_bool("deterministic", deterministic)
-    validate = check_bool("validate", validate)
+    deterministic = _check_bool("deterministic", deterministic)
+    validate = _check_bool("validate", validate)
     name, limit = "seq_lens", "S_k"
     if isinstance(scores, WindowScores):
         if seq_lens is not None:
@@ -160,17 +162,17 @@ def indexer_topk(
         lead, sk = scores.lengths.shape, scores.scores.shape[-1]
         flat = scores.rows_in_place()  # (rows, row stride): DeepGEMM's buffer, no copy
         seq_lens, name, limit = scores.lengths, "WindowScores.lengths", "columns"
-        k = check_positive_int("k", k, high=INT32_MAX)
+        k = _check_positive_int("k", k, high=_INT32_MAX)
     else:
-        scores = check_tensor("scores", scores)
-        check_float_dtype("scores", scores, _SCORE_DTYPES)
+        scores = _check_tensor("scores", scores)
+        _check_float_dtype("scores", scores, _SCORE_DTYPES)
         if scores.ndim < 1:
             raise ValueError("scores must have a key dimension, got a 0-d tensor.")
-        k = check_positive_int("k", k, high=INT32_MAX)
+        k = _check_positive_int("k", k, high=_INT32_MAX)
         lead, sk = scores.shape[:-1], scores.shape[-1]
         flat = scores if scores.ndim == 2 else scores.reshape(lead.numel(), sk)  # rows of keys
         if seq_lens is not None:
-            check_int_tensor("seq_lens", seq_lens, ndim=check_tensor("seq_lens", seq_lens).ndim)
+            _check_int_tensor("seq_lens", seq_lens, ndim=_check_tensor("seq_lens", seq_lens).ndim)
             if seq_lens.shape != lead:
                 raise ValueError(
                     f"seq_lens has shape {tuple(seq_lens.shape)}; expected one length per score "
@@ -183,7 +185,7 @@ def indexer_topk(
     if seq_lens is None:
         lens = torch.full((flat.shape[0],), sk, dtype=torch.int32, device=flat.device)
     else:
-        lens = as_int32_tensor(
+        lens = _as_int32_tensor(
             name,
             seq_lens,
             device=flat.device,
@@ -191,7 +193,7 @@ def indexer_topk(
             high=sk,
             fix=f"each row's valid keys lie in [0, {limit}={sk}]",
         ).reshape(-1)
-    backend = resolve_topk_backend(
+    backend = _resolve_topk_backend(
         backend, device=flat.device, k=min(k, max(sk, 1)), dtype=flat.dtype
     )
     picked = _select_rows(flat, k, lens, deterministic, backend)
@@ -204,7 +206,7 @@ def _select_rows(
     """:func:`indexer_topk` of score rows once its arguments are checked (for
     :mod:`dsa_precision.select`, which checks them once per call, not once per chunk):
     ``scores`` ``(rows, S_k)`` of a score dtype, ``seq_lens`` int32 ``(rows,)`` in ``[0, S_k]`` on
-    their device, ``k`` a positive int, ``backend`` resolved (:func:`resolve_topk_backend`).
+    their device, ``k`` a positive int, ``backend`` resolved (:func:`_resolve_topk_backend`).
     Returns int32 ``(rows, k)``."""
     rows, sk = scores.shape
     if rows == 0 or sk == 0:

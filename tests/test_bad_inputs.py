@@ -22,7 +22,7 @@ from dsa_precision import (
     ue8m0_descale,
 )
 from dsa_precision.engines import Fp8Rule
-from dsa_precision.prepare import as_scoring_operands
+from dsa_precision.prepare import _as_scoring_operands
 
 from .support.configs import CONFIGS
 from .support.fused_attention import fused_indexer_sparse_attention
@@ -167,7 +167,7 @@ ERRORS = [
     # ------------------------------------------------------------- operands vs carriers
     ("operands and carriers", lambda: indexer_scores(FP8_OPS, torch.randn(1, 8, 128)), ValueError, "either ScoringOperands or q, k, weights carriers"),
     ("operands: other precision", lambda: indexer_scores(FP8_OPS, config=BF16), ValueError, r"operands are fp8 but config asks for scoring_precision='bf16'"),
-    ("operands: sm_scale", lambda: as_scoring_operands(FP8_OPS, sm_scale=0.5), ValueError, "sm_scale is part of ScoringOperands"),
+    ("operands: sm_scale", lambda: _as_scoring_operands(FP8_OPS, sm_scale=0.5), ValueError, "sm_scale is part of ScoringOperands"),
     ("varlen: batch 2 operands", varlen(q=prepare_scoring_operands(*qkw(b=2), config=FP8), k=None, weights=None, config=None), ValueError, r"packed operands have batch 1, got q \(2, 8, 32, 128\)"),
     ("varlen: carrier ranks", varlen(q=torch.randn(1, 8, 32, 128)), ValueError, r"packed \(THD\) input expects q \(T_q, H, D\)"),
     # --------------------------------------------------------------------------- backends

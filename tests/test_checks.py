@@ -11,13 +11,13 @@ import torch
 import dsa_precision
 from dsa_precision import IndexerPrecisionConfig, indexer_scores, indexer_select, indexer_topk
 from dsa_precision.checks import (
-    INT32_MAX,
-    as_int32_tensor,
-    check_bool,
-    check_int_fits,
-    check_positive_int,
-    check_real,
-    takes_precision_config,
+    _INT32_MAX,
+    _as_int32_tensor,
+    _check_bool,
+    _check_int_fits,
+    _check_positive_int,
+    _check_real,
+    _takes_precision_config,
 )
 
 from .support.fused_attention import fused_indexer_sparse_attention
@@ -29,10 +29,10 @@ CPU = torch.device("cpu")
 
 
 def test_check_bool_takes_only_bools_and_every_flag_uses_it():
-    assert check_bool("flag", True) is True and check_bool("flag", False) is False
+    assert _check_bool("flag", True) is True and _check_bool("flag", False) is False
     for bad, kind in ((1, "int"), ("yes", "str"), (np.bool_(True), "bool"), (None, "NoneType")):
         with pytest.raises(TypeError, match=rf"flag must be a bool, got .* \({kind}\); pass True"):
-            check_bool("flag", bad)
+            _check_bool("flag", bad)
     # the package's own bool flags share it (one message)
     from dsa_precision import EngineProfile, IndexerPreprocess
     from dsa_precision.engines import DEFAULT_ENGINE
@@ -57,26 +57,26 @@ def test_check_bool_takes_only_bools_and_every_flag_uses_it():
 
 
 def test_check_int_fits_bounds_and_types():
-    assert check_int_fits("n", 7) == 7
-    assert check_int_fits("n", np.int64(7)) == 7 and type(check_int_fits("n", np.int64(7))) is int
-    assert check_int_fits("n", INT32_MAX) == INT32_MAX
+    assert _check_int_fits("n", 7) == 7
+    assert _check_int_fits("n", np.int64(7)) == 7 and type(_check_int_fits("n", np.int64(7))) is int
+    assert _check_int_fits("n", _INT32_MAX) == _INT32_MAX
     with pytest.raises(ValueError, match=r"n=2147483648 is outside \[0, 2147483647\]; fix it"):
-        check_int_fits("n", 2**31, fix="fix it")
+        _check_int_fits("n", 2**31, fix="fix it")
     with pytest.raises(ValueError, match=r"n=-1 is outside \[0, 2147483647\]"):
-        check_int_fits("n", -1)
-    assert check_int_fits("n", 2**40, high=None) == 2**40
+        _check_int_fits("n", -1)
+    assert _check_int_fits("n", 2**40, high=None) == 2**40
     for bad in (True, 3.0, "3", torch.tensor(3)):
         with pytest.raises(TypeError, match=r"n=.* must be a Python int"):
-            check_int_fits("n", bad)
+            _check_int_fits("n", bad)
 
 
 def test_check_positive_int_refuses_floats_even_whole_ones():
-    assert check_positive_int("topk", 3) == 3
+    assert _check_positive_int("topk", 3) == 3
     for bad in (2.7, 2.0, 0, -1, False):
         with pytest.raises(ValueError, match=rf"topk={bad!r} must be a positive integer"):
-            check_positive_int("topk", bad)
+            _check_positive_int("topk", bad)
     with pytest.raises(ValueError, match=r"topk=9 is outside \[1, 8\]"):
-        check_positive_int("topk", 9, high=8)
+        _check_positive_int("topk", 9, high=8)
 
 
 # -------------------------------------------------------------------------- int tensors
@@ -85,7 +85,7 @@ def test_check_positive_int_refuses_floats_even_whole_ones():
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_as_int32_tensor_casts_in_range_values(dtype):
     t = torch.tensor([0, 5, 9], dtype=dtype)
-    got = as_int32_tensor("t", t, device=CPU, validate=True, high=9)
+    got = _as_int32_tensor("t", t, device=CPU, validate=True, high=9)
     assert got.dtype == torch.int32 and got.tolist() == [0, 5, 9]
 
 
@@ -94,13 +94,13 @@ def test_as_int32_tensor_checks_before_the_cast(value):
     """The values an int32 cast would wrap into range (2**32 + 3 -> 3) are reported as given."""
     t = torch.tensor([1, value], dtype=torch.int64)
     with pytest.raises(ValueError, match=rf"t\[1\]={value} is outside \[0, 9\]; the fix"):
-        as_int32_tensor("t", t, device=CPU, validate=True, high=9, fix="the fix")
+        _as_int32_tensor("t", t, device=CPU, validate=True, high=9, fix="the fix")
 
 
 def test_as_int32_tensor_names_a_multi_dim_index():
     t = torch.tensor([[0, 1], [2, 40]])
     with pytest.raises(ValueError, match=r"t\[\(1, 1\)\]=40 is outside \[0, 9\]"):
-        as_int32_tensor("t", t, device=CPU, validate=True, high=9)
+        _as_int32_tensor("t", t, device=CPU, validate=True, high=9)
 
 
 # ------------------------------------------- the entry points: int64 values past int32
@@ -145,7 +145,7 @@ def test_python_offset_past_int32_is_an_error_not_a_torch_crash():
     with pytest.raises(ValueError, match=r"q_causal_offsets=4294967296 is outside \[0, "):
         indexer_scores(q, k, w, config=BF16, q_causal_offsets=2**32)
     # The largest admissible offset still runs: its rows see every key.
-    got = indexer_scores(q, k, w, config=BF16, q_causal_offsets=INT32_MAX - 8)
+    got = indexer_scores(q, k, w, config=BF16, q_causal_offsets=_INT32_MAX - 8)
     assert torch.isfinite(got).all()
 
 
@@ -154,7 +154,7 @@ def test_python_offset_past_int32_is_an_error_not_a_torch_crash():
 
 @pytest.mark.parametrize("good", [0.5, 2, np.float32(0.25), np.float64(1.5), np.int64(3)])
 def test_check_real_accepts_real_numbers(good):
-    assert check_real("x", good) == float(good)
+    assert _check_real("x", good) == float(good)
 
 
 @pytest.mark.parametrize(
@@ -170,14 +170,14 @@ def test_check_real_accepts_real_numbers(good):
 )
 def test_check_real_refuses_what_is_not_a_finite_number(bad, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        check_real("x", bad)
+        _check_real("x", bad)
 
 
 def test_check_real_bounds():
     with pytest.raises(ValueError, match=r"x=0\.0 must be positive"):
-        check_real("x", 0.0, positive=True)
+        _check_real("x", 0.0, positive=True)
     with pytest.raises(ValueError, match="x=-1 must be non-negative"):
-        check_real("x", -1, nonnegative=True)
+        _check_real("x", -1, nonnegative=True)
 
 
 def test_a_string_sm_scale_fails_alike_on_both_precisions():
@@ -235,7 +235,7 @@ def test_every_quantizing_entry_point_takes_the_config(name):
 
 
 def test_removed_keywords_say_what_to_pass_now():
-    @takes_precision_config
+    @_takes_precision_config
     def f(*, config=None):
         return config
 

@@ -7,7 +7,7 @@ import gc
 import torch
 
 from dsa_precision import IndexerPrecisionConfig, indexer_select
-from dsa_precision.devices import DerivedCache, shared_device_tensor
+from dsa_precision.devices import _DerivedCache, _shared_device_tensor
 from dsa_precision.hadamard import hadamard_transform
 
 from .support.configs import CPU
@@ -25,7 +25,7 @@ class _Builds:
 
 
 def test_derived_cache_hits_only_the_same_object_version_and_key():
-    cache = DerivedCache(size=4)
+    cache = _DerivedCache(size=4)
     x = torch.arange(4.0)
     build = _Builds(x)
     first = cache.get(x, "k", build)
@@ -42,7 +42,7 @@ def test_derived_cache_hits_only_the_same_object_version_and_key():
 
 
 def test_derived_cache_misses_a_new_tensor_even_at_a_reused_address():
-    cache = DerivedCache(size=4)
+    cache = _DerivedCache(size=4)
     calls = []
     for value in (1.0, 2.0, 3.0, 4.0):  # each source dies before the next is built
         src = torch.full((8,), value)
@@ -54,7 +54,7 @@ def test_derived_cache_misses_a_new_tensor_even_at_a_reused_address():
 
 
 def test_derived_cache_does_not_remember_inference_tensors_and_builds_normal_ones():
-    cache = DerivedCache(size=4)
+    cache = _DerivedCache(size=4)
     with torch.inference_mode():
         x = torch.ones(3)  # an inference tensor: no version counter to key on
     build = _Builds(x)
@@ -68,7 +68,7 @@ def test_derived_cache_does_not_remember_inference_tensors_and_builds_normal_one
 
 
 def test_derived_cache_keeps_only_its_most_recent_entries():
-    cache = DerivedCache(size=2)
+    cache = _DerivedCache(size=2)
     sources = [torch.full((2,), float(i)) for i in range(3)]
     builds = [_Builds(s) for s in sources]
     for s, b in zip(sources, builds, strict=True):
@@ -81,7 +81,7 @@ def test_derived_cache_keeps_only_its_most_recent_entries():
 def test_shared_device_tensor_is_built_once_per_arguments_outside_inference_mode():
     calls = []
 
-    @shared_device_tensor
+    @_shared_device_tensor
     def ramp(n: int, device: torch.device) -> torch.Tensor:
         calls.append(n)
         return torch.arange(n, device=device)
@@ -117,7 +117,7 @@ def test_select_with_int_offsets_equals_tensor_offsets_and_returns_fresh_picks()
 
 
 def test_derived_cache_lets_the_values_of_a_freed_source_go():
-    cache = DerivedCache(size=8)
+    cache = _DerivedCache(size=8)
     keep = torch.ones(4)
     cache.get(keep, "k", _Builds(keep))
     for _ in range(3):  # per-call sources (THD angles gathered each forward)
@@ -137,12 +137,12 @@ def test_a_graph_capture_bypasses_both_caches(monkeypatch):
 
     calls = []
 
-    @shared_device_tensor
+    @_shared_device_tensor
     def ones(n: int, device: torch.device) -> torch.Tensor:
         calls.append(n)
         return torch.ones(n, device=device)
 
-    cache = DerivedCache(size=4)
+    cache = _DerivedCache(size=4)
     x = torch.ones(2)
     before = ones(2, CPU)
     cached = cache.get(x, "k", _Builds(x))
@@ -160,7 +160,7 @@ def test_hot_path_constants_are_built_once(monkeypatch):
     blocking host-to-device copy: a host synchronisation on every forward)."""
     from dsa_precision.engines import Fp8Rule
     from dsa_precision.preprocess import layer_norm_fp32_ops
-    from dsa_precision.quantize import fp8_descale
+    from dsa_precision.quantize import _fp8_descale
 
     x = torch.randn(4, 128)
     rule = Fp8Rule(scale_ratio="divide", ue8m0_ceil="log2")
@@ -170,7 +170,7 @@ def test_hot_path_constants_are_built_once(monkeypatch):
         return (
             layer_norm_fp32_ops(x, None, None, 1e-6, fma=False),
             hadamard_transform(x, torch.float32, scale_fp32=True),
-            fp8_descale(amax, rule),
+            _fp8_descale(amax, rule),
         )
 
     first = run()

@@ -307,19 +307,19 @@ def test_readme_names_the_public_api():
 
 
 def test_command_lines_parse():
-    from dsa_precision.cli import COMMANDS, build_parser
+    from dsa_precision.cli import _COMMANDS, _build_parser
 
-    parser = build_parser()
+    parser = _build_parser()
     seen = set()
     for doc in ("README.md", "docs/megatron.md"):
         for line in re.findall(r"python -m dsa_precision [^`\n#]*", (ROOT / doc).read_text()):
             argv = shlex.split(line)[3:]
             if not argv or argv[0].startswith("{"):
                 continue  # the synopsis, "python -m dsa_precision {demo,agree,bench}"
-            assert argv[0] in COMMANDS, line
+            assert argv[0] in _COMMANDS, line
             parser.parse_args(argv)
             seen.add(argv[0])
-    assert seen == set(COMMANDS)
+    assert seen == set(_COMMANDS)
 
 
 def test_readme_make_targets_are_what_ci_runs():

@@ -14,7 +14,7 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, EngineProfile, IndexerPrecisionConfig, quantize_fp8
 from dsa_precision.engines import DEFAULT_ENGINE, Fp8Rule
-from dsa_precision.prepare import fold_head_weights
+from dsa_precision.prepare import _fold_head_weights
 
 PROFILES = sorted(ENGINE_PROFILES)
 
@@ -143,7 +143,7 @@ def test_head_weight_fold_matches_the_engine_order(name):
     for heads in (32, 64):
         w = torch.randn(5, heads, generator=g).to(torch.bfloat16).float()
         qs = torch.rand(5, heads, generator=g) * 2.0 ** torch.randint(-20, -5, (5, heads))
-        got = fold_head_weights(w, qs, engine.weights_fold, n_heads=heads, head_dim=128)
+        got = _fold_head_weights(w, qs, engine.weights_fold, n_heads=heads, head_dim=128)
         constants = {
             "Ds": f32(Fraction(128**-0.5)),
             "Hs": f32(Fraction(heads**-0.5)),
@@ -164,7 +164,7 @@ def test_fold_orders_differ_where_h_is_not_a_power_of_four():
     w = torch.randn(64, 32).to(torch.bfloat16).float()
     qs = torch.full((64, 32), 0.37)  # SGLang's plain scales are not powers of two
     folds = {
-        steps: fold_head_weights(w, qs, steps, n_heads=32, head_dim=128)
+        steps: _fold_head_weights(w, qs, steps, n_heads=32, head_dim=128)
         for steps in (("Ds", "Hs", "qs"), ("DsHs", "qs"), ("Hs", "qs", "Ds"))
     }
     values = list(folds.values())

@@ -11,15 +11,15 @@ def _python_pairwise(values: list[float]) -> float:
 
 
 def test_pairwise_sum_has_a_fixed_order():
-    from dsa_precision.exact_math import pairwise_sum
+    from dsa_precision.exact_math import _pairwise_sum
 
     x = torch.randn(6, 128, dtype=torch.float64) * torch.logspace(-30, 30, 128, dtype=torch.float64)
-    got = pairwise_sum(x)[:, 0].tolist()
+    got = _pairwise_sum(x)[:, 0].tolist()
     assert got == [_python_pairwise(row) for row in x.tolist()]
     # An order-dependent sum: the tree cancels 1 - 1 first, so the tiny term survives.
     v = torch.zeros(128, dtype=torch.float64)
     v[0], v[1], v[2] = 1.0, -1.0, 2.0**-60
-    assert pairwise_sum(v).item() == 2.0**-60
+    assert _pairwise_sum(v).item() == 2.0**-60
 
 
 def test_layer_norm_fp32_is_layout_independent():
@@ -112,28 +112,28 @@ def _warp_sum(values, *, squares: bool, fma: bool):
 
 @pytest.mark.parametrize("fma", [False, True])
 def test_triton_block_sum_is_tritons_reduction_order(fma):
-    from dsa_precision.exact_math import pairwise_sum, triton_block_sum
+    from dsa_precision.exact_math import _pairwise_sum, _triton_block_sum
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 128, generator=g) * 2.0 ** torch.randint(-12, 12, (6, 128), generator=g)
-    sums = triton_block_sum(x)[:, 0]
-    squares = triton_block_sum(x, squares_of=x, fma=fma)[:, 0]
+    sums = _triton_block_sum(x)[:, 0]
+    squares = _triton_block_sum(x, squares_of=x, fma=fma)[:, 0]
     for i in range(6):
         assert sums[i].item() == _warp_sum(x[i].tolist(), squares=False, fma=fma)
         assert squares[i].item() == _warp_sum(x[i].tolist(), squares=True, fma=fma)
-    assert not torch.equal(sums, pairwise_sum(x)[:, 0])  # another order, other bits
+    assert not torch.equal(sums, _pairwise_sum(x)[:, 0])  # another order, other bits
     with pytest.raises(ValueError, match="128-wide"):
-        triton_block_sum(torch.ones(2, 64))
+        _triton_block_sum(torch.ones(2, 64))
 
 
 @pytest.mark.parametrize("fma", [False, True])
 def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
     """layer_norm_fp32_ops against the float32 operations written out (CPU rsqrt: 1 / sqrt)."""
     from dsa_precision.exact_math import (
+        _triton_block_sum,
         fma_fp32,
         layer_norm_fp32,
         layer_norm_fp32_ops,
-        triton_block_sum,
     )
 
     g = torch.Generator().manual_seed(6)
@@ -141,9 +141,9 @@ def test_layer_norm_fp32_ops_is_the_engines_float32_sequence(fma):
     w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
     b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
     got = layer_norm_fp32_ops(x, w, b, 1e-6, fma=fma)
-    mean = triton_block_sum(x) / 128
+    mean = _triton_block_sum(x) / 128
     d = x - mean
-    var = triton_block_sum(d, squares_of=d, fma=fma) / 128
+    var = _triton_block_sum(d, squares_of=d, fma=fma) / 128
     root = torch.sqrt((var + torch.tensor(1e-6, dtype=torch.float32)).double()).float()  # IEEE
     y = d * (1 / root)
     want = fma_fp32(y, w.float(), b.float()) if fma else y * w.float() + b.float()
@@ -203,21 +203,21 @@ def _cuda_warp_layer_norm(values, w, b, eps, *, fma: bool, up: bool = False):
 def test_layer_norm_fp32_warp_up_is_flashinfers_kernel_sequence(fma):
     """butterfly_up: the same simulation with the lanes' steps 1 ... 16; other bits than 16 ... 1
     on some rows (the profile's "fp32-warp-up" is a rule of its own)."""
-    from dsa_precision.exact_math import layer_norm_fp32_warp, warp_block_sum
+    from dsa_precision.exact_math import _layer_norm_fp32_warp, _warp_block_sum
 
     g = torch.Generator().manual_seed(9)
     x = torch.randn(24, 128, generator=g) * 2.0 ** torch.randint(-6, 6, (24, 128), generator=g)
     x = (x + 3).to(torch.bfloat16).float()
     w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
     b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
-    got = layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma, butterfly_up=True)
+    got = _layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma, butterfly_up=True)
     for i in range(x.shape[0]):
         want = _cuda_warp_layer_norm(
             x[i].tolist(), w.float().tolist(), b.float().tolist(), 1e-6, fma=fma, up=True
         )
         assert got[i].tolist() == want, i
     r = torch.randn(64, 128, generator=g)
-    assert not torch.equal(warp_block_sum(r, butterfly_up=True), warp_block_sum(r))
+    assert not torch.equal(_warp_block_sum(r, butterfly_up=True), _warp_block_sum(r))
 
 
 @pytest.mark.parametrize("fma", [False, True])
@@ -225,10 +225,10 @@ def test_layer_norm_fp32_warp_is_sglangs_kernel_sequence(fma):
     """layer_norm_fp32_warp (and warp_block_sum) against the scalar simulation of SGLang's fused
     key kernel as compiled; a different order from Triton's tree (layer_norm_fp32_ops)."""
     from dsa_precision.exact_math import (
+        _layer_norm_fp32_warp,
+        _triton_block_sum,
+        _warp_block_sum,
         layer_norm_fp32_ops,
-        layer_norm_fp32_warp,
-        triton_block_sum,
-        warp_block_sum,
     )
 
     g = torch.Generator().manual_seed(8)
@@ -236,17 +236,17 @@ def test_layer_norm_fp32_warp_is_sglangs_kernel_sequence(fma):
     x = (x + 3).to(torch.bfloat16).float()
     w = (1 + 0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
     b = (0.2 * torch.randn(128, generator=g)).to(torch.bfloat16)
-    got = layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma)
+    got = _layer_norm_fp32_warp(x, w, b, 1e-6, fma=fma)
     for i in range(x.shape[0]):
         want = _cuda_warp_layer_norm(
             x[i].tolist(), w.float().tolist(), b.float().tolist(), 1e-6, fma=fma
         )
         assert got[i].tolist() == want, i
     r = torch.randn(24, 128, generator=g)  # other orders, other bits
-    assert not torch.equal(warp_block_sum(r, squares_of=r), triton_block_sum(r, squares_of=r))
+    assert not torch.equal(_warp_block_sum(r, squares_of=r), _triton_block_sum(r, squares_of=r))
     assert not torch.equal(got, layer_norm_fp32_ops(x, w, b, 1e-6, fma=fma))
     with pytest.raises(ValueError, match="128-wide"):
-        warp_block_sum(torch.ones(2, 64))
+        _warp_block_sum(torch.ones(2, 64))
 
 
 def test_rsqrt_fp32_on_the_cpu_is_the_ieee_root_and_division():

@@ -16,11 +16,11 @@ import torch
 
 from dsa_precision import ENGINE_PROFILES, vllm_legacy_profile
 from dsa_precision.exact_math import (
-    DIV_FULL_ONE_THIRD,
+    _DIV_FULL_ONE_THIRD,
+    _triton_block_sum,
     inductor_block_sum,
     layer_norm_fp32_ops,
     layer_norm_fp32_welford,
-    triton_block_sum,
 )
 from dsa_precision.kernels.preprocess_quantize import _LN_ARITH
 
@@ -51,7 +51,7 @@ def _scalar_lanes(x: list[float]) -> list[tuple[float, float]]:
     for lane in range(32):
         e = x[4 * lane : 4 * lane + 4]
         mean, m2 = e[0], 0.0
-        for i, r in ((1, 0.5), (2, DIV_FULL_ONE_THIRD), (3, 0.25)):
+        for i, r in ((1, 0.5), (2, _DIV_FULL_ONE_THIRD), (3, 0.25)):
             delta = _f(e[i] - mean)
             mean, m2 = _fma(r, delta, mean), _fma(r, _f(_f(delta * delta) * i), m2)
         state.append((mean, m2))
@@ -173,8 +173,8 @@ def test_the_three_reductions_add_in_different_orders():
     r = torch.randn(64, 128, generator=g) * 2.0 ** torch.randint(-8, 8, (64, 128), generator=g)
     sums = {xb: inductor_block_sum(r, xblock=xb)[:, 0] for xb in (1, 8)}
     assert not torch.equal(sums[1], sums[8])
-    assert not torch.equal(sums[1], triton_block_sum(r)[:, 0])
-    assert not torch.equal(sums[8], triton_block_sum(r)[:, 0])
+    assert not torch.equal(sums[1], _triton_block_sum(r)[:, 0])
+    assert not torch.equal(sums[8], _triton_block_sum(r)[:, 0])
     for xb, got in sums.items():
         for row in range(0, 64, 7):
             assert got[row].item() == _scalar_persistent_sum(r[row].tolist(), xb, False), (xb, row)
@@ -185,7 +185,7 @@ def test_the_three_reductions_add_in_different_orders():
     with pytest.raises(ValueError, match="128-wide"):
         inductor_block_sum(torch.ones(2, 64), xblock=8)
     with pytest.raises(ValueError, match="powers of two"):
-        triton_block_sum(r, distances=(1, 2, 4, 8, 16, 32, 32))
+        _triton_block_sum(r, distances=(1, 2, 4, 8, 16, 32, 32))
 
 
 def test_vllm_legacy_profile_follows_the_size_vllm_compiled_for():

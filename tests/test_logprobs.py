@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsa_precision.logprobs import (
-    CLIP_RANGES,
-    LOGPROB_HEADERS,
-    logprob_cells,
-    logprob_headers,
-    logprob_mismatch_stats,
-    shifted_labels,
-    token_logprobs,
+    _CLIP_RANGES,
+    _LOGPROB_HEADERS,
+    _logprob_cells,
+    _logprob_headers,
+    _logprob_mismatch_stats,
+    _shifted_labels,
+    _token_logprobs,
 )
 
 # ------------------------------------------------------------------------------ token_logprobs
@@ -30,7 +30,7 @@ def test_token_logprobs_are_log_softmax_at_the_label(dtype):
     logits = (3 * torch.randn(2, 7, 11, generator=g)).to(dtype)
     labels = torch.randint(0, 11, (2, 7), generator=g)
     want = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
-    got = token_logprobs(logits, labels)
+    got = _token_logprobs(logits, labels)
     assert got.dtype == torch.float32 and got.shape == (2, 7)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # by hand, one token: logit of the label minus log sum exp of the row
@@ -45,19 +45,19 @@ def test_token_logprobs_in_chunks_equal_one_chunk_and_ignore_bad_labels():
     logits = torch.randn(5, 9, 13, generator=g)
     labels = torch.randint(0, 13, (5, 9), generator=g)
     labels[0, 0], labels[4, 8] = -100, 13  # ignored positions: 0, to be masked by the caller
-    whole = token_logprobs(logits, labels)
-    chunked = token_logprobs(logits, labels, chunk_bytes=13 * 4 * 3)  # 3 rows a chunk
+    whole = _token_logprobs(logits, labels)
+    chunked = _token_logprobs(logits, labels, chunk_bytes=13 * 4 * 3)  # 3 rows a chunk
     assert torch.equal(whole, chunked)
     assert whole[0, 0] == 0 and whole[4, 8] == 0
 
 
 def test_token_logprobs_refuses_mismatched_shapes_and_dtypes():
     with pytest.raises(ValueError, match=r"logits has shape \(2, 3, 5\) and labels \(2, 4\)"):
-        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.int64))
+        _token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"labels has dtype torch\.float32"):
-        token_logprobs(torch.zeros(2, 5), torch.zeros(2))
+        _token_logprobs(torch.zeros(2, 5), torch.zeros(2))
     with pytest.raises(TypeError, match=r"logits has dtype torch\.int64"):
-        token_logprobs(torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+        _token_logprobs(torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
 
 
 # ------------------------------------------------------------------------------ shifted_labels
@@ -65,14 +65,14 @@ def test_token_logprobs_refuses_mismatched_shapes_and_dtypes():
 
 def test_shifted_labels_bshd_and_packed():
     tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    labels, mask = shifted_labels(tokens)
+    labels, mask = _shifted_labels(tokens)
     assert labels[:, :-1].tolist() == [[2, 3, 4], [6, 7, 8]]
     assert mask.tolist() == [[True, True, True, False]] * 2
     packed = torch.tensor([1, 2, 3, 4, 5, 6])
-    labels, mask = shifted_labels(packed, cu_seqlens=torch.tensor([0, 2, 2, 6]))
+    labels, mask = _shifted_labels(packed, cu_seqlens=torch.tensor([0, 2, 2, 6]))
     assert labels[mask].tolist() == [2, 4, 5, 6]  # sequence 0: 1 -> 2; sequence 2: 3 -> 4 ...
     assert mask.tolist() == [True, False, True, True, True, False]
-    labels, mask = shifted_labels(packed[None], cu_seqlens=torch.tensor([0, 6]))
+    labels, mask = _shifted_labels(packed[None], cu_seqlens=torch.tensor([0, 6]))
     assert mask.shape == (1, 6) and not mask[0, 5] and mask[0, :5].all()
 
 
@@ -81,11 +81,11 @@ def test_shifted_labels_bshd_and_packed():
 
 def test_equal_log_probs_give_exactly_zero_everywhere():
     lp = -torch.rand(3, 10) * 5
-    m = logprob_mismatch_stats(lp, lp.clone())
+    m = _logprob_mismatch_stats(lp, lp.clone())
     assert m.tokens == 30 and m.tokens_differing == 0 and m.sequences == 3
     assert (m.abs_mean, m.abs_p99, m.abs_max, m.delta_mean, m.kl_k3) == (0, 0, 0, 0, 0)
     assert m.kl_k3_max_sequence == 0
-    assert set(m.clipped) == set(CLIP_RANGES) and all(v == 0 for v in m.clipped.values())
+    assert set(m.clipped) == set(_CLIP_RANGES) and all(v == 0 for v in m.clipped.values())
 
 
 def test_hand_computed_case():
@@ -95,7 +95,7 @@ def test_hand_computed_case():
     )
     rollout = torch.full((2, 4), -2.0, dtype=torch.float64)
     mask = torch.tensor([[True, True, True, True], [True, True, True, False]])  # 5.0 left out
-    m = logprob_mismatch_stats(rollout + delta, rollout, mask=mask)
+    m = _logprob_mismatch_stats(rollout + delta, rollout, mask=mask)
     compared = [0.0, 0.1, -0.1, 0.2, math.log(1.25), math.log(0.85), 0.0]
     assert m.tokens == 7 and m.tokens_differing == 5 and m.sequences == 2
     assert m.abs_max == pytest.approx(math.log(1.25))
@@ -118,11 +118,11 @@ def test_hand_computed_case():
 
 def test_packed_sequences_average_per_sequence():
     delta = torch.tensor([0.3, 0.3, 0.3, -0.1], dtype=torch.float64)  # sequences of 3 and 1
-    m = logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
+    m = _logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
                                cu_seqlens=torch.tensor([0, 3, 4]))  # fmt: skip
     assert m.sequences == 2
     assert m.delta_mean == pytest.approx((0.3 + -0.1) / 2)  # not the token mean, 0.2
-    empty = logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
+    empty = _logprob_mismatch_stats(delta, torch.zeros(4, dtype=torch.float64),
                                    cu_seqlens=torch.tensor([0, 3, 3, 4]))  # fmt: skip
     assert empty.sequences == 2 and empty.delta_mean == pytest.approx(0.1)
 
@@ -130,35 +130,35 @@ def test_packed_sequences_average_per_sequence():
 def test_k3_is_accurate_for_tiny_deltas():
     """exp(d) - 1 - d ~ d^2 / 2: computed as expm1(d) - d, it keeps its digits at d = 1e-6."""
     d = torch.tensor([[1e-6]], dtype=torch.float64)
-    m = logprob_mismatch_stats(d, torch.zeros_like(d))
+    m = _logprob_mismatch_stats(d, torch.zeros_like(d))
     assert m.kl_k3 == pytest.approx(0.5e-12, rel=1e-5)
 
 
 def test_stats_refuse_bad_arguments():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"shape \(2, 3\) but rollout_logprobs \(3, 2\)"):
-        logprob_mismatch_stats(lp, torch.zeros(3, 2))
+        _logprob_mismatch_stats(lp, torch.zeros(3, 2))
     with pytest.raises(ValueError, match="pass a bool mask"):
-        logprob_mismatch_stats(lp, lp, mask=torch.ones(2, 3))
+        _logprob_mismatch_stats(lp, lp, mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"clip_ranges\['odd'\] = \(1.5, 0.2\)"):
-        logprob_mismatch_stats(lp, lp, clip_ranges={"odd": (1.5, 0.2)})
+        _logprob_mismatch_stats(lp, lp, clip_ranges={"odd": (1.5, 0.2)})
     with pytest.raises(ValueError, match="end at the 6 tokens"):
-        logprob_mismatch_stats(lp, lp, cu_seqlens=torch.tensor([0, 5]))
+        _logprob_mismatch_stats(lp, lp, cu_seqlens=torch.tensor([0, 5]))
     bad = lp.clone()
     bad[1, 2] = float("-inf")
     with pytest.raises(
         ValueError, match=r"1 compared tokens have a non-finite log-prob .*\(1, 2\)"
     ):
-        logprob_mismatch_stats(bad, lp)
+        _logprob_mismatch_stats(bad, lp)
     mask = torch.ones(2, 3, dtype=torch.bool)
     mask[1, 2] = False  # masked out: not compared, no error
-    assert logprob_mismatch_stats(bad, lp, mask=mask).tokens == 5
+    assert _logprob_mismatch_stats(bad, lp, mask=mask).tokens == 5
 
 
 def test_cells_follow_the_headers():
-    m = logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2))
-    cells = logprob_cells(m)
-    assert len(cells) == len(LOGPROB_HEADERS)
+    m = _logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2))
+    cells = _logprob_cells(m)
+    assert len(cells) == len(_LOGPROB_HEADERS)
     assert cells[-1] == "1/2" and cells[5] == "50.00 %"  # 0.5 -> ratio 1.65, clipped at 0.2
 
 
@@ -186,7 +186,7 @@ def log_prob_pairs(draw):
 @given(log_prob_pairs())
 def test_stats_match_plain_python(pair):
     train, rollout, mask = pair
-    m = logprob_mismatch_stats(train, rollout, mask=mask)
+    m = _logprob_mismatch_stats(train, rollout, mask=mask)
     deltas = [
         [t - r for t, r, k in zip(trow, rrow, krow, strict=True) if k]
         for trow, rrow, krow in zip(train.tolist(), rollout.tolist(), mask.tolist(), strict=True)
@@ -208,7 +208,7 @@ def test_stats_match_plain_python(pair):
     k3 = [sum(math.exp(d) - 1 - d for d in r) / len(r) for r in rows]
     assert m.kl_k3 == pytest.approx(sum(k3) / len(k3), rel=1e-9, abs=1e-15)
     assert m.kl_k3 >= 0 and m.kl_k3_max_sequence == pytest.approx(max(k3), rel=1e-9, abs=1e-15)
-    for name, (low, high) in CLIP_RANGES.items():
+    for name, (low, high) in _CLIP_RANGES.items():
         outside = sum(math.exp(d) < 1 - low or math.exp(d) > 1 + high for d in flat)
         assert m.clipped[name] == pytest.approx(outside / len(flat)), name
 
@@ -218,8 +218,8 @@ def test_packed_layout_of_the_same_rows_gives_the_same_figures(pair):
     """The rows of a BSHD batch, packed end to end with their cu_seqlens: the same statistics."""
     train, rollout, mask = pair
     b, s = train.shape
-    bshd = logprob_mismatch_stats(train, rollout, mask=mask)
-    thd = logprob_mismatch_stats(train.reshape(-1), rollout.reshape(-1), mask=mask.reshape(-1),
+    bshd = _logprob_mismatch_stats(train, rollout, mask=mask)
+    thd = _logprob_mismatch_stats(train.reshape(-1), rollout.reshape(-1), mask=mask.reshape(-1),
                                  cu_seqlens=torch.arange(b + 1) * s)  # fmt: skip
     assert thd.tokens == bshd.tokens and thd.sequences == bshd.sequences
     for field in ("abs_mean", "abs_p99", "abs_max", "delta_mean", "kl_k3", "kl_k3_max_sequence"):
@@ -251,7 +251,7 @@ def packed_batches(draw):
 @given(packed_batches(), st.sampled_from([torch.int32, torch.int64]))
 def test_packed_statistics_are_per_sequence_as_computed_directly(batch, dtype):
     train, rollout, mask, cu = batch
-    m = logprob_mismatch_stats(train, rollout, mask=mask, cu_seqlens=torch.tensor(cu, dtype=dtype))
+    m = _logprob_mismatch_stats(train, rollout, mask=mask, cu_seqlens=torch.tensor(cu, dtype=dtype))
     deltas = [t - r for t, r in zip(train.tolist(), rollout.tolist(), strict=True)]
     keep = mask.tolist()
     sequences = [[deltas[i] for i in range(a, b) if keep[i]] for a, b in itertools.pairwise(cu)]
@@ -296,8 +296,8 @@ def test_packed_boundaries_that_do_not_cover_the_tokens_are_refused(batch, data)
         return  # end_short of an empty batch: nothing to break
     tokens = torch.arange(total)
     for call in (
-        lambda: logprob_mismatch_stats(train, rollout, cu_seqlens=cu_t),
-        lambda: shifted_labels(tokens, cu_seqlens=cu_t),
+        lambda: _logprob_mismatch_stats(train, rollout, cu_seqlens=cu_t),
+        lambda: _shifted_labels(tokens, cu_seqlens=cu_t),
     ):
         with pytest.raises(ValueError, match=r"cu_seqlens (=|is a)"):
             call()
@@ -313,7 +313,7 @@ def test_shifted_labels_never_cross_a_sequence_boundary(lengths, data):
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    labels, mask = shifted_labels(tokens, cu_seqlens=torch.tensor(cu))
+    labels, mask = _shifted_labels(tokens, cu_seqlens=torch.tensor(cu))
     want_mask = [t + 1 < b for a, b in itertools.pairwise(cu) for t in range(a, b)]
     assert mask.tolist() == want_mask
     values = tokens.tolist()
@@ -327,14 +327,14 @@ def test_a_comparison_of_no_token_is_nan_never_a_match():
     other = lp.clone()
     other[0, 1] = 0.5  # the rows differ: a report of 0 would hide it
     for m in (
-        logprob_mismatch_stats(lp, other, mask=torch.zeros(2, 3, dtype=torch.bool)),
-        logprob_mismatch_stats(torch.zeros(0), torch.zeros(0)),
-        logprob_mismatch_stats(torch.zeros(2, 0), torch.zeros(2, 0)),
+        _logprob_mismatch_stats(lp, other, mask=torch.zeros(2, 3, dtype=torch.bool)),
+        _logprob_mismatch_stats(torch.zeros(0), torch.zeros(0)),
+        _logprob_mismatch_stats(torch.zeros(2, 0), torch.zeros(2, 0)),
     ):
         assert m.tokens == 0 and m.sequences == 0
         figures = (m.abs_mean, m.abs_p99, m.abs_max, m.delta_mean, m.kl_k3, *m.clipped.values())
         assert all(math.isnan(v) for v in figures), m
-        assert logprob_cells(m)[0] == "nan" and logprob_cells(m)[-1] == "0/0"
+        assert _logprob_cells(m)[0] == "nan" and _logprob_cells(m)[-1] == "0/0"
 
 
 @pytest.mark.parametrize(
@@ -352,24 +352,24 @@ def test_a_comparison_of_no_token_is_nan_never_a_match():
 def test_clip_ranges_of_the_wrong_type_are_named(clip_ranges, error, match):
     lp = torch.zeros(1, 2)
     with pytest.raises(error, match=match):
-        logprob_mismatch_stats(lp, lp, clip_ranges=clip_ranges)
+        _logprob_mismatch_stats(lp, lp, clip_ranges=clip_ranges)
 
 
 def test_custom_clip_ranges_get_their_own_columns():
-    m = logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2),
+    m = _logprob_mismatch_stats(torch.tensor([[0.0, 0.5]]), torch.zeros(1, 2),
                                clip_ranges={"wide": (0.5, 1.0), "ppo_0.1": (0.1, 0.1)})  # fmt: skip
-    headers = logprob_headers(tuple(m.clipped))
-    cells = logprob_cells(m)
+    headers = _logprob_headers(tuple(m.clipped))
+    cells = _logprob_cells(m)
     assert headers[5:7] == ("clip wide", "clip 0.1") and len(cells) == len(headers)
     assert cells[5:7] == ["0.00 %", "50.00 %"]  # exp(0.5) = 1.65: inside [0.5, 2], outside 1.1
     with pytest.raises(ValueError, match=r"no clip range 'ppo_0.2' \(they have \['ppo_0.1', "):
-        logprob_cells(m, ("ppo_0.2",))
+        _logprob_cells(m, ("ppo_0.2",))
 
 
 def test_token_logprobs_refuses_an_empty_vocabulary_and_bad_chunks():
     labels = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"an empty vocabulary \(V = 0\)"):
-        token_logprobs(torch.zeros(2, 3, 0), labels)
+        _token_logprobs(torch.zeros(2, 3, 0), labels)
     with pytest.raises(ValueError, match="chunk_bytes=0 must be a positive integer"):
-        token_logprobs(torch.zeros(2, 3, 5), labels, chunk_bytes=0)
-    assert token_logprobs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64)).shape == (0,)
+        _token_logprobs(torch.zeros(2, 3, 5), labels, chunk_bytes=0)
+    assert _token_logprobs(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64)).shape == (0,)

@@ -82,13 +82,13 @@ def test_command_line_lists_and_parses_its_commands(capsys):
     )
     assert out.returncode == 0, out.stderr
     assert "not available in this build" not in out.stdout, out.stdout
-    from dsa_precision.cli import COMMANDS, build_parser, main
+    from dsa_precision.cli import _COMMANDS, _build_parser, main
 
-    assert set(COMMANDS) == {"demo", "agree", "bench"}
-    for command in COMMANDS:
+    assert set(_COMMANDS) == {"demo", "agree", "bench"}
+    for command in _COMMANDS:
         assert command in out.stdout, out.stdout
         with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args([command, "--help"])
+            _build_parser().parse_args([command, "--help"])
         assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out, command
     with pytest.raises(SystemExit) as exit_:
         main(["frobnicate"])

@@ -21,8 +21,8 @@ from dsa_precision import (
 )
 from dsa_precision.config import ScoringPrecision
 from dsa_precision.engines import DEFAULT_ENGINE
-from dsa_precision.prepare import _engine_lanes, _kernel_rope_tables, as_scoring_operands
-from dsa_precision.preprocess import indexer_head_weights
+from dsa_precision.prepare import _as_scoring_operands, _engine_lanes, _kernel_rope_tables
+from dsa_precision.preprocess import _indexer_head_weights
 from dsa_precision.rope import rope_tables
 
 from .support.configs import BF16, CPU, FP8
@@ -142,9 +142,9 @@ def test_precisions_really_differ():
 def test_as_scoring_operands_passes_operands_through_and_prepares_carriers():
     q, k, w = scoring_carriers()
     ops = prepare_scoring_operands(q, k, w, config=FP8)
-    assert as_scoring_operands(ops) is ops
-    assert as_scoring_operands(ops, config=FP8) is ops
-    again = as_scoring_operands(q, k, w, config=FP8)
+    assert _as_scoring_operands(ops) is ops
+    assert _as_scoring_operands(ops, config=FP8) is ops
+    again = _as_scoring_operands(q, k, w, config=FP8)
     assert_bitwise_equal(again.weights, ops.weights, "carriers prepared")
 
 
@@ -160,7 +160,7 @@ def test_indexer_operands_bf16_are_preprocess_then_rounding(rope_fp32):
     config = IndexerPrecisionConfig(rope_fp32=rope_fp32, scoring_precision="bf16")
     got = prepare_indexer_operands(pre, q, k, w, freqs, config=config, sm_scale=0.5, impl="torch")
     qq, kk = pre(q, k, freqs)
-    ww = indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
+    ww = _indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
     want = prepare_scoring_operands(
         qq.transpose(0, 1), kk.transpose(0, 1), ww.transpose(0, 1), config=BF16,
         sm_scale=0.5,

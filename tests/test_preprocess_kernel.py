@@ -16,7 +16,7 @@ from dsa_precision import (
     quantize_e4m3_ue8m0,
 )
 from dsa_precision import prepare as prepare_module
-from dsa_precision.prepare import fused_unsupported_reason
+from dsa_precision.prepare import _fused_unsupported_reason
 
 from .support.configs import FP8, ROOT
 from .support.helpers import assert_bitwise_equal, indexer_projections, scoring_carriers
@@ -118,17 +118,17 @@ def test_fused_kernel_reasons(monkeypatch):
     pre, q, k, w, freqs = indexer_projections()
     fp8 = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="fp8")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "on cpu" in fused_unsupported_reason(pre, q, k, w, config=fp8)
+    assert "on cpu" in _fused_unsupported_reason(pre, q, k, w, config=fp8)
     with pytest.raises(RuntimeError, match=r"impl='triton' cannot build these operands.*on cpu"):
         prepare_indexer_operands(pre, q, k, w, freqs, config=fp8, impl="triton")
     bf16 = IndexerPrecisionConfig(rope_fp32=True, scoring_precision="bf16")
-    assert "BF16" in fused_unsupported_reason(pre, q, k, w, config=bf16)
+    assert "BF16" in _fused_unsupported_reason(pre, q, k, w, config=bf16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the case checks
     half = [t.to(torch.float16) for t in (q, k, w)]
-    assert "float16" in fused_unsupported_reason(pre, *half, config=fp8)
+    assert "float16" in _fused_unsupported_reason(pre, *half, config=fp8)
     rms = IndexerPreprocess(128, 64, rope_fp32=True, k_norm=torch.nn.RMSNorm(128))
-    assert "RMSNorm" in fused_unsupported_reason(rms, q, k, w, config=fp8)
+    assert "RMSNorm" in _fused_unsupported_reason(rms, q, k, w, config=fp8)
     plain = IndexerPreprocess(128, 64, rope_fp32=False, rotate_activation=True)
     monkeypatch.setattr(preprocess_kernel, "HAVE_FAST_HADAMARD", True)
     cfg = IndexerPrecisionConfig(rope_fp32=False, scoring_precision="fp8")
-    assert "fast_hadamard_transform" in fused_unsupported_reason(plain, q, k, w, config=cfg)
+    assert "fast_hadamard_transform" in _fused_unsupported_reason(plain, q, k, w, config=cfg)

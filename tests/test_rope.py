@@ -12,7 +12,7 @@ def _positions_reference(cu: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("cu", [[0, 5], [0, 3, 3, 10], [0, 1, 2, 3, 4], [0, 7, 8, 16]])
 def test_thd_token_freqs_restarts_positions_per_sequence(cu):
-    from dsa_precision.preprocess import thd_token_freqs
+    from dsa_precision.preprocess import _thd_token_freqs
 
     freqs = torch.randn(9, 1, 1, 8)
     cu_t = torch.tensor(cu, dtype=torch.int32)
@@ -21,31 +21,31 @@ def test_thd_token_freqs_restarts_positions_per_sequence(cu):
     for total in (None, cu[-1]):
         if want is None:
             with pytest.raises(ValueError, match="freqs covers 9 positions but a packed sequence"):
-                thd_token_freqs(freqs, cu_t, total)
+                _thd_token_freqs(freqs, cu_t, total)
             continue
-        got = thd_token_freqs(freqs, cu_t, total)
+        got = _thd_token_freqs(freqs, cu_t, total)
         assert torch.equal(got, want), (cu, total)
     table = torch.randn(cu[-1], 1, 1, 8)  # one row per packed token: used as is
-    assert thd_token_freqs(table, cu_t, cu[-1]) is table
+    assert _thd_token_freqs(table, cu_t, cu[-1]) is table
 
 
 def test_thd_token_freqs_checks_host_lengths_against_the_rows():
-    from dsa_precision.preprocess import thd_token_freqs
+    from dsa_precision.preprocess import _thd_token_freqs
 
     freqs = torch.randn(8, 1, 1, 8)
     with pytest.raises(ValueError, match=r"packs 6 tokens but the input has 7 packed rows"):
-        thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 7)
+        _thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 7)
     # more packed tokens than rows (a padded tail past the input): the first rows' angles
-    assert torch.equal(thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 3), freqs[[0, 1, 0]])
+    assert torch.equal(_thd_token_freqs(freqs, torch.tensor([0, 2, 6]), 3), freqs[[0, 1, 0]])
     with pytest.raises(ValueError, match="total=-1 must be a positive integer"):
-        thd_token_freqs(freqs, torch.tensor([0, 2]), -1)
+        _thd_token_freqs(freqs, torch.tensor([0, 2]), -1)
 
 
 def test_thd_token_freqs_of_no_rows_and_a_models_own_rope_with_padded_rows():
-    from dsa_precision.preprocess import IndexerPreprocess, thd_token_freqs
+    from dsa_precision.preprocess import IndexerPreprocess, _thd_token_freqs
 
     freqs = torch.randn(4, 1, 1, 16)
-    assert thd_token_freqs(freqs, torch.tensor([0]), 0).shape == (0, 1, 1, 16)
+    assert _thd_token_freqs(freqs, torch.tensor([0]), 0).shape == (0, 1, 1, 16)
     # A model's own RoPE (rope_fn) takes freqs and cu_seqlens itself: rows past cu_seqlens[-1]
     # (padding) are its business, no per-token table is built.
     seen = []
@@ -132,11 +132,11 @@ def test_engine_rope_cache_is_the_engines_formula_bit_for_bit(rope, profile):
     written from vLLM's source (float32 ops on the CPU: what a CPU-built engine cache holds);
     LMDeploy's inv_freq on the CPU is the same here, where everything is the CPU."""
     from dsa_precision import ENGINE_PROFILES
-    from dsa_precision.rope import engine_rope_cache
+    from dsa_precision.rope import _engine_rope_cache
 
     base, yarn = ROPES[rope]
     n = 65536
-    cos, sin = engine_rope_cache(
+    cos, sin = _engine_rope_cache(
         _spec(base, yarn), n, device="cpu", engine=ENGINE_PROFILES[profile]
     )
     ref_cos, ref_sin = _vllm_reference(base, 64, n, yarn)
@@ -150,7 +150,7 @@ def test_yarn_tables_scale_by_the_engines_magnitude():
     import math
 
     from dsa_precision import ENGINE_PROFILES
-    from dsa_precision.rope import YarnScaling, engine_rope_cache
+    from dsa_precision.rope import YarnScaling, _engine_rope_cache
 
     y = YarnScaling(40.0, 4096, mscale=0.707, mscale_all_dim=0.0)
     g = 0.1 * math.log(40.0)
@@ -159,8 +159,8 @@ def test_yarn_tables_scale_by_the_engines_magnitude():
     assert YarnScaling(40.0, 4096, mscale=1.0, mscale_all_dim=1.0).magnitude() == 1.0
     assert YarnScaling(0.5, 4096, mscale=0.707).magnitude() == 1.0  # no scaling below 1
     spec = _spec(10000, {**V32_YARN, "mscale": 0.707, "mscale_all_dim": 0.0})
-    vllm = engine_rope_cache(spec, 512, device="cpu", engine=ENGINE_PROFILES["vllm"])
-    lmd = engine_rope_cache(spec, 512, device="cpu", engine=ENGINE_PROFILES["lmdeploy"])
+    vllm = _engine_rope_cache(spec, 512, device="cpu", engine=ENGINE_PROFILES["vllm"])
+    lmd = _engine_rope_cache(spec, 512, device="cpu", engine=ENGINE_PROFILES["lmdeploy"])
     ref = _vllm_reference(10000, 64, 512, {**V32_YARN, "mscale": 0.707, "mscale_all_dim": 0.0})
     assert torch.equal(vllm[0], ref[0]) and torch.equal(vllm[1], ref[1])
     assert not torch.equal(lmd[0], vllm[0])
@@ -171,12 +171,12 @@ def test_an_entry_depends_on_its_position_only():
     not depend on how long the table is (vectorised loops, thread chunks), checked on this CPU
     for vLLM's cache length of DeepSeek-V3.2 (163840) against shorter ones."""
     from dsa_precision import ENGINE_PROFILES
-    from dsa_precision.rope import engine_rope_cache
+    from dsa_precision.rope import _engine_rope_cache
 
     spec, e = _spec(10000, V32_YARN), ENGINE_PROFILES["vllm"]
-    long_cos, long_sin = engine_rope_cache(spec, 163840, device="cpu", engine=e)
+    long_cos, long_sin = _engine_rope_cache(spec, 163840, device="cpu", engine=e)
     for n in (4096, 8191, 37):
-        cos, sin = engine_rope_cache(spec, n, device="cpu", engine=e)
+        cos, sin = _engine_rope_cache(spec, n, device="cpu", engine=e)
         assert torch.equal(cos, long_cos[:n]) and torch.equal(sin, long_sin[:n]), n
 
 
@@ -185,12 +185,12 @@ def test_engine_tables_gather_the_cache_rows_of_the_positions(profile):
     """EngineRopeTables.rows: the engine's cache rounded to its cos_sin_dtype, in the dtype asked,
     the halves repeated (Megatron's rotate-half layout), at the positions asked."""
     from dsa_precision import ENGINE_PROFILES
-    from dsa_precision.rope import EngineRopeTables, RopePositions, engine_rope_cache
+    from dsa_precision.rope import EngineRopeTables, RopePositions, _engine_rope_cache
 
     e = ENGINE_PROFILES[profile]
     spec = _spec(1e6, None)
     tables = EngineRopeTables(spec, e)
-    ref_cos, ref_sin = engine_rope_cache(spec, 300, device="cpu", engine=e)
+    ref_cos, ref_sin = _engine_rope_cache(spec, 300, device="cpu", engine=e)
     ref_cos, ref_sin = ref_cos.to(e.cos_sin_dtype), ref_sin.to(e.cos_sin_dtype)
     cos, sin = tables.rows(RopePositions.first(300), "cpu", e.rope_dtype)
     assert cos.dtype == e.rope_dtype and cos.shape == (300, 64) and cos.is_contiguous()
@@ -206,13 +206,13 @@ def test_engine_tables_gather_the_cache_rows_of_the_positions(profile):
 
 
 def test_rope_positions_of_packed_sequences_are_thd_token_freqs_positions():
-    from dsa_precision.rope import RopePositions, thd_token_freqs
+    from dsa_precision.rope import RopePositions, _thd_token_freqs
 
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
     p = RopePositions.packed(cu, 10, 8, device="cpu")
     assert p.index.tolist() == _positions_reference([0, 3, 3, 10]) and p.length == 8
     freqs = torch.randn(8, 1, 1, 4)
-    assert torch.equal(freqs[p.index], thd_token_freqs(freqs, cu, 10))
+    assert torch.equal(freqs[p.index], _thd_token_freqs(freqs, cu, 10))
     # One angle row per packed token: positions are the rows themselves (no index).
     assert RopePositions.packed(cu, 10, 10, device="cpu").index is None
     with pytest.raises(ValueError, match="freqs covers 4 positions but a packed sequence has 7"):
@@ -259,7 +259,7 @@ def test_preprocess_with_engine_tables_reads_them_not_the_angles():
     the angles handed in (which then only serve the shape checks); without tables, the angles'."""
     from dsa_precision import ENGINE_PROFILES
     from dsa_precision.preprocess import IndexerPreprocess
-    from dsa_precision.rope import EngineRopeTables, RopePositions, rope_inv_freq
+    from dsa_precision.rope import EngineRopeTables, RopePositions, _rope_inv_freq
 
     e = ENGINE_PROFILES["vllm"]
     spec = _spec(10000, None)
@@ -270,7 +270,7 @@ def test_preprocess_with_engine_tables_reads_them_not_the_angles():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(40, 1, 4, 128, generator=g).bfloat16()
     k = torch.randn(40, 1, 128, generator=g).bfloat16()
-    f = torch.outer(torch.arange(40, dtype=torch.float32), rope_inv_freq(spec, "cpu"))
+    f = torch.outer(torch.arange(40, dtype=torch.float32), _rope_inv_freq(spec, "cpu"))
     freqs = torch.cat((f, f), -1)[:, None, None, :]
     want = plain(q, k, freqs)
     got = ours(q, k, freqs + 1e-3)  # other angles: not read
@@ -278,7 +278,7 @@ def test_preprocess_with_engine_tables_reads_them_not_the_angles():
     # Positions of a context-parallel rank: the rows of those positions.
     index = torch.arange(40, 80)
     shifted = ours(q, k, freqs, positions=RopePositions(40, 80, index))
-    f80 = torch.outer(torch.arange(80, dtype=torch.float32), rope_inv_freq(spec, "cpu"))[40:]
+    f80 = torch.outer(torch.arange(80, dtype=torch.float32), _rope_inv_freq(spec, "cpu"))[40:]
     far = plain(q, k, torch.cat((f80, f80), -1)[:, None, None, :])
     assert torch.equal(shifted[0], far[0]) and torch.equal(shifted[1], far[1])
     with pytest.raises(ValueError, match="rope_tables are the engine's tables of the rope_fp32"):
@@ -297,20 +297,22 @@ def test_rope_fma_cos_sin_is_sglangs_contraction_of_the_complex_product(interlea
     FFMA(s, a, FMUL(c, b))): real fma(a, c, -fl(b s)), imag fma(a, s, fl(b c)); "cos" fuses b c
     on the imaginary lane instead, and the two differ."""
     from dsa_precision.exact_math import fma_fp32
-    from dsa_precision.rope import apply_rope_tables
+    from dsa_precision.rope import _apply_rope_tables
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(64, 1, 1, 128, generator=g) * 4
     ang = torch.rand(64, 1, 1, 32, generator=g) * 6
     cos, sin = torch.cat((ang.cos(),) * 2, -1), torch.cat((ang.sin(),) * 2, -1)
-    got = apply_rope_tables(x, cos, sin, rope_interleaved=interleaved, fma=True, rope_fma="cos-sin")
+    got = _apply_rope_tables(
+        x, cos, sin, rope_interleaved=interleaved, fma=True, rope_fma="cos-sin"
+    )
     a, b = (x[..., 0:64:2], x[..., 1:64:2]) if interleaved else (x[..., :32], x[..., 32:64])
     c, s = cos[..., :32], sin[..., :32]
     real = fma_fp32(a, c, -(b * s))
     imag = fma_fp32(a, s, b * c)
     assert torch.equal(got[..., :32], real) and torch.equal(got[..., 32:64], imag)
     assert torch.equal(got[..., 64:], x[..., 64:])
-    cos_only = apply_rope_tables(x, cos, sin, rope_interleaved=interleaved, fma=True)
+    cos_only = _apply_rope_tables(x, cos, sin, rope_interleaved=interleaved, fma=True)
     assert torch.equal(cos_only[..., :32], real) and not torch.equal(cos_only[..., 32:64], imag)
     with pytest.raises(ValueError, match="rope_fma='sin'"):
-        apply_rope_tables(x, cos, sin, fma=True, rope_fma="sin")
+        _apply_rope_tables(x, cos, sin, fma=True, rope_fma="sin")

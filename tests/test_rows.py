@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from dsa_precision.rows import (
     WindowScores,
+    _causal_offsets,
+    _constant_key_counts,
+    _constant_offsets,
+    _varlen_key_counts,
+    _varlen_row_slice,
     causal_key_counts,
-    causal_offsets,
-    constant_key_counts,
-    constant_offsets,
-    varlen_key_counts,
-    varlen_row_slice,
 )
 
 from .support.configs import CPU
@@ -38,13 +38,13 @@ def test_varlen_key_counts_and_row_slices_follow_the_formula():
     lens_q, lens_k = [5, 0, 17, 9], [5, 0, 17, 12]
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     offsets = torch.tensor([0, 4, 2, 3])
-    got = varlen_key_counts(cu_q, cu_k, offsets, 2, sum(lens_q))
+    got = _varlen_key_counts(cu_q, cu_k, offsets, 2, sum(lens_q))
     want = []
     for i, n in enumerate(lens_q):
         want += [min(c, lens_k[i]) for c in causal_counts(int(offsets[i]), range(n), 2, 10**9)]
     assert got.tolist() == want
     # Rows [8, 20) of the packing: sequence 2's rows 3..14, sequence 3 untouched.
-    sliced_cu, sliced_off = varlen_row_slice(cu_q, offsets, 8, 20)
+    sliced_cu, sliced_off = _varlen_row_slice(cu_q, offsets, 8, 20)
     assert sliced_cu.tolist() == [0, 0, 0, 12, 12] and sliced_cu.dtype == torch.int32
     assert sliced_off.tolist()[2:] == [2 + 3, 3]  # sequence 2 starts at its local row 3
 
@@ -65,14 +65,14 @@ def test_constant_offsets_and_key_counts_match_their_uncached_builds():
     for offset, b, r0, rows, ratio, sk in cases:
         offsets = torch.full((b,), offset, dtype=torch.int32)
         want = causal_key_counts(offsets, r0, rows, ratio, sk).view(-1)
-        got = constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
+        got = _constant_key_counts(offset, b, r0, rows, ratio, sk, CPU)
         assert got.dtype == torch.int32 and torch.equal(got, want), (offset, b, r0, rows)
-        assert torch.equal(constant_offsets(offset, b, CPU), offsets)
+        assert torch.equal(_constant_offsets(offset, b, CPU), offsets)
         assert torch.equal(
-            causal_offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
+            _causal_offsets(offset, b, CPU, "batch row", rows=rows, validate=False), offsets
         )
     assert torch.equal(
-        causal_offsets(None, 3, CPU, "batch row", rows=4, validate=False),
+        _causal_offsets(None, 3, CPU, "batch row", rows=4, validate=False),
         torch.zeros(3, dtype=torch.int32),
     )
 

@@ -201,18 +201,18 @@ def test_non_finite_keys_and_queries_are_never_selected(precision):
 
 
 def test_default_chunking_is_one_launch_up_to_4_gib_then_4_gib_chunks():
-    from dsa_precision.select import DEFAULT_CHUNK_BYTES, chunk_rows
+    from dsa_precision.select import _DEFAULT_CHUNK_BYTES, _chunk_rows
 
-    assert DEFAULT_CHUNK_BYTES == 4 << 30
+    assert _DEFAULT_CHUNK_BYTES == 4 << 30
     per_row = 16384 * 12  # S_k = 16384, 12 bytes per score
-    assert chunk_rows(None, 16384, per_row) == 16384  # S = 16384: 3 GiB, one launch
-    assert chunk_rows(None, 0, per_row) == 1
+    assert _chunk_rows(None, 16384, per_row) == 16384  # S = 16384: 3 GiB, one launch
+    assert _chunk_rows(None, 0, per_row) == 1
     for s in (32768, 65536, 131072):  # 4 GiB chunks of whole 512-row tiles
-        rows = chunk_rows(None, s, s * 12)
-        assert rows * s * 12 <= DEFAULT_CHUNK_BYTES < (rows + 512) * s * 12 and rows % 512 == 0
-    assert chunk_rows(None, 65536, 65536 * 12) == 5120  # 13 chunks at S = 65536
-    assert chunk_rows(1 << 30, 16384, per_row) == 5120  # an explicit budget binds
-    assert chunk_rows(1 << 30, 1000, 1 << 20) == 1000  # a call that fits is one chunk
+        rows = _chunk_rows(None, s, s * 12)
+        assert rows * s * 12 <= _DEFAULT_CHUNK_BYTES < (rows + 512) * s * 12 and rows % 512 == 0
+    assert _chunk_rows(None, 65536, 65536 * 12) == 5120  # 13 chunks at S = 65536
+    assert _chunk_rows(1 << 30, 16384, per_row) == 5120  # an explicit budget binds
+    assert _chunk_rows(1 << 30, 1000, 1 << 20) == 1000  # a call that fits is one chunk
 
 
 # ---------------------------------------------------------------- margins from the one selection
@@ -333,7 +333,7 @@ def test_margins_on_the_gpu_keep_the_picks_without_a_sync(backend, record):
     """On the H200: the picks with margins are the plain picks bit for bit (cuDNN's radix top-k,
     k = 2048, or DeepGEMM's logits read in place), the margins are the sorted scores' gap
     exactly, and the call never waits for the host; the cost of the margins is recorded."""
-    from dsa_precision.backends.deepgemm import mqa_logits_unsupported_reason
+    from dsa_precision.backends.deepgemm import _mqa_logits_unsupported_reason
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, h, topk = 1, 4096, 64, 2048
@@ -343,7 +343,7 @@ def test_margins_on_the_gpu_keep_the_picks_without_a_sync(backend, record):
     w = (torch.randn(b, s, h, device="cuda", generator=g) * 0.02).bfloat16()
     ops = prepare_scoring_operands(q, k, w, config=FP8)
     if backend == "deepgemm":
-        reason = mqa_logits_unsupported_reason(
+        reason = _mqa_logits_unsupported_reason(
             device=ops.device, precision=FP8.scoring_precision, n_heads=h, head_dim=128
         )
         if reason is not None:

@@ -9,6 +9,7 @@ package, which imports neither ``conformance`` (but for the demo, lazily) nor ``
 import ast
 import fnmatch
 import pathlib
+import re
 import textwrap
 
 import pytest
@@ -161,29 +162,131 @@ def _export_lists(subpackages: bool) -> list[tuple[str, list[str]]]:
     return found
 
 
-def test_module_export_lists_name_only_what_is_used_from_outside():
-    """A module's ``__all__`` is its public surface: the user API (``dsa_precision``,
-    ``dsa_precision.capture``, ``dsa_precision.megatron``) or a name the engine oracles, tools
-    or examples read; the rest is the package's plumbing, left out of it (tests may reach it)."""
-    import re
+def _top_level(tree: ast.Module) -> dict[str, ast.AST]:
+    """Every name a module defines at its top level (functions, classes, assignments)."""
+    found: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign):  # ``A = ...`` and ``A, B = ...``
+            for target in node.targets:
+                found.update((n.id, node) for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found[node.target.id] = node
+    return found
 
-    import dsa_precision
-    import dsa_precision.capture
 
-    api = set(dsa_precision.__all__) | set(dsa_precision.capture.__all__)
-    megatron = (PACKAGE / "megatron" / "__init__.py").read_text()
-    api |= set(re.findall(r'"(\w+)"', megatron[megatron.index("__all__") :]))
+def _annotation_names(node: ast.AST) -> set[str]:
+    """The names the annotations of a public definition mention: a function's parameters and
+    result, a class's fields and its public methods' signatures, a type alias's value, and the
+    classes and constants its docstring names."""
+    exprs: list[ast.AST] = []
+
+    def signature(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        a = fn.args
+        exprs.extend(x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs] if x.annotation)
+        exprs.extend(x.annotation for x in (a.vararg, a.kwarg) if x and x.annotation)
+        if fn.returns:
+            exprs.append(fn.returns)
+
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        signature(node)
+    elif isinstance(node, ast.ClassDef):
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign):
+                exprs.append(item.annotation)
+            elif isinstance(item, ast.FunctionDef) and (
+                not _private(item.name) or item.name == "__init__"
+            ):
+                signature(item)
+    names = set()
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        # the classes and constants its docstring names (``:class:`PrecisionLayerSpec```)
+        names |= set(
+            re.findall(r":(?:class|data):`~?(?:[\w.]*\.)?(\w+)`", ast.get_docstring(node) or "")
+        )
+    if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+        # a type alias (``Format = Literal[...]``); a constant's value names nothing
+        names |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+    for expr in exprs:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):  # a quoted annotation
+            expr = ast.parse(expr.value, mode="eval")
+        names |= {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    return names
+
+
+def _public_api() -> set[tuple[str, str]]:
+    """``(module, name)`` of the public API: the user API (``dsa_precision``,
+    ``dsa_precision.capture``, ``dsa_precision.megatron``), the names the engine oracles, tools
+    or examples read, and the types these mention in their signatures and fields (a user holds
+    what the API returns and builds what it takes), followed through the modules they come from."""
     outside = "\n".join(
         p.read_text() for folder in ("conformance", "tools", "examples")
         for p in sorted((ROOT / folder).rglob("*.py"))
     )  # fmt: skip
+    trees = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+    defs = {m: _top_level(t) for m, t in trees.items()}
+    sources: dict[str, dict[str, str]] = {}  # module -> local name -> module it imports it from
+    for module, path in MODULES.items():
+        sources[module] = {}
+        for node in trees[module].body:
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(module, path, node)
+                for alias in node.names:
+                    sources[module][alias.asname or alias.name] = source
+
+    def home(module: str, name: str) -> tuple[str, str] | None:
+        seen = set()
+        while module in MODULES and (module, name) not in seen:
+            seen.add((module, name))
+            if name in defs[module]:
+                return module, name
+            module = sources[module].get(name, "")
+        return None
+
+    todo = []
+    for module, names in _export_lists(subpackages=True):
+        user = module in ("dsa_precision", "dsa_precision.capture", "dsa_precision.megatron")
+        for name in names:
+            if user or re.search(rf"\b{re.escape(name)}\b", outside):
+                todo.append(home(module, name))
+    api: set[tuple[str, str]] = set()
+    while todo:
+        found = todo.pop()
+        if found is None or found in api:
+            continue
+        api.add(found)
+        module, name = found
+        todo += [home(module, n) for n in _annotation_names(defs[module][name])]
+    return api
+
+
+def test_module_export_lists_name_only_the_public_api():
+    """A module's ``__all__`` is its share of the public API (:func:`_public_api`); the rest is
+    the package's plumbing, left out of it and private (tests may reach it)."""
+    api = _public_api()
     problems = {}
     for module, names in _export_lists(subpackages=False):
-        unused = [
-            n for n in names if n not in api and not re.search(rf"\b{re.escape(n)}\b", outside)
-        ]  # fmt: skip
-        if unused:
-            problems[module] = unused
+        extra = [n for n in names if (module, n) not in api]
+        if extra:
+            problems[module] = extra
+    assert not problems, problems
+
+
+def test_every_name_of_a_package_module_is_exported_or_private():
+    """PEP 8's rule: a module's top-level names are either listed in its ``__all__`` (public) or
+    start with an underscore (plumbing, shared between the package's modules, reached by tests)."""
+    problems = {}
+    for module, names in _export_lists(subpackages=True) + [
+        (m, []) for m in MODULES if m not in dict(_export_lists(subpackages=True))
+    ]:
+        if module.endswith("__main__"):
+            continue
+        tree = ast.parse(MODULES[module].read_text())
+        loose = [n for n in _top_level(tree) if not _private(n) and n not in names]
+        loose = [n for n in loose if n not in ("__all__", "__version__")]
+        if loose:
+            problems[module] = loose
     assert not problems, problems
 
 
@@ -252,7 +355,7 @@ TEST_FILES = sorted((ROOT / "tests").rglob("test_*.py"))
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(ROOT / "tests")))
 def test_every_package_attribute_a_test_reads_exists(path):
     """A GPU test runs only on the GPU host; the attributes it reads of the package's modules
-    (``scoring.constant_offsets``, ``prepare._kernel_rope_tables``) are checked here, on every
+    (``scoring._constant_offsets``, ``prepare._kernel_rope_tables``) are checked here, on every
     machine, so a renamed or moved name fails in CI rather than on the device."""
     import importlib
 

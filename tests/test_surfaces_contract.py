@@ -17,7 +17,7 @@ from dsa_precision.capture.digest import digest_mismatches, digest_rows
 from dsa_precision.engines import ENGINE_PROFILES, Fp8Rule, vllm_legacy_profile
 from dsa_precision.kernels.rules import PreprocessRules
 from dsa_precision.picks import TokenLayout, TopkPicks
-from dsa_precision.rope import RopeSpec, YarnScaling, engine_rope_cache
+from dsa_precision.rope import RopeSpec, YarnScaling, _engine_rope_cache
 
 CONFIG = dsa.IndexerPrecisionConfig()
 CU = torch.tensor([0, 2, 5])
@@ -112,7 +112,7 @@ def test_the_checks_keep_the_inputs_they_must_accept():
     for engine in ENGINE_PROFILES.values():  # every registered profile's rules still build
         PreprocessRules.carriers(engine)
     spec = RopeSpec(64, 10000.0, YarnScaling(40.0, 4096))  # DeepSeek-V3.2's
-    cos, sin = engine_rope_cache(spec, 16, device="cpu", engine=ENGINE_PROFILES["vllm"])
+    cos, sin = _engine_rope_cache(spec, 16, device="cpu", engine=ENGINE_PROFILES["vllm"])
     assert bool(torch.isfinite(cos).all() and torch.isfinite(sin).all())
     picks = TopkPicks({1: IDX}, TokenLayout(cu_seqlens=CU), request_ids=["a", "b"],
                       engine_rows=torch.ones(5, dtype=torch.bool))  # fmt: skip

@@ -137,7 +137,7 @@ def test_auto_on_cpu_is_the_torch_path():
     scores = torch.randn(4, 30)
     scores[1, ::3] = float("-inf")
     cpu = torch.device("cpu")
-    assert topk_module.resolve_topk_backend("auto", device=cpu, k=6, dtype=scores.dtype) == "torch"
+    assert topk_module._resolve_topk_backend("auto", device=cpu, k=6, dtype=scores.dtype) == "torch"
     got = indexer_topk(scores, 6)
     assert got.tolist() == reference_topk_rows(scores, 6)
     with pytest.raises(RuntimeError, match="on cpu"):

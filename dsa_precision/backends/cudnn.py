@@ -13,17 +13,17 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
-from ..devices import Lru
+from ..config import _FP8_HEAD_DIM, _FP8_N_HEADS, ScoringPrecision
+from ..devices import _Lru
 
-__all__ = ["dsa", "dsa_available", "dsa_unavailable_reason"]
+__all__ = ["CudnnDsaInterface", "dsa", "dsa_available", "dsa_unavailable_reason"]
 
 # Head counts the SM90 BF16 indexer kernel packs (FP8: FP8_N_HEADS); one key head.
-CUDNN_BF16_N_HEADS = (16, 32, 64)
+_CUDNN_BF16_N_HEADS = (16, 32, 64)
 # cuDNN's radix top-k serves 0 < k <= 2048.
-CUDNN_TOPK_MAX_K = 2048
+_CUDNN_TOPK_MAX_K = 2048
 # Base address alignment (bytes) of the scores its class API binds (INPUT_ALIGN of 1.32).
-TOPK_INPUT_ALIGN = 32
+_TOPK_INPUT_ALIGN = 32
 
 _INSTALL_HINT = (
     "pip install 'nvidia-cudnn-frontend>=1.32,<1.33' (needs CUDA 12.8+ and the CuTe DSL)"
@@ -137,7 +137,7 @@ def dsa() -> CudnnDsaInterface:
     return namespace
 
 
-def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+def _device_scope(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for a launch (cuDNN's wrappers read the current device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -150,7 +150,7 @@ def _device_reason(device: torch.device) -> str | None:
     return None
 
 
-def scoring_unsupported_reason(
+def _scoring_unsupported_reason(
     *,
     device: torch.device,
     precision: ScoringPrecision,
@@ -170,18 +170,18 @@ def scoring_unsupported_reason(
         )
     if major < 9:
         return f"the device is SM{major}{minor}; cuDNN's DSA indexer needs SM90+"
-    if head_dim != FP8_HEAD_DIM:
+    if head_dim != _FP8_HEAD_DIM:
         return f"head_dim={head_dim}; cuDNN's indexer kernel is built for head_dim=128"
     if n_kv_heads != 1:
         return f"k has {n_kv_heads} heads; cuDNN's SM90 indexer kernel takes one key head"
-    heads = FP8_N_HEADS if precision is ScoringPrecision.FP8 else CUDNN_BF16_N_HEADS
+    heads = _FP8_N_HEADS if precision is ScoringPrecision.FP8 else _CUDNN_BF16_N_HEADS
     if major == 9 and n_heads not in heads:
         return f"n_heads={n_heads}; cuDNN's SM90 {precision.value} indexer kernel packs {heads}"
     _, reason = _import_dsa()
     return reason
 
 
-def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+def _topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype) -> str | None:
     """Why cuDNN's radix top-k cannot serve this call, or ``None`` if it can."""
     reason = _device_reason(device)
     if reason:
@@ -189,8 +189,8 @@ def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype)
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         return f"the device is SM{major}{minor}; cuDNN's DSA top-k needs SM90+"
-    if k > CUDNN_TOPK_MAX_K:
-        return f"k={k}; cuDNN's top-k serves k <= {CUDNN_TOPK_MAX_K}"
+    if k > _CUDNN_TOPK_MAX_K:
+        return f"k={k}; cuDNN's top-k serves k <= {_CUDNN_TOPK_MAX_K}"
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"scores have dtype {dtype}; cuDNN's top-k takes float32/float16/bfloat16"
     _, reason = _import_dsa()
@@ -203,34 +203,36 @@ def topk_unsupported_reason(*, device: torch.device, k: int, dtype: torch.dtype)
 # stand-ins of SM90 hardware change those answers).
 
 
-_cuda_scoring_reason = functools.lru_cache(maxsize=256)(scoring_unsupported_reason)
-_cuda_topk_reason = functools.lru_cache(maxsize=256)(topk_unsupported_reason)
+_cuda_scoring_reason = functools.lru_cache(maxsize=256)(_scoring_unsupported_reason)
+_cuda_topk_reason = functools.lru_cache(maxsize=256)(_topk_unsupported_reason)
 
 
-def scoring_reason(
+def _scoring_reason(
     device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int, n_kv_heads: int
 ) -> str | None:
-    """:func:`scoring_unsupported_reason`, remembered per CUDA device and arguments."""
-    reason = _cuda_scoring_reason if device.type == "cuda" else scoring_unsupported_reason
+    """:func:`_scoring_unsupported_reason`, remembered per CUDA device and arguments."""
+    reason = _cuda_scoring_reason if device.type == "cuda" else _scoring_unsupported_reason
     return reason(
         device=device, precision=precision, n_heads=n_heads, head_dim=head_dim,
         n_kv_heads=n_kv_heads,
     )  # fmt: skip
 
 
-def topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
-    """:func:`topk_unsupported_reason`, remembered per CUDA device and arguments."""
-    reason = _cuda_topk_reason if device.type == "cuda" else topk_unsupported_reason
+def _topk_reason(device: torch.device, k: int, dtype: torch.dtype) -> str | None:
+    """:func:`_topk_unsupported_reason`, remembered per CUDA device and arguments."""
+    reason = _cuda_topk_reason if device.type == "cuda" else _topk_unsupported_reason
     return reason(device=device, k=k, dtype=dtype)
 
 
 # cuDNN's top-k plans (IndexerTopK), checked and compiled once per class, device, dtype, shape,
 # k and mode: what indexer_top_k_wrapper caches for itself, kept here so that the package's top-k
 # can pass its own buffers to execute() (no staging, no per-call cache key of the wrapper).
-_TOPK_PLANS = Lru(256)
+_TOPK_PLANS = _Lru(256)
 
 
-def topk_plan(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool) -> Any:
+def _topk_plan(
+    scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int, deterministic: bool
+) -> Any:
     """The compiled ``IndexerTopK`` plan of ``scores`` ``(rows, S_k)`` (contiguous) and
     ``seq_lens`` ``(rows,)`` int32: ``top_k`` per row, values returned, one length per row
     (``next_n=1``), ties as ``deterministic`` asks; built once and reused (call it with ``scores``'

@@ -10,7 +10,7 @@ The package calls the kernel's *compressed* form, one launch for every query row
 ``cu_seq_len_k_start`` / ``cu_seq_len_k_end``): logits ``(rows, max_seqlen_k)``, column ``j`` of
 row ``i`` is key ``ks[i] + j``, written for ``j < ke[i] - ks[i]`` only; the rows lie
 ``align(max_seqlen_k, 256)`` floats apart in a buffer DeepGEMM allocates (``fp8_fp4_mqa_logits``
-in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :func:`window_logits` hands that buffer on
+in ``csrc/apis/attention.hpp`` of DeepGEMM 54e2261). :func:`_window_logits` hands that buffer on
 untouched, as a :class:`~dsa_precision.rows.WindowScores`: the top-k reads it in place, bounded by
 each row's length, which is how vLLM's prefill path reads it (``sparse_attn_indexer.py``:
 ``fp8_fp4_mqa_logits(..., max_seqlen_k)``, then ``top_k_per_row_prefill`` with the row ends and
@@ -24,7 +24,7 @@ strides). Entry points, detected by feature
   legacy name, where it takes ``max_seqlen_k`` (2.2 and later; a wrapper of the first since 2.4).
 
 DeepGEMM 2.0-2.1 (``fp8_mqa_logits`` without ``max_seqlen_k``) has no compressed form and is
-reported, not called. Full causal scores (:func:`causal_logits`) use the uncompressed form with
+reported, not called. Full causal scores (:func:`_causal_logits`) use the uncompressed form with
 DeepGEMM's own cleaning where the entry point takes ``clean_logits``.
 
 Determinism: the SM90 kernel writes every logit once, from one thread's fixed-order sum over
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..config import FP8_HEAD_DIM, FP8_N_HEADS, ScoringPrecision
+from ..config import _FP8_HEAD_DIM, _FP8_N_HEADS, ScoringPrecision
 from ..rows import WindowScores
 
 __all__ = []
@@ -66,7 +66,7 @@ _INSTALL_HINT = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EntryPoint:
+class _EntryPoint:
     """A resolved DeepGEMM function and how to call it."""
 
     fn: Callable[..., torch.Tensor]
@@ -84,7 +84,7 @@ def _parameter_names(fn: Callable) -> str | None:
         return fn.__doc__ or None
 
 
-def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
+def _resolve(module: Any, name: str) -> tuple[_EntryPoint | None, str | None]:
     reasons = []
     for attr, q_pair in (("fp8_fp4_mqa_logits", True), ("fp8_mqa_logits", False)):
         fn = getattr(module, attr, None)
@@ -97,7 +97,7 @@ def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
                 "package calls the compressed form (DeepGEMM 2.2 and later)"
             )
             continue
-        entry = EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, module)
+        entry = _EntryPoint(fn, f"{name}.{attr}", q_pair, "clean_logits" in params, module)
         return entry, None
     if not reasons:
         return None, f"{name} has neither fp8_fp4_mqa_logits nor fp8_mqa_logits"
@@ -105,7 +105,7 @@ def _resolve(module: Any, name: str) -> tuple[EntryPoint | None, str | None]:
 
 
 @functools.cache
-def _import() -> tuple[EntryPoint | None, str | None]:
+def _import() -> tuple[_EntryPoint | None, str | None]:
     errors = []
     for name in _MODULES:
         try:
@@ -121,24 +121,24 @@ def _import() -> tuple[EntryPoint | None, str | None]:
     return None, f"DeepGEMM's MQA logits are not importable ({'; '.join(errors)}); {_INSTALL_HINT}"
 
 
-def deepgemm_available() -> bool:
+def _deepgemm_available() -> bool:
     """Whether a DeepGEMM MQA-logits entry point imports."""
     return _import()[0] is not None
 
 
-def unavailable_reason() -> str | None:
+def _unavailable_reason() -> str | None:
     """Why no DeepGEMM MQA-logits entry point imports (each module tried, an install hint), or
     ``None`` when one does."""
     return _import()[1]
 
 
-def kernel_entry() -> EntryPoint | None:
+def _kernel_entry() -> _EntryPoint | None:
     """The resolved DeepGEMM entry point (function, name, calling convention), or ``None`` when
     DeepGEMM is not importable: what a caller of the raw kernel (``bench``) calls."""
     return _import()[0]
 
 
-def entry_point() -> str | None:
+def _entry_point() -> str | None:
     """The function ``backend="deepgemm"`` calls (``"deep_gemm.fp8_fp4_mqa_logits"``, ...), or
     ``None`` when DeepGEMM is not importable."""
     entry = _import()[0]
@@ -165,7 +165,7 @@ def _launch(
     return entry.fn(q_arg, kv, weights, key_start, key_end, max_seqlen_k=max_seqlen_k, **extra)
 
 
-def window_logits(
+def _window_logits(
     q: torch.Tensor,  # (rows, H, 128) float8_e4m3fn, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # (k (keys, 128) e4m3, k_descale (keys,) float32)
     weights: torch.Tensor,  # (rows, H) float32, q descale folded in, contiguous
@@ -191,7 +191,7 @@ def window_logits(
     return window
 
 
-def causal_logits(
+def _causal_logits(
     q: torch.Tensor,  # (S_q, H, 128) float8_e4m3fn, contiguous
     kv: tuple[torch.Tensor, torch.Tensor],  # (k (S_k, 128) e4m3, k_descale (S_k,) float32)
     weights: torch.Tensor,  # (S_q, H) float32, q descale folded in, contiguous
@@ -204,12 +204,12 @@ def causal_logits(
     entry = _import()[0]
     if entry is not None and entry.clean_logits_arg:
         return _launch(q, kv, weights, torch.zeros_like(key_end), key_end, 0, clean=True)
-    return window_logits(
+    return _window_logits(
         q, kv, weights, torch.zeros_like(key_end), key_end, kv[0].shape[0]
     ).masked()
 
 
-def mqa_logits_unsupported_reason(
+def _mqa_logits_unsupported_reason(
     *, device: torch.device, precision: ScoringPrecision, n_heads: int, head_dim: int
 ) -> str | None:
     """Why DeepGEMM's MQA logits cannot serve this call, or ``None`` if they can."""
@@ -222,6 +222,6 @@ def mqa_logits_unsupported_reason(
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"the device is SM{major}{minor}; this package uses DeepGEMM's SM90 kernel"
-    if head_dim != FP8_HEAD_DIM or n_heads not in FP8_N_HEADS:
-        return f"{n_heads} heads of width {head_dim}; its SM90 kernel takes {FP8_N_HEADS} x 128"
+    if head_dim != _FP8_HEAD_DIM or n_heads not in _FP8_N_HEADS:
+        return f"{n_heads} heads of width {head_dim}; its SM90 kernel takes {_FP8_N_HEADS} x 128"
     return _import()[1]

@@ -37,9 +37,9 @@ from typing import Literal, cast
 
 import torch
 
-from .digest import mix64, mix64_int, signed64
+from .digest import _mix64, _mix64_int, _signed64
 
-__all__ = ["FORMATS", "CompactPicks", "decode_picks", "encode_picks"]
+__all__ = ["FORMATS", "CompactPicks", "Format", "decode_picks", "encode_picks"]
 
 Format = Literal["int32", "int16", "delta"]
 FORMATS = ("int32", "int16", "delta")
@@ -85,15 +85,15 @@ def _checksum(
     synchronisation: the header's share is a Python int)."""
     header = 0
     for i, value in enumerate((_FORMAT_CODES[fmt], shape[0], shape[1], bits), start=1):
-        header = (header + mix64_int((value * _G + i) & _MASK)) & _MASK
+        header = (header + _mix64_int((value * _G + i) & _MASK)) & _MASK
     total = torch.zeros((), dtype=torch.int64, device=parts[0].device)
     for i, part in enumerate(parts, start=1):
         words = _as_words(part)
         index = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-        mixed = mix64(words ^ mix64(index * signed64(_G) + i)).sum()
-        length = signed64(mix64_int((part.numel() * part.element_size() * _G + i) & _MASK))
+        mixed = _mix64(words ^ _mix64(index * _signed64(_G) + i)).sum()
+        length = _signed64(_mix64_int((part.numel() * part.element_size() * _G + i) & _MASK))
         total = (total + mixed) ^ length
-    return mix64(total + signed64(header))
+    return _mix64(total + _signed64(header))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ..checks import describe
+from ..checks import _describe
 from ..kernels import triton_unavailable_reason
 
 __all__ = ["digest_mismatches", "digest_row_reference", "digest_rows"]
@@ -39,12 +39,12 @@ _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 
-def signed64(u: int) -> int:
+def _signed64(u: int) -> int:
     """An unsigned 64-bit value as the signed int64 torch stores."""
     return u - (1 << 64) if u >> 63 else u
 
 
-def mix64_int(z: int) -> int:
+def _mix64_int(z: int) -> int:
     """SplitMix64's finaliser of a Python int (unsigned 64-bit result)."""
     z &= _MASK
     z = ((z ^ (z >> 30)) * _M1) & _MASK
@@ -60,9 +60,9 @@ def digest_row_reference(keys: Iterable[int]) -> int:
         v = int(v)
         if v < 0:
             continue
-        total = (total + mix64_int((v + 1) * _G)) & _MASK
+        total = (total + _mix64_int((v + 1) * _G)) & _MASK
         n += 1
-    return signed64(mix64_int(total ^ ((n * _G) & _MASK)))
+    return _signed64(_mix64_int(total ^ ((n * _G) & _MASK)))
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -70,10 +70,10 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def mix64(z: torch.Tensor) -> torch.Tensor:
+def _mix64(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser of int64 bit patterns, elementwise, on any device."""
-    z = (z ^ _shr(z, 30)) * signed64(_M1)
-    z = (z ^ _shr(z, 27)) * signed64(_M2)
+    z = (z ^ _shr(z, 30)) * _signed64(_M1)
+    z = (z ^ _shr(z, 27)) * _signed64(_M2)
     return z ^ _shr(z, 31)
 
 
@@ -107,18 +107,18 @@ def digest_rows(indices: torch.Tensor, *, validate: bool = False) -> torch.Tenso
                 "-1 pads (a negative key would digest as padding)."
             )
     if indices.is_cuda and indices.numel() and triton_unavailable_reason() is None:
-        from ..kernels.digest import digest_picks  # one pass over the picks, the same bits
+        from ..kernels.digest import _digest_picks  # one pass over the picks, the same bits
 
         rows = indices.reshape(-1, indices.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return digest_picks(rows).view(indices.shape[:-1])
+        return _digest_picks(rows).view(indices.shape[:-1])
     v = indices.to(torch.int64)
     valid = v >= 0
-    mixed = torch.where(valid, mix64((v + 1) * signed64(_G)), 0)
+    mixed = torch.where(valid, _mix64((v + 1) * _signed64(_G)), 0)
     total = mixed.sum(-1)  # int64 sums wrap modulo 2**64
     n = valid.sum(-1)
-    return mix64(total ^ (n * signed64(_G)))
+    return _mix64(total ^ (n * _signed64(_G)))
 
 
 def digest_mismatches(
@@ -141,12 +141,12 @@ def digest_mismatches(
     for name, given in (("ours", ours), ("engine_digests", engine_digests)):
         if not isinstance(given, Mapping):
             raise TypeError(
-                f"digest_mismatches: {name} is {describe(given)}; pass {{layer_number: tensor}} "
+                f"digest_mismatches: {name} is {_describe(given)}; pass {{layer_number: tensor}} "
                 "(a dict keyed by Megatron's layer numbers, as TopkPicks.indices / digests)."
             )
     if engine_rows is not None and not isinstance(engine_rows, torch.Tensor):
         raise TypeError(
-            f"digest_mismatches: engine_rows is {describe(engine_rows)}; pass a (T,) bool tensor "
+            f"digest_mismatches: engine_rows is {_describe(engine_rows)}; pass a (T,) bool tensor "
             "(pack_digests' engine_rows) or None."
         )
     if sorted(ours) != sorted(engine_digests):
@@ -160,7 +160,7 @@ def digest_mismatches(
         if not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.int64 or theirs.ndim != 1:
             raise TypeError(
                 f"engine digests of layer {n} must be a (T,) int64 tensor (digest_rows' output), "
-                f"got {describe(theirs)}; digests of another width are other numbers, not the same digests."
+                f"got {_describe(theirs)}; digests of another width are other numbers, not the same digests."
             )
         if not isinstance(mine, torch.Tensor):
             raise TypeError(

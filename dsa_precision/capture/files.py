@@ -22,14 +22,21 @@ from typing import Any
 import torch
 
 from ..picks import TokenLayout, TopkPicks
-from .pack import int_at_least
+from .pack import _int_at_least
 from .sglang import from_sglang
 from .vllm import decode_vllm_indexer_topk, from_vllm
 
-__all__ = ["ENGINE_FORMATS", "load_engine_output", "load_picks", "read_tensors", "save_picks"]
+__all__ = [
+    "ENGINE_FORMATS",
+    "load_engine_output",
+    "load_picks",
+    "read_tensors",
+    "readable_file",
+    "save_picks",
+]
 
 ENGINE_FORMATS = ("sglang", "vllm")
-TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
+_TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
 # Integer dtypes a saved selection may hold (read as int64).
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _LAYER = re.compile(r"layer_(\d+)")
@@ -79,7 +86,7 @@ def save_picks(path: str | Path, picks: TopkPicks) -> None:
     if picks.seq_len is not None:
         tensors["seq_len"] = torch.tensor([picks.seq_len], dtype=torch.int64)
     path = Path(path)
-    if path.suffix.lower() not in TENSOR_SUFFIXES:
+    if path.suffix.lower() not in _TENSOR_SUFFIXES:
         raise ValueError(f"{path}: save picks as .pt, .pth or .safetensors, got {path.suffix!r}.")
     if path.is_dir():
         raise ValueError(f"{path}: a directory; pass the path of the file to write.")
@@ -104,7 +111,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:
     ``torch.load(weights_only=True)``, or ``.safetensors``), on the CPU."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in TENSOR_SUFFIXES:
+    if suffix not in _TENSOR_SUFFIXES:
         raise ValueError(
             f"{path}: unknown file type {suffix or '(none)'!r}; use .pt or .safetensors"
         )
@@ -139,7 +146,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor] | torch.Tensor:
     raise ValueError(f"{path}: holds a {type(obj).__name__}; save a tensor or a dict of tensors")
 
 
-def integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
+def _integer_indices(tensor: torch.Tensor, where: str) -> torch.Tensor:
     """Host-side facts of a saved selection: an integer tensor ``[..., k]``, k >= 1; as int64."""
     if tensor.dtype not in _INT_DTYPES:
         raise ValueError(
@@ -174,7 +181,7 @@ def _layout(loaded: Mapping[str, torch.Tensor], where: str) -> TokenLayout | Non
         raise ValueError(f"{where}: {exc}") from None
 
 
-def picks_from_tensors(loaded: Mapping[str, torch.Tensor], where: str) -> TopkPicks | None:
+def _picks_from_tensors(loaded: Mapping[str, torch.Tensor], where: str) -> TopkPicks | None:
     """The picks of a replay file's tensors (``layer_NN`` int64, and the layout when it has one),
     or ``None`` when they are not a replay file (no ``layer_NN`` tensor); ``where`` names the
     file in errors."""
@@ -196,14 +203,14 @@ def picks_from_tensors(loaded: Mapping[str, torch.Tensor], where: str) -> TopkPi
             raise ValueError(
                 f"{where}: {names[n]!r} and {key!r} both name layer {n}; save each layer once"
             )
-        layers[n], names[n] = integer_indices(tensor, f"{where} layer {n}"), key
+        layers[n], names[n] = _integer_indices(tensor, f"{where} layer {n}"), key
     return TopkPicks(layers, _layout(loaded, where))
 
 
 def load_picks(path: str | Path) -> TopkPicks:
     """The picks of a replay file (:func:`save_picks`'s format), host facts checked."""
     loaded = read_tensors(path)
-    picks = picks_from_tensors(loaded, str(path)) if isinstance(loaded, dict) else None
+    picks = _picks_from_tensors(loaded, str(path)) if isinstance(loaded, dict) else None
     if picks is None:
         raise ValueError(
             f"{path}: not a replay file (it holds no layer_NN tensor); save_picks writes them"
@@ -303,7 +310,7 @@ def _vllm_request(path: Path, where: str, record: Mapping[str, Any]) -> tuple[to
         prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
     except KeyError:
         raise ValueError(f"{name}: usage needs prompt_tokens and completion_tokens.") from None
-    tokens = int_at_least(f"{name} usage.prompt_tokens", prompt, low=0) + int_at_least(
+    tokens = _int_at_least(f"{name} usage.prompt_tokens", prompt, low=0) + _int_at_least(
         f"{name} usage.completion_tokens", completion, low=0
     )
     return decode_vllm_indexer_topk(body["indexer_topk"], name=f"{name} indexer_topk"), tokens

@@ -20,15 +20,15 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..picks import TokenLayout, TopkPicks, check_key_range
+from ..picks import TokenLayout, TopkPicks, _check_key_range
 
-__all__ = ["keyed", "pack_digests", "pack_requests"]
+__all__ = ["LastRow", "keyed", "pack_digests", "pack_requests"]
 
 LastRow = Literal["empty", "self"]
 _INT_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
-def integer_array(name: str, value: object, *, shape: str) -> torch.Tensor:
+def _integer_array(name: str, value: object, *, shape: str) -> torch.Tensor:
     """An engine's integer array -- a tensor, or a NumPy array of a native or foreign byte order
     -- as a tensor; ``ValueError`` / ``TypeError`` naming ``name`` and the ``shape`` expected for
     anything else (object, float or bool arrays, lists, buffers). Values are not cast: a NumPy
@@ -55,10 +55,10 @@ def integer_array(name: str, value: object, *, shape: str) -> torch.Tensor:
     return value
 
 
-def as_request_rows(name: str, value: object) -> torch.Tensor:
+def _as_request_rows(name: str, value: object) -> torch.Tensor:
     """An engine's per-request rows as a CPU/any-device ``(n, L, k)`` integer tensor; ``name``
     names them in errors."""
-    value = integer_array(name, value, shape="(n, L, k)")
+    value = _integer_array(name, value, shape="(n, L, k)")
     if value.dtype in (torch.int8, torch.uint8):
         value = value.to(torch.int16)  # exact; uint8's 255 stays 255
     if value.dtype not in _INT_DTYPES or value.ndim != 3:
@@ -75,7 +75,7 @@ def as_request_rows(name: str, value: object) -> torch.Tensor:
     return value
 
 
-def decode_base64(name: str, payload: object) -> bytes:
+def _decode_base64(name: str, payload: object) -> bytes:
     """The bytes of a base64 text, strictly (no stray characters, whole quanta)."""
     if not isinstance(payload, str | bytes):
         raise TypeError(
@@ -89,7 +89,7 @@ def decode_base64(name: str, payload: object) -> bytes:
         ) from None
 
 
-def int_at_least(name: str, value: object, *, low: int) -> int:
+def _int_at_least(name: str, value: object, *, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name}={value!r} must be an int >= {low}.")
     return int(value)
@@ -158,7 +158,7 @@ def pack_requests(
         unknown = [r for r in order if r not in firsts]
         if unknown:
             raise ValueError(f"first_rows has no entry for request(s) {unknown}.")
-    tensors = {r: as_request_rows(f"{source} request {r!r}", per_request[r]) for r in order}
+    tensors = {r: _as_request_rows(f"{source} request {r!r}", per_request[r]) for r in order}
     ref = order[0]
     n_layers, k = tensors[ref].shape[1:]
     for r in order:
@@ -167,7 +167,7 @@ def pack_requests(
                 f"{source} request {r!r}: {tuple(tensors[r].shape[1:])} (layers, k) but request "
                 f"{ref!r} has {(n_layers, k)}; one micro-batch has one layer set and one k."
             )
-    if topk is not None and k > int_at_least("topk", topk, low=1):
+    if topk is not None and k > _int_at_least("topk", topk, low=1):
         raise ValueError(f"{source}: k={k} picks per token, more than topk={topk}.")
     numbers = list(range(1, n_layers + 1)) if layer_numbers is None else list(layer_numbers)
     if len(numbers) != n_layers or len(set(numbers)) != n_layers:
@@ -175,7 +175,7 @@ def pack_requests(
             f"layer_numbers={numbers} must name each of the {n_layers} engine layers once."
         )
     for n in numbers:
-        int_at_least("layer number", n, low=1)
+        _int_at_least("layer number", n, low=1)
     if shared is not None and not isinstance(shared, Mapping):
         raise TypeError(
             f"shared={shared!r}: pass {{layer: source_layer}} for the index-sharing layers."
@@ -191,8 +191,8 @@ def pack_requests(
     device = tensors[ref].device
     blocks, covered, lengths = [], [], []
     for r in order:
-        t, s = tensors[r], int_at_least(f"seq_lens[{r!r}]", lens[r], low=1)
-        first = int_at_least(f"first_rows[{r!r}]", firsts.get(r, 0), low=0)
+        t, s = tensors[r], _int_at_least(f"seq_lens[{r!r}]", lens[r], low=1)
+        first = _int_at_least(f"first_rows[{r!r}]", firsts.get(r, 0), low=0)
         end = first + t.shape[0]
         if first > 0:
             raise ValueError(
@@ -217,7 +217,7 @@ def pack_requests(
             def row_of(j: int, r: object = r, first: int = first) -> str:
                 return f"request {r!r} token {first + j}"
 
-            check_key_range(f"{source} request {r!r}", t, describe_row=row_of)
+            _check_key_range(f"{source} request {r!r}", t, describe_row=row_of)
         t = t.to(torch.int32)
         if future_keys == "drop":
             position = torch.arange(t.shape[0], device=device).view(-1, 1, 1)
@@ -320,7 +320,7 @@ def pack_digests(
     blocks, covered = [], []
     n_layers = None
     for r in order:
-        d = integer_array(f"{source} request {r!r} digests", given[r], shape="(n, L) int64")
+        d = _integer_array(f"{source} request {r!r} digests", given[r], shape="(n, L) int64")
         if d.dtype != torch.int64 or d.ndim != 2:
             raise TypeError(
                 f"{source} request {r!r}: digests must be a (n, L) int64 tensor (digest_rows' "
@@ -331,7 +331,7 @@ def pack_digests(
             n_layers = d.shape[1]
         elif d.shape[1] != n_layers:
             raise ValueError(f"{source} request {r!r}: {d.shape[1]} layers, expected {n_layers}.")
-        s = int_at_least(f"seq_lens[{r!r}]", lens[r], low=1)
+        s = _int_at_least(f"seq_lens[{r!r}]", lens[r], low=1)
         if d.shape[0] not in (s - 1, s):
             raise ValueError(
                 f"{source} request {r!r}: {d.shape[0]} digest rows but the training sequence has "

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..picks import TopkPicks
-from .pack import decode_base64, int_at_least, keyed, pack_requests
+from .pack import _decode_base64, _int_at_least, keyed, pack_requests
 
 __all__ = ["decode_sglang_indexer_topk", "from_sglang"]
 
@@ -39,19 +39,19 @@ def decode_sglang_indexer_topk(
                 f"{name}: meta_info has no {key!r}; start the server with "
                 "--enable-return-indexer-topk and send return_indexer_topk=true."
             )
-    data = decode_base64(f"{name} indexer_topk", meta_info["indexer_topk"])
+    data = _decode_base64(f"{name} indexer_topk", meta_info["indexer_topk"])
     if len(data) % 4:
         raise ValueError(
             f"{name}: indexer_topk decodes to {len(data)} bytes, not whole int32 values; the "
             "payload is truncated or damaged."
         )
     raw = np.frombuffer(data, dtype="<i4")
-    layers = int_at_least(
+    layers = _int_at_least(
         f"{name} indexer_topk_num_layers", meta_info["indexer_topk_num_layers"], low=1
     )
-    rows = int_at_least(f"{name} num_rows", num_rows, low=1)
+    rows = _int_at_least(f"{name} num_rows", num_rows, low=1)
     if topk is not None:
-        k = int_at_least("topk", topk, low=1)
+        k = _int_at_least("topk", topk, low=1)
         if raw.size != rows * layers * k:
             implied = raw.size / (layers * k)
             raise ValueError(
@@ -100,7 +100,7 @@ def from_sglang(
             raise ValueError(
                 f"{name}: meta_info needs prompt_tokens and completion_tokens."
             ) from None
-        tokens = int_at_least(f"{name} prompt_tokens", prompt, low=0) + int_at_least(
+        tokens = _int_at_least(f"{name} prompt_tokens", prompt, low=0) + _int_at_least(
             f"{name} completion_tokens", completion, low=0
         )
         if tokens < 2:

@@ -33,13 +33,13 @@ from typing import Any, cast
 
 import torch
 
-from ..checks import describe
+from ..checks import _describe
 from ..kernels import triton_unavailable_reason
-from ..picks import TokenLayout, TopkPicks, check_key_range
+from ..picks import TokenLayout, TopkPicks, _check_key_range
 from ..ties import selection_margins
 from .compact import CompactPicks, decode_picks, encode_picks
-from .digest import digest_rows, mix64, mix64_int, signed64
-from .pack import int_at_least, keyed, pack_digests
+from .digest import _mix64, _mix64_int, _signed64, digest_rows
+from .pack import _int_at_least, keyed, pack_digests
 
 __all__ = ["TieRows", "engine_tie_rows", "pack_tie_rows"]
 
@@ -52,13 +52,13 @@ _MASK = (1 << 64) - 1
 
 def _checksum(n: int, k: int, digests: torch.Tensor, rows: torch.Tensor) -> int:
     """64-bit mix of the header's sizes and of every digest and row (on the CPU)."""
-    total = mix64_int((n * _G + 1) & _MASK) ^ mix64_int((rows.numel() * _G + 2) & _MASK)
-    total ^= mix64_int((k * _G + 3) & _MASK)
+    total = _mix64_int((n * _G + 1) & _MASK) ^ _mix64_int((rows.numel() * _G + 2) & _MASK)
+    total ^= _mix64_int((k * _G + 3) & _MASK)
     for i, part in enumerate((digests, rows), start=4):
         words = part.detach().to("cpu", torch.int64).reshape(-1)
         index = torch.arange(1, words.numel() + 1, dtype=torch.int64)
-        total = (total + int(mix64(words ^ mix64(index * signed64(_G) + i)).sum())) & _MASK
-    return signed64(mix64_int(total))
+        total = (total + int(_mix64(words ^ _mix64(index * _signed64(_G) + i)).sum())) & _MASK
+    return _signed64(_mix64_int(total))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +78,11 @@ class TieRows:
     def __post_init__(self) -> None:
         d, r, p = self.digests, self.rows, self.picks
         if not (isinstance(d, torch.Tensor) and d.dtype == torch.int64 and d.ndim == 1):
-            raise TypeError(f"TieRows.digests: expected (n,) int64 digests, got {describe(d)}.")
+            raise TypeError(f"TieRows.digests: expected (n,) int64 digests, got {_describe(d)}.")
         if not (isinstance(r, torch.Tensor) and r.dtype == torch.int64 and r.ndim == 1):
-            raise TypeError(f"TieRows.rows: expected (m,) int64 row numbers, got {describe(r)}.")
+            raise TypeError(f"TieRows.rows: expected (m,) int64 row numbers, got {_describe(r)}.")
         if not (isinstance(p, torch.Tensor) and p.dtype == torch.int32 and p.ndim == 2):
-            raise TypeError(f"TieRows.picks: expected (m, k) int32 picks, got {describe(p)}.")
+            raise TypeError(f"TieRows.picks: expected (m, k) int32 picks, got {_describe(p)}.")
         if p.shape[0] != r.shape[0] or p.shape[1] < 1:
             raise ValueError(
                 f"TieRows: {r.shape[0]} rows sent but picks of shape {tuple(p.shape)}; pass one "
@@ -197,7 +197,7 @@ class TieRows:
     def split(self, sizes: Sequence[int]) -> list[TieRows]:
         """Consecutive blocks of ``sizes`` rows (e.g. one engine step's rows, request by
         request: ``query_start_loc``'s differences), rows renumbered from 0 in each."""
-        sizes = [int_at_least(f"sizes[{i}]", s, low=0) for i, s in enumerate(sizes)]
+        sizes = [_int_at_least(f"sizes[{i}]", s, low=0) for i, s in enumerate(sizes)]
         n = self.digests.shape[0]
         if sum(sizes) != n:
             raise ValueError(f"sizes={sizes[:8]} add up to {sum(sizes)}; these TieRows hold {n}.")
@@ -254,24 +254,24 @@ def engine_tie_rows(
     """
     for name, t in (("logits", logits), ("picks", picks), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"engine_tie_rows({name}=...): expected a tensor, got {describe(t)}.")
+            raise TypeError(f"engine_tie_rows({name}=...): expected a tensor, got {_describe(t)}.")
     if logits.ndim != 2 or not logits.dtype.is_floating_point:
-        raise TypeError(f"logits: expected (rows, W) float logits, got {describe(logits)}.")
+        raise TypeError(f"logits: expected (rows, W) float logits, got {_describe(logits)}.")
     rows = logits.shape[0]
     if picks.ndim != 2 or picks.shape[0] != rows or picks.dtype not in (torch.int32, torch.int64):
         raise TypeError(
             f"picks: expected ({rows}, k) int32/int64 picks (one row per logits row), got "
-            f"{describe(picks)}."
+            f"{_describe(picks)}."
         )
     windows = [("lengths", lengths)] + ([("starts", starts)] if starts is not None else [])
     for name, t in windows:
         if not isinstance(t, torch.Tensor) or t.shape != (rows,) or t.dtype.is_floating_point:
-            raise TypeError(f"{name}: expected ({rows},) integers, got {describe(t)}.")
+            raise TypeError(f"{name}: expected ({rows},) integers, got {_describe(t)}.")
     device = logits.device
     if picks.device != device or any(t.device != device for _, t in windows):
         raise ValueError("engine_tie_rows: logits, picks, lengths and starts must share a device.")
     if picks.dtype == torch.int64:  # the key range in the picks' own dtype, before any use
-        check_key_range("engine_tie_rows picks", picks)
+        _check_key_range("engine_tie_rows picks", picks)
     if logits.is_cuda and _unit_columns(logits, picks) and triton_unavailable_reason() is None:
         from ..kernels.tie_rows import tie_rows  # one pass over each row's picks and window
 
@@ -327,13 +327,13 @@ def pack_tie_rows(
         held = given[r]
         if not isinstance(held, Mapping) or not held:
             raise TypeError(
-                f"{source} request {r!r}: expected {{layer_number: TieRows}}, got {describe(held)}."
+                f"{source} request {r!r}: expected {{layer_number: TieRows}}, got {_describe(held)}."
             )
         for layer, part in held.items():
             if not isinstance(part, TieRows):
                 raise TypeError(
                     f"{source} request {r!r} layer {layer!r}: expected TieRows (engine_tie_rows' "
-                    f"output), got {describe(part)}."
+                    f"output), got {_describe(part)}."
                 )
         frames[r] = dict(held)
     layers = sorted(frames[ids[0]]) if ids else []
@@ -351,7 +351,7 @@ def pack_tie_rows(
         source=source,
     )
     (k,) = ks
-    lens = {r: int_at_least(f"seq_lens[{r!r}]", given_lens[r], low=1) for r in order}
+    lens = {r: _int_at_least(f"seq_lens[{r!r}]", given_lens[r], low=1) for r in order}
     starts = [0]
     for r in order:
         starts.append(starts[-1] + lens[r])

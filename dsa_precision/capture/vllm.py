@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..picks import TopkPicks, check_key_range
-from .pack import as_request_rows, decode_base64, int_at_least, integer_array, pack_requests
+from ..picks import TopkPicks, _check_key_range
+from .pack import _as_request_rows, _decode_base64, _int_at_least, _integer_array, pack_requests
 
 __all__ = [
     "VllmStep",
@@ -30,7 +30,7 @@ __all__ = [
 # (``_set_deepseek_indexer_logits_dtype``) resolves ``indexer_logits_dtype="auto"`` to BF16 when
 # ``mqa_logits_use_mx_scales()`` (a CUDA device of capability family 10.x, SM100/SM103); every
 # other model, GLM-5's ``GlmMoeDsaForCausalLM`` among them, resolves "auto" to FP32 in the layer.
-VLLM_BF16_AUTO_ARCHITECTURES = frozenset(
+_VLLM_BF16_AUTO_ARCHITECTURES = frozenset(
     {
         "DeepseekV32ForCausalLM",
         "DeepseekV4ForCausalLM",
@@ -93,7 +93,7 @@ def check_vllm_engine_config(engine_config: Mapping[str, Any]) -> str:
                 f"engine_config['architecture']={arch!r}: pass the model's architecture name, "
                 "e.g. 'DeepseekV32ForCausalLM' (config.json's architectures[0])."
             )
-        if arch is not None and arch not in VLLM_BF16_AUTO_ARCHITECTURES:
+        if arch is not None and arch not in _VLLM_BF16_AUTO_ARCHITECTURES:
             resolved = "float32"
         elif capability is not None and capability[0] != 10:
             resolved = "float32"
@@ -103,7 +103,7 @@ def check_vllm_engine_config(engine_config: Mapping[str, Any]) -> str:
             missing = "architecture" if arch is None else "device_capability"
             raise ValueError(
                 f"engine_config: indexer_logits_dtype='auto' without {missing!r}: vLLM 0.34 "
-                f"resolves 'auto' to bfloat16 for {sorted(VLLM_BF16_AUTO_ARCHITECTURES)} on a "
+                f"resolves 'auto' to bfloat16 for {sorted(_VLLM_BF16_AUTO_ARCHITECTURES)} on a "
                 "device of capability 10.x (SM100) and to float32 otherwise; name the "
                 f"{missing.replace('_', ' ')}, or the resolved value."
             )
@@ -132,10 +132,10 @@ def vllm_shared_layers(skip_layer_ids: Iterable[int], num_layers: int) -> dict[i
     buffer its closest preceding computing layer wrote (it builds no indexer). ``num_layers``:
     the model's ``num_hidden_layers``. Megatron numbers are vLLM's ids + 1.
     """
-    num_layers = int_at_least("num_layers", num_layers, low=1)
+    num_layers = _int_at_least("num_layers", num_layers, low=1)
     skips = set()
     for i in skip_layer_ids:
-        skips.add(int_at_least("skip layer id", i, low=0))
+        skips.add(_int_at_least("skip layer id", i, low=0))
     beyond = sorted(i for i in skips if i >= num_layers)
     if beyond:
         raise ValueError(f"skip layer ids {beyond} are not below num_layers={num_layers}.")
@@ -170,9 +170,9 @@ def merge_vllm_shardq_rows(
     every rank's prefill token ids, relative to the first prefill token, grouped by rank). The
     decode rows are rank 0's.
     """
-    d = int_at_least("num_decode_tokens", num_decode_tokens, low=0)
+    d = _int_at_least("num_decode_tokens", num_decode_tokens, low=0)
     ids = torch.as_tensor(np.asarray(token_ids), dtype=torch.int64).reshape(-1)
-    counts = [int_at_least(f"num_tokens_per_rank[{r}]", int(n), low=0)
+    counts = [_int_at_least(f"num_tokens_per_rank[{r}]", int(n), low=0)
               for r, n in enumerate(np.asarray(num_tokens_per_rank).reshape(-1))]  # fmt: skip
     if isinstance(rank_buffers, torch.Tensor) or not isinstance(rank_buffers, Sequence):
         raise TypeError("rank_buffers: pass a sequence of buffer copies, one per TP rank.")
@@ -189,7 +189,7 @@ def merge_vllm_shardq_rows(
         )
     bufs = []
     for r, (buf, count) in enumerate(zip(rank_buffers, counts, strict=True)):
-        buf = integer_array(f"rank {r} buffer", buf, shape="(N, topk)")
+        buf = _integer_array(f"rank {r} buffer", buf, shape="(N, topk)")
         if buf.ndim != 2 or buf.shape[0] < d + count:
             raise ValueError(
                 f"rank {r} buffer {tuple(buf.shape)}: needs {d} decode + {count} own rows of a "
@@ -213,15 +213,15 @@ def decode_vllm_indexer_topk(
 
     The ``.npy`` is read without pickles, in its own byte order; its keys are checked to fit
     int32 before the cast. ``name`` names the payload in errors (the response)."""
-    data = decode_base64(name, payload)
+    data = _decode_base64(name, payload)
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)
     except Exception as exc:  # numpy raises ValueError / OSError / EOFError for bad bytes
         raise ValueError(f"{name}: not .npy bytes ({' '.join(str(exc).split())[:160]}).") from None
     if not isinstance(array, np.ndarray):
         raise ValueError(f"{name}: a .npz archive, not one .npy array.")
-    rows = as_request_rows(name, array)
-    check_key_range(name, rows, describe_row=lambda j: f"token {j}")
+    rows = _as_request_rows(name, array)
+    _check_key_range(name, rows, describe_row=lambda j: f"token {j}")
     return rows.to(torch.int32)
 
 
@@ -288,7 +288,7 @@ def from_vllm_steps(
     """
     if engine_config is not None:
         check_vllm_engine_config(engine_config)
-    topk = int_at_least("topk", topk, low=1)
+    topk = _int_at_least("topk", topk, low=1)
     if isinstance(steps, VllmStep) or not isinstance(steps, Sequence):
         raise TypeError(
             f"from_vllm_steps takes a sequence of VllmStep, got {type(steps).__name__}; wrap one "
@@ -314,9 +314,9 @@ def from_vllm_steps(
                 f"{where}: request id(s) {', '.join(repeated)} scheduled twice in one step; a "
                 "step schedules each request once (request_ids must be the batch's requests)."
             )
-        qsl = [int_at_least(f"{where} query_start_loc[{i}]", v, low=0)
+        qsl = [_int_at_least(f"{where} query_start_loc[{i}]", v, low=0)
                for i, v in enumerate(step.query_start_loc)]  # fmt: skip
-        computed = [int_at_least(f"{where} num_computed_tokens[{i}]", v, low=0)
+        computed = [_int_at_least(f"{where} num_computed_tokens[{i}]", v, low=0)
                     for i, v in enumerate(step.num_computed_tokens)]  # fmt: skip
         if len(qsl) != len(ids) + 1 or len(computed) != len(ids):
             raise ValueError(
@@ -330,7 +330,7 @@ def from_vllm_steps(
             )
         kept: list[int] | None = None
         if step.kept_rows is not None:
-            kept = [int_at_least(f"{where} kept_rows[{i}]", v, low=0)
+            kept = [_int_at_least(f"{where} kept_rows[{i}]", v, low=0)
                     for i, v in enumerate(step.kept_rows)]  # fmt: skip
             if len(kept) != len(ids):
                 raise ValueError(
@@ -338,7 +338,7 @@ def from_vllm_steps(
                 )
         buffers = {}
         for n in layers:
-            buf = integer_array(f"{where} layer {n} buffer", step.buffers[n], shape="(N, topk)")
+            buf = _integer_array(f"{where} layer {n} buffer", step.buffers[n], shape="(N, topk)")
             if buf.ndim != 2:
                 raise TypeError(
                     f"{where} layer {n}: expected a 2-D buffer copy, got {tuple(buf.shape)}."

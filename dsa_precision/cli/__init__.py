@@ -22,7 +22,7 @@ from typing import Any, cast
 __all__ = ["CliError", "HelpFormatter", "main", "plain_text", "print_json", "progress", "seed"]
 
 # subcommand -> module defining register(subparsers)
-COMMANDS = {
+_COMMANDS = {
     "demo": "dsa_precision.cli.demo",
     "agree": "dsa_precision.cli.agree",
     "bench": "dsa_precision.cli.bench",
@@ -110,16 +110,16 @@ def progress[T](items: Iterable[T], *, total: int | None = None, desc: str = "")
     sys.stderr.flush()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsa-precision",
         description="Measure and close the train/inference top-k gap of the DSA lightning indexer.",
         formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}"
+        dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
     )
-    for name, module in COMMANDS.items():
+    for name, module in _COMMANDS.items():
         try:
             importlib.import_module(module).register(sub)
         except ModuleNotFoundError as exc:
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         print(

@@ -31,24 +31,24 @@ from typing import Any
 
 import torch
 
-from ..agreement import topk_agreement, validate_index_rows
+from ..agreement import _validate_index_rows, topk_agreement
 from ..capture.files import (
     ENGINE_FORMATS,
-    integer_indices,
+    _integer_indices,
+    _picks_from_tensors,
     load_engine_output,
-    picks_from_tensors,
     read_tensors,
 )
 from ..engines import ENGINE_PROFILES
 from ..picks import TokenLayout, TopkPicks
 from . import CliError, print_json
-from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
+from .report import _AGREEMENT_HEADERS, _AGREEMENT_LEGEND, _agreement_cells, _format_table
 
 __all__ = ["register"]
 
 # The differing rows' causes (with --scores), TopkAgreement's names.
-CAUSES = ("tie_rows", "precision_rows", "invalid_rows")
-CAUSES_LEGEND = (
+_CAUSES = ("tie_rows", "precision_rows", "invalid_rows")
+_CAUSES_LEGEND = (
     "tie, precision, invalid: differing rows where inference's set is a valid top-k of training's "
     "scores (a tie no precision reproduces), is not one, or breaks the index rule."
 )
@@ -72,7 +72,7 @@ def _replay(path: Path, flag: str) -> TopkPicks | None:
     if not isinstance(loaded, dict):
         return None
     try:
-        return picks_from_tensors(loaded, str(path))
+        return _picks_from_tensors(loaded, str(path))
     except ValueError as exc:
         raise _cli(flag, exc) from None
 
@@ -82,7 +82,7 @@ def _validated(tensor: torch.Tensor, where: str, layout: TokenLayout | None) -> 
     else the index rule of :mod:`dsa_precision.agreement`."""
     try:
         if layout is None:
-            validate_index_rows(where, tensor)
+            _validate_index_rows(where, tensor)
         else:
             layout.validate_indices(where, tensor)
     except (TypeError, ValueError) as exc:
@@ -90,7 +90,7 @@ def _validated(tensor: torch.Tensor, where: str, layout: TokenLayout | None) -> 
     return tensor
 
 
-def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None) -> torch.Tensor:
+def _load_indices(path: Path | str, *, flag: str = "file", key: str | None = None) -> torch.Tensor:
     """Load one top-k index tensor from ``path``, as ``int64`` on the CPU.
 
     Args:
@@ -123,7 +123,7 @@ def load_indices(path: Path | str, *, flag: str = "file", key: str | None = None
         tensor = loaded
     where = f"{flag} {path}"
     try:
-        tensor = integer_indices(tensor, where)
+        tensor = _integer_indices(tensor, where)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return _validated(tensor, where, None)
@@ -166,7 +166,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tie, a precision difference or an invalid inference set",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    p.set_defaults(func=main)
+    p.set_defaults(func=_main)
 
 
 def _engine_output(path: Path, engine: str) -> TopkPicks:
@@ -209,7 +209,7 @@ def _pooled(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "broken_rows": sum(m.get("broken_rows", 0) for m in metrics),
         **{
             cause: sum(m[cause] for m in metrics)
-            for cause in CAUSES
+            for cause in _CAUSES
             if all(cause in m for m in metrics)
         },
     }
@@ -277,8 +277,8 @@ def _compare(
             "--train and --infer must both be replay files (layer_NN tensors) or both index files"
         )
     if train_replay is None:
-        train = load_indices(train_path, flag="--train", key=key)
-        infer = load_indices(infer_path, flag="--infer", key=key)
+        train = _load_indices(train_path, flag="--train", key=key)
+        infer = _load_indices(infer_path, flag="--infer", key=key)
         if train.shape != infer.shape:
             raise CliError(
                 f"shape mismatch: --train {tuple(train.shape)} vs --infer {tuple(infer.shape)}; "
@@ -339,7 +339,7 @@ def _nonempty(metrics: dict[str, Any], where: str) -> dict[str, Any]:
     return metrics
 
 
-def main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace) -> int:
     gate = args.min_agreement
     if gate is not None and not (0.0 <= gate <= 1.0):
         raise CliError(f"--min-agreement {gate}: give a fraction in [0, 1], e.g. 0.999")
@@ -372,17 +372,17 @@ def main(args: argparse.Namespace) -> int:
             f"{overall['members']} inference picks"
         )
         print()
-        causes = [c for c in CAUSES if c in overall]
+        causes = [c for c in _CAUSES if c in overall]
         table = [
-            [name, *agreement_cells(metrics), *(str(metrics[c]) for c in causes)]
+            [name, *_agreement_cells(metrics), *(str(metrics[c]) for c in causes)]
             for name, metrics in results
         ]
-        headers = ["train", *AGREEMENT_HEADERS, *(c.removesuffix("_rows") for c in causes)]
-        print(format_table(headers, table))
+        headers = ["train", *_AGREEMENT_HEADERS, *(c.removesuffix("_rows") for c in causes)]
+        print(_format_table(headers, table))
         print()
-        print("\n".join(AGREEMENT_LEGEND))
+        print("\n".join(_AGREEMENT_LEGEND))
         if causes:
-            print(CAUSES_LEGEND)
+            print(_CAUSES_LEGEND)
     metrics = dict(results)
     for name in failed:
         print(

@@ -42,16 +42,16 @@ import torch
 
 from . import CliError, print_json, progress, seed
 from .bench_config import (
-    FUSED_THRESHOLD,
-    HEAD_DIM,
-    LONG_SEQS,
-    ROPE_DIM,
-    SPLIT_SEQS,
-    THD_SEQS,
-    BenchConfig,
+    _FUSED_THRESHOLD,
+    _HEAD_DIM,
+    _LONG_SEQS,
+    _ROPE_DIM,
+    _SPLIT_SEQS,
+    _THD_SEQS,
+    _BenchConfig,
     thd_lengths,
 )
-from .bench_tables import format_tables
+from .bench_tables import _format_tables
 
 if TYPE_CHECKING:
     from ..operands import ScoringOperands
@@ -70,7 +70,7 @@ _DEVICE = "cuda"  # where the operands live (the CPU tests run the measurement c
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    d = BenchConfig()
+    d = _BenchConfig()
     p = subparsers.add_parser(
         "bench",
         help="time the indexer's kernels and the package beside them, BF16 vs FP8 (CUDA GPU)",
@@ -125,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--long",
         action="store_true",
-        help=f"only the long-context profile: chunked select at S {' '.join(map(str, LONG_SEQS))} "
+        help=f"only the long-context profile: chunked select at S {' '.join(map(str, _LONG_SEQS))} "
         "(or --long-seq), FP8 / BF16, both backends, beside the raw chunked kernels, peak memory",
     )
     p.add_argument("--long-seq", type=int, nargs="+", default=None, help="S of --long")
@@ -135,14 +135,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--split",
         action="store_true",
-        help=f"only the time split of FP8 selection at S {' '.join(map(str, SPLIT_SEQS))} (or "
+        help=f"only the time split of FP8 selection at S {' '.join(map(str, _SPLIT_SEQS))} (or "
         "--split-seq): scoring, top-k, scores written and read back; what a fused kernel saves",
     )
     p.add_argument("--split-seq", type=int, nargs="+", default=None, help="S of --split")
     p.add_argument(
         "--thd",
         action="store_true",
-        help=f"only the packed-sequence (THD) profile: T {' '.join(map(str, THD_SEQS))} tokens "
+        help=f"only the packed-sequence (THD) profile: T {' '.join(map(str, _THD_SEQS))} tokens "
         "(or --thd-seq; with --long also its S, selection only), FP8 indexer_scores_varlen and "
         "indexer_select_varlen on both backends beside the raw kernels",
     )
@@ -164,7 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--megatron-seq", type=int, nargs="+", default=None, help="S of --megatron")
     p.add_argument("--json", action="store_true", help="print one JSON document, no tables")
-    p.set_defaults(func=main)
+    p.set_defaults(func=_main)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,13 +261,15 @@ def bench_inputs(
         x = torch.randn(*shape, device=_DEVICE, generator=gen)
         return torch.where(x == 0, torch.full_like(x, 1e-3), x).to(torch.bfloat16)
 
-    inv = 10000.0 ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device=_DEVICE) / ROPE_DIM)
+    inv = 10000.0 ** (
+        -torch.arange(0, _ROPE_DIM, 2, dtype=torch.float32, device=_DEVICE) / _ROPE_DIM
+    )
     pos = [torch.arange(n, dtype=torch.float32) for n in lens or [seq]]
     angles = torch.outer(torch.cat(pos).to(_DEVICE), inv)
-    freqs = torch.cat([angles] * 2, -1).view(seq, 1, 1, ROPE_DIM)
+    freqs = torch.cat([angles] * 2, -1).view(seq, 1, 1, _ROPE_DIM)
     return (
-        nonzero(seq, batch, heads, HEAD_DIM),
-        nonzero(seq, batch, HEAD_DIM),
+        nonzero(seq, batch, heads, _HEAD_DIM),
+        nonzero(seq, batch, _HEAD_DIM),
         nonzero(seq, batch, heads),
         freqs,
     )
@@ -276,7 +278,7 @@ def bench_inputs(
 def _preprocess(rope_fp32: bool, hadamard: bool) -> IndexerPreprocess:
     from ..preprocess import IndexerPreprocess
 
-    pre = IndexerPreprocess(HEAD_DIM, ROPE_DIM, rope_fp32=rope_fp32, rotate_activation=hadamard)
+    pre = IndexerPreprocess(_HEAD_DIM, _ROPE_DIM, rope_fp32=rope_fp32, rotate_activation=hadamard)
     k_norm = cast(torch.nn.LayerNorm, pre.k_norm)  # its own, fresh nn.LayerNorm
     with torch.no_grad():
         k_norm.weight.normal_(1.0, 0.1)
@@ -284,7 +286,7 @@ def _preprocess(rope_fp32: bool, hadamard: bool) -> IndexerPreprocess:
     return pre.to(device=_DEVICE, dtype=torch.bfloat16)
 
 
-def _check_environment(cfg: BenchConfig) -> None:
+def _check_environment(cfg: _BenchConfig) -> None:
     if not torch.cuda.is_available():
         raise CliError("bench needs a CUDA GPU; none is visible to this process.")
     major, minor = torch.cuda.get_device_capability()
@@ -313,11 +315,11 @@ def _check_environment(cfg: BenchConfig) -> None:
     from ..kernels import triton_unavailable_reason
 
     reason = (
-        cudnn.scoring_unsupported_reason(
+        cudnn._scoring_unsupported_reason(
             device=torch.device("cuda"),
             precision=ScoringPrecision.FP8,
             n_heads=cfg.heads[0],
-            head_dim=HEAD_DIM,
+            head_dim=_HEAD_DIM,
             n_kv_heads=1,
         )
         or triton_unavailable_reason()
@@ -334,7 +336,7 @@ def _check_environment(cfg: BenchConfig) -> None:
             )
 
 
-def _check_thd(cfg: BenchConfig) -> None:
+def _check_thd(cfg: _BenchConfig) -> None:
     """Every packing of ``--thd-seq`` splits into non-empty sequences (``CliError`` otherwise)."""
     for total in cfg.thd_seqs:
         try:
@@ -348,7 +350,7 @@ class _Workload:
 
     def __init__(
         self,
-        cfg: BenchConfig,
+        cfg: _BenchConfig,
         seq: int,
         heads: int,
         gen: torch.Generator,
@@ -356,7 +358,7 @@ class _Workload:
     ) -> None:
         from ..config import IndexerPrecisionConfig
         from ..prepare import prepare_indexer_operands
-        from ..preprocess import indexer_head_weights
+        from ..preprocess import _indexer_head_weights
 
         self.seq, self.heads = seq, heads
         batch = 1 if lens else cfg.batch  # a packing is one row of tokens
@@ -365,9 +367,9 @@ class _Workload:
         self.pre8 = _preprocess(cfg.rope_fp32, cfg.hadamard)
         self.cfg16 = IndexerPrecisionConfig()
         self.cfg8 = IndexerPrecisionConfig(rope_fp32=cfg.rope_fp32, scoring_precision="fp8")
-        hw = dict(n_heads=heads, head_dim=HEAD_DIM)
-        self.w16 = indexer_head_weights(w_raw, fp32=False, **hw)
-        self.w8 = indexer_head_weights(w_raw, fp32=True, **hw)
+        hw = dict(n_heads=heads, head_dim=_HEAD_DIM)
+        self.w16 = _indexer_head_weights(w_raw, fp32=False, **hw)
+        self.w8 = _indexer_head_weights(w_raw, fp32=True, **hw)
         self._prepare = prepare_indexer_operands
 
     def prep(self, fp8: bool, impl: Impl = "auto") -> ScoringOperands:
@@ -412,7 +414,7 @@ class _Raw:
 
         self.k = topk
         self.dsa = cudnn.dsa()
-        self.dg = deepgemm.kernel_entry()  # None without DeepGEMM
+        self.dg = deepgemm._kernel_entry()  # None without DeepGEMM
 
     def cudnn_scores(self, ops, offsets: torch.Tensor, out: torch.Tensor | None = None):
         ks = None if ops.k_descale is None else ops.k_descale.unsqueeze(-1)
@@ -560,10 +562,10 @@ def _backends(raw: _Raw, batch: int) -> tuple[str, ...]:
     return ("cudnn", "deepgemm") if raw.dg is not None and batch == 1 else ("cudnn",)
 
 
-def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+def _measure(cfg: _BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     from ..prepare import prepare_scoring_operands
     from ..rows import causal_key_counts
-    from ..scoring import indexer_scores, indexer_window_scores, resolve_scoring_backend
+    from ..scoring import _resolve_scoring_backend, indexer_scores, indexer_window_scores
     from ..select import indexer_select
     from ..topk import indexer_topk
 
@@ -633,7 +635,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         "seq": seq,
         "heads": work.heads,
         "batch": b,
-        "default_backend": resolve_scoring_backend("auto", ops8),
+        "default_backend": _resolve_scoring_backend("auto", ops8),
         "chunked": chunked,
         "check": check,
         "times_ms": t,
@@ -659,7 +661,7 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
         out["e2e_bound"] = raw16 / raw8
         out["e2e_share_of_bound"] = out["e2e_ratio"] / out["e2e_bound"]
         out["api_ratio"] = t["api_bf16"] / t["api_fp8"]
-        out["flops_score"] = 2.0 * b * work.heads * HEAD_DIM * seq * (seq + 1) / 2
+        out["flops_score"] = 2.0 * b * work.heads * _HEAD_DIM * seq * (seq + 1) / 2
         if "raw_score_dg" in t:
             clean = t.get("raw_score_dg_clean")
             out["overhead"] |= {
@@ -678,13 +680,13 @@ def _measure(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     return out
 
 
-def _select_step(cfg: BenchConfig, seq: int) -> int:
-    from ..select import SELECT_BYTES_PER_SCORE, chunk_rows
+def _select_step(cfg: _BenchConfig, seq: int) -> int:
+    from ..select import _SELECT_BYTES_PER_SCORE, _chunk_rows
 
-    return chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * SELECT_BYTES_PER_SCORE)
+    return _chunk_rows(cfg.chunk_bytes, seq, cfg.batch * seq * _SELECT_BYTES_PER_SCORE)
 
 
-def _measure_long(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+def _measure_long(cfg: _BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
     """Chunked select at long S: the package end to end and from prepared operands, the raw
     chunked kernels (the bound), and the peak memory each adds."""
     from ..select import indexer_select
@@ -748,7 +750,7 @@ def _bandwidth(timer: Timer) -> tuple[float, float]:
 
 
 def _measure_split(
-    cfg: BenchConfig, timer: Timer, work: _Workload, bandwidth: tuple[float, float]
+    cfg: _BenchConfig, timer: Timer, work: _Workload, bandwidth: tuple[float, float]
 ) -> dict[str, Any]:
     """Where FP8 selection's time goes, per backend: scoring alone (writing the scores), the
     top-k (raw select minus scoring), and the scores' memory traffic at the measured bandwidth
@@ -795,7 +797,7 @@ def _measure_split(
             # the whole top-k too, with scoring as fast as without its stores.
             "fused_speedup_traffic": e2e / (e2e - traffic),
             "fused_speedup_max": e2e / max(prep + score - write_ms, 1e-9),
-            "build_fused": traffic / e2e > FUSED_THRESHOLD,
+            "build_fused": traffic / e2e > _FUSED_THRESHOLD,
         }
     return out
 
@@ -851,21 +853,21 @@ def _verify_thd(raw: _Raw, ops: ScoringOperands, pack: _Packing, backends: tuple
     return {"scores_bit_identical": [*checked, "cudnn"]}
 
 
-def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int]):
+def _measure_thd(cfg: _BenchConfig, timer: Timer, work: _Workload, lens: list[int]):
     """One packing of ``lens`` (summing to ``work.seq``) at ``work.heads``, FP8 operands:
     ``indexer_scores_varlen`` beside the raw kernels (below ``--chunked-from``), and
     ``indexer_select_varlen`` beside the raw chunked score + top-k, each backend."""
     from ..scoring import (
+        _resolve_scoring_backend,
         indexer_scores_varlen,
         indexer_window_scores_varlen,
-        resolve_scoring_backend,
     )
-    from ..select import SELECT_BYTES_PER_SCORE, chunk_rows, indexer_select_varlen
+    from ..select import _SELECT_BYTES_PER_SCORE, _chunk_rows, indexer_select_varlen
 
     raw = _Raw(cfg.topk)
     backends = _backends(raw, 1)
     ops = work.prep(True, "triton")
-    step = chunk_rows(cfg.chunk_bytes, work.seq, max(lens) * SELECT_BYTES_PER_SCORE)
+    step = _chunk_rows(cfg.chunk_bytes, work.seq, max(lens) * _SELECT_BYTES_PER_SCORE)
     pack = _Packing(lens, step)
     kw = pack.varlen_kwargs()
     chunked = work.seq >= cfg.chunked_from
@@ -876,7 +878,7 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
         "lens": lens,
         "chunks": len(pack.chunks),
         "chunked": chunked,
-        "default_backend": resolve_scoring_backend("auto", ops),
+        "default_backend": _resolve_scoring_backend("auto", ops),
         "check": None if chunked else _verify_thd(raw, ops, pack, backends),
     }
     if not chunked:
@@ -931,16 +933,16 @@ def _measure_thd(cfg: BenchConfig, timer: Timer, work: _Workload, lens: list[int
     return out
 
 
-def _measure_megatron(cfg: BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
-    from .bench_megatron import measure_megatron
+def _measure_megatron(cfg: _BenchConfig, timer: Timer, work: _Workload) -> dict[str, Any]:
+    from .bench_megatron import _measure_megatron
 
-    return measure_megatron(timer, work, cfg.topk, cfg.batch, _DEVICE)
+    return _measure_megatron(timer, work, cfg.topk, cfg.batch, _DEVICE)
 
 
-def run_bench(
-    cfg: BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
+def _run_bench(
+    cfg: _BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints.
+    """Measure every ``(S, H)`` of ``cfg``; the report :func:`_format_tables` prints.
     ``on_profile`` gets the report so far after each profile (default, long, split, thd)."""
     _check_environment(cfg)
     from importlib import metadata
@@ -949,7 +951,7 @@ def run_bench(
 
     gen = torch.Generator(device=_DEVICE).manual_seed(cfg.seed)
     timer = Timer(cfg.reps, cfg.warmup)
-    versions = {"torch": torch.__version__, "deepgemm": deepgemm.entry_point()}
+    versions = {"torch": torch.__version__, "deepgemm": deepgemm._entry_point()}
     for dist in ("triton", "nvidia-cudnn-frontend"):
         try:
             versions[dist] = metadata.version(dist)
@@ -989,17 +991,17 @@ def run_bench(
     return report
 
 
-def main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace) -> int:
     long = args.long or args.long_seq is not None
     split = args.split or args.split_seq is not None
     thd = args.thd or args.thd_seq is not None
     megatron = args.megatron or args.megatron_seq is not None
-    long_seqs = tuple(args.long_seq or LONG_SEQS) if long else ()
+    long_seqs = tuple(args.long_seq or _LONG_SEQS) if long else ()
     only = (
         long or split or thd or megatron
     )  # profiles of their own: the default tables only with --seq
-    cfg = BenchConfig(
-        seqs=tuple(args.seq) if args.seq else () if only else BenchConfig.seqs,
+    cfg = _BenchConfig(
+        seqs=tuple(args.seq) if args.seq else () if only else _BenchConfig.seqs,
         heads=tuple(args.heads),
         batch=args.batch,
         topk=args.topk,
@@ -1013,19 +1015,19 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         long_seqs=long_seqs,
         long_reps=args.long_reps,
-        split_seqs=tuple(args.split_seq or SPLIT_SEQS) if split else (),
-        thd_seqs=tuple(args.thd_seq or (*THD_SEQS, *long_seqs)) if thd else (),
+        split_seqs=tuple(args.split_seq or _SPLIT_SEQS) if split else (),
+        thd_seqs=tuple(args.thd_seq or (*_THD_SEQS, *long_seqs)) if thd else (),
         thd_weights=tuple(args.thd_weights),
-        megatron_seqs=tuple(args.megatron_seq or BenchConfig.seqs) if megatron else (),
+        megatron_seqs=tuple(args.megatron_seq or _BenchConfig.seqs) if megatron else (),
     )
     # With --json the tables of each finished profile go to stderr as it ends, so a run cut
     # short by a time limit still leaves its first profiles in the log.
     partial = (
-        (lambda r: print(format_tables(r), file=sys.stderr, flush=True)) if args.json else None
+        (lambda r: print(_format_tables(r), file=sys.stderr, flush=True)) if args.json else None
     )
-    report = run_bench(cfg, partial)
+    report = _run_bench(cfg, partial)
     if args.json:
         print_json(report)
     else:
-        print(format_tables(report))
+        print(_format_tables(report))
     return 0

@@ -1,4 +1,4 @@
-"""What ``bench`` measures: :class:`BenchConfig` (the command's flags) and the shapes it uses."""
+"""What ``bench`` measures: :class:`_BenchConfig` (the command's flags) and the shapes it uses."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import dataclasses
 
 __all__ = ["thd_lengths"]
 
-HEAD_DIM = 128
-ROPE_DIM = 64
+_HEAD_DIM = 128
+_ROPE_DIM = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
+class _BenchConfig:
     """What to measure (the command's flags)."""
 
     seqs: tuple[int, ...] = (8192, 16384)
@@ -42,16 +42,16 @@ class BenchConfig:
     megatron_seqs: tuple[int, ...] = ()
 
 
-LONG_SEQS = (32768, 65536, 131072)
-SPLIT_SEQS = (16384, 65536)
+_LONG_SEQS = (32768, 65536, 131072)
+_SPLIT_SEQS = (16384, 65536)
 # Megatron's dsa_kernel_backend values whose indexer --megatron times.
-MEGATRON_BACKENDS = ("none", "cudnn", "tilelang")
+_MEGATRON_BACKENDS = ("none", "cudnn", "tilelang")
 # The issue's threshold: build a fused score-and-select kernel if the scores' memory traffic
 # costs more than this share of FP8 end-to-end time at S = 65536.
-FUSED_THRESHOLD = 0.20
-THD_SEQS = (8192, 16384)
+_FUSED_THRESHOLD = 0.20
+_THD_SEQS = (8192, 16384)
 # Four uneven sequences per packing (T = 8192: 3276, 819, 2457, 1640 tokens).
-THD_WEIGHTS = BenchConfig.thd_weights
+_THD_WEIGHTS = _BenchConfig.thd_weights
 
 
 def thd_lengths(total: int, weights: tuple[int, ...]) -> list[int]:

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from .bench_config import MEGATRON_BACKENDS
+from .bench_config import _MEGATRON_BACKENDS
 
 __all__ = []
 
@@ -99,7 +99,7 @@ def _megatron_topk(backend: str, q, k, w, topk: int, seq: int) -> Callable[[], A
     return fused
 
 
-def measure_megatron(
+def _measure_megatron(
     timer: Callable[[Callable[[], Any]], float], work: Any, topk: int, batch: int, device: str
 ) -> dict[str, Any]:
     """One ``(S, H)`` case of ``--megatron`` (``work``: the bench's workload of it)."""
@@ -115,7 +115,7 @@ def measure_megatron(
     reference = cast(torch.Tensor, indexer_select(ops16, topk=topk))
     t: dict[str, float] = {"prep_bf16": timer(lambda: work.prep(False))}
     rows: dict[str, dict[str, Any]] = {}
-    for backend in MEGATRON_BACKENDS:
+    for backend in _MEGATRON_BACKENDS:
         reason = _unavailable(backend, device)
         if reason is None and backend == "none":
             reason = _naive_too_large(seq, batch, heads, device)
@@ -140,7 +140,7 @@ def measure_megatron(
         del picks
     t["select_fp8"] = timer(lambda: indexer_select(ops8, topk=topk, backend="cudnn"))
     t["e2e_fp8"] = timer(lambda: indexer_select(work.prep(True), topk=topk, backend="cudnn"))
-    if deepgemm.kernel_entry() is not None and batch == 1:
+    if deepgemm._kernel_entry() is not None and batch == 1:
         t["select_fp8_dg"] = timer(lambda: indexer_select(ops8, topk=topk, backend="deepgemm"))
         t["e2e_fp8_dg"] = timer(
             lambda: indexer_select(work.prep(True), topk=topk, backend="deepgemm")

@@ -1,4 +1,4 @@
-"""The tables of a ``bench`` report (:func:`format_tables`): the package beside the raw kernels
+"""The tables of a ``bench`` report (:func:`_format_tables`): the package beside the raw kernels
 it wraps, as ratios, then end to end, long context, the FP8 time split and packed sequences."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .bench_config import FUSED_THRESHOLD, HEAD_DIM, MEGATRON_BACKENDS
+from .bench_config import _FUSED_THRESHOLD, _HEAD_DIM, _MEGATRON_BACKENDS
 
 __all__ = []
 
@@ -187,7 +187,7 @@ def _split_lines(rows: list[dict[str, Any]]) -> list[str]:
         bw = rows[0]["bandwidth_gbs"]
         lines.append(
             f"bandwidth: write {bw['write']:.0f} GB/s, read {bw['read']:.0f} GB/s (1 GiB fill / "
-            f"sum); build fused: traffic > {100 * FUSED_THRESHOLD:.0f} % of e2e; fused x: e2e / "
+            f"sum); build fused: traffic > {100 * _FUSED_THRESHOLD:.0f} % of e2e; fused x: e2e / "
             "(e2e - traffic), max: e2e / (prep + score - its writes)"
         )
     return lines
@@ -268,13 +268,13 @@ def _megatron_lines(rows: list[dict[str, Any]]) -> list[str]:
         "Megatron's indexer top-k per dsa_kernel_backend beside the package's FP8 top-k (same "
         "projections; e2e = preprocessing + top-k)",
         f"{'S':>6} {'H':>3} | " + " | ".join(f"{b:>8} {'e2e':>7} {'agree':>6} {'x fp8':>5}"
-                                            for b in MEGATRON_BACKENDS)
+                                            for b in _MEGATRON_BACKENDS)
         + f" | {'fp8 sel':>7} {'e2e':>7} | {'dg sel':>7} {'e2e':>7}",
     ]  # fmt: skip
     notes: dict[str, str] = {}
     for r in rows:
         t, cells = r["times_ms"], []
-        for b in MEGATRON_BACKENDS:
+        for b in _MEGATRON_BACKENDS:
             row = r["megatron"][b]
             if "skipped" in row:
                 notes[b] = row["skipped"]
@@ -297,13 +297,13 @@ def _megatron_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def format_tables(report: dict[str, Any]) -> str:
-    """The human-readable tables of a :func:`run_bench` report (times in ms)."""
+def _format_tables(report: dict[str, Any]) -> str:
+    """The human-readable tables of a :func:`_run_bench` report (times in ms)."""
     cfg = report["config"]
     rows = report.get("results", [])
     full = [r for r in rows if not r["chunked"]]
     lines = [
-        f"{report['device']}: B={cfg['batch']} D={HEAD_DIM} causal, top-k {cfg['topk']}, "
+        f"{report['device']}: B={cfg['batch']} D={_HEAD_DIM} causal, top-k {cfg['topk']}, "
         f"FP8 side rope_fp32={cfg['rope_fp32']}, hadamard={cfg['hadamard']}; median of "
         f"{cfg['reps']} reps (ms)",
     ]

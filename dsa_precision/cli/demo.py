@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..agreement import boundary_margin, row_scale, score_error, topk_agreement
+from ..agreement import _boundary_margin, _row_scale, _score_error, topk_agreement
 from ..backends import deepgemm
-from ..config import FP8_N_HEADS, IndexerPrecisionConfig
+from ..config import _FP8_N_HEADS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
 from ..scoring import Backend, indexer_scores
 from ..topk import indexer_topk
@@ -42,18 +42,18 @@ from .engine_model import (
     engine_scores,
     engine_select,
 )
-from .report import AGREEMENT_HEADERS, AGREEMENT_LEGEND, agreement_cells, format_table
+from .report import _AGREEMENT_HEADERS, _AGREEMENT_LEGEND, _agreement_cells, _format_table
 from .synthetic import SyntheticIndexerInputs, synthetic_indexer_inputs
 
 __all__ = ["configs", "register"]
 
 # (seq_len, topk) per device when not given; the CPU size finishes in well under 30 s on 2 cores.
-DEFAULT_SIZES = {"cpu": (2048, 256), "cuda": (8192, 2048)}
-HEAD_DIM = 128
-ROPE_DIM = 64
-PLOT_BINS = 64
+_DEFAULT_SIZES = {"cpu": (2048, 256), "cuda": (8192, 2048)}
+_HEAD_DIM = 128
+_ROPE_DIM = 64
+_PLOT_BINS = 64
 # Fewer compared rows (query positions with more visible keys than topk) than this measure nothing.
-MIN_COMPARED_ROWS = 32
+_MIN_COMPARED_ROWS = 32
 
 
 def _inference_operands(
@@ -83,7 +83,7 @@ def configs(engine: EngineProfile) -> tuple[IndexerPrecisionConfig, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ConfigResult:
+class _ConfigResult:
     """One training configuration against inference, over the compared rows."""
 
     config: IndexerPrecisionConfig
@@ -108,7 +108,7 @@ class ConfigResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class DemoRun:
+class _DemoRun:
     """Everything the demo measured; ``as_json`` is what ``--json`` prints."""
 
     seq_len: int
@@ -122,7 +122,7 @@ class DemoRun:
     model: IndexerFields
     inference_margin: float
     inference_indices: torch.Tensor  # int32 [rows, topk], compared rows only
-    configs: list[ConfigResult]
+    configs: list[_ConfigResult]
     seconds: float
     inference_source: str = MODEL_SOURCE  # what built the inference operands
 
@@ -136,8 +136,8 @@ class DemoRun:
             "seq_len": self.seq_len,
             "topk": self.topk,
             "n_heads": self.n_heads,
-            "head_dim": HEAD_DIM,
-            "rope_dim": ROPE_DIM,
+            "head_dim": _HEAD_DIM,
+            "rope_dim": _ROPE_DIM,
             "seed": self.seed,
             "device": self.device,
             "training_backend": self.backend,
@@ -158,7 +158,7 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def run_demo(
+def _run_demo(
     *,
     seq_len: int,
     topk: int,
@@ -168,15 +168,15 @@ def run_demo(
     backend: Backend | None = None,
     engine: EngineProfile = DEFAULT_ENGINE,
     model: IndexerFields | None = None,
-) -> DemoRun:
+) -> _DemoRun:
     """Run the comparison; see the module docstring. Rows ``< topk`` (which select every visible
     key on both sides) are left out of every metric."""
     start = time.monotonic()
     model = model or IndexerFields()
     backend = backend or ("torch" if device == "cpu" else "cudnn")
-    kernel = "deepgemm" if device == "cuda" and deepgemm.deepgemm_available() else "exact"
+    kernel = "deepgemm" if device == "cuda" and deepgemm._deepgemm_available() else "exact"
     inputs = synthetic_indexer_inputs(
-        seq_len, n_heads=n_heads, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, seed=seed
+        seq_len, n_heads=n_heads, head_dim=_HEAD_DIM, rope_dim=_ROPE_DIM, seed=seed
     ).to(device)
     rows = slice(topk, None)
     with torch.no_grad():
@@ -185,7 +185,7 @@ def run_demo(
         )
         ref_scores = engine_scores(ref_ops, kernel=kernel)[rows]
         ref_indices = engine_select(ref_scores, topk)
-        scale = row_scale(ref_scores)
+        scale = _row_scale(ref_scores)
         results = []
         for config in progress(configs(engine), desc="demo"):
             # DeepGEMM scores FP8 operands only: the BF16 rows stay on cuDNN (--backend help).
@@ -196,15 +196,15 @@ def run_demo(
                 scores[rows], topk, backend="cudnn" if backend != "torch" else "torch"
             )
             results.append(
-                ConfigResult(
+                _ConfigResult(
                     config,
                     picks.cpu(),
                     topk_agreement(picks, ref_indices).as_dict(),
-                    boundary_margin(scores[rows], scale, topk),
-                    score_error(scores[rows], ref_scores, scale),
+                    _boundary_margin(scores[rows], scale, topk),
+                    _score_error(scores[rows], ref_scores, scale),
                 )
             )
-    return DemoRun(
+    return _DemoRun(
         seq_len=seq_len,
         topk=topk,
         n_heads=n_heads,
@@ -214,7 +214,7 @@ def run_demo(
         inference_kernel=kernel,
         engine=engine,
         model=model,
-        inference_margin=boundary_margin(ref_scores, scale, topk),
+        inference_margin=_boundary_margin(ref_scores, scale, topk),
         inference_indices=ref_indices.cpu(),
         configs=results,
         seconds=time.monotonic() - start,
@@ -226,23 +226,23 @@ def _fmt(x: float) -> str:
     return "n/a" if not math.isfinite(x) else ("0" if x == 0 else f"{x:.3g}")
 
 
-def format_run(run: DemoRun) -> str:
+def _format_run(run: _DemoRun) -> str:
     """The human-readable report."""
     e, m = run.engine, run.model
     scores = (
-        f"DeepGEMM {deepgemm.entry_point()} (the engines' kernel)"
+        f"DeepGEMM {deepgemm._entry_point()} (the engines' kernel)"
         if run.inference_kernel == "deepgemm"
         else "exact (float64 sums of the E4M3 products)"
     )
     training = {
         "torch": "the exact torch reference",
         "cudnn": "cuDNN's SM90 kernels",
-        "deepgemm": f"DeepGEMM {deepgemm.entry_point()} (FP8 rows; BF16 rows by cuDNN)",
+        "deepgemm": f"DeepGEMM {deepgemm._entry_point()} (FP8 rows; BF16 rows by cuDNN)",
     }[run.backend]
     rows = run.inference_indices.shape[0]
     header = [
         "DSA lightning indexer: training top-k vs inference top-k",
-        f"  indexer {run.n_heads} heads x {HEAD_DIM}, rope {ROPE_DIM}; sequence {run.seq_len}, "
+        f"  indexer {run.n_heads} heads x {_HEAD_DIM}, rope {_ROPE_DIM}; sequence {run.seq_len}, "
         f"top-{run.topk}; seed {run.seed}; {run.device}",
         f"  inference: engine profile '{e.name}' ({e.summary}),",
         f"             operands: {run.inference_source}; scores {scores}",
@@ -260,14 +260,14 @@ def format_run(run: DemoRun) -> str:
     table_rows = [
         ["inference", "", "", "", "", _fmt(run.inference_margin), "0"],
         *(
-            [c.name, *agreement_cells(c.agreement), _fmt(c.boundary_margin), _fmt(c.score_error)]
+            [c.name, *_agreement_cells(c.agreement), _fmt(c.boundary_margin), _fmt(c.score_error)]
             for c in run.configs
         ),
     ]
-    table = format_table(["config", *AGREEMENT_HEADERS, "margin", "score error"], table_rows)
+    table = _format_table(["config", *_AGREEMENT_HEADERS, "margin", "score error"], table_rows)
     footer = [
         "",
-        *AGREEMENT_LEGEND,
+        *_AGREEMENT_LEGEND,
         "margin: median over rows of (k-th - (k+1)-th largest score) / row score std;",
         "score error: median over rows of max |training - inference score| / row score std.",
         f"({run.seconds:.1f} s)",
@@ -275,12 +275,12 @@ def format_run(run: DemoRun) -> str:
     return "\n".join([*header, "", table, *footer])
 
 
-def plot_run(run: DemoRun, path: Path) -> None:
+def _plot_run(run: _DemoRun, path: Path) -> None:
     """Member agreement and identical-row share per query-position bin, one line per config."""
     from matplotlib.figure import Figure
 
     rows = run.inference_indices.shape[0]
-    edges = torch.linspace(0, rows, min(PLOT_BINS, rows) + 1).round().long().tolist()
+    edges = torch.linspace(0, rows, min(_PLOT_BINS, rows) + 1).round().long().tolist()
     bins = [(a, b) for a, b in itertools.pairwise(edges) if b > a]
     centers = [run.first_row + (a + b - 1) / 2 for a, b in bins]
     fig = Figure(figsize=(8, 6), layout="constrained")
@@ -347,7 +347,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=_positive_int, help="sequence length (cpu 2048, cuda 8192)")
     p.add_argument("--topk", type=_positive_int, help="keys per query (cpu 256, cuda 2048)")
     p.add_argument(
-        "--heads", type=int, choices=FP8_N_HEADS, default=32, help="indexer heads (default 32)"
+        "--heads", type=int, choices=_FP8_N_HEADS, default=32, help="indexer heads (default 32)"
     )
     p.add_argument(
         "--seed", type=seed, default=0, help="input generator seed, 0 to 2**64 - 1 (default 0)"
@@ -378,21 +378,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="plot agreement vs position (any format matplotlib writes: .png, .pdf, .svg, ...)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    p.set_defaults(func=main)
+    p.set_defaults(func=_main)
 
 
-def main(args: argparse.Namespace) -> int:
-    default_seq, default_topk = DEFAULT_SIZES[args.device]
+def _main(args: argparse.Namespace) -> int:
+    default_seq, default_topk = _DEFAULT_SIZES[args.device]
     seq_len = args.seq or default_seq
     topk = args.topk or min(default_topk, max(1, seq_len // 4))
     if topk >= seq_len:
         raise CliError(f"--topk {topk} must be below the sequence length {seq_len}")
-    if seq_len - topk < MIN_COMPARED_ROWS:
+    if seq_len - topk < _MIN_COMPARED_ROWS:
         raise CliError(
             f"--seq {seq_len} --topk {topk} leaves {seq_len - topk} query rows with more visible "
             f"keys than topk (positions {topk}..{seq_len - 1}; earlier rows keep every key on "
-            f"both sides); agreement over fewer than {MIN_COMPARED_ROWS} rows measures nothing: "
-            f"use --seq >= {topk + MIN_COMPARED_ROWS} or a smaller --topk"
+            f"both sides); agreement over fewer than {_MIN_COMPARED_ROWS} rows measures nothing: "
+            f"use --seq >= {topk + _MIN_COMPARED_ROWS} or a smaller --topk"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device cuda: CUDA is not available in this process")
@@ -408,7 +408,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _check_plot_path(args.plot)
     try:
-        run = run_demo(
+        run = _run_demo(
             seq_len=seq_len,
             topk=topk,
             n_heads=args.heads,
@@ -422,13 +422,13 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(" ".join(str(exc).split())) from None
     if args.plot is not None:
         try:
-            plot_run(run, args.plot)
+            _plot_run(run, args.plot)
         except OSError as exc:
             raise CliError(f"--plot {args.plot}: {exc.strerror or exc}") from None
     if args.json:
         print_json(run.as_json())
     else:
-        print(format_run(run))
+        print(_format_run(run))
         if args.plot is not None:
             print(f"plot: {args.plot}")
     return 0

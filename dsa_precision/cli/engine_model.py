@@ -21,12 +21,7 @@ import torch
 from ..engines import EngineProfile
 from .synthetic import SyntheticIndexerInputs
 
-__all__ = [
-    "EngineOperands",
-    "engine_operands",
-    "engine_scores",
-    "engine_select",
-]
+__all__ = ["MODEL_SOURCE", "EngineOperands", "engine_operands", "engine_scores", "engine_select"]
 
 MODEL_SOURCE = "an independent model of its operands (dsa_precision.cli.engine_model)"
 
@@ -151,7 +146,7 @@ def engine_scores(ops: EngineOperands, *, kernel: str = "exact") -> torch.Tensor
     if kernel == "deepgemm":
         from ..backends import deepgemm
 
-        logits = deepgemm.causal_logits(
+        logits = deepgemm._causal_logits(
             ops.q.contiguous(),
             (ops.k.contiguous(), ops.k_descale.contiguous()),
             ops.weights.contiguous(),

@@ -19,10 +19,10 @@ from torch import nn
 __all__ = ["SyntheticIndexerInputs", "synthetic_indexer_inputs"]
 
 # Generator constants (documented in docs/numerics.md; changing one changes the demo's numbers).
-LATENT_RANK = 16  # rank of the shared query/key structure
-LATENT_RHO = 0.98  # AR(1) coefficient of the latent topic: correlation length ~50 tokens
-ROPE_BASE = 10000.0  # Megatron's default rotary_base
-K_NORM_EPS = 1e-6
+_LATENT_RANK = 16  # rank of the shared query/key structure
+_LATENT_RHO = 0.98  # AR(1) coefficient of the latent topic: correlation length ~50 tokens
+_ROPE_BASE = 10000.0  # Megatron's default rotary_base
+_K_NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ class SyntheticIndexerInputs:
         )
 
 
-def rope_freqs(seq_len: int, rope_dim: int, base: float = ROPE_BASE) -> torch.Tensor:
+def _rope_freqs(seq_len: int, rope_dim: int, base: float = _ROPE_BASE) -> torch.Tensor:
     """``[seq_len, 1, 1, rope_dim]`` float32 angles, as Megatron's ``RotaryEmbedding`` (rotate-half
     layout, no scaling): ``inv_freq = 1 / base ** (arange(0, rope_dim, 2) / rope_dim)``,
     ``cat([outer(pos, inv_freq)] * 2, -1)``."""
@@ -113,13 +113,13 @@ def synthetic_indexer_inputs(
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
-    r, s, h, d = LATENT_RANK, seq_len, n_heads, head_dim
+    r, s, h, d = _LATENT_RANK, seq_len, n_heads, head_dim
     # Latent topic z_t: a unit-variance AR(1) process, so nearby tokens are about the same thing.
-    innovations = normal(s, r) * math.sqrt(1.0 - LATENT_RHO**2)
+    innovations = normal(s, r) * math.sqrt(1.0 - _LATENT_RHO**2)
     z = torch.empty(s, r)
     z[0] = normal(r)
     for t in range(1, s):
-        z[t] = LATENT_RHO * z[t - 1] + innovations[t]
+        z[t] = _LATENT_RHO * z[t - 1] + innovations[t]
     basis = normal(r, d) / math.sqrt(r)  # shared query/key subspace
     head_mix = torch.eye(r) + 0.5 * normal(h, r, r) / math.sqrt(r)  # per-head view of the topic
     # A component shared by all queries and keys on the RoPE lanes: after RoPE its contribution
@@ -137,7 +137,7 @@ def synthetic_indexer_inputs(
     # Head gates: a per-head offset (some heads mostly negative) plus per-token variation.
     w = (0.5 + 0.5 * normal(h)) + 0.7 * normal(s, h)
 
-    k_norm = nn.LayerNorm(d, eps=K_NORM_EPS, dtype=torch.bfloat16)
+    k_norm = nn.LayerNorm(d, eps=_K_NORM_EPS, dtype=torch.bfloat16)
     k_norm.weight.copy_(1.0 + 0.1 * normal(d))
     k_norm.bias.copy_(0.1 * normal(d))
     return SyntheticIndexerInputs(
@@ -145,5 +145,5 @@ def synthetic_indexer_inputs(
         k=k.view(s, 1, d).to(torch.bfloat16),
         w=w.view(s, 1, h).to(torch.bfloat16),
         k_norm=k_norm.requires_grad_(False),
-        freqs=rope_freqs(s, rope_dim),
+        freqs=_rope_freqs(s, rope_dim),
     )

@@ -13,7 +13,7 @@
 - :mod:`.tie_rows`: per row, the keys of its window scoring at least a threshold, in one pass
   (:func:`dsa_precision.capture.engine_tie_rows` calls it on CUDA).
 - :mod:`.varlen_windows`: each packed (THD) row's key window (DeepGEMM's ``ks`` / ``ke``, the
-  top-k's lengths) in one launch (:func:`dsa_precision.rows.varlen_windows` calls it on CUDA).
+  top-k's lengths) in one launch (:func:`dsa_precision.rows._varlen_windows` calls it on CUDA).
 """
 
 from __future__ import annotations

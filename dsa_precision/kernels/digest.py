@@ -20,14 +20,14 @@ __all__ = []
 _BLOCK = 1024
 # The digest's constants (dsa_precision.capture.digest): the golden-ratio increment and
 # SplitMix64's two multipliers, passed to the kernels as unsigned 64-bit arguments.
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
 
 
 @triton.jit
-def splitmix64(z, M1, M2):
-    """SplitMix64's finaliser of uint64 ``z`` (``M1``, ``M2``: :data:`MIX1`, :data:`MIX2`)."""
+def _splitmix64(z, M1, M2):
+    """SplitMix64's finaliser of uint64 ``z`` (``M1``, ``M2``: :data:`_MIX1`, :data:`_MIX2`)."""
     z = (z ^ (z >> 30)) * M1
     z = (z ^ (z >> 27)) * M2
     return z ^ (z >> 31)
@@ -44,14 +44,14 @@ def _digest_kernel(idx_ptr, out_ptr, k, stride, G, M1, M2, BLOCK: tl.constexpr):
         inside = cols < k
         v = tl.load(base + cols, mask=inside, other=-1).to(tl.int64)
         valid = inside & (v >= 0)
-        mixed = splitmix64((v + 1).to(tl.uint64) * G, M1, M2)
+        mixed = _splitmix64((v + 1).to(tl.uint64) * G, M1, M2)
         total += tl.where(valid, mixed, 0)
         count += valid.to(tl.uint64)
-    digest = splitmix64(tl.sum(total, axis=0) ^ (tl.sum(count, axis=0) * G), M1, M2)
+    digest = _splitmix64(tl.sum(total, axis=0) ^ (tl.sum(count, axis=0) * G), M1, M2)
     tl.store(out_ptr + row, digest.to(tl.int64, bitcast=True))
 
 
-def digest_picks(indices: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
+def _digest_picks(indices: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     """int64 ``(rows,)`` digests of ``(rows, k)`` int16/int32/int64 picks (unit column stride;
     keys below ``-1`` must have been refused by the caller: they digest as padding here).
     ``block``: picks per loop step (any gives the same digests)."""
@@ -61,5 +61,7 @@ def digest_picks(indices: torch.Tensor, *, block: int | None = None) -> torch.Te
     out = torch.empty(rows, dtype=torch.int64, device=indices.device)
     if rows:
         block = _BLOCK if block is None else block
-        _digest_kernel[(rows,)](indices, out, k, indices.stride(0), GOLDEN, MIX1, MIX2, BLOCK=block)
+        _digest_kernel[(rows,)](
+            indices, out, k, indices.stride(0), _GOLDEN, _MIX1, _MIX2, BLOCK=block
+        )
     return out

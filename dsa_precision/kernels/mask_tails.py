@@ -30,7 +30,7 @@ def _mask_tails_kernel(ptr, counts_ptr, stride, columns, BLOCK: tl.constexpr):
         tl.store(ptr + row * stride + cols, tl.full((BLOCK,), float("-inf"), tl.float32), tail)
 
 
-def mask_tails(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _mask_tails(logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Set ``logits[i, j] = -inf`` for every ``j >= counts[i]``; returns ``logits``.
 
     Args:

@@ -41,23 +41,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ..devices import device_constant
+from ..devices import _device_constant
 from ..devices import f32 as _f32
 from ..engines import Fp8Rule
-from ..exact_math import DIV_FULL_ONE_THIRD
+from ..exact_math import _DIV_FULL_ONE_THIRD
 from . import interpreting
 from .rules import PreprocessRules
 
-__all__ = ["preprocess_quantize"]
+__all__ = ["BLOCK_ROWS", "NUM_WARPS", "preprocess_quantize"]
 
-HEAD_DIM = 128
+_HEAD_DIM = 128
 # Smallest float32 amax floor the kernel accepts: above it every descale 2**e and its reciprocal
 # are normal float32 numbers (e >= -109 and e <= 120), so scaling by the reciprocal is exact.
-MIN_AMAX_FLOOR = 2.0**-100
+_MIN_AMAX_FLOOR = 2.0**-100
 _LOG2_HEAD_DIM = 7
 _FLOAT32_NAN_BITS = tl.constexpr(0x7FC00000)  # what torch.full_like(x, nan) stores
 _E4M3_NAN_BITS = tl.constexpr(0x7F)
-_ONE_THIRD = tl.constexpr(DIV_FULL_ONE_THIRD)  # Inductor's Welford ratio div.full(1, 3)
+_ONE_THIRD = tl.constexpr(_DIV_FULL_ONE_THIRD)  # Inductor's Welford ratio div.full(1, 3)
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _pairwise_sum(x, R: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """``[R, D] -> [R]``: ``dsa_precision.exact_math.pairwise_sum`` (adjacent pairs, then pairs
+    """``[R, D] -> [R]``: ``dsa_precision.exact_math._pairwise_sum`` (adjacent pairs, then pairs
     of those, ...), the same additions in the same order."""
     # A sum over a size-2 axis is exactly x[2i] + x[2i+1] (Triton's reductions start from the
     # first element, not from 0), and compiles to the same code as one tl.sum over D.
@@ -152,7 +152,7 @@ def _pair_sum(lo, hi, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
 @triton.jit
 def _engine_block_sum(x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW):
     """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
-    ``dsa_precision.exact_math.triton_block_sum``: pairs 16 apart (the squares' first step
+    ``dsa_precision.exact_math._triton_block_sum``: pairs 16 apart (the squares' first step
     contracted under ``FMA``, the lower lane's multiply fused), then 8, 4, 2, 1 apart, then the
     four 32-lane partials 64 and 32 apart. A sum over a size-2 axis is one addition."""
     lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 4, 2, 16)), (0, 1, 3, 2)))  # [R, 4, 16]
@@ -209,7 +209,7 @@ def _warp_block_sum(
     x, R: tl.constexpr, SQUARES: tl.constexpr, FMA: tl.constexpr, HW, UP: tl.constexpr
 ):
     """``[R, 128] -> [R]`` float32 sums (of ``x * x`` when ``SQUARES``) in the order of
-    ``dsa_precision.exact_math.warp_block_sum``: lane ``l`` holds elements ``4l .. 4l + 3`` and
+    ``dsa_precision.exact_math._warp_block_sum``: lane ``l`` holds elements ``4l .. 4l + 3`` and
     adds them in order (the squares from zero, a chain of fused multiply-adds under ``FMA``), then
     the 32 lane partials add 16, 8, 4, 2, 1 lanes apart (``UP``: 1, 2, 4, 8, 16 apart). A sum
     over a size-2 axis is one addition."""
@@ -596,8 +596,8 @@ NUM_WARPS = 2
 
 
 def _float64_constants(eps: float, d: int, device: torch.device) -> torch.Tensor:
-    """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`device_constant`)."""
-    return device_constant((eps, d**-0.5), torch.float64, device)
+    """``[eps, d**-0.5]`` float64 on ``device``, built once (:func:`_device_constant`)."""
+    return _device_constant((eps, d**-0.5), torch.float64, device)
 
 
 def _float32_bits(value: float) -> int:
@@ -628,7 +628,7 @@ def preprocess_quantize(
             CUDA; the last dimension contiguous. Keys take ``rules.k_quant`` and
             ``rules.k_out_bf16``, queries the ``q_`` rules.
         rules: the arithmetic (:class:`~dsa_precision.kernels.rules.PreprocessRules`); its
-            quantization floors at least :data:`MIN_AMAX_FLOOR` once rounded to float32.
+            quantization floors at least :data:`_MIN_AMAX_FLOOR` once rounded to float32.
         cos, sin: ``[S, rope_dim]`` RoPE tables from :func:`dsa_precision.rope.rope_tables` in
             ``rules.math_dtype``; unused when ``rules.rope_dim == 0``.
         layer_norm: ``(weight, bias, eps)`` of the ``rope_fp32`` key LayerNorm (``weight``
@@ -647,7 +647,7 @@ def preprocess_quantize(
     keys = x.ndim == 3
     x4 = x.unsqueeze(2) if keys else x
     n_seq, batch, n_heads, d = x4.shape
-    if d != HEAD_DIM:
+    if d != _HEAD_DIM:
         raise ValueError(f"expected 128-wide vectors, got {tuple(x.shape)}")
     if x4.stride(3) != 1:
         x4 = x4.contiguous()
@@ -749,7 +749,7 @@ def _launch_constants(
      out_bf16, fold_w, w_bf16, layer_norm_ops, fma, fma_sin2, hadamard_scale_fp32, block_rows,
      num_warps, hw_cast, input_lane_order) = flags  # fmt: skip
     floor32 = _f32(float(rule.amax_floor))
-    if not MIN_AMAX_FLOOR <= floor32 < float("inf"):
+    if not _MIN_AMAX_FLOOR <= floor32 < float("inf"):
         raise ValueError(f"amax_floor={rule.amax_floor!r} is outside [2**-100, float32 max].")
     if len(fold_scales) > 3:
         raise ValueError(f"fold_scales takes at most three scalars, got {fold_scales}.")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["PreprocessRules"]
 
 
-def engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
+def _engine_lanes_differ(preprocess: IndexerPreprocess) -> bool:
     """Whether the engines' lane order is not Megatron's: interleaved RoPE pairs and no Hadamard
     rotation (docs/numerics.md, section 7: the engines rotate each adjacent pair in place)."""
     return preprocess.rope_interleaved and not preprocess.rotate_activation
@@ -143,7 +143,7 @@ class PreprocessRules:
             rope_dim=preprocess.rope_dim,
             interleaved=preprocess.rope_interleaved,
             hadamard=preprocess.rotate_activation,
-            input_lane_order=engine_lanes_differ(preprocess),
+            input_lane_order=_engine_lanes_differ(preprocess),
         )
         if preprocess.rope_fp32:
             return cls(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .digest import GOLDEN, MIX1, MIX2, splitmix64
+from .digest import _GOLDEN, _MIX1, _MIX2, _splitmix64
 
 __all__ = ["tie_rows"]
 
@@ -54,13 +54,13 @@ def _tie_rows_kernel(
         slots = first + tl.arange(0, BLOCK_PICKS)
         key = tl.load(picks + slots, mask=slots < k, other=-1).to(tl.int64)
         valid = (slots < k) & (key >= 0)
-        total += tl.where(valid, splitmix64((key + 1).to(tl.uint64) * G, M1, M2), 0)
+        total += tl.where(valid, _splitmix64((key + 1).to(tl.uint64) * G, M1, M2), 0)
         count += valid.to(tl.int32)
         s = tl.load(scores + start + key, mask=valid, other=float("inf")).to(tl.float32)
         nan += (s != s).to(tl.int32)
         smallest = tl.minimum(smallest, tl.where(s != s, float("inf"), s))
     n = tl.sum(count, axis=0)
-    digest = splitmix64(tl.sum(total, axis=0) ^ (n.to(tl.uint64) * G), M1, M2)
+    digest = _splitmix64(tl.sum(total, axis=0) ^ (n.to(tl.uint64) * G), M1, M2)
     tl.store(digest_ptr + row, digest.to(tl.int64, bitcast=True))
     # A NaN among the picks' scores makes the smallest NaN (torch's amin): no key compares >= it.
     kth = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), tl.min(smallest, axis=0))
@@ -104,7 +104,7 @@ def tie_rows(
     if rows:
         _tie_rows_kernel[(rows,)](
             logits, logits.stride(0), picks, picks.stride(0), picks.shape[1], starts, lengths,
-            digests, sent, GOLDEN, MIX1, MIX2, BLOCK_PICKS=block_picks or _BLOCK_PICKS,
+            digests, sent, _GOLDEN, _MIX1, _MIX2, BLOCK_PICKS=block_picks or _BLOCK_PICKS,
             BLOCK_KEYS=block_keys or _BLOCK_KEYS,
         )  # fmt: skip
     return digests, sent.bool()

@@ -2,7 +2,7 @@
 
 Row ``r`` of sequence ``i`` (``cu_q[i] <= r < cu_q[i + 1]``) sees the packed keys
 ``[cu_k[i], cu_k[i] + count)``, ``count = min(max(floor((offset_i + r - cu_q[i] + 1) / ratio), 0),
-cu_k[i + 1] - cu_k[i])``: what :func:`dsa_precision.rows.varlen_windows` computes in torch with a
+cu_k[i + 1] - cu_k[i])``: what :func:`dsa_precision.rows._varlen_windows` computes in torch with a
 ``searchsorted`` and a dozen gathers and casts (about 20 launches, each a few microseconds of
 device time in front of a ~0.1 ms kernel at T = 8192). Here one program binary-searches a block of
 rows in ``cu_q`` and writes the three int32 rows ``start``, ``end``, ``count`` of one buffer.
@@ -54,7 +54,7 @@ def _varlen_windows_kernel(
     tl.store(out_ptr + 2 * stride + rows, count, live)
 
 
-def varlen_windows(
+def _varlen_windows(
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
     offsets: torch.Tensor,

@@ -21,9 +21,9 @@ they rely on is checked at import (:mod:`.compat`). See ``docs/megatron.md``.
 
 from typing import TYPE_CHECKING, NoReturn
 
-from .compat import TESTED_MEGATRON_CORE, check_megatron_core
+from .compat import TESTED_MEGATRON_BRIDGE, TESTED_MEGATRON_CORE, _check_megatron_core
 
-check_megatron_core()
+_check_megatron_core()
 
 from .config import DSAPrecisionTransformerConfig, add_dsa_precision_args, config_from_args
 from .indexer import PrecisionDSAIndexer
@@ -39,6 +39,7 @@ from .specs import (
 )
 
 __all__ = [
+    "TESTED_MEGATRON_BRIDGE",
     "TESTED_MEGATRON_CORE",
     "DSAPrecisionTransformerConfig",
     "LocalDSASpecProvider",

@@ -43,20 +43,20 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from .. import audit
 from ..capture.digest import digest_mismatches
 from ..config import IndexerPrecisionConfig
-from ..devices import to_device
+from ..devices import _to_device
 from ..picks import TokenLayout
 from ..preprocess import IndexerPreprocess
-from ..rows import packed_sequence_of
+from ..rows import _packed_sequence_of
 from ..scoring import ResolvedBackend
 from . import compat
-from .config import DSAPrecisionTransformerConfig, layer_decisions
-from .graphs import AUTO_GRAPH_MAX_ROWS, GraphedCalls, graph_packing
+from .config import DSAPrecisionTransformerConfig, _layer_decisions
+from .graphs import AUTO_GRAPH_MAX_ROWS, _graph_packing, _GraphedCalls
 from .indexer import PrecisionDSAIndexer
-from .kernel_backend import TILELANG, tilelang_picks
-from .layout import Gather, RankLayout, owned_topk, owned_topk_with_margins, query_positions
-from .monitor import TopkMonitor
-from .record import current_recorder
-from .replay import HandedIn, current_handed_in
+from .kernel_backend import _TILELANG, _tilelang_picks
+from .layout import Gather, RankLayout, _owned_topk_with_margins, owned_topk, query_positions
+from .monitor import _TopkMonitor
+from .record import _current_recorder
+from .replay import _current_handed_in, _HandedIn
 
 __all__ = ["PrecisionDSAttention"]
 
@@ -95,14 +95,14 @@ class PrecisionDSAttention(DSAttention):
         self, config: Any, submodules: Any, layer_number: int, *args: Any, **kwargs: Any
     ) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        compat.check_built(self, "DSAttention")
+        compat._check_built(self, "DSAttention")
         if self.indexer is not None and not isinstance(self.indexer, PrecisionDSAIndexer):
             raise TypeError(
                 f"PrecisionDSAttention needs a PrecisionDSAIndexer, got "
                 f"{type(self.indexer).__name__}; build the layer spec with "
                 "dsa_precision.megatron.with_dsa_precision (or get_gpt_dsa_precision_block_spec)."
             )
-        self._precision, self._topk_source = layer_decisions(self.config)
+        self._precision, self._topk_source = _layer_decisions(self.config)
         self._owns_topk = not self._built["skip_topk"] and (
             self._precision.fp8 or self._topk_source in ("replay", "replay_ties")
         )
@@ -116,7 +116,7 @@ class PrecisionDSAttention(DSAttention):
         )
         graphed = mode is not False and self._owns_topk and self._topk_source != "replay"
         self._graph_mode = mode if graphed else False
-        self._graphs = GraphedCalls() if graphed else None
+        self._graphs = _GraphedCalls() if graphed else None
         # The indexer's parameters by name, looked up on every replay (a replaced Parameter
         # object is read as the module now holds it): their addresses are part of a graph's key.
         names = []
@@ -132,7 +132,7 @@ class PrecisionDSAttention(DSAttention):
         self._cp_size = cp.size() if cp is not None else 1
         self._cp_rank = cp.rank() if cp is not None and self._cp_size > 1 else 0
         # Agreement with the engine's picks (verify / monitoring), accumulated on the device.
-        self.topk_monitor = TopkMonitor()
+        self.topk_monitor = _TopkMonitor()
 
     # -- Megatron's routing state: decided by its __init__, presented per call (see _Staging) ---
 
@@ -216,7 +216,7 @@ class PrecisionDSAttention(DSAttention):
             packed_seq_params=packed_seq_params,
             up_v_weight=up_v_weight,
         )
-        engine, recorder = current_handed_in(), current_recorder()
+        engine, recorder = _current_handed_in(), _current_recorder()
         if self._built["skip_topk"]:  # index sharing: Megatron's rule, whatever the source's picks
             if engine is not None:
                 self._refuse_shared_picks(engine)
@@ -261,15 +261,15 @@ class PrecisionDSAttention(DSAttention):
             recorder.record(self.layer_number, local, None if every_row else tokens, own)
         if not owned:  # BF16 verify / record: Megatron selects and attends as configured
             return super().forward(*args, **kwargs)
-        if self.config.dsa_kernel_backend == TILELANG:  # its SparseMLA takes 64-wide blocks
-            topk = tilelang_picks(topk, self.index_topk, query, self.layer_number)
+        if self.config.dsa_kernel_backend == _TILELANG:  # its SparseMLA takes 64-wide blocks
+            topk = _tilelang_picks(topk, self.index_topk, query, self.layer_number)
         if self._built["index_share"]:  # later layers of the group reuse these (Megatron's rule)
             holder = super()._get_index_share_topk_holder(packed_seq_params, attention_mask)
             holder[self.layer_number] = topk
         with _Staging(self, topk):
             return super().forward(*args, **kwargs)
 
-    def _refuse_shared_picks(self, engine: HandedIn) -> None:
+    def _refuse_shared_picks(self, engine: _HandedIn) -> None:
         """Picks or digests handed in for this layer, which reuses another layer's top-k (index
         sharing): Megatron would ignore them, so they are refused (a host fact, no data read)."""
         n = self.layer_number
@@ -291,7 +291,7 @@ class PrecisionDSAttention(DSAttention):
 
     def _engine_picks(
         self,
-        engine: HandedIn,
+        engine: _HandedIn,
         layout: RankLayout,
         query: torch.Tensor,
         x: torch.Tensor,
@@ -331,7 +331,7 @@ class PrecisionDSAttention(DSAttention):
         return TokenLayout(cu_seqlens=layout.cu_seqlens), 1
 
     def _compare_digests(
-        self, engine: HandedIn, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
+        self, engine: _HandedIn, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
     ) -> None:
         """Count, on the device, this rank's rows whose digest of the layer's own picks (in the
         engines' sequence-relative layout) differs from the engine's digest of the row."""
@@ -344,7 +344,7 @@ class PrecisionDSAttention(DSAttention):
 
     def _with_tied_rows(
         self,
-        engine: HandedIn,
+        engine: _HandedIn,
         topk: torch.Tensor,
         margins: torch.Tensor,
         layout: RankLayout,
@@ -374,8 +374,8 @@ class PrecisionDSAttention(DSAttention):
     @staticmethod
     def _sequence_starts(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """int64 ``(rows,)``: the packed row each row's sequence starts at (THD)."""
-        cu = to_device(cu_seqlens, rows.device, torch.int64)
-        return cu[packed_sequence_of(cu, rows)]
+        cu = _to_device(cu_seqlens, rows.device, torch.int64)
+        return cu[_packed_sequence_of(cu, rows)]
 
     def _engines_layout(
         self, topk: torch.Tensor, layout: RankLayout, x: torch.Tensor
@@ -453,7 +453,7 @@ class PrecisionDSAttention(DSAttention):
             gather = functools.partial(
                 gather_from_sequence_parallel_region, group=self.pg_collection.cp
             )
-        strict = audit.strict_enabled()
+        strict = audit._strict_enabled()
         guard = (
             audit.strict_precision(precision.scoring_precision.value)
             if strict
@@ -468,7 +468,7 @@ class PrecisionDSAttention(DSAttention):
         if strict and audit.scoring_calls() == before:
             raise audit.PrecisionMismatchError(
                 f"DSA layer {self.layer_number} selected its top-k without a scoring call "
-                f"(strict mode, {audit.STRICT_ENV})."
+                f"(strict mode, {audit._STRICT_ENV})."
             )
         return topk
 
@@ -483,7 +483,7 @@ class PrecisionDSAttention(DSAttention):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The owned top-k, eagerly: operands from the projections, then one selection."""
         ops = self.indexer.scoring_operands(x.detach(), qr.detach(), packed_seq_params)
-        select = owned_topk_with_margins if margins else owned_topk
+        select = _owned_topk_with_margins if margins else owned_topk
         return select(
             ops, layout, self.index_topk, gather=gather, backend=self.indexer.backend_for(ops)
         )
@@ -528,7 +528,7 @@ class PrecisionDSAttention(DSAttention):
         inputs: tuple[torch.Tensor, ...] = (x.detach(), qr.detach())
         key_layout, max_len = layout, None
         if layout.cu_seqlens is not None:  # packed: the lengths are an input, bucketed
-            cu, max_len = graph_packing(layout, x.size(0), x.device)
+            cu, max_len = _graph_packing(layout, x.size(0), x.device)
             inputs += (cu,)
             key_layout = dataclasses.replace(layout, cu_seqlens=None, max_seqlen=max_len)
         # What the launches depend on besides the inputs: the layout (packed: the bucketed

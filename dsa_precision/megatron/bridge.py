@@ -27,7 +27,7 @@ builds are the Bridge's -- with the dsa-precision fields set and its layer spec 
 DSA modules are the precision ones (:func:`~dsa_precision.megatron.with_dsa_precision`); the
 parameter names, and so the Bridge's weight mapping both ways, are Megatron's. With the fields at
 their defaults the model is the Bridge's own, byte for byte. Nothing of Bridge is replaced or
-reassigned; the names used are listed and checked in :mod:`.compat` (``BRIDGE_CALLS``).
+reassigned; the names used are listed and checked in :mod:`.compat` (``_BRIDGE_CALLS``).
 """
 
 # ruff: noqa: E402  (the surface check runs before the Bridge names it checks are imported)
@@ -39,9 +39,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .compat import check_megatron_bridge
+from .compat import _check_megatron_bridge
 
-check_megatron_bridge()
+_check_megatron_bridge()
 
 from megatron.bridge.models.mla_provider import MLAModelProvider
 from megatron.core.models.backends import BackendSpecProvider
@@ -50,7 +50,7 @@ from megatron.core.models.gpt import experimental_attention_variant_module_specs
 from .config import PRECISION_FIELDS, DSAPrecisionTransformerConfig
 from .specs import get_gpt_dsa_precision_block_spec, with_dsa_precision
 
-__all__ = ["dsa_precision_provider"]
+__all__ = ["DSAPrecisionMLAModelProvider", "PrecisionLayerSpec", "dsa_precision_provider"]
 
 
 @dataclass

@@ -5,9 +5,9 @@ Every Megatron name the package uses is below -- what it imports, the module fun
 (with the positional count and keywords of each call), the methods it overrides or calls through
 ``super()`` (with their leading parameters), the instance attributes it reads on a built layer,
 the attributes of the objects Megatron hands it and the config fields it reads. Nothing of
-megatron-core is replaced or reassigned. :func:`check_megatron_core` (run when
+megatron-core is replaced or reassigned. :func:`_check_megatron_core` (run when
 ``dsa_precision.megatron`` is imported) checks the classes, functions, signatures and fields;
-:func:`check_built` checks the instance attributes on each layer as it is built (they exist only
+:func:`_check_built` checks the instance attributes on each layer as it is built (they exist only
 on a constructed object). Either raises one ``ImportError`` naming the installed megatron-core
 version, the tested one and everything that changed. ``tests/megatron/test_compat.py`` pins this
 list against the package's source (its imports, calls and attribute reads), so a name used and
@@ -21,7 +21,7 @@ import importlib
 import inspect
 from typing import Any
 
-__all__ = ["TESTED_MEGATRON_CORE"]
+__all__ = ["TESTED_MEGATRON_BRIDGE", "TESTED_MEGATRON_CORE"]
 
 TESTED_MEGATRON_CORE = "0.19.2"
 TESTED_MEGATRON_BRIDGE = "0.6.2"
@@ -34,8 +34,8 @@ _LAYOUT = f"{_EAV}.dsa_layout"
 # Every Megatron name the package imports or reaches through an imported module, by its dotted
 # path, with the calls made to it: (positional arguments, keywords) per call shape; () for a
 # name that is only referenced (a class subclassed or annotated, a flag read).
-Call = tuple[int, tuple[str, ...]]
-CALLS: dict[str, tuple[Call, ...]] = {
+_Call = tuple[int, tuple[str, ...]]
+_CALLS: dict[str, tuple[_Call, ...]] = {
     # constructed by a packed forward's CUDA graph (graphs.graph_packing's buckets)
     "megatron.core.packed_seq_params.PackedSeqParams": (
         (0, ("cu_seqlens_kv", "cu_seqlens_q", "max_seqlen_kv", "max_seqlen_q", "qkv_format")),
@@ -131,7 +131,7 @@ _OPTIONAL_MODULES = ("megatron.training",)
 
 # Megatron classes subclassed: method -> leading parameters (after self) the package relies on,
 # for each method it overrides (Megatron calls it) or calls through super().
-METHODS: dict[str, dict[str, tuple[str, ...]]] = {
+_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
     f"{_DSA}.DSAIndexer": {
         "__init__": ("config", "submodules"),
         "forward_before_topk": ("x", "qr", "packed_seq_params"),
@@ -154,7 +154,7 @@ METHODS: dict[str, dict[str, tuple[str, ...]]] = {
 
 # Instance attributes of a built module the package reads (Megatron's __init__ sets them; the
 # seam presents skip_topk / index_share / source_layer per call, see attention.py).
-INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+_INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "DSAttention": (
         "config", "indexer", "index_share", "index_topk", "layer_number", "pg_collection",
         "skip_topk", "source_layer",
@@ -167,16 +167,16 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 # Attributes of those instance attributes, with their call shapes (() for a value).
 # Checked on the built layer (the attribute's class depends on the config).
-ATTRIBUTES_OF: dict[tuple[str, str], dict[str, tuple[Call, ...]]] = {
+_ATTRIBUTES_OF: dict[tuple[str, str], dict[str, tuple[_Call, ...]]] = {
     ("DSAIndexer", "rotary_pos_emb"): {"get_rotary_seq_len": ((5, ()),)},
     ("DSAIndexer", "linear_weights_proj"): {"weight": ()},  # its float32 product (FP32 weights)
 }
 # Fields of the dataclasses Megatron hands the layers: PackedSeqParams, and ProcessGroupCollection
 # (``pg_collection``; its groups' size() and rank() are torch.distributed's).
-PACKED_SEQ_FIELDS = ("max_seqlen_kv", "max_seqlen_q", "qkv_format")
-PROCESS_GROUP_FIELDS = ("cp", "tp")
+_PACKED_SEQ_FIELDS = ("max_seqlen_kv", "max_seqlen_q", "qkv_format")
+_PROCESS_GROUP_FIELDS = ("cp", "tp")
 # TransformerConfig fields read (besides the package's own four).
-CONFIG_FIELDS = (
+_CONFIG_FIELDS = (
     "apply_rope_fusion", "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon",
     "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff", "dsa_indexer_n_heads",
     "dsa_indexer_rope_interleaved", "dsa_indexer_topk_freq",
@@ -194,17 +194,17 @@ CONFIG_FIELDS = (
 
 # Megatron-Bridge (``dsa_precision.megatron.bridge`` only; checked when that module is imported,
 # since importing megatron.bridge loads every model bridge it has).
-BRIDGE_CALLS: dict[str, tuple[Call, ...]] = {
+_BRIDGE_CALLS: dict[str, tuple[_Call, ...]] = {
     "megatron.bridge.models.mla_provider.MLAModelProvider": (),
 }
-BRIDGE_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
+_BRIDGE_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
     "megatron.bridge.models.mla_provider.MLAModelProvider": {"finalize": ()},
 }
 # Fields of the Bridge's provider the package reads or sets (besides Megatron's CONFIG_FIELDS).
-BRIDGE_PROVIDER_FIELDS = ("transformer_layer_spec",)
+_BRIDGE_PROVIDER_FIELDS = ("transformer_layer_spec",)
 
 
-def megatron_core_version() -> str:
+def _megatron_core_version() -> str:
     import megatron.core
 
     return getattr(megatron.core, "__version__", "unknown")
@@ -228,7 +228,7 @@ def _resolve(path: str) -> Any:
     raise ModuleNotFoundError(path)
 
 
-def _call_problems(name: str, obj: Any, calls: tuple[Call, ...]) -> list[str]:
+def _call_problems(name: str, obj: Any, calls: tuple[_Call, ...]) -> list[str]:
     problems = []
     for npos, keywords in calls:
         if not callable(obj):
@@ -261,7 +261,7 @@ def _method_problems(path: str, cls: Any, methods: dict[str, tuple[str, ...]]) -
 
 def _surface_problems() -> list[str]:
     problems = []
-    for path, calls in CALLS.items():
+    for path, calls in _CALLS.items():
         if path in _PRESENT_IF and not _resolve(_PRESENT_IF[path]):
             continue
         try:
@@ -275,7 +275,7 @@ def _surface_problems() -> list[str]:
             problems.append(f"{path} is missing")
             continue
         problems += _call_problems(path, obj, calls)
-    for path, methods in METHODS.items():
+    for path, methods in _METHODS.items():
         try:
             cls = _resolve(path)
         except (ModuleNotFoundError, AttributeError):
@@ -286,9 +286,9 @@ def _surface_problems() -> list[str]:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     for cls, names in (
-        (PackedSeqParams, PACKED_SEQ_FIELDS),
-        (ProcessGroupCollection, PROCESS_GROUP_FIELDS),
-        (MLATransformerConfig, CONFIG_FIELDS),
+        (PackedSeqParams, _PACKED_SEQ_FIELDS),
+        (ProcessGroupCollection, _PROCESS_GROUP_FIELDS),
+        (MLATransformerConfig, _CONFIG_FIELDS),
     ):
         fields = {f.name for f in dataclasses.fields(cls)}
         problems += [f"{cls.__name__} has no field {f}" for f in names if f not in fields]
@@ -298,13 +298,13 @@ def _surface_problems() -> list[str]:
 def _raise(problems: list[str]) -> None:
     raise ImportError(
         f"dsa_precision.megatron was built against megatron-core {TESTED_MEGATRON_CORE}; the "
-        f"installed megatron-core {megatron_core_version()} differs where the drop-in modules "
+        f"installed megatron-core {_megatron_core_version()} differs where the drop-in modules "
         "rely on it:\n  - " + "\n  - ".join(problems) + "\nInstall megatron-core=="
         f"{TESTED_MEGATRON_CORE} or a dsa-precision release that supports this version."
     )
 
 
-def check_megatron_core() -> None:
+def _check_megatron_core() -> None:
     """Raise ``ImportError`` naming the megatron-core version and every missing or changed piece
     of the surface the integration relies on (classes, functions, signatures, fields)."""
     try:
@@ -318,7 +318,7 @@ def check_megatron_core() -> None:
         _raise(problems)
 
 
-def megatron_bridge_version() -> str:
+def _megatron_bridge_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -330,24 +330,24 @@ def megatron_bridge_version() -> str:
 def _bridge_problems() -> list[str]:
     importlib.import_module("megatron.bridge")  # its own ImportError, not "a name is missing"
     problems = []
-    for path, calls in BRIDGE_CALLS.items():
+    for path, calls in _BRIDGE_CALLS.items():
         try:
             obj = _resolve(path)
         except AttributeError:
             problems.append(f"{path} is missing")
             continue
         problems += _call_problems(path, obj, calls)
-        problems += _method_problems(path, obj, BRIDGE_METHODS.get(path, {}))
+        problems += _method_problems(path, obj, _BRIDGE_METHODS.get(path, {}))
         if dataclasses.is_dataclass(obj):
             fields = {f.name for f in dataclasses.fields(obj)}
             short = path.rsplit(".", 1)[1]
             problems += [
-                f"{short} has no field {f}" for f in BRIDGE_PROVIDER_FIELDS if f not in fields
+                f"{short} has no field {f}" for f in _BRIDGE_PROVIDER_FIELDS if f not in fields
             ]
     return problems
 
 
-def check_megatron_bridge() -> None:
+def _check_megatron_bridge() -> None:
     """Raise ``ImportError`` naming the Megatron-Bridge version and every missing or changed name
     the Bridge integration relies on, or what to install when Bridge does not import."""
     try:
@@ -362,22 +362,22 @@ def check_megatron_bridge() -> None:
     if problems:
         raise ImportError(
             f"dsa_precision.megatron.bridge was built against Megatron-Bridge "
-            f"{TESTED_MEGATRON_BRIDGE}; the installed {megatron_bridge_version()} differs where "
+            f"{TESTED_MEGATRON_BRIDGE}; the installed {_megatron_bridge_version()} differs where "
             "it relies on it:\n  - " + "\n  - ".join(problems) + "\nInstall megatron-bridge=="
             f"{TESTED_MEGATRON_BRIDGE}."
         )
 
 
-def check_built(module: Any, megatron_class: str) -> None:
+def _check_built(module: Any, megatron_class: str) -> None:
     """Raise ``ImportError`` (version and changes) if a just-built ``module`` (a subclass of
     Megatron's ``megatron_class``) lacks an instance attribute the package reads."""
     problems = []
-    for name in INSTANCE_ATTRIBUTES[megatron_class]:
+    for name in _INSTANCE_ATTRIBUTES[megatron_class]:
         if name not in module.__dict__ and not hasattr(module, name):
             problems.append(f"{megatron_class}.__init__ no longer sets self.{name}")
             continue
         value = getattr(module, name)
-        for attr, calls in ATTRIBUTES_OF.get((megatron_class, name), {}).items():
+        for attr, calls in _ATTRIBUTES_OF.get((megatron_class, name), {}).items():
             where = f"{megatron_class}.{name}.{attr}"
             if not hasattr(value, attr):
                 problems.append(f"{where} is missing ({type(value).__name__})")

@@ -11,12 +11,12 @@ import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..backends import cudnn
-from ..checks import check_positive_int, check_real
-from ..config import SCORING_BACKENDS, IndexerPrecisionConfig
+from ..checks import _check_positive_int, _check_real
+from ..config import _SCORING_BACKENDS, IndexerPrecisionConfig
 from ..engines import DEFAULT_ENGINE, ENGINE_PROFILES, EngineProfile
 from ..rope import RopeSpec, YarnScaling
-from .kernel_backend import TILELANG, tilelang_problems
-from .replay import TOPK_SOURCES
+from .kernel_backend import _TILELANG, _tilelang_problems
+from .replay import _TOPK_SOURCES
 
 __all__ = [
     "PRECISION_FIELDS",
@@ -154,7 +154,7 @@ _ROPE_FIELDS = (
 )
 # Megatron's fields the precision is validated against (_validate_precision): re-validated when
 # assigned after __post_init__ (Megatron's own layers read them per forward, and so may a test).
-VALIDATED_MEGATRON_FIELDS = (
+_VALIDATED_MEGATRON_FIELDS = (
     "dsa_indexer_loss_coeff",
     "dsa_indexer_scoring_relu",
     "dsa_indexer_n_heads",
@@ -173,12 +173,12 @@ VALIDATED_MEGATRON_FIELDS = (
     "tensor_model_parallel_size",
     "dsa_indexer_topk",
 )
-_REVALIDATED = frozenset(PRECISION_FIELDS + VALIDATED_MEGATRON_FIELDS)
+_REVALIDATED = frozenset(PRECISION_FIELDS + _VALIDATED_MEGATRON_FIELDS)
 # Instance slot of the validated IndexerPrecisionConfig (set by __post_init__; absent before).
 _VALIDATED = "_dsa_indexer_precision_validated"
 
 
-def layer_decisions(config: Any) -> tuple[IndexerPrecisionConfig, str]:
+def _layer_decisions(config: Any) -> tuple[IndexerPrecisionConfig, str]:
     """``(precision, topk_source)`` a DSA layer built on ``config`` decides once.
 
     A :class:`DSAPrecisionTransformerConfig` hands its validated (and frozen) fields; any other
@@ -196,7 +196,7 @@ def layer_decisions(config: Any) -> tuple[IndexerPrecisionConfig, str]:
     return IndexerPrecisionConfig(), "compute"
 
 
-def indexer_k_norm_eps(config: Any) -> tuple[float, str]:
+def _indexer_k_norm_eps(config: Any) -> tuple[float, str]:
     """``(eps, field)``: the epsilon megatron-core 0.19.2 builds the indexer's key LayerNorm with
     (``DSAIndexer.__init__``: ``dsa_indexer_k_norm_epsilon`` when set, else
     ``layernorm_epsilon``) and the field it came from."""
@@ -207,7 +207,7 @@ def indexer_k_norm_eps(config: Any) -> tuple[float, str]:
 
 def _rope_problems(config: Any) -> list[str]:
     """Why the engine's tables cannot stand for the indexer's RoPE of ``config`` (one line per
-    field; empty: :func:`indexer_rope_spec` builds them)."""
+    field; empty: :func:`_indexer_rope_spec` builds them)."""
     rope_type = config.rope_type
     if rope_type not in ("rope", "yarn"):
         return [
@@ -233,12 +233,12 @@ def _rope_problems(config: Any) -> list[str]:
         value = values[name]
         try:
             if name == "original_max_position_embeddings":
-                check_positive_int(name, value)
+                _check_positive_int(name, value)
             elif name == "rotary_percent":
-                if check_real(name, value) != 1.0:
+                if _check_real(name, value) != 1.0:
                     raise ValueError(name)
             else:
-                check_real(name, value, positive="positive" in needed)
+                _check_real(name, value, positive="positive" in needed)
         except (TypeError, ValueError):
             why = (
                 "the engines rotate all qk_pos_emb_head_dim lanes of the indexer (Megatron's "
@@ -278,7 +278,7 @@ def _rope_spec(config: Any) -> RopeSpec:
     return RopeSpec(config.qk_pos_emb_head_dim, config.rotary_base, yarn)
 
 
-def indexer_rope_spec(config: Any) -> RopeSpec:
+def _indexer_rope_spec(config: Any) -> RopeSpec:
     """The indexer's RoPE as megatron-core 0.19.2's ``DSAIndexer.__init__`` reads it
     (``qk_pos_emb_head_dim``, ``rope_type``, ``rotary_base`` and, for ``"yarn"``, the YaRN
     fields), for the engine's own tables; ``ValueError`` naming every field the tables cannot
@@ -301,9 +301,9 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
         raise type(exc)(f"dsa_indexer_{exc}") from None
     problems = []
     source = config.dsa_indexer_topk_source
-    if source not in TOPK_SOURCES:
+    if source not in _TOPK_SOURCES:
         raise ValueError(
-            f"dsa_indexer_topk_source={source!r} is not a top-k source; use one of {TOPK_SOURCES}."
+            f"dsa_indexer_topk_source={source!r} is not a top-k source; use one of {_TOPK_SOURCES}."
         )
     if source == "replay_ties" and not precision.fp8:
         problems.append(
@@ -318,10 +318,10 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             "'replay' skips the indexer's scoring, so there are no scores to train; set it to 0"
         )
     backend = config.dsa_indexer_scoring_backend
-    if backend not in SCORING_BACKENDS:
+    if backend not in _SCORING_BACKENDS:
         raise ValueError(
             f"dsa_indexer_scoring_backend={backend!r} is not a scoring backend; use one of "
-            f"{SCORING_BACKENDS}."
+            f"{_SCORING_BACKENDS}."
         )
     if backend == "deepgemm" and not precision.fp8:
         problems.append(
@@ -342,10 +342,10 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
             "there is nothing to capture; set dsa_indexer_cuda_graph=False"
         )
     stock = precision == IndexerPrecisionConfig(engine=precision.engine)
-    if (not stock or source != "compute") and config.dsa_kernel_backend == TILELANG:
+    if (not stock or source != "compute") and config.dsa_kernel_backend == _TILELANG:
         # Megatron's TileLang sparse attention declines some layouts and then falls back to its
         # PyTorch one without a word: with a field of ours on, such a layout is refused here.
-        problems += tilelang_problems(config)
+        problems += _tilelang_problems(config)
     if stock and not problems and backend == "auto":
         return precision  # Megatron's behaviour: nothing of ours runs
     # Not checked here: experimental_attention_variant. A DSA module built directly (as Megatron's
@@ -364,7 +364,7 @@ def _validate_precision(config: DSAPrecisionTransformerConfig) -> IndexerPrecisi
     # An MLA model without a DSA indexer (no indexer heads or width): nothing for the fields to
     # act on here; a spec builder refuses a spec with no DSA layer for them (specs.py).
     if config.dsa_indexer_n_heads is not None or config.dsa_indexer_head_dim is not None:
-        k_norm_eps, k_norm_eps_field = indexer_k_norm_eps(config)
+        k_norm_eps, k_norm_eps_field = _indexer_k_norm_eps(config)
         problems += precision.model_problems(
             indexer_loss_coeff=config.dsa_indexer_loss_coeff,
             n_heads=config.dsa_indexer_n_heads,
@@ -402,7 +402,7 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     group.add_argument(
         "--dsa-indexer-topk-source",
-        choices=TOPK_SOURCES,
+        choices=_TOPK_SOURCES,
         default="compute",
         help="Where each DSA layer's top-k comes from: computed, replayed from the inference "
         "engine, computed and verified against it, or computed with the engine's tied rows "
@@ -417,7 +417,7 @@ def add_dsa_precision_args(parser: argparse.ArgumentParser) -> argparse.Argument
     )
     group.add_argument(
         "--dsa-indexer-scoring-backend",
-        choices=SCORING_BACKENDS,
+        choices=_SCORING_BACKENDS,
         default="auto",
         help="Kernel of the package's indexer scoring (default auto: DeepGEMM for FP8 when "
         "installed, else cuDNN, else the torch reference).",

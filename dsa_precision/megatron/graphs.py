@@ -2,7 +2,7 @@
 replayed on every later forward.
 
 At short sequences a DSA layer's FP8 top-k is a dozen small kernels whose launches and checks
-cost the host more than the device (``tools/host_profile.py``). :class:`GraphedCalls` captures the
+cost the host more than the device (``tools/host_profile.py``). :class:`_GraphedCalls` captures the
 whole computation -- from ``x``, ``qr`` to the picks -- in one ``torch.cuda.CUDAGraph`` the first
 time a layout is seen, then serves every later call by copying the inputs into the graph's static
 buffers, one ``replay()`` and a copy of the result: the same kernels on the same bytes, so the
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .. import audit
-from ..devices import to_device
+from ..devices import _to_device
 
 __all__ = ["AUTO_GRAPH_MAX_ROWS"]
 
@@ -57,7 +57,7 @@ AUTO_GRAPH_MAX_ROWS = 8192
 _MIN_LENGTH_BUCKET = 256
 
 # Graphs kept per layer (the least recently used dropped first): one per input layout and key.
-MAX_GRAPHS = 8
+_MAX_GRAPHS = 8
 
 # The graphs alive per device: a new capture joins their pool (a pool lives while a graph of it
 # does; the handle of one whose graphs are all gone cannot be reused).
@@ -83,7 +83,7 @@ def _static(role: str, position: int, like: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def graph_packing(layout: Any, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+def _graph_packing(layout: Any, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """The packed lengths a graph of a THD forward reads, and its host length bound.
 
     ``layout``: the forward's :class:`~.layout.RankLayout` (``cu_seqlens`` and a host
@@ -94,7 +94,7 @@ def graph_packing(layout: Any, rows: int, device: torch.device) -> tuple[torch.T
     itself when it reaches ``rows``. Neither changes a pick: the empty sequences hold no row, the
     bound only sizes buffers and RoPE tables whose entries depend on the position alone.
     """
-    cu = to_device(layout.cu_seqlens, device, torch.int32)
+    cu = _to_device(layout.cu_seqlens, device, torch.int32)
     n = cu.numel()
     capacity = max(2, 1 << (n - 1).bit_length())
     if capacity > n:
@@ -147,22 +147,22 @@ def _like(output: Any, flat: list[torch.Tensor]) -> Any:
     return type(output)(_like(o, flat) for o in output)
 
 
-class GraphedCalls:
+class _GraphedCalls:
     """One function of fixed-layout CUDA tensors, as CUDA graphs keyed by its inputs' layout.
 
     Calls of every instance are serialised (their graphs share static buffers and, per device, a
     memory pool); replays of one device must run on one stream, as Megatron runs its layers."""
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, max_graphs: int = _MAX_GRAPHS) -> None:
         self._graphs: dict[Hashable, _Graph] = {}
         self._max = max_graphs
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def __deepcopy__(self, memo: dict) -> GraphedCalls:
+    def __deepcopy__(self, memo: dict) -> _GraphedCalls:
         """A copy of the module captures its own graphs (a graph reads its owner's storage)."""
-        return GraphedCalls(self._max)
+        return _GraphedCalls(self._max)
 
     def clear(self) -> None:
         """Drop every graph (their memory goes back to the pool)."""
@@ -199,7 +199,7 @@ class GraphedCalls:
             torch._foreach_copy_(entry.inputs, inputs)  # one launch for inputs of one dtype
             entry.graph.replay()
             output = _clone(entry.output)
-        audit.record_scoring_calls(entry.calls)
+        audit._record_scoring_calls(entry.calls)
         return output
 
     @staticmethod
@@ -224,7 +224,7 @@ class GraphedCalls:
                 graph, pool=_pool(device), stream=side,
                 capture_error_mode="thread_local",  # other threads' CUDA calls may go on
             )  # fmt: skip
-            with audit.captured_calls() as calls, capture:
+            with audit._captured_calls() as calls, capture:
                 result = fn(*static)
                 outs = [_static("out", i, t) for i, t in enumerate(_flat(result))]
                 torch._foreach_copy_(outs, _flat(result))

@@ -29,18 +29,18 @@ from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
 from ..config import IndexerPrecisionConfig
-from ..devices import shared_device_tensor, to_device
+from ..devices import _shared_device_tensor, _to_device
 from ..operands import ScoringOperands
 from ..prepare import prepare_indexer_operands
-from ..preprocess import IndexerPreprocess, indexer_head_weights, weights_gemm_fp32
+from ..preprocess import IndexerPreprocess, _indexer_head_weights, _weights_gemm_fp32
 from ..rope import EngineRopeTables, RopePositions
-from ..rows import packed_sequence_of
-from ..scoring import ResolvedBackend, indexer_scores, resolve_scoring_backend
+from ..rows import _packed_sequence_of
+from ..scoring import ResolvedBackend, _resolve_scoring_backend, indexer_scores
 from ..topk import indexer_topk
 from . import compat
-from .config import indexer_rope_spec, layer_decisions
+from .config import _indexer_rope_spec, _layer_decisions
 
-__all__ = ["PrecisionDSAIndexer"]
+__all__ = ["IndexerProjections", "PrecisionDSAIndexer"]
 
 
 class IndexerProjections(NamedTuple):
@@ -69,7 +69,7 @@ class IndexerProjections(NamedTuple):
     positions: RopePositions | None
 
 
-@shared_device_tensor
+@_shared_device_tensor
 def _zigzag_positions(
     seq_len: int, cp_size: int, cp_rank: int, device: torch.device
 ) -> torch.Tensor:
@@ -84,12 +84,12 @@ class PrecisionDSAIndexer(DSAIndexer):
 
     def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, *args, **kwargs)
-        compat.check_built(self, "DSAIndexer")
-        self._precision, _ = layer_decisions(self.config)
+        compat._check_built(self, "DSAIndexer")
+        self._precision, _ = _layer_decisions(self.config)
         # The engine's RoPE tables (rope_fp32), decided from the RoPE fields where Megatron
         # reads them (its RotaryEmbedding is built in __init__ too); built on first use.
         self._rope_tables = (
-            EngineRopeTables(indexer_rope_spec(self.config), self._precision.engine)
+            EngineRopeTables(_indexer_rope_spec(self.config), self._precision.engine)
             if self._precision.rope_fp32
             else None
         )
@@ -119,7 +119,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         """The scoring backend, resolved at the first call (an explicit one that cannot run
         raises there) and passed explicitly afterwards, so the layer never changes kernels."""
         if self._scoring_backend is None:
-            self._scoring_backend = resolve_scoring_backend(self._requested_backend, ops)
+            self._scoring_backend = _resolve_scoring_backend(self._requested_backend, ops)
         return self._scoring_backend
 
     def preprocess(self) -> IndexerPreprocess:
@@ -177,7 +177,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         ``rope_fp32``), ``positions`` each row's RoPE position with ``rope_fp32`` (the rank's
         zigzag chunks under context parallelism, per sequence for packed input), for the
         engine's tables. ``weights_fp32``: the ``linear_weights_proj`` product in float32, for
-        an engine whose weights GEMM outputs FP32 (:func:`weights_gemm_fp32`, the engine's own
+        an engine whose weights GEMM outputs FP32 (:func:`_weights_gemm_fp32`, the engine's own
         call on CUDA); otherwise the BF16 projection.
         """
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -204,7 +204,7 @@ class PrecisionDSAIndexer(DSAIndexer):
         q = q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim)
         k, _ = self.linear_wk(x)
         if weights_fp32:
-            w = weights_gemm_fp32(x, self.linear_weights_proj.weight)
+            w = _weights_gemm_fp32(x, self.linear_weights_proj.weight)
         else:
             w, _ = self.linear_weights_proj(x)
         token_freqs = positions = None
@@ -253,19 +253,19 @@ class PrecisionDSAIndexer(DSAIndexer):
         clamped below ``length``; ``None`` when the angles hold one row per packed token
         already (``length == rows``, no context parallelism)."""
         cp = self.pg_collection.cp
-        cu = to_device(cu_seqlens, device, torch.int64)
+        cu = _to_device(cu_seqlens, device, torch.int64)
         if length == rows and cp.size() == 1:
             return None
         packed_pos = dsa_layout.build_packed_allgather_cp_local_positions(
             cu, cp.size(), cp.rank(), device, output_size=rows
         )
-        return (packed_pos - cu[packed_sequence_of(cu, packed_pos)]).clamp_(0, length - 1)
+        return (packed_pos - cu[_packed_sequence_of(cu, packed_pos)]).clamp_(0, length - 1)
 
     def head_weights(self, w: torch.Tensor, precision: IndexerPrecisionConfig) -> torch.Tensor:
         """``[s, b, h]`` head weights from the ``linear_weights_proj`` output: Megatron's BF16 order
         for BF16 scoring, float32 ``(w * D**-0.5) * H**-0.5`` for FP8 (whose operands fold the q
         descale in the engine's order instead)."""
-        return indexer_head_weights(
+        return _indexer_head_weights(
             w, n_heads=self.index_n_heads, head_dim=self.index_head_dim, fp32=precision.fp8
         )
 

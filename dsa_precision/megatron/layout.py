@@ -27,12 +27,12 @@ from typing import Any, cast
 import torch
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-from ..devices import to_device
+from ..devices import _to_device
 from ..operands import ScoringOperands
-from ..rows import packed_sequence_of, varlen_row_slice
+from ..rows import _packed_sequence_of, _varlen_row_slice
 from ..select import indexer_select, indexer_select_varlen
 
-__all__ = ["RankLayout", "owned_topk", "query_positions"]
+__all__ = ["Gather", "RankLayout", "owned_topk", "query_positions"]
 
 # (tensor with the sequence dimension first) -> the tensors of every CP rank concatenated along
 # it: Megatron's gather_from_sequence_parallel_region over the CP group, or a test's stand-in.
@@ -70,7 +70,7 @@ def query_positions(layout: RankLayout, rows: int, device: torch.device) -> torc
         )
     else:
         positions = dsa_layout.build_packed_allgather_cp_local_positions(
-            to_device(layout.cu_seqlens, device),
+            _to_device(layout.cu_seqlens, device),
             layout.cp_size,
             layout.cp_rank,
             device,
@@ -80,7 +80,7 @@ def query_positions(layout: RankLayout, rows: int, device: torch.device) -> torc
     return positions[layout.query_start : layout.query_stop(rows)]
 
 
-def gather_keys(ops: ScoringOperands, gather: Gather, reorder: torch.Tensor) -> ScoringOperands:
+def _gather_keys(ops: ScoringOperands, gather: Gather, reorder: torch.Tensor) -> ScoringOperands:
     """Keys of every CP rank in global order: the E4M3 bytes (or BF16) and descales gathered
     along the sequence (1 byte per value for FP8, not Megatron's 2), then reordered."""
     k = ops.k.transpose(0, 1)  # (S, B, D)
@@ -114,7 +114,7 @@ def _bshd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) 
         sq=ops.q.shape[1], cp_size=layout.cp_size, device=ops.device
     )
     assert gather is not None  # checked by _keys
-    return gather_keys(ops, gather, reorder)
+    return _gather_keys(ops, gather, reorder)
 
 
 def _bshd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
@@ -142,7 +142,7 @@ def _thd_pseudo_sequences(layout: RankLayout, rows: int, device: torch.device):
     last chunk (padding) form a final pseudo-sequence that sees no key.
     """
     assert layout.cu_seqlens is not None  # THD
-    cu = to_device(layout.cu_seqlens, device, torch.int64)
+    cu = _to_device(layout.cu_seqlens, device, torch.int64)
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     seqs = torch.arange(n, device=device)
@@ -181,7 +181,7 @@ def _thd_keys(ops: ScoringOperands, layout: RankLayout, gather: Gather | None) -
         key_cu_seqlens_cover_output=layout.cu_seqlens_cover_output,
     )
     assert gather is not None  # checked by _keys
-    return gather_keys(ops, gather, reorder)
+    return _gather_keys(ops, gather, reorder)
 
 
 def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
@@ -191,7 +191,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     device = keys.device
     start, stop = layout.query_start, layout.query_stop(rows)
     assert layout.cu_seqlens is not None  # THD
-    cu = to_device(layout.cu_seqlens, device, torch.int64)
+    cu = _to_device(layout.cu_seqlens, device, torch.int64)
     total_k = keys.k.shape[1]
     cu_q, offsets, seq_of, n_pseudo = _thd_pseudo_sequences(layout, rows, device)
     # Every pseudo-sequence reads its sequence's keys [cu[i], cu[i + 1]); with CP the two chunks
@@ -216,7 +216,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
             k_descale=None if keys.k_descale is None else keys.k_descale.index_select(1, index),
         )
     max_len = layout.max_seqlen if layout.max_seqlen is not None else total_k
-    sliced_cu, sliced_offsets = varlen_row_slice(cu_q, offsets, start, stop)
+    sliced_cu, sliced_offsets = _varlen_row_slice(cu_q, offsets, start, stop)
     selected: Any = indexer_select_varlen(  # the picks, or (picks, margins)
         keys.rows(start, stop),
         topk=topk,
@@ -230,7 +230,7 @@ def _thd_topk(keys: ScoringOperands, layout: RankLayout, topk: int, **select):
     )
     picks, margins = selected if want_margins else (selected, None)
     # Sequence-local keys -> rows of the gathered packed keys.
-    base = key_start[packed_sequence_of(cu_q, torch.arange(start, stop, device=device))]
+    base = key_start[_packed_sequence_of(cu_q, torch.arange(start, stop, device=device))]
     picks = torch.where(picks >= 0, picks + base.unsqueeze(1).to(picks.dtype), picks).unsqueeze(0)
     return (picks, cast(torch.Tensor, margins).unsqueeze(0)) if want_margins else picks
 
@@ -277,7 +277,7 @@ def owned_topk(
     return _select(_keys(ops, layout, gather), layout, topk, backend, margins=False)
 
 
-def owned_topk_with_margins(
+def _owned_topk_with_margins(
     ops: ScoringOperands,
     layout: RankLayout,
     topk: int,

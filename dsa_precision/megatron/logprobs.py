@@ -29,24 +29,33 @@ from typing import Any
 
 import torch
 
-from ..agreement import agreement_and_identical_rows, topk_agreement
-from ..checks import check_bool, check_int_fits, check_tensor, describe
+from ..agreement import _agreement_and_identical_rows, topk_agreement
+from ..checks import _check_bool, _check_int_fits, _check_tensor, _describe
 from ..logprobs import (
-    CLIP_RANGES,
-    LOGPROB_LEGEND,
+    _CLIP_RANGES,
+    _LOGPROB_LEGEND,
     LogprobMismatch,
-    check_clip_ranges,
-    logprob_cells,
-    logprob_headers,
-    logprob_mismatch_stats,
-    shifted_labels,
-    token_logprobs,
+    _check_clip_ranges,
+    _logprob_cells,
+    _logprob_headers,
+    _logprob_mismatch_stats,
+    _shifted_labels,
+    _token_logprobs,
 )
 from ..picks import TokenLayout, TopkPicks
 from .record import record_topk
 from .replay import engine_topk
 
-__all__ = ["format_reports", "logprob_mismatch", "replay_logprobs"]
+__all__ = [
+    "Forward",
+    "LayerAgreement",
+    "LogprobReport",
+    "Model",
+    "Where",
+    "format_reports",
+    "logprob_mismatch",
+    "replay_logprobs",
+]
 
 # A model, or Megatron's list of its chunks (virtual pipeline parallelism).
 Model = torch.nn.Module | Sequence[torch.nn.Module]
@@ -118,7 +127,7 @@ class LogprobReport:
     def table(self) -> str:
         """Per layer its agreement with the engine, then ``all``: every layer's rows and the
         log-prob statistics (a property of the whole model, so ``-`` on the layers' lines)."""
-        headers = logprob_headers(tuple(self.logprobs.clipped))
+        headers = _logprob_headers(tuple(self.logprobs.clipped))
         blank = ["-"] * len(headers)
         rows = [
             [f"layer {layer.layer}", *_agreement_cells(layer.agreement, layer.rows_differing),
@@ -127,7 +136,7 @@ class LogprobReport:
         ]  # fmt: skip
         differing = sum(layer.rows_differing for layer in self.layers)
         rows.append(["all", *_agreement_cells(self.picks, differing),
-                     *logprob_cells(self.logprobs)])  # fmt: skip
+                     *_logprob_cells(self.logprobs)])  # fmt: skip
         return _format_table([self.name, *_AGREEMENT, *headers], rows)
 
     def differences(self) -> list[str]:
@@ -191,10 +200,10 @@ def format_reports(reports: Sequence[LogprobReport], *, legend: bool = True) -> 
     what the columns mean. The reports share their clip ranges (one column each)."""
     if isinstance(reports, LogprobReport) or not all(isinstance(r, LogprobReport) for r in reports):
         raise TypeError(
-            f"reports is {describe(reports)}; pass a sequence of LogprobReport "
+            f"reports is {_describe(reports)}; pass a sequence of LogprobReport "
             "(logprob_mismatch's results)."
         )
-    names = tuple(reports[0].logprobs.clipped) if reports else tuple(CLIP_RANGES)
+    names = tuple(reports[0].logprobs.clipped) if reports else tuple(_CLIP_RANGES)
     for r in reports:
         if tuple(r.logprobs.clipped) != names:
             raise ValueError(
@@ -204,16 +213,16 @@ def format_reports(reports: Sequence[LogprobReport], *, legend: bool = True) -> 
     rows = []
     for r in reports:
         differing = sum(layer.rows_differing for layer in r.layers)
-        rows.append([r.name, *_agreement_cells(r.picks, differing), *logprob_cells(r.logprobs)])
-    text = [_format_table(["config", *_AGREEMENT, *logprob_headers(names)], rows)]
+        rows.append([r.name, *_agreement_cells(r.picks, differing), *_logprob_cells(r.logprobs)])
+    text = [_format_table(["config", *_AGREEMENT, *_logprob_headers(names)], rows)]
     text += [line for r in reports for line in r.differences()]
     if legend:
         text += [
             "rows identical, member agreement: each layer's own picks against the engine's "
             "(dsa_precision.topk_agreement), over every layer's rows; rows differ: their count;",
-            *LOGPROB_LEGEND,
+            *_LOGPROB_LEGEND,
         ]
-        custom = [n for n in names if n not in CLIP_RANGES]
+        custom = [n for n in names if n not in _CLIP_RANGES]
         if custom:
             text.append(
                 f"clip {', '.join(custom)}: share of tokens whose ratio leaves [1 - low, 1 + high] "
@@ -237,7 +246,7 @@ def _chunks(model: object, name: str) -> list[torch.nn.Module]:
     ):
         return list(model)
     raise TypeError(
-        f"{name} is {describe(model)}; pass the model (a torch.nn.Module) or Megatron's list "
+        f"{name} is {_describe(model)}; pass the model (a torch.nn.Module) or Megatron's list "
         "of its model chunks (virtual pipeline parallelism)."
     )
 
@@ -294,7 +303,7 @@ def _check_tied_rows(model: Model, tied_rows: object) -> None:
         )
     if tied_rows is not None and (not isinstance(tied_rows, TopkPicks) or tied_rows.sent is None):
         raise TypeError(
-            f"tied_rows is {describe(tied_rows)}; pass pack_tie_rows' TopkPicks (the engine's "
+            f"tied_rows is {_describe(tied_rows)}; pass pack_tie_rows' TopkPicks (the engine's "
             "tied rows and every row's digest)."
         )
 
@@ -325,7 +334,7 @@ def _check_same_weights(model: Model, replay_model: Model) -> None:
 
 
 def _check_tokens(tokens: object) -> torch.Tensor:
-    tokens = check_tensor("tokens", tokens)
+    tokens = _check_tensor("tokens", tokens)
     if tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim not in (1, 2):
         raise ValueError(
             f"tokens is a {tokens.dtype} tensor of shape {tuple(tokens.shape)}; pass the int64 "
@@ -372,7 +381,7 @@ def _layout_of(picks: TopkPicks | Mapping[int, torch.Tensor], tokens: torch.Tens
         or tuple(rows.shape) != (tokens.numel(),)
     ):
         raise ValueError(
-            f"picks.engine_rows is {describe(rows)}; pass a ({tokens.numel()},) bool mask of the "
+            f"picks.engine_rows is {_describe(rows)}; pass a ({tokens.numel()},) bool mask of the "
             "token rows the engine computed (True: compared), not row indices."
         )
     return picks
@@ -407,9 +416,9 @@ def _labels_and_mask(
     loss_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if labels is None:
-        labels, mask = shifted_labels(tokens, cu_seqlens=layout.cu_seqlens)
+        labels, mask = _shifted_labels(tokens, cu_seqlens=layout.cu_seqlens)
     else:
-        labels = check_tensor("labels", labels)
+        labels = _check_tensor("labels", labels)
         if labels.dtype not in (torch.int32, torch.int64) or labels.shape != tokens.shape:
             raise ValueError(
                 f"labels is a {labels.dtype} tensor of shape {tuple(labels.shape)}, tokens "
@@ -419,7 +428,7 @@ def _labels_and_mask(
         labels = labels.to(tokens.device)
         mask = labels >= 0  # the ignore_index convention (-100): not compared
     if loss_mask is not None:
-        loss_mask = check_tensor("loss_mask", loss_mask)
+        loss_mask = _check_tensor("loss_mask", loss_mask)
         if loss_mask.dtype != torch.bool or loss_mask.shape != tokens.shape:
             raise ValueError(
                 f"loss_mask is a {loss_mask.dtype} tensor of shape {tuple(loss_mask.shape)}, "
@@ -480,7 +489,7 @@ def _logprobs_of(
             f"logits ({vocab} entries); pass token ids in [0, {vocab}), a negative label (-100) "
             "where no log-prob is compared."
         )
-    return token_logprobs(logits, labels)
+    return _token_logprobs(logits, labels)
 
 
 def replay_logprobs(
@@ -553,7 +562,7 @@ def _layer_agreements(
         if engine.engine_rows is not None:  # rows the engine never ran (a sequence's last
             computed = engine.engine_rows.to(mine.device)  # token) are not compared
             rows, mine, theirs = rows[computed], mine[computed], theirs[computed]
-        agreement, same = agreement_and_identical_rows(mine, theirs)
+        agreement, same = _agreement_and_identical_rows(mine, theirs)
         # A row whose engine set is empty is not compared (topk_agreement's rows, verify's).
         differing = rows[~same & (theirs >= 0).any(-1)]
         layers.append(
@@ -589,7 +598,7 @@ def logprob_mismatch(
     name: str = "model",
     first_tokens: int = 8,
     check_weights: bool = True,
-    clip_ranges: Mapping[str, tuple[float, float]] = CLIP_RANGES,
+    clip_ranges: Mapping[str, tuple[float, float]] = _CLIP_RANGES,
     tied_rows: TopkPicks | None = None,
 ) -> LogprobReport:
     """The log-prob mismatch of ``model``'s own picks against the engine's ``picks`` (module
@@ -620,7 +629,7 @@ def logprob_mismatch(
         name: the report's label (a configuration's name).
         first_tokens: how many differing rows and tokens each report names.
         check_weights: refuse a ``replay_model`` whose parameters differ from ``model``'s.
-        clip_ranges: the importance ratio's ranges (:data:`dsa_precision.logprobs.CLIP_RANGES`).
+        clip_ranges: the importance ratio's ranges (:data:`dsa_precision.logprobs._CLIP_RANGES`).
         tied_rows: for a ``model`` whose DSA layers use ``dsa_indexer_topk_source=
             "replay_ties"`` (and only then): the engine's tied rows of these tokens
             (:func:`~dsa_precision.capture.pack_tie_rows`), handed to its own forward.
@@ -630,12 +639,12 @@ def logprob_mismatch(
     """
     tokens = _check_tokens(tokens)
     if not isinstance(name, str):
-        raise TypeError(f"name is {describe(name)}; pass the report's label, a str.")
-    first_tokens = check_int_fits("first_tokens", first_tokens, high=None)
-    check_weights = check_bool("check_weights", check_weights)
-    clip_ranges = check_clip_ranges(clip_ranges)
+        raise TypeError(f"name is {_describe(name)}; pass the report's label, a str.")
+    first_tokens = _check_int_fits("first_tokens", first_tokens, high=None)
+    check_weights = _check_bool("check_weights", check_weights)
+    clip_ranges = _check_clip_ranges(clip_ranges)
     if forward is not None and not callable(forward):
-        raise TypeError(f"forward is {describe(forward)}; pass forward(model) -> logits.")
+        raise TypeError(f"forward is {_describe(forward)}; pass forward(model) -> logits.")
     picks = _layout_of(picks, tokens)
     layout = picks.layout
     assert layout is not None  # _layout_of checked
@@ -658,7 +667,7 @@ def logprob_mismatch(
             replay_model, tokens, picks, labels=labels, forward=forward
         )
     else:
-        rollout_logprobs = check_tensor("rollout_logprobs", rollout_logprobs)
+        rollout_logprobs = _check_tensor("rollout_logprobs", rollout_logprobs)
         if not rollout_logprobs.is_floating_point() or rollout_logprobs.shape != tokens.shape:
             raise ValueError(
                 f"rollout_logprobs is a {rollout_logprobs.dtype} tensor of shape "
@@ -686,7 +695,7 @@ def logprob_mismatch(
     layers, pooled = _layer_agreements(recorder.picks, picks, layout, first_tokens, causes)
     rollout = rollout_logprobs.to(train.device)
     mask = mask.to(train.device)
-    stats = logprob_mismatch_stats(
+    stats = _logprob_mismatch_stats(
         train, rollout, mask=mask, cu_seqlens=layout.cu_seqlens, clip_ranges=clip_ranges
     )
     delta = torch.where(mask, train.double() - rollout.double(), 0.0)

@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from ..agreement import agreement_and_identical_rows
+from ..agreement import _agreement_and_identical_rows
 
 __all__ = ["topk_metrics"]
 
 # Metric names: dsa_topk/layer_07/member_agreement, ...; dsa_topk/all/... over every layer.
-METRIC_PREFIX = "dsa_topk"
+_METRIC_PREFIX = "dsa_topk"
 
 
-class TopkMonitor:
+class _TopkMonitor:
     """Per-layer agreement with the engine, accumulated on the device (no host sync)."""
 
     _SUMS = ("common", "members", "identical", "rows", "flipped", "margin", "margin_rows",
@@ -39,7 +39,7 @@ class TopkMonitor:
     ) -> None:
         """Add one micro-batch: ``ours`` and ``engine`` ``(..., k)`` picks of the same rows,
         ``margins`` ``(...)`` per row (NaN where undefined)."""
-        a, same = agreement_and_identical_rows(ours, engine)
+        a, same = _agreement_and_identical_rows(ours, engine)
         f64 = torch.float64
         rows = a.rows.to(f64)
 
@@ -133,7 +133,7 @@ class TopkMonitor:
 
 
 def _metrics(name: str, raw: list[float]) -> dict[str, float]:
-    s = dict(zip(TopkMonitor._SUMS, raw[:-1], strict=True))
+    s = dict(zip(_TopkMonitor._SUMS, raw[:-1], strict=True))
     nan = float("nan")
     return {
         f"{name}/member_agreement": s["common"] / s["members"] if s["members"] else nan,
@@ -187,7 +187,7 @@ def topk_metrics(
         )
     # The attention layers' own attributes, which nn.Module's __getattr__ types as Tensor | Module.
     modules: Iterator[Any] = (m for chunk in chunks for m in chunk.modules())
-    monitors: dict[int, TopkMonitor] = {
+    monitors: dict[int, _TopkMonitor] = {
         m.layer_number: m.topk_monitor
         for m in modules
         if getattr(m, "topk_monitor", None) is not None and m.topk_monitor.sums
@@ -206,7 +206,7 @@ def topk_metrics(
     values = torch.cat((raw, total[None])).tolist()
     out: dict[str, float] = {}
     for n, row in zip([*layers, None], values, strict=True):
-        out |= _metrics(f"{METRIC_PREFIX}/" + (f"layer_{n:02d}" if n else "all"), row)
+        out |= _metrics(f"{_METRIC_PREFIX}/" + (f"layer_{n:02d}" if n else "all"), row)
     if reset:
         for n in layers:
             monitors[n].reset()

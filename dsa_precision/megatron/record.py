@@ -18,7 +18,7 @@ import torch
 
 from ..picks import TokenLayout, TopkPicks
 
-__all__ = ["record_topk"]
+__all__ = ["TopkRecorder", "record_topk"]
 
 
 class TopkRecorder:
@@ -86,6 +86,6 @@ def record_topk() -> Iterator[TopkRecorder]:
         _RECORDER.reset(token)
 
 
-def current_recorder() -> TopkRecorder | None:
+def _current_recorder() -> TopkRecorder | None:
     """The recorder of the :func:`record_topk` block now running, or ``None``."""
     return _RECORDER.get()

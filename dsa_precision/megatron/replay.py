@@ -34,19 +34,19 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..checks import describe
-from ..devices import to_device
-from ..picks import TokenLayout, TopkPicks, check_key_range
-from ..rows import packed_sequence_of
+from ..checks import _describe
+from ..devices import _to_device
+from ..picks import TokenLayout, TopkPicks, _check_key_range
+from ..rows import _packed_sequence_of
 
 __all__ = ["engine_topk", "set_replay_validation"]
 
-TopkSource = Literal["compute", "replay", "verify", "replay_ties"]
-TOPK_SOURCES = ("compute", "replay", "verify", "replay_ties")
+_TopkSource = Literal["compute", "replay", "verify", "replay_ties"]
+_TOPK_SOURCES = ("compute", "replay", "verify", "replay_ties")
 
 
 @dataclasses.dataclass(frozen=True)
-class HandedIn:
+class _HandedIn:
     """The picks handed in for the forward inside :func:`engine_topk`, as checked there;
     ``validate``: whether each layer also checks the data against its own layout (one host
     synchronisation per layer)."""
@@ -130,9 +130,9 @@ class HandedIn:
             )
         total = idx.shape[0]
         self._check_batch_rows(name, where, total, batch, "picks")
-        moved = to_device(idx, device)
+        moved = _to_device(idx, device)
         if compared and self.picks.engine_rows is not None:
-            ran = to_device(self.picks.engine_rows, device)
+            ran = _to_device(self.picks.engine_rows, device)
             moved = torch.where(ran[:, None], moved, -1)
         if positions is None:  # every row in order: the picks themselves, in their layout,
             # copied once (by the move, the cast, or else here: never the engine's tensor)
@@ -143,10 +143,10 @@ class HandedIn:
             picks = moved[tokens].to(torch.int32)
         else:
             assert self.picks.cu_seqlens is not None  # THD
-            cu = to_device(self.picks.cu_seqlens, device, torch.int64)
+            cu = _to_device(self.picks.cu_seqlens, device, torch.int64)
             valid = positions < total  # padding rows past the packed tokens select nothing
             safe = positions.clamp(max=total - 1)
-            start = cu[packed_sequence_of(cu, safe)]
+            start = cu[_packed_sequence_of(cu, safe)]
             picks = moved[safe].to(torch.int64)
             picks = torch.where((picks >= 0) & valid[:, None], picks + start[:, None], -1)
             picks = picks.to(torch.int32).unsqueeze(0)
@@ -216,12 +216,12 @@ class HandedIn:
         total = (self.picks.digests or {})[layer_number].shape[0]
         self._check_batch_rows(name, where, total, batch, "tied rows")
         device = tokens.device
-        rows = to_device(rows, device, torch.int64)
+        rows = _to_device(rows, device, torch.int64)
         slot = torch.full((total + 1,), -1, dtype=torch.int64, device=device)
         slot[rows] = torch.arange(rows.numel(), device=device)
         index = slot[tokens.clamp(max=total)]  # rows past the T tokens: the -1 of slot[total]
         taken = index >= 0
-        moved = to_device(picks, device)
+        moved = _to_device(picks, device)
         if not rows.numel():
             theirs = torch.full((tokens.numel(), topk), -1, dtype=torch.int32, device=device)
             return theirs, taken
@@ -248,18 +248,18 @@ class HandedIn:
         device = tokens.device
         inside = tokens < total
         safe = tokens.clamp(max=max(total - 1, 0))
-        theirs = to_device(layer_digests, device)[safe]
+        theirs = _to_device(layer_digests, device)[safe]
         if self.picks.engine_rows is not None:
-            inside = inside & to_device(self.picks.engine_rows, device)[safe]
+            inside = inside & _to_device(self.picks.engine_rows, device)[safe]
         return theirs, inside
 
 
-_HANDED_IN: contextvars.ContextVar[HandedIn | None] = contextvars.ContextVar(
+_HANDED_IN: contextvars.ContextVar[_HandedIn | None] = contextvars.ContextVar(
     "dsa_precision_engine_topk", default=None
 )
 
 # The debug switch of replay-index validation (see replay_validation_enabled).
-VALIDATE_ENV = "DSA_PRECISION_VALIDATE"
+_VALIDATE_ENV = "DSA_PRECISION_VALIDATE"
 _VALIDATION: bool | None = None
 
 
@@ -270,18 +270,18 @@ def set_replay_validation(enabled: bool | None) -> None:
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
             f"set_replay_validation(enabled={enabled!r}): pass True, False or None (the "
-            f"environment, {VALIDATE_ENV})."
+            f"environment, {_VALIDATE_ENV})."
         )
     _VALIDATION = enabled
 
 
-def replay_validation_enabled() -> bool:
+def _replay_validation_enabled() -> bool:
     """Whether :func:`engine_topk` checks the data when not told: :func:`set_replay_validation`
     when it was called, else ``DSA_PRECISION_VALIDATE`` (``1``/``true``/``yes``/``on``); off by
     default (the step does not synchronise)."""
     if _VALIDATION is not None:
         return _VALIDATION
-    return os.environ.get(VALIDATE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return os.environ.get(_VALIDATE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _layer_number(what: str, layer: object) -> int:
@@ -319,7 +319,7 @@ def _checked(
         else:
             layout.check_indices(name, idx)
             if idx.device.type == "cpu":  # host data: the key range, before any int32 cast
-                check_key_range(name, idx)
+                _check_key_range(name, idx)
         devices.setdefault(idx.device, layer)
     if len(devices) > 1:
         where = ", ".join(f"layer {n} on {d}" for d, n in devices.items())
@@ -349,7 +349,7 @@ def _checked_digests(
     for layer, d in (digests or {}).items():
         name = f"engine_digests layer {layer}"
         if not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.ndim != 1:
-            got = describe(d)
+            got = _describe(d)
             hint = " (per-row picks? digest them: digest_rows(picks))" if _is_picks(d) else ""
             raise TypeError(f"{name}: expected (T,) int64 row digests, got {got}{hint}.")
         if d.device.type not in ("cpu", "cuda"):
@@ -372,7 +372,7 @@ def _checked_digests(
         ):
             raise TypeError(
                 f"engine_rows: expected a ({total},) bool tensor (the rows the engine computed, "
-                f"from pack_requests or pack_digests), got {describe(engine_rows)}."
+                f"from pack_requests or pack_digests), got {_describe(engine_rows)}."
             )
         devices.add(engine_rows.device)
     if len(devices) > 1:
@@ -403,14 +403,14 @@ def _checked_sent(picks: TopkPicks, layout: TokenLayout, validate: bool) -> None
         name = f"engine_topk tied rows of layer {layer}"
         idx = picks.indices[layer]
         if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.int64 and rows.ndim == 1):
-            raise TypeError(f"{name}: expected (n,) int64 token rows, got {describe(rows)}.")
+            raise TypeError(f"{name}: expected (n,) int64 token rows, got {_describe(rows)}.")
         if not (isinstance(idx, torch.Tensor) and idx.ndim == 2 and idx.shape[0] == rows.numel()):
             raise ValueError(
-                f"{name}: {rows.numel()} rows sent but picks {describe(idx)}; pass one (k,) row "
+                f"{name}: {rows.numel()} rows sent but picks {_describe(idx)}; pass one (k,) row "
                 "of picks per row sent."
             )
         if idx.dtype not in (torch.int16, torch.int32, torch.int64) or idx.shape[1] == 0:
-            raise TypeError(f"{name}: expected (n, k) integer picks, k >= 1, got {describe(idx)}.")
+            raise TypeError(f"{name}: expected (n, k) integer picks, k >= 1, got {_describe(idx)}.")
         if rows.device != idx.device:
             raise ValueError(
                 f"{name}: rows on {rows.device}, picks on {idx.device}; use one device."
@@ -485,7 +485,7 @@ def engine_topk(
         validate: also check the data: the causal range, duplicate keys, ``T`` against
             ``cu_seqlens[-1]``, and at each layer the ``cu_seqlens`` values against its
             ``PackedSeqParams``: one host synchronisation per layer here and per layer
-            forward. ``None`` (default): :func:`replay_validation_enabled`, i.e. on when
+            forward. ``None`` (default): :func:`_replay_validation_enabled`, i.e. on when
             ``DSA_PRECISION_VALIDATE=1`` or :func:`set_replay_validation` (a debug run), off
             in a training step.
 
@@ -493,7 +493,7 @@ def engine_topk(
         The checked :class:`~dsa_precision.picks.TopkPicks`.
     """
     if validate is None:
-        validate = replay_validation_enabled()
+        validate = _replay_validation_enabled()
     elif not isinstance(validate, bool):
         raise TypeError(f"engine_topk(validate={validate!r}): pass True, False or None.")
     if isinstance(indices, TopkPicks):
@@ -533,7 +533,7 @@ def engine_topk(
     else:
         layout = TokenLayout(cu_seqlens=cu_seqlens, seq_len=seq_len)
         picks = _checked_picks(indices, layout, engine_digests, engine_rows, validate, None)
-    token = _HANDED_IN.set(HandedIn(picks, validate))
+    token = _HANDED_IN.set(_HandedIn(picks, validate))
     try:
         yield picks
     finally:
@@ -566,6 +566,6 @@ def _checked_picks(
     return dataclasses.replace(given, indices=checked, engine_rows=rows, digests=digests)
 
 
-def current_handed_in() -> HandedIn | None:
+def _current_handed_in() -> _HandedIn | None:
     """The picks handed in for the forward now running (:func:`engine_topk`), or ``None``."""
     return _HANDED_IN.get()

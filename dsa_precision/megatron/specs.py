@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from .attention import PrecisionDSAttention
-from .config import layer_decisions
+from .config import _layer_decisions
 from .indexer import PrecisionDSAIndexer
 
 __all__ = [
@@ -95,7 +95,7 @@ def _has_dsa(node: Any) -> bool:
 
 def _switched_on(config: Any) -> list[str]:
     """The dsa-precision fields of ``config`` that change Megatron's behaviour, as ``name=value``."""
-    precision, source = layer_decisions(config)
+    precision, source = _layer_decisions(config)
     fields = []
     if precision.rope_fp32:
         fields.append("dsa_indexer_rope_fp32=True")
@@ -144,7 +144,7 @@ class LocalDSASpecProvider(LocalSpecProvider):
         return Linear
 
 
-def default_backend() -> BackendSpecProvider:
+def _default_backend() -> BackendSpecProvider:
     """Transformer Engine's spec provider when TE is installed, else :class:`LocalDSASpecProvider`."""
     if eav_specs.HAVE_TE:
         return eav_specs.TESpecProvider()
@@ -155,7 +155,7 @@ def get_dsa_precision_module_spec(
     config: Any, backend: BackendSpecProvider | None = None
 ) -> ModuleSpec:
     """``get_dsa_module_spec_for_backend`` with the precision modules (self-attention spec)."""
-    backend = backend or default_backend()
+    backend = backend or _default_backend()
     spec = eav_specs.get_dsa_module_spec_for_backend(config, backend=backend)
     if isinstance(backend, LocalDSASpecProvider):
         spec = _local_mla(spec)
@@ -185,7 +185,7 @@ def get_gpt_dsa_precision_block_spec(
                 config, vp_stage=vp_stage, pp_rank=pp_rank
             )
         )
-    backend = backend or default_backend()
+    backend = backend or _default_backend()
     layers = eav_specs.get_transformer_layer_with_experimental_attention_variant_spec(
         config, backend=backend
     )

@@ -340,24 +340,24 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
     cpu = torch.device("cpu")
     fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
     args = dict(n_heads=64, head_dim=128, n_kv_heads=1)
-    assert "on cpu" in cudnn_backend.scoring_unsupported_reason(device=cpu, precision=fp8, **args)
-    assert "on cpu" in cudnn_backend.topk_unsupported_reason(device=cpu, k=8, dtype=torch.float32)
+    assert "on cpu" in cudnn_backend._scoring_unsupported_reason(device=cpu, precision=fp8, **args)
+    assert "on cpu" in cudnn_backend._topk_unsupported_reason(device=cpu, k=8, dtype=torch.float32)
     # A CUDA device of a given architecture, without touching a GPU.
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capability = [(8, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(cudnn_backend, "_import_dsa", lambda: (object(), None))
-    assert "SM80" in cudnn_backend.scoring_unsupported_reason(device=cuda, precision=fp8, **args)
-    assert "SM80" in cudnn_backend.topk_unsupported_reason(device=cuda, k=8, dtype=torch.float32)
+    assert "SM80" in cudnn_backend._scoring_unsupported_reason(device=cuda, precision=fp8, **args)
+    assert "SM80" in cudnn_backend._topk_unsupported_reason(device=cuda, k=8, dtype=torch.float32)
     capability[0] = (9, 0)
-    reason = cudnn_backend.scoring_unsupported_reason
+    reason = cudnn_backend._scoring_unsupported_reason
     assert reason(device=cuda, precision=fp8, **args) is None
     assert "n_heads=16" in reason(device=cuda, precision=fp8, **{**args, "n_heads": 16})
     assert reason(device=cuda, precision=bf16, **{**args, "n_heads": 16}) is None
     assert "head_dim=64" in reason(device=cuda, precision=bf16, **{**args, "head_dim": 64})
     assert "2 heads" in reason(device=cuda, precision=bf16, **{**args, "n_kv_heads": 2})
-    assert "k=4096" in cudnn_backend.topk_unsupported_reason(
+    assert "k=4096" in cudnn_backend._topk_unsupported_reason(
         device=cuda, k=4096, dtype=torch.float32
     )
     capability[0] = (10, 0)  # Blackwell: BF16 yes, the per-128-vector FP8 kernel no
@@ -368,7 +368,7 @@ def test_reasons_name_the_device_and_the_limits(monkeypatch):
 
 
 def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
-    """``scoring_reason`` / ``topk_reason`` (what the scoring and top-k entry points ask) remember
+    """``_scoring_reason`` / ``_topk_reason`` (what the scoring and top-k entry points ask) remember
     the answer for a CUDA device, whose facts are fixed for the process, keyed on every argument;
     another device type is asked every time (the stand-ins of SM90 hardware change its answers)."""
     fp8, bf16 = ScoringPrecision.FP8, ScoringPrecision.BF16
@@ -385,25 +385,25 @@ def test_the_hot_path_asks_once_per_cuda_device_and_arguments(monkeypatch):
     cudnn_backend._cuda_scoring_reason.cache_clear()
     cudnn_backend._cuda_topk_reason.cache_clear()
     try:
-        assert cudnn_backend.scoring_reason(cuda, fp8, 64, 128, 1) is None
-        assert cudnn_backend.scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert cudnn_backend._scoring_reason(cuda, fp8, 64, 128, 1) is None
+        assert cudnn_backend._scoring_reason(cuda, fp8, 64, 128, 1) is None
         assert len(queries) == 1  # remembered
-        assert "n_heads=16" in cudnn_backend.scoring_reason(cuda, fp8, 16, 128, 1)  # another key
-        assert cudnn_backend.scoring_reason(cuda, bf16, 16, 128, 1) is None
-        assert "head_dim=64" in cudnn_backend.scoring_reason(cuda, bf16, 16, 64, 1)
-        assert "k=4096" in cudnn_backend.topk_reason(cuda, 4096, torch.float32)
-        assert cudnn_backend.topk_reason(cuda, 2048, torch.float32) is None
-        assert cudnn_backend.topk_reason(cuda, 2048, torch.float32) is None
+        assert "n_heads=16" in cudnn_backend._scoring_reason(cuda, fp8, 16, 128, 1)  # another key
+        assert cudnn_backend._scoring_reason(cuda, bf16, 16, 128, 1) is None
+        assert "head_dim=64" in cudnn_backend._scoring_reason(cuda, bf16, 16, 64, 1)
+        assert "k=4096" in cudnn_backend._topk_reason(cuda, 4096, torch.float32)
+        assert cudnn_backend._topk_reason(cuda, 2048, torch.float32) is None
+        assert cudnn_backend._topk_reason(cuda, 2048, torch.float32) is None
         assert len(queries) == 6
         # the public functions are not cached: they see the architecture change
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-        assert "SM80" in cudnn_backend.scoring_unsupported_reason(
+        assert "SM80" in cudnn_backend._scoring_unsupported_reason(
             device=cuda, precision=fp8, n_heads=64, head_dim=128, n_kv_heads=1
         )
         cpu = torch.device("cpu")
-        assert "on cpu" in cudnn_backend.scoring_reason(cpu, fp8, 64, 128, 1)
+        assert "on cpu" in cudnn_backend._scoring_reason(cpu, fp8, 64, 128, 1)
         monkeypatch.setattr(cudnn_backend, "_device_reason", lambda device: None)
-        assert "SM80" in cudnn_backend.scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
+        assert "SM80" in cudnn_backend._scoring_reason(cpu, fp8, 64, 128, 1)  # asked again
     finally:  # no answer of this fake CUDA device outlives the test
         cudnn_backend._cuda_scoring_reason.cache_clear()
         cudnn_backend._cuda_topk_reason.cache_clear()

@@ -480,7 +480,7 @@ def test_explicit_deepgemm_raises_with_the_reason():
 
 
 def test_unsupported_reasons(monkeypatch):
-    reason = deepgemm_backend.mqa_logits_unsupported_reason
+    reason = deepgemm_backend._mqa_logits_unsupported_reason
     fp8 = ScoringPrecision.FP8
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -541,7 +541,7 @@ def _call():
 def _detected(fresh_import, module):
     fresh_import.setitem(sys.modules, "deep_gemm", module)
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
-    fresh_import.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)
+    fresh_import.setattr(deepgemm_backend, "_mqa_logits_unsupported_reason", lambda **kw: None)
     return deepgemm_backend._import()
 
 
@@ -551,9 +551,9 @@ def test_feature_detection_takes_the_first_module_with_an_entry_point(fresh_impo
     fresh_import.setitem(sys.modules, "vllm", _module("vllm"))
     fresh_import.setitem(sys.modules, "vllm.third_party", _module("vllm.third_party"))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", _module("vdg", fp4=fn))
-    fresh_import.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)
-    assert deepgemm_backend.deepgemm_available()
-    assert deepgemm_backend.entry_point() == "vllm.third_party.deep_gemm.fp8_fp4_mqa_logits"
+    fresh_import.setattr(deepgemm_backend, "_mqa_logits_unsupported_reason", lambda **kw: None)
+    assert deepgemm_backend._deepgemm_available()
+    assert deepgemm_backend._entry_point() == "vllm.third_party.deep_gemm.fp8_fp4_mqa_logits"
     _call()
     assert len(fn.calls) == 1
 
@@ -591,7 +591,7 @@ def test_deepgemm_2_8_is_called_without_clean_logits(fresh_import):
 
     entry, _ = _detected(fresh_import, _module("deep_gemm", fp4=fp8_fp4_mqa_logits))
     assert entry.q_pair and not entry.clean_logits_arg
-    assert deepgemm_backend.entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
+    assert deepgemm_backend._entry_point() == "deep_gemm.fp8_fp4_mqa_logits"
     got = _call()
     assert calls == [dict(max_seqlen_k=3, schedule_meta=None)]
     assert got[0].tolist() == [[i * 1000 + j if j <= i else float("-inf") for j in range(3)]
@@ -604,12 +604,12 @@ def test_feature_detection_reports_each_failure(fresh_import):
 
     fresh_import.setitem(sys.modules, "deep_gemm", _module("deep_gemm", unknown))
     fresh_import.setitem(sys.modules, "vllm.third_party.deep_gemm", None)  # import fails
-    assert not deepgemm_backend.deepgemm_available() and deepgemm_backend.entry_point() is None
+    assert not deepgemm_backend._deepgemm_available() and deepgemm_backend._entry_point() is None
     _, reason = deepgemm_backend._import()
     assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
     assert "vllm.third_party.deep_gemm" in reason and "DeepGEMM" in reason
     with pytest.raises(ImportError, match="not importable"):
-        deepgemm_backend.window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
+        deepgemm_backend._window_logits(*_NO_OPERANDS, torch.ones(1, dtype=torch.int32), 1)
 
 
 def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
@@ -630,5 +630,5 @@ def test_deepgemm_before_2_2_is_reported_not_called(fresh_import):
     assert "deep_gemm.fp8_mqa_logits takes no max_seqlen_k" in reason
     assert "DeepGEMM 2.2 and later" in reason
     with pytest.raises(ImportError, match="takes no max_seqlen_k"):
-        deepgemm_backend.causal_logits(*_NO_OPERANDS)
+        deepgemm_backend._causal_logits(*_NO_OPERANDS)
     assert not called

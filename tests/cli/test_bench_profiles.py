@@ -50,12 +50,12 @@ def cpu_bench(monkeypatch):
 
 def _cfg(**kw):
     base = dict(seqs=(), heads=(32,), topk=16, reps=1, warmup=0, chunked_from=10**9)
-    return bench.BenchConfig(**(base | kw))
+    return bench._BenchConfig(**(base | kw))
 
 
 def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
     _, dg = cpu_bench
-    report = bench.run_bench(_cfg(seqs=(256,)))
+    report = bench._run_bench(_cfg(seqs=(256,)))
     (r,) = report["results"]
     t = r["times_ms"]
     for key in ("raw_score_dg", "raw_score_dg_clean", "score_fp8_deepgemm",
@@ -70,7 +70,7 @@ def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
     # the raw DeepGEMM calls: compressed uncleaned (the select's input) and cleaned full scores
     raw = [c for c in dg.calls if c["q"].shape[0] == 256]
     assert {(c["max_seqlen_k"], c["clean_logits"]) for c in raw} >= {(256, False), (0, True)}
-    text = bench.format_tables(report)
+    text = bench._format_tables(report)
     assert "dg raw" in text and "dg fp8" in text and "long context" not in text
     assert "host us per call" in text
 
@@ -78,7 +78,7 @@ def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
 def test_long_profile_times_the_chunked_kernels(cpu_bench):
     dsa, dg = cpu_bench
     chunk_bytes = 64 * 512 * 12  # 64-row chunks of S = 512
-    report = bench.run_bench(_cfg(long_seqs=(512,), chunk_bytes=chunk_bytes))
+    report = bench._run_bench(_cfg(long_seqs=(512,), chunk_bytes=chunk_bytes))
     assert report["results"] == []
     (r,) = report["long"]
     assert r["chunks"] == 8 and r["chunk_rows"] == 64
@@ -92,13 +92,13 @@ def test_long_profile_times_the_chunked_kernels(cpu_bench):
     assert len(dsa.forward_calls) % 8 == 0
     assert all(c["q"].shape[1] == 64 for c in dsa.forward_calls)
     assert r["bound_fp8_dg"] == 1.0 and r["of_bound_fp8"] == 1.0
-    assert "long context" in bench.format_tables(report)
+    assert "long context" in bench._format_tables(report)
 
 
 def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
     done = []
     cfg = _cfg(split_seqs=(256,), chunk_bytes=128 * 256 * 12)
-    report = bench.run_bench(cfg, lambda r: done.append(sorted(k for k in r if r[k])))
+    report = bench._run_bench(cfg, lambda r: done.append(sorted(k for k in r if r[k])))
     assert done == [["config", "device", "split", "versions"]]  # once, after the split profile
     (r,) = report["split"]
     assert r["chunks"] == 2
@@ -107,10 +107,10 @@ def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
         assert x["score_ms"] == x["raw_select_ms"] == x["e2e_ms"] == 1.0
         assert x["read_gib"] == 256 * 257 // 2 * 4 / 2**30
         # Bandwidth 4 KiB per ms: the scores' traffic dwarfs the 1 ms e2e, so build it.
-        assert x["traffic_share"] > bench.FUSED_THRESHOLD and x["build_fused"]
+        assert x["traffic_share"] > bench._FUSED_THRESHOLD and x["build_fused"]
     assert r["cudnn"]["written_gib"] == 256 * 256 * 4 / 2**30  # -inf included
     assert r["deepgemm"]["written_gib"] == r["deepgemm"]["read_gib"]  # the windows only
-    text = bench.format_tables(report)
+    text = bench._format_tables(report)
     assert "time split" in text and "yes" in text
 
 
@@ -122,26 +122,26 @@ def _parse(*argv):
 
 def test_profiles_are_separate_flags(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
-    monkeypatch.setattr(bench, "format_tables", lambda report: "")
+    monkeypatch.setattr(bench, "_run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
+    monkeypatch.setattr(bench, "_format_tables", lambda report: "")
     runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
             ("--seq", "8192", "--long", "--split"), ("--thd",), ("--thd", "--long"),
             ("--thd-seq", "4096", "--thd-weights", "1", "2"),
             ("--seq", "8192", "--long", "--split", "--thd"))  # fmt: skip
     for argv in runs:
-        bench.main(_parse(*argv))
+        bench._main(_parse(*argv))
     default, long, split, long_seq, everything, thd, thd_long, thd_seq, all_four = seen
     assert not default.thd_seqs and not everything.thd_seqs
     # --thd alone: only the packed profile, at 8192 and 16384 tokens, four uneven sequences.
     assert thd.seqs == () and not thd.long_seqs and thd.thd_seqs == (8192, 16384)
     assert thd.thd_weights == (4, 1, 3, 2)
-    assert thd_long.long_seqs == bench.LONG_SEQS
-    assert thd_long.thd_seqs == (8192, 16384, *bench.LONG_SEQS)  # the long sizes, select only
+    assert thd_long.long_seqs == bench._LONG_SEQS
+    assert thd_long.thd_seqs == (8192, 16384, *bench._LONG_SEQS)  # the long sizes, select only
     assert thd_seq.seqs == () and thd_seq.thd_seqs == (4096,) and thd_seq.thd_weights == (1, 2)
     assert all_four.seqs == (8192,) and all_four.long_seqs and all_four.split_seqs
-    assert all_four.thd_seqs == (8192, 16384, *bench.LONG_SEQS)
+    assert all_four.thd_seqs == (8192, 16384, *bench._LONG_SEQS)
     assert default.seqs == (8192, 16384) and not default.long_seqs and not default.split_seqs
-    assert long.seqs == () and long.long_seqs == bench.LONG_SEQS and long.long_reps == 5
+    assert long.seqs == () and long.long_seqs == bench._LONG_SEQS and long.long_reps == 5
     assert split.seqs == () and split.split_seqs == (4096,)
     assert long_seq.long_seqs == (32768,)
     assert everything.seqs == (8192,) and everything.long_seqs and everything.split_seqs
@@ -149,7 +149,7 @@ def test_profiles_are_separate_flags(monkeypatch):
 
 def test_thd_profile_times_both_backends_beside_their_raw_kernels(cpu_bench):
     dsa, dg = cpu_bench
-    report = bench.run_bench(_cfg(thd_seqs=(300,), chunk_bytes=64 * 120 * 12))
+    report = bench._run_bench(_cfg(thd_seqs=(300,), chunk_bytes=64 * 120 * 12))
     assert report["results"] == [] and report["long"] == []
     (r,) = report["thd"]
     assert r["lens"] == [120, 30, 90, 60] and r["chunks"] == 5  # 64-row chunks of max len 120
@@ -184,18 +184,18 @@ def test_thd_profile_times_both_backends_beside_their_raw_kernels(cpu_bench):
     # The chunk of rows [128, 192): sequence 1 (rows 120-149) cut at its row 8, sequence 2 from 0.
     cut = [c for c in thd if c["cu_seqlens_q"].tolist() == [0, 0, 22, 64, 64]]
     assert len(cut) >= 2 and all(c["offsets"] == [128, 8, 0, 0] for c in cut)  # raw and package
-    text = bench.format_tables(report)
+    text = bench._format_tables(report)
     assert "packed THD" in text and "T=300: 120, 30, 90, 60" in text
 
 
 def test_thd_profile_at_long_sizes_times_selection_only(cpu_bench):
     _, dg = cpu_bench
-    report = bench.run_bench(_cfg(thd_seqs=(300,), chunked_from=256))
+    report = bench._run_bench(_cfg(thd_seqs=(300,), chunked_from=256))
     (r,) = report["thd"]
     assert r["chunked"] and r["check"] is None and "host_us" not in r
     assert set(r["times_ms"]) == {"raw_select_dg", "select_dg", "raw_select_cudnn", "select_cudnn"}
     assert all(c["max_seqlen_k"] == 120 for c in dg.calls)  # no cleaned (T, T) logits
-    text = bench.format_tables(report)
+    text = bench._format_tables(report)
     assert "indexer_select_varlen" in text and "indexer_scores_varlen" not in text
 
 
@@ -214,7 +214,7 @@ def test_bad_packings_are_refused_by_name(monkeypatch, argv, message):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     args = _parse(*argv)
     with pytest.raises(bench.CliError) as err:
-        bench.main(args)
+        bench._main(args)
     assert str(err.value) == message
 
 
@@ -223,7 +223,7 @@ def test_megatron_profile_runs_megatrons_pytorch_indexer_beside_the_package(cpu_
     real and selects what the package's BF16 path selects; its fused backends need CUDA and
     are kept with that reason; the package's FP8 rows are timed."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    report = bench.run_bench(_cfg(megatron_seqs=(256,)))
+    report = bench._run_bench(_cfg(megatron_seqs=(256,)))
     assert report["results"] == [] and report["long"] == []
     (r,) = report["megatron"]
     none, cudnn, tilelang = (r["megatron"][b] for b in ("none", "cudnn", "tilelang"))
@@ -234,17 +234,17 @@ def test_megatron_profile_runs_megatrons_pytorch_indexer_beside_the_package(cpu_
     assert tilelang == {"skipped": "dsa_kernel_backend='tilelang' needs a CUDA device"}
     assert set(r["times_ms"]) == {"prep_bf16", "select_fp8", "e2e_fp8", "select_fp8_dg",
                                   "e2e_fp8_dg"}  # fmt: skip
-    text = bench.format_tables(report)
+    text = bench._format_tables(report)
     assert "Megatron's indexer top-k per dsa_kernel_backend" in text
     assert "skipped tilelang: dsa_kernel_backend='tilelang' needs a CUDA device" in text
 
 
 def test_megatron_profile_is_its_own_flag(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
-    monkeypatch.setattr(bench, "format_tables", lambda report: "")
+    monkeypatch.setattr(bench, "_run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
+    monkeypatch.setattr(bench, "_format_tables", lambda report: "")
     for argv in (("--megatron",), ("--megatron-seq", "4096", "--seq", "8192")):
-        bench.main(_parse(*argv))
+        bench._main(_parse(*argv))
     alone, both = seen
     assert alone.seqs == () and alone.megatron_seqs == (8192, 16384)
     assert both.seqs == (8192,) and both.megatron_seqs == (4096,)

@@ -182,7 +182,7 @@ def _no_run(**kwargs):
 )
 def test_plot_format_is_checked_before_the_demo_runs(monkeypatch, tmp_path, name, message):
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(demo, "run_demo", _no_run)
+    monkeypatch.setattr(demo, "_run_demo", _no_run)
     code, out, err = run_cli("demo", "--seq", "64", "--topk", "8", "--plot", str(tmp_path / name))
     assert code == 2 and out == "" and err.count("\n") == 1
     assert re.search(message, err), err
@@ -197,16 +197,16 @@ def test_plot_other_matplotlib_formats(tmp_path):
 
 
 def test_too_few_compared_rows_are_refused(monkeypatch):
-    monkeypatch.setattr(demo, "run_demo", _no_run)
+    monkeypatch.setattr(demo, "_run_demo", _no_run)
     code, out, err = run_cli("demo", "--seq", "130", "--topk", "128")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "leaves 2 query rows with more visible keys than topk (positions 128..129" in err
-    assert f"use --seq >= {128 + demo.MIN_COMPARED_ROWS} or a smaller --topk" in err
+    assert f"use --seq >= {128 + demo._MIN_COMPARED_ROWS} or a smaller --topk" in err
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**64), "1.5"])
 def test_seed_out_of_range_is_an_argparse_error(monkeypatch, capsys, seed):
-    monkeypatch.setattr(demo, "run_demo", _no_run)
+    monkeypatch.setattr(demo, "_run_demo", _no_run)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", "--seed", seed])
     assert exit_info.value.code == 2
@@ -255,7 +255,7 @@ def test_cudnn_path_with_recording_fake(monkeypatch):
 
     fake = fake_cudnn.install(monkeypatch)
     reset_scoring_calls()
-    run = demo.run_demo(seq_len=96, topk=16, backend="cudnn")
+    run = demo._run_demo(seq_len=96, topk=16, backend="cudnn")
     assert run.backend == "cudnn" and run.inference_kernel == "exact"
     assert scoring_calls(backend="torch") == 0 and scoring_calls(backend="cudnn") == 4
     # baseline, rope_fp32, fp8, rope_fp32+fp8

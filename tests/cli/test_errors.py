@@ -64,7 +64,7 @@ CASES = [
 @pytest.mark.parametrize(("argv", "kind", "message"), CASES, ids=lambda x: None)
 def test_user_errors_print_no_traceback(monkeypatch, tmp_path, argv, kind, message):
     monkeypatch.chdir(tmp_path)  # relative file names resolve to nothing
-    monkeypatch.setattr(demo, "run_demo", _no_run)
+    monkeypatch.setattr(demo, "_run_demo", _no_run)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

@@ -20,8 +20,8 @@ A module *dispatches kernels* when it
   ``accumulate=True``, ``index_add``, ``scatter_add``, ``scatter_reduce``: atomics on a GPU);
 - calls, anywhere in its functions, a function of a dispatching module that (transitively)
   launches: the call graph is followed through imports, module attributes and same-module calls.
-  Questions asked of a kernel module (``*_reason``, ``*_available``, ``entry_point``,
-  ``device_scope``) launch nothing.
+  Questions asked of a kernel module (``*_reason``, ``*_available``, ``_entry_point``,
+  ``_device_scope``) launch nothing.
 
 Commands (``cli/``, the demo's engine model among them) time or compare kernels, they do not feed
 training (the engine oracles, ``conformance/``, are outside the package); ``testing/`` is the

@@ -53,7 +53,7 @@ CASES = [
 
 
 @functools.cache
-def _paged_entry(name: str) -> tuple[deepgemm_backend.EntryPoint | None, str | None]:
+def _paged_entry(name: str) -> tuple[deepgemm_backend._EntryPoint | None, str | None]:
     """The package's entry point on module ``name`` when that module also has the paged decode
     API, else why not."""
     try:

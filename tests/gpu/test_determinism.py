@@ -17,7 +17,7 @@ from dsa_precision import (
     prepare_scoring_operands,
 )
 from dsa_precision.backends import deepgemm as deepgemm_backend
-from dsa_precision.preprocess import indexer_head_weights
+from dsa_precision.preprocess import _indexer_head_weights
 from dsa_precision.testing import assert_replays_bit_exact
 
 from ..support.configs import CONFIGS, FP8
@@ -171,7 +171,7 @@ def test_deepgemm_replays_bit_exact():
 def _legacy_entry_point(monkeypatch) -> None:
     """Make the package call the legacy name ``fp8_mqa_logits(q, ..., max_seqlen_k)`` (a wrapper
     of ``fp8_fp4_mqa_logits`` in 54e2261) through the host build."""
-    name = deepgemm_backend.entry_point().rsplit(".", 1)[0]
+    name = deepgemm_backend._entry_point().rsplit(".", 1)[0]
     module = __import__(name, fromlist=["fp8_mqa_logits"])
     if not hasattr(module, "fp8_mqa_logits"):
         pytest.skip(f"{name} has no fp8_mqa_logits")
@@ -262,7 +262,7 @@ def test_fp32_preprocessing_route_replays_and_keeps_dtypes(hadamard):
 
     def route(q, k, w):
         qq, kk = pre(q, k, freqs)
-        ww = indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
+        ww = _indexer_head_weights(w, n_heads=32, head_dim=128, fp32=False)
         return qq, kk, ww
 
     qq, kk, ww = assert_replays_bit_exact(route, (q, k, w), what="rope_fp32 preprocessing")

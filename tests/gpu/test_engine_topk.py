@@ -23,7 +23,7 @@ SEQ, TOPK, FIRST = 8192, 2048, 4096
 
 
 def _skip_reason() -> str | None:
-    if not deepgemm.deepgemm_available():
+    if not deepgemm._deepgemm_available():
         return "DeepGEMM is not importable (deep_gemm or vLLM's vllm.third_party.deep_gemm)"
     return vllm_topk.missing_reason()
 
@@ -41,7 +41,7 @@ def logits():
 @pytest.fixture(scope="module")
 def engine_logits():
     """The same logits for SGLang's and LMDeploy's kernels (DeepGEMM, no vLLM ops library)."""
-    if not deepgemm.deepgemm_available():
+    if not deepgemm._deepgemm_available():
         pytest.skip("DeepGEMM is not importable (deep_gemm or vLLM's vllm.third_party.deep_gemm)")
     return _scored()
 

@@ -207,7 +207,7 @@ def test_auto_backend_is_deepgemm_when_installed_else_cudnn(dsap):
     query, _, x, qr, _ = _inputs()
     reset_scoring_calls()
     attn.compute_topk(query, x, qr, None)
-    want = "deepgemm" if deepgemm.deepgemm_available() else "cudnn"
+    want = "deepgemm" if deepgemm._deepgemm_available() else "cudnn"
     assert attn.scoring_backend == want and scoring_calls("fp8", want) == scoring_calls() >= 1
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.exact_math import pairwise_sum
+from dsa_precision.exact_math import _pairwise_sum
 from dsa_precision.hadamard import HAVE_FAST_HADAMARD, hadamard_transform
 from dsa_precision.kernels.rules import PreprocessRules
-from dsa_precision.preprocess_kernel import fused_unsupported_reason
+from dsa_precision.preprocess_kernel import _fused_unsupported_reason
 
 from ..support.fused_cases import (
     PROFILES,
@@ -40,7 +40,7 @@ def _check(case, record=None, name="", **kw):
     config = IndexerPrecisionConfig(
         rope_fp32=case.pre.rope_fp32, scoring_precision="fp8", engine=case.pre.engine
     )
-    reason = fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
+    reason = _fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
     assert reason is None, reason
     got, want = operands(case, "triton", **kw), operands(case, "torch", **kw)
     assert got.q.is_cuda
@@ -250,7 +250,7 @@ def test_helpers_on_hardware(hw_cast):
         got.view(torch.int64), hadamard_transform(rows, torch.float64).view(torch.int64)
     )
     sums = kernel_probes.pairwise_sum(rows)
-    assert torch.equal(sums.view(torch.int64), pairwise_sum(rows)[:, 0].view(torch.int64))
+    assert torch.equal(sums.view(torch.int64), _pairwise_sum(rows)[:, 0].view(torch.int64))
 
 
 @pytest.mark.parametrize("xblock", [1, 8])
@@ -465,14 +465,14 @@ def test_vllm_028s_own_query_kernel_builds_the_legacy_profiles_q(record, heads, 
 
 def test_packed_angles_from_device_lengths_never_wait_for_the_host():
     """cu_seqlens on the device: the per-token angles are gathered without reading it."""
-    from dsa_precision.preprocess import thd_token_freqs
+    from dsa_precision.preprocess import _thd_token_freqs
 
     freqs = torch.randn(16, 1, 1, 64, device=DEV)
     cu = torch.tensor([0, 5, 5, 16, 20], dtype=torch.int32, device=DEV)
     want = freqs[[0, 1, 2, 3, 4, *range(11), 0, 1, 2, 3]]
-    thd_token_freqs(freqs, cu, 20)  # warm-up (first launches)
+    _thd_token_freqs(freqs, cu, 20)  # warm-up (first launches)
     with no_host_sync():
-        got = thd_token_freqs(freqs, cu, 20)
+        got = _thd_token_freqs(freqs, cu, 20)
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="packs 20 tokens but the input has 21"):
-        thd_token_freqs(freqs, cu, 21, validate=True)
+        _thd_token_freqs(freqs, cu, 21, validate=True)

@@ -43,10 +43,10 @@ def test_replay_never_waits_for_the_host(dsap, packed, where):  # noqa: F811
 
     def step(validate: bool) -> torch.Tensor:
         """engine_topk's checks, then the layer's: its layout and its rows of the picks."""
-        from dsa_precision.megatron.replay import current_handed_in
+        from dsa_precision.megatron.replay import _current_handed_in
 
         with dsap.engine_topk(picks, validate=validate, **layout):
-            engine = current_handed_in()
+            engine = _current_handed_in()
             assert engine is not None
             return attn._engine_picks(engine, attn.rank_layout(query, x, psp), query, x)
 

@@ -24,10 +24,10 @@ from dsa_precision import (
 from dsa_precision import rows as rows_module
 from dsa_precision.backends import deepgemm as deepgemm_backend
 from dsa_precision.rows import (
+    _varlen_key_counts,
+    _varlen_row_slice,
+    _varlen_windows,
     causal_key_counts,
-    varlen_key_counts,
-    varlen_row_slice,
-    varlen_windows,
 )
 
 from ..support.configs import CONFIGS, FP8
@@ -186,7 +186,7 @@ def test_chunked_select_varlen_equals_scores_then_topk_on_cudnn(precision):
     )  # fmt: skip
     scores = indexer_scores_varlen(q, k, w, **kw)
     offsets = torch.zeros(4, dtype=torch.int32, device=DEV)
-    lens_t = varlen_key_counts(cu, cu, offsets, 1, sum(lens))
+    lens_t = _varlen_key_counts(cu, cu, offsets, 1, sum(lens))
     want = indexer_topk(scores, 512, seq_lens=lens_t, backend="cudnn")
     got = indexer_select_varlen(q, k, w, topk=512, chunk_bytes=256 * 1500 * 12, **kw)
     assert torch.equal(got, want)  # 256-row chunks cut three of the four sequences
@@ -202,13 +202,13 @@ def test_varlen_windows_are_one_launch_with_the_cpu_expressions_values(ratio):
     offsets = torch.tensor([0, 5, 0, 17, 2], dtype=torch.int32)
     cases = [(cu_q, offsets, sum(lens_q))]
     for r0, r1 in ((0, 2048), (2048, 5120), (5120, 8191)):
-        cu_chunk, off_chunk = varlen_row_slice(cu_q, offsets, r0, r1)
+        cu_chunk, off_chunk = _varlen_row_slice(cu_q, offsets, r0, r1)
         cases.append((cu_chunk, off_chunk.to(torch.int32), r1 - r0))
     for cu, off, rows in cases:
-        want = varlen_windows(cu, cu_k, off, ratio, rows)
+        want = _varlen_windows(cu, cu_k, off, ratio, rows)
         args = (cu.to(DEV), cu_k.to(DEV), off.to(DEV))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = varlen_windows(*args, ratio, rows)
+            got = _varlen_windows(*args, ratio, rows)
             torch.cuda.synchronize()
         names = [e.key for e in prof.key_averages()]
         assert any("_varlen_windows_kernel" in n for n in names), names
@@ -217,8 +217,8 @@ def test_varlen_windows_are_one_launch_with_the_cpu_expressions_values(ratio):
 
 
 def _clear_shared_constants():
-    rows_module.constant_offsets.cache_clear()
-    rows_module.constant_key_counts.cache_clear()
+    rows_module._constant_offsets.cache_clear()
+    rows_module._constant_key_counts.cache_clear()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -289,7 +289,7 @@ def test_select_with_int_offsets_builds_its_constants_outside_a_graph_capture():
         eager = indexer_select(ops, q_causal_offsets=64, **kw)  # built now, eagerly
     assert torch.equal(eager, want)
 
-    assert not rows_module.constant_offsets(64, 1, torch.device(DEV)).is_inference()
+    assert not rows_module._constant_offsets(64, 1, torch.device(DEV)).is_inference()
     _clear_shared_constants()  # frees the eager entries: the graph never read them
     indexer_select(ops, q_causal_offsets=96, **kw)  # other allocations may take their memory
     graph.replay()
@@ -387,7 +387,7 @@ def test_cudnn_topk_deterministic_ties_signed_zeros_and_nan():
 
 
 def _deepgemm_module():
-    return importlib.import_module(deepgemm_backend.entry_point().rsplit(".", 1)[0])
+    return importlib.import_module(deepgemm_backend._entry_point().rsplit(".", 1)[0])
 
 
 def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
@@ -395,7 +395,7 @@ def _direct_logits(ops, b, ks, ke, max_seqlen_k, clean):
     module = _deepgemm_module()
     kv = (ops.k[b].contiguous(), ops.k_descale[b].contiguous())
     args = ((ops.q[b].contiguous(), None), kv, ops.weights[b].contiguous(), ks, ke)
-    if deepgemm_backend.kernel_entry().clean_logits_arg:
+    if deepgemm_backend._kernel_entry().clean_logits_arg:
         return module.fp8_fp4_mqa_logits(*args, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     return module.fp8_fp4_mqa_logits(*args, max_seqlen_k=max_seqlen_k or kv[0].shape[0])
 
@@ -451,7 +451,7 @@ def test_deepgemm_select_is_the_top_k_of_its_scores(h):
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2900, max_seqlen_k=2900)
     packed = indexer_scores_varlen(pq, pk, pw, config=IndexerPrecisionConfig(scoring_precision="fp8"), backend="deepgemm",
                                    **varlen)  # fmt: skip
-    counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 4934)
+    counts = _varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 4934)
     want = indexer_topk(packed, 2048, seq_lens=counts, backend="cudnn")
     for chunk_bytes in (None, 32 << 20):
         got = indexer_select_varlen(
@@ -487,7 +487,7 @@ def test_deepgemm_uncleaned_scores_are_its_compressed_call(h):
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1500, max_seqlen_k=1500)
     pops = prepare_scoring_operands(pq.unsqueeze(0), pk.unsqueeze(0), pw.unsqueeze(0), config=FP8)
     window = indexer_scores_varlen(pops, backend="deepgemm", clean=False, **varlen)
-    counts = varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 2534)
+    counts = _varlen_key_counts(cu, cu, torch.zeros(4, dtype=torch.int32, device=DEV), 1, 2534)
     starts = torch.repeat_interleave(cu[:-1], torch.tensor(lens, device=DEV)).to(torch.int32)
     direct = _direct_logits(pops, 0, starts, starts + counts, 1500, False)
     inside = torch.arange(1500, device=DEV) < counts.unsqueeze(1)
@@ -521,7 +521,7 @@ def test_both_entry_points_give_the_same_scores(monkeypatch, h):
         picks = indexer_select(ops, topk=512, q_causal_offsets=offsets, backend="deepgemm")
         return bshd, packed, picks
 
-    detected = deepgemm_backend.kernel_entry()
+    detected = deepgemm_backend._kernel_entry()
     assert detected.q_pair  # fp8_fp4_mqa_logits is preferred
     current = run()
     legacy = types.SimpleNamespace(fp8_mqa_logits=module.fp8_mqa_logits)

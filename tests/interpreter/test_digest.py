@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsa_precision.capture import digest_row_reference
-from dsa_precision.kernels.digest import digest_picks
+from dsa_precision.kernels.digest import _digest_picks
 
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
@@ -15,7 +15,7 @@ def test_digests_are_the_references(dtype, block):
     picks = torch.randint(-1, 30000, (rows, k), generator=g).to(dtype)
     picks[0] = -1  # an empty row digests to the reference's value of no key
     picks[1, ::2] = -1
-    got = digest_picks(picks, block=block)
+    got = _digest_picks(picks, block=block)
     assert got.tolist() == [digest_row_reference(r) for r in picks.tolist()]
     strided = torch.randint(0, 100, (rows, 2 * k), generator=g).to(dtype)[:, :k]  # row stride 2k
-    assert digest_picks(strided).tolist() == [digest_row_reference(r) for r in strided.tolist()]
+    assert _digest_picks(strided).tolist() == [digest_row_reference(r) for r in strided.tolist()]

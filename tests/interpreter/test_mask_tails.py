@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsa_precision.kernels.mask_tails import mask_tails
+from dsa_precision.kernels.mask_tails import _mask_tails
 
 
 def test_writes_exactly_the_tails_of_padded_rows():
@@ -15,14 +15,14 @@ def test_writes_exactly_the_tails_of_padded_rows():
     want = buf.clone()
     cols = torch.arange(columns)
     want[:rows, :columns].masked_fill_(cols >= counts.long().unsqueeze(1), float("-inf"))
-    got = mask_tails(logits, counts)
+    got = _mask_tails(logits, counts)
     assert got.data_ptr() == buf.data_ptr()  # in place
     assert torch.equal(buf, want)  # the padding columns and rows are untouched
-    mask_tails(torch.empty(0, 5), torch.empty(0, dtype=torch.int32))  # no launch
+    _mask_tails(torch.empty(0, 5), torch.empty(0, dtype=torch.int32))  # no launch
 
 
 def test_rejects_other_layouts():
     with pytest.raises(ValueError, match="unit column stride"):
-        mask_tails(torch.empty(4, 4).t(), torch.zeros(4, dtype=torch.int32))
+        _mask_tails(torch.empty(4, 4).t(), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(TypeError, match="int32 counts"):
-        mask_tails(torch.empty(4, 4), torch.zeros(4, dtype=torch.int64))
+        _mask_tails(torch.empty(4, 4), torch.zeros(4, dtype=torch.int64))

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from dsa_precision import ENGINE_PROFILES, IndexerPrecisionConfig
-from dsa_precision.exact_math import pairwise_sum
+from dsa_precision.exact_math import _pairwise_sum
 from dsa_precision.hadamard import hadamard_transform
 from dsa_precision.prepare import prepare_scoring_operands
-from dsa_precision.preprocess_kernel import fused_unsupported_reason
+from dsa_precision.preprocess_kernel import _fused_unsupported_reason
 
 from ..support import kernel_probes
 from ..support.fused_cases import (
@@ -37,7 +37,7 @@ def _check(case, **kw):
     config = IndexerPrecisionConfig(
         rope_fp32=case.pre.rope_fp32, scoring_precision="fp8", engine=case.pre.engine
     )
-    reason = fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
+    reason = _fused_unsupported_reason(case.pre, case.q, case.k, case.w, config=config)
     assert reason is None, reason
     assert_bit_identical(operands(case, "triton", **kw), operands(case, "torch", **kw))
 
@@ -242,7 +242,7 @@ def test_inductor_sums_match_the_reference_order(xblock):
 
 def test_pairwise_sum_matches_the_reference_order():
     x = order_sensitive_rows()
-    want = pairwise_sum(x)[:, 0]
+    want = _pairwise_sum(x)[:, 0]
     assert not torch.equal(want, x.sum(-1))  # the rows are order-sensitive
     assert torch.equal(kernel_probes.pairwise_sum(x).view(torch.int64), want.view(torch.int64))
 

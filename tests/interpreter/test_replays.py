@@ -41,14 +41,14 @@ def test_fused_preprocess_quantize_replays_bit_exact():
 
 def test_mask_tails_replays_bit_exact():
     """The -inf tail mask of DeepGEMM's uncleaned logits (in place on a padded buffer)."""
-    from dsa_precision.kernels.mask_tails import mask_tails
+    from dsa_precision.kernels.mask_tails import _mask_tails
 
     g = torch.Generator().manual_seed(3)
     buf = torch.randn(5, 1024 + 256, generator=g)
     counts = torch.tensor([0, 1, 700, 1024, 1023], dtype=torch.int32)
 
     def mask(buf, counts):
-        return mask_tails(buf[:, :1024], counts)
+        return _mask_tails(buf[:, :1024], counts)
 
     out = assert_replays_bit_exact(mask, (buf, counts), what="tail mask")
     assert bool(torch.isneginf(out[2, 700:]).all()) and bool(torch.isfinite(out[2, :700]).all())
@@ -58,14 +58,14 @@ def test_varlen_windows_replays_bit_exact():
     """Every packed row's key window (DeepGEMM's ks / ke and the visible counts): the one-launch
     kernel, and dsa_precision.rows' expression of it (its CPU route), equal on every replay."""
     from dsa_precision import rows
-    from dsa_precision.kernels.varlen_windows import varlen_windows
+    from dsa_precision.kernels.varlen_windows import _varlen_windows
 
     cu = torch.tensor([0, 3, 3, 10, 16], dtype=torch.int32)
     offsets = torch.tensor([0, 0, 2, 0], dtype=torch.int32)
 
     def windows(cu, offsets):
-        fused = torch.stack(varlen_windows(cu, cu, offsets, 1, 16))
-        torch_route = torch.stack(tuple(rows.varlen_windows(cu, cu, offsets, 1, 16)))
+        fused = torch.stack(_varlen_windows(cu, cu, offsets, 1, 16))
+        torch_route = torch.stack(tuple(rows._varlen_windows(cu, cu, offsets, 1, 16)))
         return torch.cat((fused, torch_route))
 
     out = assert_replays_bit_exact(windows, (cu, offsets), what="varlen windows")
@@ -75,11 +75,11 @@ def test_varlen_windows_replays_bit_exact():
 
 def test_digest_picks_replays_bit_exact():
     """The row digests in one pass (capture.digest_rows on CUDA)."""
-    from dsa_precision.kernels.digest import digest_picks
+    from dsa_precision.kernels.digest import _digest_picks
 
     g = torch.Generator().manual_seed(4)
     picks = torch.randint(-1, 5000, (6, 300), generator=g, dtype=torch.int32)
-    digests = assert_replays_bit_exact(digest_picks, (picks,), what="row digests")
+    digests = assert_replays_bit_exact(_digest_picks, (picks,), what="row digests")
     assert digests.dtype == torch.int64
 
 

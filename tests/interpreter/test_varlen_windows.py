@@ -1,11 +1,11 @@
 """The packed rows' key windows in Triton's interpreter against the torch expression of
-``dsa_precision.rows.varlen_windows`` (the CPU path): the same integers, every row."""
+``dsa_precision.rows._varlen_windows`` (the CPU path): the same integers, every row."""
 
 import pytest
 import torch
 
-from dsa_precision.kernels.varlen_windows import varlen_windows as fused
-from dsa_precision.rows import varlen_row_slice, varlen_windows
+from dsa_precision.kernels.varlen_windows import _varlen_windows as fused
+from dsa_precision.rows import _varlen_row_slice, _varlen_windows
 
 from ..support.helpers import cu_seqlens
 
@@ -17,7 +17,7 @@ def _random_lengths(n: int, high: int, seed: int) -> list[int]:
 
 def _assert_same(cu_q, cu_k, offsets, ratio, total_q):
     got = fused(cu_q, cu_k, offsets, ratio, total_q)
-    want = varlen_windows(cu_q, cu_k, offsets, ratio, total_q)
+    want = _varlen_windows(cu_q, cu_k, offsets, ratio, total_q)
     for name, a, b in zip(("start", "end", "counts"), got, want, strict=True):
         assert a.dtype == torch.int32 and a.is_contiguous() and a.shape == (total_q,), name
         assert a.data_ptr() % 16 == 0, name  # rows of one buffer, each 16-byte aligned
@@ -47,7 +47,7 @@ def test_chunks_of_a_packing_as_select_cuts_them():
     cu = cu_seqlens(lens).to(torch.int32)
     offsets = torch.tensor([0, 3, 0, 10], dtype=torch.int32)
     for r0, r1 in ((0, 512), (512, 1536), (1536, 3592)):
-        cu_chunk, off_chunk = varlen_row_slice(cu, offsets, r0, r1)
+        cu_chunk, off_chunk = _varlen_row_slice(cu, offsets, r0, r1)
         _assert_same(cu_chunk, cu, off_chunk.to(torch.int32), 2, r1 - r0)
 
 

@@ -338,14 +338,14 @@ def test_a_packed_graph_s_buckets_select_the_same_keys(rows, cu, rope_fp32):
     (graph_packing: cu_seqlens padded with empty sequences to a power-of-two count, the length
     bound rounded up) selects exactly the same keys and margins, eagerly on the CPU (torch
     scoring): the buckets change no pick."""
-    from dsa_precision.megatron.graphs import graph_packing
+    from dsa_precision.megatron.graphs import _graph_packing
 
     config = make_config(**FP8, dsa_indexer_rope_fp32=rope_fp32, dsa_indexer_cuda_graph=False)
     attn = make_attention(config)
     inp = attention_inputs(sq=rows, b=1, packed=True)
     psp = packed_params(cu)
     layout = attn.rank_layout(inp["query"], inp["x"], psp)
-    padded, bound = graph_packing(layout, rows, torch.device("cpu"))
+    padded, bound = _graph_packing(layout, rows, torch.device("cpu"))
     n = len(cu)
     assert padded.numel() == max(2, 1 << (n - 1).bit_length()) and padded.dtype == torch.int32
     assert padded[:n].tolist() == cu and set(padded[n:].tolist()) <= {cu[-1]}

@@ -214,38 +214,38 @@ def used() -> Used:
 
 
 def test_compat_lists_every_megatron_name_the_package_uses(used):
-    assert {p for p in used.paths if not p.startswith(BRIDGE)} == set(compat.CALLS)
-    assert {p for p in used.paths if p.startswith(BRIDGE)} == set(compat.BRIDGE_CALLS)
+    assert {p for p in used.paths if not p.startswith(BRIDGE)} == set(compat._CALLS)
+    assert {p for p in used.paths if p.startswith(BRIDGE)} == set(compat._BRIDGE_CALLS)
 
 
-@pytest.mark.parametrize("path", sorted(compat.CALLS) + sorted(compat.BRIDGE_CALLS))
+@pytest.mark.parametrize("path", sorted(compat._CALLS) + sorted(compat._BRIDGE_CALLS))
 def test_compat_lists_each_call_shape(used, path):
-    listed = compat.CALLS.get(path, compat.BRIDGE_CALLS.get(path))
+    listed = compat._CALLS.get(path, compat._BRIDGE_CALLS.get(path))
     assert used.paths[path] == set(listed), path
 
 
 def test_compat_lists_the_methods_overridden_or_called(used):
     assert {p: sorted(m) for p, m in used.methods.items()} == {
-        p: sorted(m) for p, m in {**compat.METHODS, **compat.BRIDGE_METHODS}.items()
+        p: sorted(m) for p, m in {**compat._METHODS, **compat._BRIDGE_METHODS}.items()
     }
 
 
 def test_compat_lists_the_instance_attributes_read(used):
     assert {c: sorted(a) for c, a in used.instance.items()} == {
-        c: sorted(a) for c, a in compat.INSTANCE_ATTRIBUTES.items()
+        c: sorted(a) for c, a in compat._INSTANCE_ATTRIBUTES.items()
     }
     assert {k: sorted(v) for k, v in used.attributes_of.items()} == {
-        k: sorted(v) for k, v in compat.ATTRIBUTES_OF.items()
+        k: sorted(v) for k, v in compat._ATTRIBUTES_OF.items()
     }
-    for (cls, attr), names in compat.ATTRIBUTES_OF.items():
+    for (cls, attr), names in compat._ATTRIBUTES_OF.items():
         for name, calls in names.items():
             assert used.calls_of[(cls, attr, name)] == set(calls)
-    assert used.process_groups == set(compat.PROCESS_GROUP_FIELDS)
+    assert used.process_groups == set(compat._PROCESS_GROUP_FIELDS)
 
 
 def test_compat_lists_the_fields_read(used):
-    assert used.packed == set(compat.PACKED_SEQ_FIELDS)
-    assert used.config == set(compat.CONFIG_FIELDS)
+    assert used.packed == set(compat._PACKED_SEQ_FIELDS)
+    assert used.config == set(compat._CONFIG_FIELDS)
 
 
 # ------------------------------------------------------------------------------- the check
@@ -264,7 +264,7 @@ def test_surface_check_names_the_version_and_every_change(monkeypatch):
     monkeypatch.setattr(dsa_layout, "ensure_sbhd", lambda tensor: tensor)
     monkeypatch.delattr(dsa_layout, "get_packed_qk_cu_seqlens")
     with pytest.raises(ImportError) as err:
-        compat.check_megatron_core()
+        compat._check_megatron_core()
     text = str(err.value)
     assert "megatron-core 0.21.0rc0" in text and "0.19.2" in text
     assert "DSAttention._get_index_share_topk_holder is missing" in text
@@ -291,8 +291,8 @@ def test_a_built_layer_without_an_attribute_names_it(monkeypatch):
 
 def test_built_layers_pass_the_instance_check():
     attn = make_attention(make_config(dsa_indexer_scoring_precision="fp8"))
-    compat.check_built(attn, "DSAttention")
-    compat.check_built(attn.indexer, "DSAIndexer")
+    compat._check_built(attn, "DSAttention")
+    compat._check_built(attn.indexer, "DSAIndexer")
     sig = inspect.signature(attn.indexer.rotary_pos_emb.get_rotary_seq_len)
     assert len(sig.parameters) >= 5
 
@@ -304,7 +304,7 @@ def test_import_fails_loudly_without_the_surface(monkeypatch):
     monkeypatch.delattr(package, "dsa")
     monkeypatch.setitem(sys.modules, package.__name__ + ".dsa", None)
     with pytest.raises(ImportError, match=r"(?s)dsa.DSAIndexer is missing.*megatron-core==0\.19"):
-        compat.check_megatron_core()
+        compat._check_megatron_core()
 
 
 # ------------------------------------------------------------------------- Megatron-Bridge
@@ -326,19 +326,19 @@ def test_the_bridge_module_says_what_it_needs_where_bridge_does_not_import(monke
 def test_the_bridge_surface_names_a_missing_name(monkeypatch):
     """A Megatron-Bridge without a listed name: the check names it, the version and the fix (a
     name of megatron-core stands in for the Bridge's, which does not import without TE)."""
-    monkeypatch.setattr(compat, "BRIDGE_CALLS", {"megatron.core.models.backends.NoSuch": ()})
+    monkeypatch.setattr(compat, "_BRIDGE_CALLS", {"megatron.core.models.backends.NoSuch": ()})
     real = compat.importlib.import_module
     monkeypatch.setattr(  # "megatron.bridge imports"
         compat.importlib,
         "import_module",
         lambda name: None if name == "megatron.bridge" else real(name),
     )
-    monkeypatch.setattr(compat, "megatron_bridge_version", lambda: "9.9")
+    monkeypatch.setattr(compat, "_megatron_bridge_version", lambda: "9.9")
     with pytest.raises(
         ImportError,
         match=r"(?s)installed 9\.9.*backends\.NoSuch is missing.*megatron-bridge==0\.6\.2",
     ):
-        compat.check_megatron_bridge()
+        compat._check_megatron_bridge()
 
 
 @pytest.mark.skipif(

@@ -51,7 +51,7 @@ def test_forward_before_topk_per_configuration(name):
 def test_fp32_weights_engine_folds_the_float32_weights_projection():
     """sglang-unfused's weights GEMM outputs FP32: the folded FP8 weights come from the float32
     product of linear_weights_proj, not from its BF16 output."""
-    from dsa_precision.prepare import fold_head_weights
+    from dsa_precision.prepare import _fold_head_weights
 
     config = make_config(
         dsa_indexer_rope_fp32=True, dsa_indexer_scoring_precision="fp8",
@@ -65,9 +65,9 @@ def test_fp32_weights_engine_folds_the_float32_weights_projection():
     w32 = torch.nn.functional.linear(x.float(), indexer.linear_weights_proj.weight.float())
     bf16, _ = indexer.linear_weights_proj(x)
     fold = dict(n_heads=32, head_dim=128)
-    want = fold_head_weights(w32.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
+    want = _fold_head_weights(w32.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
     assert torch.equal(ops.weights, want)
-    from_bf16 = fold_head_weights(bf16.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
+    from_bf16 = _fold_head_weights(bf16.transpose(0, 1), ops.q_descale, engine.weights_fold, **fold)
     assert not torch.equal(ops.weights, from_bf16)
 
 

@@ -85,17 +85,17 @@ def test_every_layout_tilelang_declines_is_named_at_once():
 
 
 def test_the_layout_rules_read_the_config():
-    """:func:`tilelang_problems` on a config built with the backend off, then asked about it."""
+    """:func:`_tilelang_problems` on a config built with the backend off, then asked about it."""
     import dataclasses
     import types
 
     config = make_config(**{**TILELANG_LAYOUT, "dsa_kernel_backend": "none"}, **FP8)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     asked = types.SimpleNamespace(**{**fields, "dsa_kernel_backend": "tilelang"})
-    (only,) = kernel_backend.tilelang_problems(asked)  # the layout runs; CUDA is what is missing
+    (only,) = kernel_backend._tilelang_problems(asked)  # the layout runs; CUDA is what is missing
     assert only.startswith("dsa_kernel_backend='tilelang'")
     asked.qk_pos_emb_head_dim, asked.params_dtype = 32, torch.float32
-    problems = kernel_backend.tilelang_problems(asked)
+    problems = kernel_backend._tilelang_problems(asked)
     assert [p.split("=", 1)[0] for p in problems[1:]] == ["qk_pos_emb_head_dim", "params_dtype"]
 
 
@@ -111,7 +111,7 @@ def test_head_rule_is_megatrons():
 
     for heads in range(1, 300):
         megatron = tilelang_dsa._is_supported_sparse_mla_head_count(max(heads, 16), kv_group=1)
-        assert kernel_backend.sparse_mla_heads_supported(heads) == megatron, heads
+        assert kernel_backend._sparse_mla_heads_supported(heads) == megatron, heads
 
 
 def test_layout_rules_are_the_ones_megatrons_hook_declines():
@@ -119,12 +119,12 @@ def test_layout_rules_are_the_ones_megatrons_hook_declines():
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
     source = inspect.getsource(tilelang_dsa.fused_sparse_mla_absorbed)
-    lanes = kernel_backend.SPARSE_MLA_LATENT + kernel_backend.SPARSE_MLA_ROPE
+    lanes = kernel_backend._SPARSE_MLA_LATENT + kernel_backend._SPARSE_MLA_ROPE
     for rule in (
         "if not _all_bfloat16(query, key):",
-        f"if query.size(-1) != {lanes} or v_channels != {kernel_backend.SPARSE_MLA_LATENT}:",
-        f"kernel_heads = max(query_heads, {kernel_backend.SPARSE_MLA_MIN_HEADS})",
-        f"if topk_indices.size(-1) % {kernel_backend.SPARSE_MLA_TOPK_BLOCK} != 0:",
+        f"if query.size(-1) != {lanes} or v_channels != {kernel_backend._SPARSE_MLA_LATENT}:",
+        f"kernel_heads = max(query_heads, {kernel_backend._SPARSE_MLA_MIN_HEADS})",
+        f"if topk_indices.size(-1) % {kernel_backend._SPARSE_MLA_TOPK_BLOCK} != 0:",
     ):
         assert rule in source, rule
     from megatron.core.transformer.experimental_attention_variant import dsa_kernels
@@ -135,15 +135,15 @@ def test_layout_rules_are_the_ones_megatrons_hook_declines():
 def test_picks_narrower_than_the_top_k_are_padded_with_minus_one():
     query = torch.zeros(3, 1, 16, 576, dtype=torch.bfloat16)
     picks = torch.tensor([[[0, -1], [0, 1], [1, 2]]], dtype=torch.int32)
-    padded = kernel_backend.tilelang_picks(picks, 64, query, layer_number=1)
+    padded = kernel_backend._tilelang_picks(picks, 64, query, layer_number=1)
     assert padded.shape == (1, 3, 64) and padded.dtype == torch.int32
     assert torch.equal(padded[..., :2], picks) and bool((padded[..., 2:] == -1).all())
     full = torch.zeros(1, 3, 64, dtype=torch.int32)
-    assert kernel_backend.tilelang_picks(full, 64, query, layer_number=1) is full
+    assert kernel_backend._tilelang_picks(full, 64, query, layer_number=1) is full
 
 
 def test_a_query_tilelang_declines_raises_naming_the_layer():
     query = torch.zeros(3, 1, 16, 576, dtype=torch.float32)
     picks = torch.zeros(1, 3, 64, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"DSA layer 2: dsa_kernel_backend='tilelang' .*float32"):
-        kernel_backend.tilelang_picks(picks, 64, query, layer_number=2)
+        kernel_backend._tilelang_picks(picks, 64, query, layer_number=2)

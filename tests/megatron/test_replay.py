@@ -226,7 +226,7 @@ def test_host_picks_are_range_checked_in_their_own_dtype_always(value):
 
 @pytest.fixture
 def validation_switch(monkeypatch):
-    monkeypatch.delenv(dsap.replay.VALIDATE_ENV, raising=False)
+    monkeypatch.delenv(dsap.replay._VALIDATE_ENV, raising=False)
     yield monkeypatch
     dsap.set_replay_validation(None)
 
@@ -234,21 +234,21 @@ def validation_switch(monkeypatch):
 @pytest.mark.parametrize("picks, match", DATA_ERRORS)
 def test_data_checks_are_a_debug_opt_in(validation_switch, picks, match):
     with dsap.engine_topk({1: picks}, seq_len=SEQ):  # the step: no data check
-        assert not dsap.replay.current_handed_in().validate
+        assert not dsap.replay._current_handed_in().validate
     for switch_on in (
         lambda: None,  # validate=True below
         lambda: dsap.set_replay_validation(True),
-        lambda: validation_switch.setenv(dsap.replay.VALIDATE_ENV, "1"),
+        lambda: validation_switch.setenv(dsap.replay._VALIDATE_ENV, "1"),
     ):
         dsap.set_replay_validation(None)
         switch_on()
-        explicit = {} if dsap.replay.replay_validation_enabled() else dict(validate=True)
+        explicit = {} if dsap.replay._replay_validation_enabled() else dict(validate=True)
         with pytest.raises(ValueError, match=match):
             with dsap.engine_topk({1: picks}, seq_len=SEQ, **explicit):
                 pass
     dsap.set_replay_validation(False)  # beats the environment
     with dsap.engine_topk({1: picks}, seq_len=SEQ):
-        assert not dsap.replay.current_handed_in().validate
+        assert not dsap.replay._current_handed_in().validate
     with pytest.raises(TypeError, match=r"set_replay_validation\(enabled='yes'\)"):
         dsap.set_replay_validation("yes")
 
@@ -366,7 +366,7 @@ def test_every_row_in_order_is_the_picks_themselves_copied():
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(-1, SEQ, (2 * SEQ, 3), generator=g)  # int64 picks, 3 of topk 4
     with dsap.engine_topk({1: idx}, seq_len=SEQ):
-        engine = dsap.replay.current_handed_in()
+        engine = dsap.replay._current_handed_in()
         own = TokenLayout(seq_len=SEQ)
         fast = engine.rows(1, None, 2, 4, own, device=torch.device("cpu"))
         by_position = engine.rows(1, torch.arange(SEQ), 2, 4, own)
@@ -379,7 +379,7 @@ def test_every_row_in_order_is_the_picks_themselves_copied():
         assert torch.equal(engine.rows(1, None, 2, 3, own, device=torch.device("cpu")),
                            idx.view(2, SEQ, 3).to(torch.int32))  # fmt: skip
     with dsap.engine_topk({1: idx.to(torch.int32)}, cu_seqlens=torch.tensor([0, 32])):
-        packed = dsap.replay.current_handed_in()
+        packed = dsap.replay._current_handed_in()
         with pytest.raises(ValueError, match="positions=None"):
             packed.rows(1, None, 1, 4, TokenLayout(cu_seqlens=torch.tensor([0, 32])),
                         device=torch.device("cpu"))  # fmt: skip

@@ -105,6 +105,6 @@ class FakeMqaLogits:
 
 
 def install(monkeypatch, fn, name="deep_gemm.fp8_fp4_mqa_logits", clean=True, module=None):
-    entry = deepgemm_backend.EntryPoint(fn, name, fn.q_pair, clean, module)
+    entry = deepgemm_backend._EntryPoint(fn, name, fn.q_pair, clean, module)
     monkeypatch.setattr(deepgemm_backend, "_import", lambda: (entry, None))
-    monkeypatch.setattr(deepgemm_backend, "mqa_logits_unsupported_reason", lambda **kw: None)
+    monkeypatch.setattr(deepgemm_backend, "_mqa_logits_unsupported_reason", lambda **kw: None)

@@ -21,17 +21,17 @@ from typing import Any, cast
 import torch
 
 from dsa_precision.checks import (
-    INT32_MAX,
-    check_positive_int,
-    check_real,
-    check_same_device,
-    check_tensor,
-    takes_precision_config,
+    _INT32_MAX,
+    _check_positive_int,
+    _check_real,
+    _check_same_device,
+    _check_tensor,
+    _takes_precision_config,
 )
 from dsa_precision.config import (
     IndexerPrecisionConfig,
-    check_precision_config,
-    fp8_indexer_loss_error,
+    _check_precision_config,
+    _fp8_indexer_loss_error,
 )
 from dsa_precision.select import indexer_select
 
@@ -149,7 +149,7 @@ class FusedIndexerSparseAttnFunc(torch.autograd.Function):
         )
 
 
-@takes_precision_config
+@_takes_precision_config
 def fused_indexer_sparse_attention(
     query: torch.Tensor,
     kv: torch.Tensor,
@@ -173,13 +173,13 @@ def fused_indexer_sparse_attention(
     Returns ``(out (S_q, B, N, d_v), indexer_loss (), topk_indices (B, S_q, K) int32)``.
     The indexer KL loss needs BF16 scoring: FP8 with ``loss_coeff > 0`` raises.
     """
-    config = check_precision_config(config)
+    config = _check_precision_config(config)
     tensors = dict(query=query, kv=kv, q_indexer=q_indexer, k_indexer=k_indexer, weights=weights)
-    check_same_device(**{name: check_tensor(name, t) for name, t in tensors.items()})
-    topk = check_positive_int("topk", topk, high=INT32_MAX)
-    d_v = check_positive_int("d_v", d_v)
-    softmax_scale = check_real("softmax_scale", softmax_scale)
-    loss_coeff = check_real("loss_coeff", loss_coeff, nonnegative=True)
+    _check_same_device(**{name: _check_tensor(name, t) for name, t in tensors.items()})
+    topk = _check_positive_int("topk", topk, high=_INT32_MAX)
+    d_v = _check_positive_int("d_v", d_v)
+    softmax_scale = _check_real("softmax_scale", softmax_scale)
+    loss_coeff = _check_real("loss_coeff", loss_coeff, nonnegative=True)
     if query.ndim != 4 or kv.ndim != 3 or q_indexer.ndim != 4 or k_indexer.ndim != 3:
         raise ValueError(
             "expected query (S_q, B, N, D), kv (S_k, B, D), q_indexer (S_q, B, H, 128) and "
@@ -205,7 +205,7 @@ def fused_indexer_sparse_attention(
             "must not exceed it (values are kv's first d_v channels)."
         )
     if loss_coeff > 0 and config.fp8:
-        raise ValueError(fp8_indexer_loss_error("loss_coeff", loss_coeff) + ".")
+        raise ValueError(_fp8_indexer_loss_error("loss_coeff", loss_coeff) + ".")
     if loss_coeff > 0 and indexer_loss_fn is None:
         raise ValueError(f"loss_coeff={loss_coeff} needs an indexer_loss_fn.")
     if not torch.is_grad_enabled():

@@ -230,5 +230,5 @@ def indexer_projections(s=6, b=2, h=32, rope_fp32=True, dtype=torch.bfloat16):
 
 # GPU tests of the DeepGEMM paths: skipped, with the import errors, where it does not import.
 needs_deepgemm = pytest.mark.skipif(
-    not _deepgemm.deepgemm_available(), reason=str(_deepgemm.unavailable_reason())
+    not _deepgemm._deepgemm_available(), reason=str(_deepgemm._unavailable_reason())
 )

@@ -30,11 +30,11 @@ import torch
 
 from dsa_precision.backends import cudnn
 from dsa_precision.checks import (
-    check_int_tensor,
-    check_positive_int,
-    check_real,
-    check_same_device,
-    check_tensor,
+    _check_int_tensor,
+    _check_positive_int,
+    _check_real,
+    _check_same_device,
+    _check_tensor,
 )
 
 __all__ = ["SparseMLAAttentionFunc", "sparse_backward", "sparse_forward", "sparse_mla_attention"]
@@ -187,7 +187,7 @@ def _cudnn_backward(
     length = (idx >= 0).sum(-1).to(torch.int32)
     rows = torch.nonzero(length > 0).flatten()
     sink = torch.full((heads,), float("-inf"), dtype=torch.float32, device=q.device)
-    with cudnn.device_scope(q.device):
+    with cudnn._device_scope(q.device):
         res = cudnn.dsa().sparse_attention_backward_wrapper(
             _pad_heads(q, heads).index_select(0, rows).contiguous(),
             kv.contiguous(),
@@ -265,16 +265,16 @@ def sparse_mla_attention(
     a selected key gives every row that selected it NaN; a padding slot reads no key.
     """
     for name, t in (("q", q), ("kv", kv), ("idx", idx)):
-        check_tensor(name, t)
+        _check_tensor(name, t)
     if q.ndim != 3 or kv.ndim != 2 or idx.ndim != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(
             "expected q (T, H, D), kv (T_k, D) and idx (T, K); got "
             f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, idx {tuple(idx.shape)}."
         )
-    check_int_tensor("idx", idx, ndim=2)
-    check_same_device(q=q, kv=kv, idx=idx)
-    d_v = check_positive_int("d_v", d_v)
-    softmax_scale = check_real("softmax_scale", softmax_scale)
+    _check_int_tensor("idx", idx, ndim=2)
+    _check_same_device(q=q, kv=kv, idx=idx)
+    d_v = _check_positive_int("d_v", d_v)
+    softmax_scale = _check_real("softmax_scale", softmax_scale)
     if kv.shape[-1] != q.shape[-1] or not 0 < d_v <= kv.shape[-1]:
         raise ValueError(
             f"q and kv widths must match ({q.shape[-1]} vs {kv.shape[-1]}) and 0 < d_v <= width; "
