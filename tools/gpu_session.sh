@@ -11,6 +11,7 @@ TORCH213_WHEELS="torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl \
 OUT=${OUT:-gpu-out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
+LOGS=$(cd "$LOGS" && pwd)  # absolute: a step may run from another folder
 export DSA_PRECISION_REPORT=$LOGS/gpu_report.jsonl
 # The engines' files (docs/gpu-validation.md): vLLM 0.33 / LMDeploy / SGLang, and vLLM 0.28.0's
 # files at the same paths in a root of their own (picked by their hashes).
@@ -195,6 +196,10 @@ print(', '.join(m))" "$kb" 2> /dev/null || echo "megatron-core does not import")
         -p no:cacheprovider tests -k "${step#tests-}" ;;
     bench)  # S 8192 16384, H 32 64: package beside the raw kernels, both backends
       bench_step bench 600 ${BENCH_ARGS:-} ;;
+    bench-before)  # issue 51: the same `bench` (BENCH_ARGS) from the package as it was before the
+      # restructure (.before/, from `git archive 651c40b dsa_precision`), run from inside .before/
+      # so that its copy is the one imported; run `bench` in the same call to compare
+      ( cd .before && bench_step bench_before 600 ${BENCH_ARGS:-} ) ;;
     bench-long)  # S 32768 65536 131072, chunked select (about 2-3 minutes on an H200)
       bench_step bench_long 600 --long ${BENCH_ARGS:-} ;;
     bench-split)  # FP8 time split at S 16384 65536: score traffic share, fused-kernel decision
