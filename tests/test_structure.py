@@ -143,6 +143,31 @@ def test_code_outside_the_package_uses_only_its_public_names(folder):
     assert not problems, problems
 
 
+def _outside_sources() -> list[pathlib.Path]:
+    """The code beside the package: the engine oracles, tools and examples (their shell scripts
+    too, whose embedded Python imports from the package)."""
+    return [
+        p for folder in ("conformance", "tools", "examples") for pattern in ("*.py", "*.sh")
+        for p in sorted((ROOT / folder).rglob(pattern))
+    ]  # fmt: skip
+
+
+def test_shell_scripts_import_only_public_names():
+    """``tools/gpu_session.sh`` runs Python that imports from the package: public names only."""
+    problems = []
+    for path in _outside_sources():
+        if path.suffix != ".sh":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            found = re.search(r"from (dsa_precision[\w.]*) import ([\w, ]+)", line)
+            if found and (
+                any(_private(p) for p in found.group(1).split("."))
+                or any(_private(n.strip()) for n in found.group(2).split(","))
+            ):
+                problems.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not problems, problems
+
+
 def _export_lists(subpackages: bool) -> list[tuple[str, list[str]]]:
     """``(module, names of its __all__)`` of every package module that has one (with
     ``subpackages``: the ``__init__`` modules too)."""
@@ -220,10 +245,7 @@ def _public_api() -> set[tuple[str, str]]:
     ``dsa_precision.capture``, ``dsa_precision.megatron``), the names the engine oracles, tools
     or examples read, and the types these mention in their signatures and fields (a user holds
     what the API returns and builds what it takes), followed through the modules they come from."""
-    outside = "\n".join(
-        p.read_text() for folder in ("conformance", "tools", "examples")
-        for p in sorted((ROOT / folder).rglob("*.py"))
-    )  # fmt: skip
+    outside = "\n".join(p.read_text() for p in _outside_sources())
     trees = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
     defs = {m: _top_level(t) for m, t in trees.items()}
     sources: dict[str, dict[str, str]] = {}  # module -> local name -> module it imports it from

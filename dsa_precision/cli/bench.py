@@ -51,7 +51,7 @@ from .bench_config import (
     _BenchConfig,
     thd_lengths,
 )
-from .bench_tables import _format_tables
+from .bench_tables import format_tables
 
 if TYPE_CHECKING:
     from ..operands import ScoringOperands
@@ -942,7 +942,7 @@ def _measure_megatron(cfg: _BenchConfig, timer: Timer, work: _Workload) -> dict[
 def _run_bench(
     cfg: _BenchConfig, on_profile: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Measure every ``(S, H)`` of ``cfg``; the report :func:`_format_tables` prints.
+    """Measure every ``(S, H)`` of ``cfg``; the report :func:`format_tables` prints.
     ``on_profile`` gets the report so far after each profile (default, long, split, thd)."""
     _check_environment(cfg)
     from importlib import metadata
@@ -1023,11 +1023,11 @@ def _main(args: argparse.Namespace) -> int:
     # With --json the tables of each finished profile go to stderr as it ends, so a run cut
     # short by a time limit still leaves its first profiles in the log.
     partial = (
-        (lambda r: print(_format_tables(r), file=sys.stderr, flush=True)) if args.json else None
+        (lambda r: print(format_tables(r), file=sys.stderr, flush=True)) if args.json else None
     )
     report = _run_bench(cfg, partial)
     if args.json:
         print_json(report)
     else:
-        print(_format_tables(report))
+        print(format_tables(report))
     return 0

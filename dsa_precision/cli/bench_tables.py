@@ -1,4 +1,4 @@
-"""The tables of a ``bench`` report (:func:`_format_tables`): the package beside the raw kernels
+"""The tables of a ``bench`` report (:func:`format_tables`): the package beside the raw kernels
 it wraps, as ratios, then end to end, long context, the FP8 time split and packed sequences."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from .bench_config import _FUSED_THRESHOLD, _HEAD_DIM, _MEGATRON_BACKENDS
 
-__all__ = []
+__all__ = ["format_tables"]
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -297,7 +297,7 @@ def _megatron_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _format_tables(report: dict[str, Any]) -> str:
+def format_tables(report: dict[str, Any]) -> str:
     """The human-readable tables of a :func:`_run_bench` report (times in ms)."""
     cfg = report["config"]
     rows = report.get("results", [])

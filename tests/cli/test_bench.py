@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from dsa_precision.cli.bench import _format_tables
+from dsa_precision.cli.bench import format_tables
 
 
 def _cli(*args):
@@ -82,7 +82,7 @@ def test_table_layout():
         "config": dict(batch=1, topk=2048, reps=20, rope_fp32=True, hadamard=True),
         "results": [_result(16384, False), _result(65536, True)],
     }
-    lines = _format_tables(report).splitlines()
+    lines = format_tables(report).splitlines()
     assert lines[0].startswith("NVIDIA H200: B=1 D=128 causal, top-k 2048")
     # The default path first: the backend 'auto' took and its FP8 time.
     assert lines[2].startswith("the default path (backend='auto')")
@@ -154,7 +154,7 @@ def test_thd_tables_put_the_default_backend_first():
         ),
         "thd": [_thd_row(8192, False), _thd_row(65536, True)],
     }
-    lines = _format_tables(report).splitlines()
+    lines = format_tables(report).splitlines()
     select = lines.index(next(x for x in lines if x.startswith("packed THD, FP8: indexer_select")))
     assert "default path (backend='auto') first" in lines[select]
     header = lines[select + 1].split("|")

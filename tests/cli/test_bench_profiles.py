@@ -70,7 +70,7 @@ def test_default_profile_times_both_backends_beside_their_kernels(cpu_bench):
     # the raw DeepGEMM calls: compressed uncleaned (the select's input) and cleaned full scores
     raw = [c for c in dg.calls if c["q"].shape[0] == 256]
     assert {(c["max_seqlen_k"], c["clean_logits"]) for c in raw} >= {(256, False), (0, True)}
-    text = bench._format_tables(report)
+    text = bench.format_tables(report)
     assert "dg raw" in text and "dg fp8" in text and "long context" not in text
     assert "host us per call" in text
 
@@ -92,7 +92,7 @@ def test_long_profile_times_the_chunked_kernels(cpu_bench):
     assert len(dsa.forward_calls) % 8 == 0
     assert all(c["q"].shape[1] == 64 for c in dsa.forward_calls)
     assert r["bound_fp8_dg"] == 1.0 and r["of_bound_fp8"] == 1.0
-    assert "long context" in bench._format_tables(report)
+    assert "long context" in bench.format_tables(report)
 
 
 def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
@@ -110,7 +110,7 @@ def test_split_profile_reports_the_traffic_share_and_the_decision(cpu_bench):
         assert x["traffic_share"] > bench._FUSED_THRESHOLD and x["build_fused"]
     assert r["cudnn"]["written_gib"] == 256 * 256 * 4 / 2**30  # -inf included
     assert r["deepgemm"]["written_gib"] == r["deepgemm"]["read_gib"]  # the windows only
-    text = bench._format_tables(report)
+    text = bench.format_tables(report)
     assert "time split" in text and "yes" in text
 
 
@@ -123,7 +123,7 @@ def _parse(*argv):
 def test_profiles_are_separate_flags(monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "_run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
-    monkeypatch.setattr(bench, "_format_tables", lambda report: "")
+    monkeypatch.setattr(bench, "format_tables", lambda report: "")
     runs = ((), ("--long",), ("--split", "--split-seq", "4096"), ("--long-seq", "32768"),
             ("--seq", "8192", "--long", "--split"), ("--thd",), ("--thd", "--long"),
             ("--thd-seq", "4096", "--thd-weights", "1", "2"),
@@ -184,7 +184,7 @@ def test_thd_profile_times_both_backends_beside_their_raw_kernels(cpu_bench):
     # The chunk of rows [128, 192): sequence 1 (rows 120-149) cut at its row 8, sequence 2 from 0.
     cut = [c for c in thd if c["cu_seqlens_q"].tolist() == [0, 0, 22, 64, 64]]
     assert len(cut) >= 2 and all(c["offsets"] == [128, 8, 0, 0] for c in cut)  # raw and package
-    text = bench._format_tables(report)
+    text = bench.format_tables(report)
     assert "packed THD" in text and "T=300: 120, 30, 90, 60" in text
 
 
@@ -195,7 +195,7 @@ def test_thd_profile_at_long_sizes_times_selection_only(cpu_bench):
     assert r["chunked"] and r["check"] is None and "host_us" not in r
     assert set(r["times_ms"]) == {"raw_select_dg", "select_dg", "raw_select_cudnn", "select_cudnn"}
     assert all(c["max_seqlen_k"] == 120 for c in dg.calls)  # no cleaned (T, T) logits
-    text = bench._format_tables(report)
+    text = bench.format_tables(report)
     assert "indexer_select_varlen" in text and "indexer_scores_varlen" not in text
 
 
@@ -234,7 +234,7 @@ def test_megatron_profile_runs_megatrons_pytorch_indexer_beside_the_package(cpu_
     assert tilelang == {"skipped": "dsa_kernel_backend='tilelang' needs a CUDA device"}
     assert set(r["times_ms"]) == {"prep_bf16", "select_fp8", "e2e_fp8", "select_fp8_dg",
                                   "e2e_fp8_dg"}  # fmt: skip
-    text = bench._format_tables(report)
+    text = bench.format_tables(report)
     assert "Megatron's indexer top-k per dsa_kernel_backend" in text
     assert "skipped tilelang: dsa_kernel_backend='tilelang' needs a CUDA device" in text
 
@@ -242,7 +242,7 @@ def test_megatron_profile_runs_megatrons_pytorch_indexer_beside_the_package(cpu_
 def test_megatron_profile_is_its_own_flag(monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "_run_bench", lambda cfg, on_profile: seen.append(cfg) or {})
-    monkeypatch.setattr(bench, "_format_tables", lambda report: "")
+    monkeypatch.setattr(bench, "format_tables", lambda report: "")
     for argv in (("--megatron",), ("--megatron-seq", "4096", "--seq", "8192")):
         bench._main(_parse(*argv))
     alone, both = seen
