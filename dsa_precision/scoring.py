@@ -30,6 +30,7 @@ import warnings
 from typing import Literal, TypedDict, Unpack, cast, overload
 
 import torch
+from typing_extensions import deprecated
 
 from .audit import _record_scoring_call
 from .backends import cudnn, deepgemm
@@ -375,6 +376,9 @@ def indexer_scores(
     clean: Literal[True] = True,
 ) -> torch.Tensor: ...
 @overload
+@deprecated(
+    "indexer_scores(..., clean=False) is deprecated: call indexer_window_scores(operands, ...)"
+)
 def indexer_scores(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -389,21 +393,6 @@ def indexer_scores(
     validate: bool = False,
     clean: Literal[False],
 ) -> WindowScores: ...
-@overload
-def indexer_scores(
-    q: torch.Tensor | ScoringOperands,
-    k: torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    *,
-    config: IndexerPrecisionConfig | None = None,
-    sm_scale: float = 1.0,
-    ratio: int = 1,
-    q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend | None = None,
-    out: torch.Tensor | None = None,
-    validate: bool = False,
-    clean: bool = True,
-) -> torch.Tensor | WindowScores: ...
 @_takes_precision_config
 def indexer_scores(
     q: torch.Tensor | ScoringOperands,
@@ -577,6 +566,9 @@ def indexer_scores_varlen(
     clean: Literal[True] = True,
 ) -> torch.Tensor: ...
 @overload
+@deprecated(
+    "indexer_scores_varlen(..., clean=False) is deprecated: call indexer_window_scores_varlen(operands, ...)"
+)
 def indexer_scores_varlen(
     q: torch.Tensor | ScoringOperands,
     k: torch.Tensor | None = None,
@@ -595,25 +587,6 @@ def indexer_scores_varlen(
     validate: bool = False,
     clean: Literal[False],
 ) -> WindowScores: ...
-@overload
-def indexer_scores_varlen(
-    q: torch.Tensor | ScoringOperands,
-    k: torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    config: IndexerPrecisionConfig | None = None,
-    sm_scale: float = 1.0,
-    ratio: int = 1,
-    q_causal_offsets: torch.Tensor | int | None = None,
-    backend: Backend | None = None,
-    out: torch.Tensor | None = None,
-    validate: bool = False,
-    clean: bool = True,
-) -> torch.Tensor | WindowScores: ...
 @_takes_precision_config
 def indexer_scores_varlen(
     q: torch.Tensor | ScoringOperands,
