@@ -85,6 +85,8 @@ def test_the_digest_and_count_kernels_give_the_cpu_bits():
     lengths = torch.randint(1, width + 1, (rows,), generator=g, dtype=torch.int32)
     picks = indexer_topk(logits, k, seq_lens=lengths)
     picks[::5, -3:] = -1  # fewer picks than k: not a top-k where more keys are visible
+    twice = torch.arange(3, rows, 11)
+    picks[twice, 1] = picks[twice, 0]  # a key twice (LMDeploy's bitonic top-k)
     for dtype in (torch.int16, torch.int32, torch.int64):
         p = picks.to(dtype)
         assert torch.equal(digest_rows(p.cuda()).cpu(), digest_rows(p))
@@ -92,6 +94,26 @@ def test_the_digest_and_count_kernels_give_the_cpu_bits():
     on_cpu = engine_tie_rows(logits, picks, lengths)
     assert torch.equal(on_gpu.rows.cpu(), on_cpu.rows) and on_cpu.rows.numel() > 0
     assert torch.equal(on_gpu.digests.cpu(), on_cpu.digests)
+    held_twice = twice[picks[twice, 0] >= 0]
+    assert set(held_twice.tolist()) <= set(on_gpu.rows.tolist()) and held_twice.numel() > 0
+
+
+def test_the_tie_kernel_sorts_a_row_of_2048_picks():
+    """The engines' top-k 2048 (the kernel's in-register sort at full size): a key twice is
+    sent, a top-k with its padding is not, as on the CPU."""
+    g = torch.Generator().manual_seed(1)
+    rows, width, k = 64, 8192, 2048
+    logits = torch.randn(rows, width, generator=g)
+    lengths = torch.full((rows,), width, dtype=torch.int32)
+    picks = indexer_topk(logits, k, seq_lens=lengths).to(torch.int32)
+    picks[1::4, -5:] = -1  # padding at the end of the row
+    picks[2::4, 7] = picks[2::4, 1500]  # a key twice
+    picks[3::4, 9] = -1  # padding inside the row, where the key it replaces scores high
+    on_gpu = engine_tie_rows(logits.cuda(), picks.cuda(), lengths.cuda())
+    on_cpu = engine_tie_rows(logits, picks, lengths)
+    assert torch.equal(on_gpu.rows.cpu(), on_cpu.rows)
+    sent = set(on_cpu.rows.tolist())
+    assert set(range(2, rows, 4)) <= sent and not set(range(0, rows, 4)) & sent
 
 
 def _check_tie_replay(s, lengths, exact, tied, picks):
