@@ -272,24 +272,19 @@ def engine_tie_rows(
         raise ValueError("engine_tie_rows: logits, picks, lengths and starts must share a device.")
     if picks.dtype == torch.int64:  # the key range in the picks' own dtype, before any use
         _check_key_range("engine_tie_rows picks", picks)
-    # A set holding a key twice is no top-k even where its margin is positive (the other copy
-    # displaced the k-th key): sent too, so that it is never mistaken for training's own set.
-    one_pass = (
-        logits.is_cuda and _unit_columns(logits, picks) and triton_unavailable_reason() is None
-    )
-    if one_pass:  # Triton imported only here
-        from ..kernels.tie_rows import MAX_SORTED_PICKS, tie_rows
+    if logits.is_cuda and _unit_columns(logits, picks) and triton_unavailable_reason() is None:
+        from ..kernels.tie_rows import tie_rows  # one pass over each row's picks and window
 
-        one_pass = picks.shape[1] <= MAX_SORTED_PICKS
-    if one_pass:  # one pass over each row's picks (digest, smallest score, a key twice), window
         first = torch.zeros_like(lengths) if starts is None else starts
         digests, flags = tie_rows(
             logits, picks, first.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous()
         )
     else:
         margins = selection_margins(logits, picks, lengths, starts=starts)
-        digests = digest_rows(picks)
-        flags = (margins <= 0) | _repeats_a_key(picks)  # NaN margin: nothing left out
+        digests, flags = digest_rows(picks), margins <= 0  # NaN: nothing left out
+    # A set holding a key twice is no top-k even where its margin is positive (the other copy
+    # displaced the k-th key): sent too, so that it is never mistaken for training's own set.
+    flags = flags | _repeats_a_key(picks)
     sent = flags.nonzero().view(-1)  # the one synchronisation
     return TieRows(digests, sent, picks[sent].to(torch.int32))
 

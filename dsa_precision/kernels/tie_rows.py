@@ -6,10 +6,8 @@ score (the row's margin is not positive: a boundary tie, or a set that is no top
 per row reads the row's picks once -- the digest (as :mod:`.digest`), their count and the
 smallest of their scores, gathered from the row's logits -- then the row's window of logits
 once, counting the keys scoring at least that value: more of them than picks means the row is
-sent. A row whose picks hold a key twice is sent too (no top-k; LMDeploy's ``bitonic_topk`` on
-equal scores): the program sorts its picks once more, in registers, up to
-:data:`MAX_SORTED_PICKS` of them. The torch expression of the same makes a dozen passes over
-``(rows, k)`` int64 temporaries, a sort of the picks and four passes over the logits.
+sent. The torch expression of the same makes a dozen passes over ``(rows, k)`` int64
+temporaries and four over the logits.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ import triton.language as tl
 
 from .digest import _GOLDEN, _MIX1, _MIX2, _splitmix64
 
-__all__ = ["MAX_SORTED_PICKS", "tie_rows"]
+__all__ = ["tie_rows"]
 
-# The most picks per row the kernel sorts in registers (top-k 512, 1024, 2048 in the engines).
-MAX_SORTED_PICKS = 4096
 _BLOCK_PICKS = 1024
 _BLOCK_KEYS = 2048
 
@@ -44,7 +40,6 @@ def _tie_rows_kernel(
     M2,
     BLOCK_PICKS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
-    SORTED: tl.constexpr,
 ):
     row = tl.program_id(0)
     start = tl.load(start_ptr + row).to(tl.int64)
@@ -75,15 +70,7 @@ def _tie_rows_kernel(
         inside = cols < end
         v = tl.load(scores + cols, mask=inside, other=0.0).to(tl.float32)
         at_least += ((v >= kth) & inside).to(tl.int32)  # NaN compares False
-    # A key held twice: the picks sorted (padding and the slots past k replaced by distinct
-    # negatives), minus their slot, are non-decreasing exactly when the sorted picks strictly
-    # increase; sorting them again leaves them unchanged exactly then. No neighbour reads.
-    slots = tl.arange(0, SORTED)
-    key32 = tl.load(picks + slots, mask=slots < k, other=-1).to(tl.int32)
-    ordered = tl.sort(tl.where(key32 >= 0, key32, slots - SORTED))
-    shifted = ordered - slots
-    repeated = tl.sum((tl.sort(shifted) != shifted).to(tl.int32), axis=0) > 0
-    tl.store(sent_ptr + row, ((tl.sum(at_least, axis=0) > n) | repeated).to(tl.int8))
+    tl.store(sent_ptr + row, (tl.sum(at_least, axis=0) > n).to(tl.int8))
 
 
 def tie_rows(
@@ -96,25 +83,18 @@ def tie_rows(
     block_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(digests (rows,) int64, sent (rows,) bool)`` of one indexer call: each row's digest of
-    its picks (:func:`dsa_precision.capture.digest_rows`) and whether its margin is not positive
-    or its picks hold a key twice.
+    its picks (:func:`dsa_precision.capture.digest_rows`) and whether its margin is not positive.
 
     Args:
         logits: ``(rows, W)`` float32 / bfloat16 / float16, unit column stride.
         picks: ``(rows, k)`` int16/int32/int64 keys (``-1`` padding), unit column stride; key
             ``j`` of a row is column ``starts + j`` (keys below ``-1`` and past the row's window
             must have been refused by the caller).
-            At most :data:`MAX_SORTED_PICKS` columns.
         starts, lengths: ``(rows,)`` int32: each row's window of columns.
         block_picks, block_keys: loop steps (any gives the same result).
     """
     if logits.ndim != 2 or logits.stride(1) != 1 or picks.ndim != 2 or picks.stride(1) != 1:
         raise ValueError("logits (rows, W) and picks (rows, k) need unit column strides.")
-    if picks.shape[1] > MAX_SORTED_PICKS:
-        raise ValueError(
-            f"picks: {picks.shape[1]} per row, more than the {MAX_SORTED_PICKS} the kernel sorts; "
-            "take the torch path (dsa_precision.capture.engine_tie_rows does)."
-        )
     rows = logits.shape[0]
     for name, t in (("starts", starts), ("lengths", lengths)):
         if t.shape != (rows,) or t.dtype != torch.int32 or not t.is_contiguous():
@@ -125,6 +105,6 @@ def tie_rows(
         _tie_rows_kernel[(rows,)](
             logits, logits.stride(0), picks, picks.stride(0), picks.shape[1], starts, lengths,
             digests, sent, _GOLDEN, _MIX1, _MIX2, BLOCK_PICKS=block_picks or _BLOCK_PICKS,
-            BLOCK_KEYS=block_keys or _BLOCK_KEYS, SORTED=triton.next_power_of_2(max(picks.shape[1], 2)),
+            BLOCK_KEYS=block_keys or _BLOCK_KEYS,
         )  # fmt: skip
     return digests, sent.bool()
