@@ -99,8 +99,8 @@ def test_the_digest_and_count_kernels_give_the_cpu_bits():
 
 
 def test_the_tie_kernel_sorts_a_row_of_2048_picks():
-    """The engines' top-k 2048 (the kernel's in-register sort at full size): a key twice is
-    sent, a top-k with its padding is not, as on the CPU."""
+    """The engines' top-k 2048 on CUDA (the Triton pass and the sort of the picks) as on the
+    CPU: a row holding a key twice is sent, an exact top-k is not."""
     g = torch.Generator().manual_seed(1)
     rows, width, k = 64, 8192, 2048
     logits = torch.randn(rows, width, generator=g)
