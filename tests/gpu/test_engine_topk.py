@@ -98,7 +98,7 @@ def test_the_digest_and_count_kernels_give_the_cpu_bits():
     assert set(held_twice.tolist()) <= set(on_gpu.rows.tolist()) and held_twice.numel() > 0
 
 
-def test_the_tie_kernel_sorts_a_row_of_2048_picks():
+def test_a_row_of_2048_picks_holding_a_key_twice_is_sent_on_cuda_as_on_the_cpu():
     """The engines' top-k 2048 on CUDA (the Triton pass and the sort of the picks) as on the
     CPU: a row holding a key twice is sent, an exact top-k is not."""
     g = torch.Generator().manual_seed(1)
