@@ -283,6 +283,27 @@ def _public_api() -> set[tuple[str, str]]:
     return api
 
 
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def f(a: Rule, *, b: int | Format = 1) -> Report: ...", {"Rule", "int", "Format", "Report"}),
+        ("def f(*args: Spec, **kw: Opts): ...", {"Spec", "Opts"}),
+        ('def f(a: "Quoted[Inner]") -> None: ...', {"Quoted", "Inner"}),
+        ("class C:\n    x: Field\n    def m(self, y: Arg) -> Out: ...\n    def _p(self, z: Hidden): ...",
+         {"Field", "Arg", "Out"}),
+        ('class C:\n    """Holds a :class:`~pkg.Spec` and :data:`SAME`."""', {"Spec", "SAME"}),
+        ("Format = Literal['a', 'b']", {"Literal"}),
+        ("VERSION = '0.19.2'", set()),
+    ],
+)  # fmt: skip
+def test_the_public_api_follows_what_a_definition_names(source, expected):
+    """What :func:`_public_api` follows from a public definition: its annotations (quoted ones
+    too), a class's fields and public methods, a type alias's value, its docstring's classes and
+    constants; a constant's string value names nothing, a private method's signature neither."""
+    node = ast.parse(source).body[0]
+    assert _annotation_names(node) == expected
+
+
 def test_module_export_lists_name_only_the_public_api():
     """A module's ``__all__`` is its share of the public API (:func:`_public_api`); the rest is
     the package's plumbing, left out of it and private (tests may reach it)."""
