@@ -857,20 +857,11 @@ def _load_sglang(files: tuple[Path, ...]) -> types.ModuleType:
     root = files[0].parents[5]  # the folder holding sglang/
     stubs = sglang_stubs(root)
     jit = SglangJit.load(lambda rel: root / rel, stubs, " ".join(sha256(p) for p in files))
-    modules = jit.m
-    # sglang/kernels/jit/utils/__init__.py's public names the indexer wrappers import; its
-    # load_jit is SGLang's loader less its cache (_SglangJit).
-    stubs["sglang.kernels.jit.utils"].__dict__.update(
-        cache_once=modules["common"].cache_once,
-        is_arch_support_pdl=modules["arch"].is_arch_support_pdl,
-        make_cpp_args=modules["compile/cpp_args"].make_cpp_args,
-        load_jit=jit.load_jit,
-    )
     dsv4 = "sglang.kernels.ops.attention.dsv4.utils"
     stubs[dsv4] = load_module(root / f"{SGLANG_KERNELS}/ops/attention/dsv4/utils.py", dsv4, stubs)
     dsa = "sglang.kernels.ops.attention.dsa"
     out = types.ModuleType("_dsa_oracle_sglang")
-    out.__dict__.update(jit=jit, arch=modules["arch"])
+    out.__dict__.update(jit=jit, arch=jit.m["arch"])
     for stem in ("indexer_k", "indexer_q"):
         setattr(out, stem, load_module(root / f"{SGLANG_KERNELS}/ops/attention/dsa/{stem}.py",
                                        f"{dsa}.{stem}", stubs))  # fmt: skip

@@ -266,7 +266,10 @@ class SglangJit:
     ) -> SglangJit:
         """SGLang's JIT utilities (:data:`SGLANG_JIT_PY`, ``path_of(relative path)`` each),
         loaded unmodified into ``stubs`` as submodules of their package, in order, and the
-        build over them (``files_key``: the SHA-256 of the engine files it builds from)."""
+        build over them (``files_key``: the SHA-256 of the engine files it builds from). The
+        package exports what ``sglang/kernels/jit/utils/__init__.py`` does and every kernel file
+        loaded here imports from it; ``load_jit`` is SGLang's loader less its cache
+        (:meth:`load_jit`). A caller adds the exports only its files import."""
         modules: dict[str, types.ModuleType] = {}
         for rel in SGLANG_JIT_PY:
             name = "sglang.kernels.jit.utils." + rel.replace("/", ".")
@@ -275,7 +278,14 @@ class SglangJit:
             )
             parent, _, leaf = name.rpartition(".")
             setattr(stubs[parent], leaf, modules[rel])
-        return cls(modules, files_key)
+        jit = cls(modules, files_key)
+        stubs["sglang.kernels.jit.utils"].__dict__.update(
+            cache_once=modules["common"].cache_once,
+            is_arch_support_pdl=modules["arch"].is_arch_support_pdl,
+            make_cpp_args=modules["compile/cpp_args"].make_cpp_args,
+            load_jit=jit.load_jit,
+        )
+        return jit
 
     def build(
         self,

@@ -154,15 +154,9 @@ def _load(files: tuple[Path, ...]) -> types.SimpleNamespace:
     stubs["sglang.srt.utils"].__dict__["is_xpu"] = lambda: False
     jit = SglangJit.load(lambda rel: root / rel, stubs, " ".join(sha256(p) for p in files))
     modules = jit.m
-    # What sglang/kernels/jit/utils/__init__.py and compile/__init__.py export to these files;
-    # load_jit is SGLang's loader less its cache.
-    stubs["sglang.kernels.jit.utils"].__dict__.update(
-        cache_once=modules["common"].cache_once,
-        is_arch_support_pdl=modules["arch"].is_arch_support_pdl,
-        is_hip_runtime=modules["common"].is_hip_runtime,
-        make_cpp_args=modules["compile/cpp_args"].make_cpp_args,
-        load_jit=jit.load_jit,
-    )
+    # What sglang/kernels/jit/utils/__init__.py and compile/__init__.py export to these files
+    # beyond what SglangJit.load exports.
+    stubs["sglang.kernels.jit.utils"].__dict__["is_hip_runtime"] = modules["common"].is_hip_runtime
     stubs["sglang.kernels.jit.utils.compile"].__dict__["load_jit"] = jit.load_jit
     occupancy = "sglang.kernels.jit.utils.occupancy"
     stubs[occupancy] = load_module(root / SGLANG_JIT / "utils/occupancy.py", occupancy, stubs)

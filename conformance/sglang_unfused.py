@@ -420,13 +420,10 @@ def _load_sglang_unfused(sgl: tuple[Path, ...], fi: tuple[Path, ...]) -> types.S
     stubs = sglang_stubs(root)
     jit = SglangJit.load(files.__getitem__, stubs, " ".join(sha256(p) for p in (*sgl, *fi)))
     jit_modules = jit.m
-    stubs["sglang.kernels.jit.utils"].__dict__.update(
-        cache_once=jit_modules["common"].cache_once,
-        is_arch_support_pdl=jit_modules["arch"].is_arch_support_pdl,
-        make_cpp_args=jit_modules["compile/cpp_args"].make_cpp_args,
-        KERNEL_PATH=jit_modules["compile/paths"].KERNEL_PATH,
-        load_jit=jit.load_jit,
-    )
+    # beyond SglangJit.load's exports: what these files import
+    stubs["sglang.kernels.jit.utils"].__dict__["KERNEL_PATH"] = jit_modules[
+        "compile/paths"
+    ].KERNEL_PATH
     stubs["sglang.srt.utils"] = _srt_utils()
     stubs["sglang.srt.utils.custom_op"] = package(
         "sglang.srt.utils.custom_op", register_custom_op=_identity_decorator
