@@ -319,15 +319,13 @@ def test_module_export_lists_name_only_the_public_api():
 def test_every_name_of_a_package_module_is_exported_or_private():
     """PEP 8's rule: a module's top-level names are either listed in its ``__all__`` (public) or
     start with an underscore (plumbing, shared between the package's modules, reached by tests)."""
+    exports = dict(_export_lists(subpackages=True))
     problems = {}
-    for module, names in _export_lists(subpackages=True) + [
-        (m, []) for m in MODULES if m not in dict(_export_lists(subpackages=True))
-    ]:
-        if module.endswith("__main__"):
-            continue
-        tree = ast.parse(MODULES[module].read_text())
-        loose = [n for n in _top_level(tree) if not _private(n) and n not in names]
-        loose = [n for n in loose if n not in ("__all__", "__version__")]
+    for module, path in MODULES.items():
+        names = exports.get(module, [])
+        # an underscore: private, or a dunder (``__all__``, ``__version__``)
+        loose = [n for n in _top_level(ast.parse(path.read_text())) if not n.startswith("_")]
+        loose = [n for n in loose if n not in names]
         if loose:
             problems[module] = loose
     assert not problems, problems
