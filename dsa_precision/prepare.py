@@ -192,27 +192,38 @@ def prepare_scoring_operands(
         :class:`ScoringOperands`; the same bytes whichever implementation built them.
     """
     config = _check_precision_config(config)
-    precision, engine = config.scoring_precision, config.engine
     q, k, weights = _carriers(q, k, weights)
     sm_scale = _check_real("sm_scale", sm_scale)
-    if precision is ScoringPrecision.BF16:
+    return _with_backend(_scoring_operands(q, k, weights, config, sm_scale, impl), config)
+
+
+def _scoring_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    config: IndexerPrecisionConfig,
+    sm_scale: float,
+    impl: Impl,
+) -> ScoringOperands:
+    """:func:`prepare_scoring_operands` of checked carriers, before the config's kernel is set."""
+    if config.scoring_precision is ScoringPrecision.BF16:
         _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
-        return _with_backend(_round_bf16(q, k, weights, sm_scale), config)
+        return _round_bf16(q, k, weights, sm_scale)
     if q.shape[-1] != _QUANT_BLOCK:
         raise ValueError(
             f"q and k have head dim {q.shape[-1]}; FP8 scoring quantizes {_QUANT_BLOCK}-wide "
             "vectors. Use scoring_precision='bf16'."
         )
-    reason = _quantize_kernel_reason(q, k, weights, engine)
-    if _use_kernel(impl, reason):
-        return _with_backend(_quantize_triton(q, k, weights, sm_scale, engine), config)
-    ops = _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
-    return _with_backend(ops, config)
+    engine = config.engine
+    if _use_kernel(impl, _quantize_kernel_reason(q, k, weights, engine)):
+        return _quantize_triton(q, k, weights, sm_scale, engine)
+    return _quantize_reference(q, k, weights, sm_scale, engine, _CARRIER_FOLD)
 
 
 def _with_backend(ops: ScoringOperands, config: IndexerPrecisionConfig) -> ScoringOperands:
     """``ops`` carrying ``config``'s scoring kernel (checked against their precision when the
-    config was built)."""
+    config was built): the last step of both preparing entry points, whichever path built the
+    operands."""
     if config.scoring_backend == ops.backend:
         return ops
     return ops.replace_trusted(backend=config.scoring_backend)
@@ -336,66 +347,87 @@ def prepare_indexer_operands(
     sm_scale, mscale = _check_real("sm_scale", sm_scale), _check_real("mscale", mscale)
     if cu_seqlens is not None and q_proj.shape[1] != 1:
         raise ValueError(f"packed (THD) input needs batch 1, got q {tuple(q_proj.shape)}.")
-    n_heads, head_dim = q_proj.shape[-2], q_proj.shape[-1]
     with torch.no_grad():
-        if not config.fp8:
-            _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
-            q, k = preprocess(
-                q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
-                token_freqs=token_freqs, positions=positions,
-            )  # fmt: skip
-            w = _indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
-            ops = _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
-            return _with_backend(ops, config)
-        engine = config.engine
-        pre, post = _split_fold(engine.weights_fold, sm_scale, n_heads, head_dim)
-        reason = _fused_unsupported_reason(preprocess, q_proj, k_proj, w_proj, config=config)
-        if reason is None and len(post) > _MAX_KERNEL_FOLD_SCALES:
-            reason = (
-                f"the head weights take {len(post)} scalings after the q descale; the fused "
-                f"kernel takes at most {_MAX_KERNEL_FOLD_SCALES}"
-            )
-        if _use_kernel(impl, reason):
-            # With no step before the q descale the kernel reads the projection's weights as
-            # they are (BF16 widened exactly): no float32 copy per call.
-            w_pre = (
-                w_proj
-                if not pre
-                else _fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
-            )
-            # The kernel writes the engine's lane order itself (no reordering copy).
-            rules = PreprocessRules.indexer(preprocess, engine, q_proj.dtype)
-            rows = q_proj.shape[0]
-            if preprocess.rope_fp32 and preprocess.rope_tables is not None:
-                # The engine's tables, the rows the reference reads (one definition).
-                cos, sin = preprocess.engine_rope_rows(
-                    positions, rows, q_proj.device, freqs, cu_seqlens, dtype=rules.math_dtype
-                )
-            else:
-                if token_freqs is None:  # the kernel reads every row's angles
-                    token_freqs = (
-                        freqs if cu_seqlens is None else _thd_token_freqs(freqs, cu_seqlens, rows)
-                    )
-                if token_freqs.shape[-1] != preprocess.rope_dim:
-                    raise ValueError(
-                        f"freqs has rope width {token_freqs.shape[-1]}, expected rope_dim="
-                        f"{preprocess.rope_dim}."
-                    )
-                _check_freqs_cover("freqs", token_freqs, rows)
-                cos, sin = _kernel_rope_tables(
-                    token_freqs, rows, mscale, rules.table_dtype, rules.math_dtype
-                )
-            ops = _fused(preprocess, rules, q_proj, k_proj, w_pre, cos, sin, fold_scales=post)
-            return _with_backend(ops, config)
+        ops = _indexer_operands(
+            preprocess, q_proj, k_proj, w_proj, freqs, config, sm_scale, mscale, cu_seqlens,
+            token_freqs, positions, impl,
+        )  # fmt: skip
+    return _with_backend(ops, config)
+
+
+def _indexer_operands(
+    preprocess: IndexerPreprocess,
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    w_proj: torch.Tensor,
+    freqs: torch.Tensor,
+    config: IndexerPrecisionConfig,
+    sm_scale: float,
+    mscale: float,
+    cu_seqlens: torch.Tensor | None,
+    token_freqs: torch.Tensor | None,
+    positions: RopePositions | None,
+    impl: Impl,
+) -> ScoringOperands:
+    """:func:`prepare_indexer_operands` of checked arguments, before the config's kernel is
+    set."""
+    n_heads, head_dim = q_proj.shape[-2], q_proj.shape[-1]
+    if not config.fp8:
+        _check_impl(impl, "the fused kernel builds FP8 operands; BF16 scoring only rounds")
         q, k = preprocess(
-            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs,
-            positions=positions,
+            q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens,
+            token_freqs=token_freqs, positions=positions,
         )  # fmt: skip
-        ops = _quantize_reference(
-            q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
-            engine.weights_fold,
-        )  # fmt: skip
-        return _with_backend(_engine_lane_order(ops, preprocess), config)
+        w = _indexer_head_weights(w_proj, n_heads=n_heads, head_dim=head_dim, fp32=False)
+        return _round_bf16(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), sm_scale)
+    engine = config.engine
+    pre, post = _split_fold(engine.weights_fold, sm_scale, n_heads, head_dim)
+    reason = _fused_unsupported_reason(preprocess, q_proj, k_proj, w_proj, config=config)
+    if reason is None and len(post) > _MAX_KERNEL_FOLD_SCALES:
+        reason = (
+            f"the head weights take {len(post)} scalings after the q descale; the fused "
+            f"kernel takes at most {_MAX_KERNEL_FOLD_SCALES}"
+        )
+    if _use_kernel(impl, reason):
+        # With no step before the q descale the kernel reads the projection's weights as
+        # they are (BF16 widened exactly): no float32 copy per call.
+        w_pre = (
+            w_proj
+            if not pre
+            else _fold_head_weights(w_proj, None, pre, n_heads=n_heads, head_dim=head_dim)
+        )
+        # The kernel writes the engine's lane order itself (no reordering copy).
+        rules = PreprocessRules.indexer(preprocess, engine, q_proj.dtype)
+        rows = q_proj.shape[0]
+        if preprocess.rope_fp32 and preprocess.rope_tables is not None:
+            # The engine's tables, the rows the reference reads (one definition).
+            cos, sin = preprocess.engine_rope_rows(
+                positions, rows, q_proj.device, freqs, cu_seqlens, dtype=rules.math_dtype
+            )
+        else:
+            if token_freqs is None:  # the kernel reads every row's angles
+                token_freqs = (
+                    freqs if cu_seqlens is None else _thd_token_freqs(freqs, cu_seqlens, rows)
+                )
+            if token_freqs.shape[-1] != preprocess.rope_dim:
+                raise ValueError(
+                    f"freqs has rope width {token_freqs.shape[-1]}, expected rope_dim="
+                    f"{preprocess.rope_dim}."
+                )
+            _check_freqs_cover("freqs", token_freqs, rows)
+            cos, sin = _kernel_rope_tables(
+                token_freqs, rows, mscale, rules.table_dtype, rules.math_dtype
+            )
+        return _fused(preprocess, rules, q_proj, k_proj, w_pre, cos, sin, fold_scales=post)
+    q, k = preprocess(
+        q_proj, k_proj, freqs, mscale=mscale, cu_seqlens=cu_seqlens, token_freqs=token_freqs,
+        positions=positions,
+    )  # fmt: skip
+    ops = _quantize_reference(
+        q.transpose(0, 1), k.transpose(0, 1), w_proj.transpose(0, 1), sm_scale, engine,
+        engine.weights_fold,
+    )  # fmt: skip
+    return _engine_lane_order(ops, preprocess)
 
 
 def _engine_lane_order(ops: ScoringOperands, preprocess: IndexerPreprocess) -> ScoringOperands:
