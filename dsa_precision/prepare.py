@@ -322,7 +322,7 @@ def prepare_indexer_operands(
         sm_scale: score scale folded into the FP8 weights (BF16: applied by the kernel).
         mscale: YaRN magnitude scale of the RoPE tables.
         cu_seqlens: ``[n + 1]`` cumulative lengths for packed THD input (``b == 1``); checked
-            when on the CPU, never read on the host when on a device (:func:`_thd_token_freqs`).
+            when on the CPU, never read on the host when on a device.
         token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, when the caller knows them
             (context-parallel THD chunks); by default gathered from ``freqs`` by ``cu_seqlens``.
         positions: every row's RoPE position, for a ``preprocess`` with the engine's own tables

@@ -262,7 +262,7 @@ class IndexerPreprocess(nn.Module):
             mscale: YaRN magnitude scale (1.0 for plain RoPE).
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths for packed THD input (``b == 1``);
                 checked against ``q`` and ``freqs`` when on the CPU, never read on the host when
-                on a device (:func:`_thd_token_freqs`).
+                on a device.
             token_freqs: ``[s, 1, 1, rope_dim]`` angles of every row, used instead of gathering
                 ``freqs`` by ``cu_seqlens`` (e.g. context-parallel THD chunks); ``rope_fn`` still
                 receives ``freqs`` and ``cu_seqlens``.

@@ -449,7 +449,7 @@ class RopePositions:
         device: torch.device | str,
         validate: bool = False,
     ) -> RopePositions:
-        """Packed (THD) rows as :func:`_thd_token_freqs` reads angles of ``length`` positions:
+        """Packed (THD) rows reading the angles of ``length`` positions:
         each row's position inside its sequence, or the row number itself when ``length ==
         rows`` (one position per packed token). On the CPU, or with ``validate``, the lengths
         are checked on the host (every sequence at most ``length`` tokens); on a device they

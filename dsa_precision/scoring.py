@@ -428,8 +428,8 @@ def indexer_scores(
             ``scoring_backend``; else, for this call, ``"cudnn"`` (SM90 kernel), ``"deepgemm"``
             (DeepGEMM's MQA logits, FP8 only), ``"torch"`` (exact reference, any device) or
             ``"auto"`` (the fastest that can serve the call: DeepGEMM for FP8 when installed and
-            ``out`` is not given, else cuDNN, else torch; :func:`_resolve_scoring_backend`). An
-            explicit kernel backend that cannot run raises.
+            ``out`` is not given, else cuDNN, else torch). An explicit kernel backend that cannot
+            run raises.
         out: optional contiguous float32 ``(B, S_q, S_k)`` to write into (cuDNN, torch).
         validate: check the data too (offsets in range before their int32 cast, finite
             operands); this synchronises with the host, so it is off by default.

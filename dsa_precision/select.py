@@ -197,14 +197,14 @@ def indexer_select(
 
     Arguments as for :func:`dsa_precision.indexer_scores` (operands, or carriers with their
     ``config``), plus ``topk``, ``chunk_bytes`` (``None``: :data:`_DEFAULT_CHUNK_BYTES`, 4 GiB;
-    see the module docstring) and
-    ``deterministic`` (see :func:`dsa_precision.indexer_topk`). ``backend`` (``None``: the
-    operands', their config's ``scoring_backend``) chooses both kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
+    see the module docstring) and ``deterministic`` (see :func:`dsa_precision.indexer_topk`).
+    ``backend`` (``None``: the operands', their config's ``scoring_backend``) chooses both
+    kernels: ``"cudnn"`` scores and selects with cuDNN, ``"torch"`` with the references,
     ``"deepgemm"`` scores with DeepGEMM (one launch per chunk) and selects with cuDNN when it
     can, reading DeepGEMM's logits in place; ``"auto"`` scores as
-    :func:`dsa_precision.scoring._resolve_scoring_backend` decides (DeepGEMM first for FP8
-    operands where it is installed and serves the call, else cuDNN, else the torch reference)
-    and selects with cuDNN's top-k where it can, else torch's.
+    :attr:`IndexerPrecisionConfig.scoring_backend` describes (DeepGEMM first for FP8 operands
+    where it is installed and serves the call, else cuDNN, else the torch reference) and selects
+    with cuDNN's top-k where it can, else torch's.
     ``margins``: also return each row's margin (see the module docstring).
 
     Returns:

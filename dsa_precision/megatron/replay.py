@@ -485,9 +485,8 @@ def engine_topk(
         validate: also check the data: the causal range, duplicate keys, ``T`` against
             ``cu_seqlens[-1]``, and at each layer the ``cu_seqlens`` values against its
             ``PackedSeqParams``: one host synchronisation per layer here and per layer
-            forward. ``None`` (default): :func:`_replay_validation_enabled`, i.e. on when
-            ``DSA_PRECISION_VALIDATE=1`` or :func:`set_replay_validation` (a debug run), off
-            in a training step.
+            forward. ``None`` (default): on when ``DSA_PRECISION_VALIDATE=1`` or
+            :func:`set_replay_validation` (a debug run), off in a training step.
 
     Yields:
         The checked :class:`~dsa_precision.picks.TopkPicks`.
